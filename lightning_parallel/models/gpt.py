@@ -1,0 +1,111 @@
+"""A GPT-style decoder you can read top to bottom (after nanoGPT): token and position embeddings,
+pre-norm blocks, a head tied to the token embedding."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256  # bytes; divisible by tp 1, 2, 4, 8 for vocabulary-parallel embeddings
+    seq_len: int = 64  # longest context the position embedding covers
+    n_layer: int = 4  # blocks: the units pipeline stages and ZeRO-3 split the model into
+    n_head: int = 4  # attention heads; tensor parallelism splits them, so tp must divide it
+    d_model: int = 64  # width; a multiple of n_head
+    mlp_ratio: int = 4  # hidden width of the MLP relative to d_model
+    dropout: float = 0.0  # 0 keeps runs comparable across layouts
+    tie_weights: bool = True  # the head reuses the token embedding (GPT-2 does)
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head != 0:
+            raise ValueError(
+                f"d_model({self.d_model}) must be a multiple of n_head({self.n_head}): change one of them."
+            )
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        # q, k and v are separate so tensor parallelism can split each by heads column-wise
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape  # (B, T, C)
+        # -1 for the head count: under tensor parallelism each rank holds n_head / tp heads
+        q, k, v = (lin(x).view(B, T, -1, self.head_dim(x)).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+
+    def head_dim(self, x: Tensor) -> int:
+        return x.shape[-1] // self.n_head
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):  # GPT-2's scaled init of residual projections
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        B, T = idx.shape  # (B, T) token ids
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence length {T} exceeds GPTConfig.seq_len={self.cfg.seq_len}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,70 @@
+"""The GPT as an ordinary LightningModule: nothing in it knows about parallelism."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_parallel.models.gpt import GPT, GPTConfig
+
+
+class LitGPT(pl.LightningModule):
+    """Next-token prediction with AdamW; weight decay on matrices only (two param groups).
+
+    Args:
+        config: the model's shape.
+        lr: AdamW learning rate.
+        weight_decay: applied to weights of dimension >= 2.
+        betas: AdamW betas.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig | None = None,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+    ) -> None:
+        super().__init__()
+        self.config = config or GPTConfig()
+        self.model = GPT(self.config)
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, betas
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(idx)
+
+    def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        idx, targets = batch
+        loss = self.loss(self(idx), targets)
+        # sync_dist: each data-parallel rank saw its own slice of the batch; log the global mean
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        idx, targets = batch
+        loss = self.loss(self(idx), targets)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        idx, targets = batch
+        loss = self.loss(self(idx), targets)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self(batch[0]).argmax(dim=-1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": self.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)

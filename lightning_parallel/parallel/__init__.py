@@ -1,0 +1,1 @@
+"""Pure-torch parallelism, one module per concern; nothing here imports Lightning."""

@@ -1,0 +1,96 @@
+"""Gradient-norm clipping over gradients that are split across process groups. Pure torch.
+
+Hand-written because torch's ``clip_grad_norm_`` sees one rank's slice of a flat ZeRO shard as the whole
+gradient, and Lightning clips each pipeline stage with its local norm. Here every local gradient says
+which mesh axes split it; the partial sums of ``|g|^p`` are added over exactly those axes, so each
+element is counted once, and the result is the norm of the full, unsplit gradient.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+# A local gradient and the names of the mesh axes it is split over ((): replicated).
+GradPart = tuple[Tensor, tuple[str, ...]]
+
+
+def dtensor_grad_parts(params: Iterable[Tensor]) -> list[GradPart]:
+    """Local gradients of (possibly DTensor) parameters, each with the mesh axes that shard it."""
+    parts: list[GradPart] = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            names = g.device_mesh.mesh_dim_names
+            assert names is not None, "gradients on a mesh need named axes"
+            axes = tuple(names[i] for i, pl in enumerate(g.placements) if pl.is_shard() or pl.is_partial())
+            parts.append((g.to_local(), axes))
+        else:
+            parts.append((g, ()))
+    return parts
+
+
+def total_norm(
+    parts: Sequence[GradPart],
+    groups: Mapping[str, dist.ProcessGroup],
+    norm_type: float = 2.0,
+    always_reduce: Sequence[tuple[str, ...]] = (),
+) -> Tensor:
+    """The norm of the full gradient that ``parts`` are pieces of.
+
+    Args:
+        parts: local gradients with the axes that split them.
+        groups: the process group of every axis name used.
+        norm_type: p of the p-norm; ``inf`` for the max norm.
+        always_reduce: axis tuples to reduce over even when this rank has no gradient of that kind, so
+            every rank issues the same collectives in the same order.
+    """
+    norm_type = float(norm_type)
+    device = parts[0][0].device if parts else torch.device("cpu")
+    partial: dict[tuple[str, ...], Tensor] = defaultdict(lambda: torch.zeros((), device=device))
+    for axes in always_reduce:
+        partial[axes]  # noqa: B018 -- creates the zero entry
+    by_axes: dict[tuple[str, ...], list[Tensor]] = defaultdict(list)
+    for g, axes in parts:
+        by_axes[axes].append(g)
+    for axes, grads in by_axes.items():
+        norms = torch._foreach_norm([g.float() for g in grads], norm_type)
+        stacked = torch.stack([n.to(device) for n in norms])
+        partial[axes] = stacked.max() if norm_type == float("inf") else stacked.pow(norm_type).sum()
+    op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+    total = torch.zeros((), device=device)
+    for axes in sorted(partial):
+        value = partial[axes]
+        for axis in axes:
+            dist.all_reduce(value, op=op, group=groups[axis])
+        total = torch.maximum(total, value) if norm_type == float("inf") else total + value
+    return total if norm_type == float("inf") else total.pow(1.0 / norm_type)
+
+
+def clip_grad_norm_(
+    parts: Sequence[GradPart],
+    max_norm: float,
+    groups: Mapping[str, dist.ProcessGroup],
+    norm_type: float = 2.0,
+    always_reduce: Sequence[tuple[str, ...]] = (),
+) -> Tensor:
+    """Scale the local gradients in place so the full gradient's norm is at most ``max_norm``.
+
+    Same formula as ``torch.nn.utils.clip_grad_norm_``, so a single-process run clips identically.
+
+    Returns:
+        The total norm before clipping.
+    """
+    norm = total_norm(parts, groups, norm_type, always_reduce)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    grads = [g for g, _ in parts]
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return norm

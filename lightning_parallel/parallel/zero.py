@@ -1,0 +1,268 @@
+"""ZeRO stages 1 and 2 on one flat buffer per optimizer parameter group. Pure torch, no Lightning.
+
+Hand-written because torch has no ZeRO-2, and its ``ZeroRedundancyOptimizer`` (ZeRO-1) assigns whole
+parameters to ranks, so per-rank optimizer state is uneven. Here every group's parameters are packed
+into one flat buffer (padded to a multiple of the data-parallel size) and each rank owns one contiguous
+slice of it, as DeepSpeed does:
+
+- the model's parameters become views into the flat buffer, replicated on every rank (4P bytes, fp32);
+- stage 1 keeps full gradients in a flat buffer too (4P) and all-reduces them;
+- stage 2 reduce-scatters gradients, keeps only its slice (4P/N) and frees the full ones;
+- the user's optimizer is kept, with each group re-pointed at the rank's slice, so its state is 8P/N
+  for Adam, LR schedulers keep working on the same object, and after each step the slices are
+  all-gathered back into the replicated parameters.
+
+Gradients are reduced once per optimizer step, after accumulation (the caller invokes
+:meth:`FlatZero.reduce_gradients` after backward and before clipping; ``step`` does it if nobody did).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+# Optimizers whose update is elementwise, so running them on a flat slice is the same math as
+# running them per parameter. Anything else (LBFGS, factored or matrix optimizers) would be wrong.
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+# State entries that are one number per parameter rather than one per element.
+SCALAR_STATE_KEYS = frozenset({"step", "eta", "mu", "mu_product"})
+
+
+def check_shardable_optimizer(optimizer: torch.optim.Optimizer, setting: str) -> None:
+    """Refuse optimizers whose math changes when the parameters are split.
+
+    Raises:
+        TypeError: naming the optimizer, the setting and the optimizers that work.
+    """
+    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+        names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+        raise TypeError(
+            f"{setting} cannot shard {type(optimizer).__name__}: its update is not elementwise, so it would "
+            f"compute something else on a slice of the parameters. Return one of {names} from "
+            f"configure_optimizers, or use strategy='ddp'."
+        )
+    if optimizer.state:
+        raise ValueError(
+            f"{setting} got an optimizer that already has state (it was stepped before the strategy set it "
+            "up): create it fresh in configure_optimizers and load states through ckpt_path."
+        )
+
+
+@dataclass
+class FlatGroup:
+    """One optimizer group's parameters packed into one flat buffer, and this rank's slice of it."""
+
+    params: list[nn.Parameter]  # trainable model parameters, in group order
+    offsets: list[int]  # start of each parameter in the flat buffer
+    shard_numel: int  # padded numel / world size
+    flat_param: Tensor  # (shard_numel * N,) the model parameters are views into it
+    flat_grad: Tensor | None  # stage 1: (shard_numel * N,) full gradients; stage 2: None
+    shard: Tensor  # the optimizer's parameter: this rank's slice (a host copy under offload)
+
+    def local_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def views(self, flat: Tensor) -> Iterator[tuple[nn.Parameter, Tensor]]:
+        for p, off in zip(self.params, self.offsets):
+            yield p, flat[off : off + p.numel()].view_as(p)
+
+
+def _pack(params: list[nn.Parameter], world: int) -> tuple[list[int], int, Tensor]:
+    devices = {p.device for p in params}
+    dtypes = {p.dtype for p in params}
+    if len(devices) > 1 or len(dtypes) > 1:
+        raise ValueError(
+            f"ZeRO packs each optimizer group into one buffer, but a group mixes devices {devices} or dtypes "
+            f"{dtypes}: put parameters of different devices or dtypes into separate param groups."
+        )
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel()
+    shard_numel = -(-total // world)
+    flat = torch.zeros(shard_numel * world, dtype=params[0].dtype, device=params[0].device)
+    for p, off in zip(params, offsets):
+        flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
+    return offsets, shard_numel, flat
+
+
+class FlatZero:
+    """Shards an existing optimizer's state (stage 1) and gradients (stage 2) over a process group.
+
+    Args:
+        optimizer: a fresh optimizer over the model's parameters; it is modified in place.
+        group: the data-parallel process group to shard over.
+        stage: 1 or 2.
+        offload: keep this rank's slice of parameters, gradients and optimizer state on the host and
+            step there (stage 2 only, as ZeRO-Offload).
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup, stage: int, offload: bool = False
+    ) -> None:
+        assert stage in (1, 2) and not (offload and stage == 1)
+        self.optimizer = optimizer
+        self.group = group
+        self.stage = stage
+        self.offload = offload
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        # index of every parameter the optimizer held, in torch's state_dict numbering
+        self.original_params: list[list[nn.Parameter]] = [list(g["params"]) for g in optimizer.param_groups]
+        self.groups: list[FlatGroup | None] = [self._shard_group(g) for g in optimizer.param_groups]
+        self._reduced = False
+        optimizer.register_step_pre_hook(self._before_step)
+        optimizer.register_step_post_hook(lambda *_: self._after_step())
+
+    def _shard_group(self, param_group: dict) -> FlatGroup | None:
+        params = [p for p in param_group["params"] if p.requires_grad]
+        if not params:
+            param_group["params"] = []
+            return None
+        offsets, shard_numel, flat_param = _pack(params, self.world)
+        flat_grad = torch.zeros_like(flat_param) if self.stage == 1 else None
+        start, end = self.rank * shard_numel, (self.rank + 1) * shard_numel
+        shard = flat_param[start:end]
+        if self.offload:
+            shard = shard.to("cpu", copy=True)
+        fg = FlatGroup(params, offsets, shard_numel, flat_param, flat_grad, shard)
+        for p, view in fg.views(flat_param):
+            p.data = view
+        if flat_grad is not None:
+            # autograd accumulates into these views in place, so stage 1 needs no copy after backward
+            for p, view in fg.views(flat_grad):
+                p.grad = view
+        param_group["params"] = [shard]
+        return fg
+
+    @property
+    def flat_groups(self) -> list[FlatGroup]:
+        return [g for g in self.groups if g is not None]
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple | None:
+        # The closure (forward and backward) runs inside step(), so reduce after it, not before.
+        closure = kwargs.get("closure")
+        if closure is None:
+            self.reduce_gradients()
+            return None
+
+        def closure_then_reduce():
+            result = closure()
+            self.reduce_gradients()
+            return result
+
+        return args, {**kwargs, "closure": closure_then_reduce}
+
+    def reduce_gradients(self) -> None:
+        """Average gradients over the group; each rank keeps (stage 2) or reads (stage 1) its slice."""
+        if self._reduced:
+            return
+        for fg in self.flat_groups:
+            flat = fg.flat_grad if fg.flat_grad is not None else torch.zeros_like(fg.flat_param)
+            for p, view in fg.views(flat):
+                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                    view.add_(p.grad)  # a gradient autograd allocated itself (stage 2, or grads were reset)
+                if fg.flat_grad is not None:
+                    p.grad = view
+                else:
+                    p.grad = None  # stage 2: the full gradient is freed once reduced
+            flat.div_(self.world)  # divide first: the sum stays in range for low-precision gradients
+            start, end = fg.local_range(self.rank)
+            if fg.flat_grad is not None:
+                dist.all_reduce(flat, group=self.group)
+                grad = flat[start:end]
+            else:
+                grad = torch.empty(fg.shard_numel, dtype=flat.dtype, device=flat.device)
+                dist.reduce_scatter_single(grad, flat, group=self.group)
+            fg.shard.grad = grad.to(fg.shard.device) if self.offload else grad
+        self._reduced = True
+
+    def _after_step(self) -> None:
+        for fg in self.flat_groups:
+            start, end = fg.local_range(self.rank)
+            local = fg.flat_param[start:end]
+            if self.offload:
+                local.copy_(fg.shard)
+            # the input is copied because it aliases the output buffer
+            dist.all_gather_single(fg.flat_param, local.clone(), group=self.group)
+            if fg.flat_grad is not None:
+                fg.flat_grad.zero_()
+        self._reduced = False
+
+    # ----- consolidated state in torch's own per-parameter format -----
+
+    def full_state_dict(self) -> dict:
+        """The optimizer state as the unsharded optimizer would return it (collective: every rank calls)."""
+        state: dict[int, dict] = {}
+        param_groups = []
+        index = 0
+        for param_group, originals, fg in zip(self.optimizer.param_groups, self.original_params, self.groups):
+            ids = list(range(index, index + len(originals)))
+            index += len(originals)
+            param_groups.append({**{k: v for k, v in param_group.items() if k != "params"}, "params": ids})
+            if fg is None or not self.optimizer.state.get(fg.shard):
+                continue
+            by_param = {id(p): i for p, i in zip(originals, ids)}
+            per_param: dict[int, dict] = {by_param[id(p)]: {} for p in fg.params}
+            for key, value in self.optimizer.state[fg.shard].items():
+                if key in SCALAR_STATE_KEYS or not torch.is_tensor(value):
+                    for entry in per_param.values():
+                        entry[key] = value.clone() if torch.is_tensor(value) else value
+                    continue
+                full = torch.empty_like(fg.flat_param)
+                dist.all_gather_single(full, value.to(full.device), group=self.group)
+                for p, view in fg.views(full):
+                    per_param[by_param[id(p)]][key] = view.detach().cpu().clone()
+            state.update(per_param)
+        return {"state": state, "param_groups": param_groups}
+
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Take this rank's slice of a state saved in torch's per-parameter format (by any layout)."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.optimizer.param_groups):
+            raise ValueError(
+                f"The checkpoint's optimizer has {len(saved_groups)} param groups but configure_optimizers "
+                f"returned one with {len(self.optimizer.param_groups)}: resume with the same optimizer setup."
+            )
+        for param_group, saved, originals, fg in zip(
+            self.optimizer.param_groups, saved_groups, self.original_params, self.groups
+        ):
+            if len(saved["params"]) != len(originals):
+                raise ValueError(
+                    f"A checkpoint param group holds {len(saved['params'])} parameters, the model's holds "
+                    f"{len(originals)}: the checkpoint is from a different model or optimizer setup."
+                )
+            param_group.update({k: v for k, v in saved.items() if k != "params"})
+            if fg is None:
+                continue
+            saved_state = {id(p): state_dict["state"].get(i) for p, i in zip(originals, saved["params"])}
+            entries = [saved_state[id(p)] for p in fg.params]
+            if any(e is None for e in entries):
+                continue
+            shard_state = {}
+            start, end = fg.local_range(self.rank)
+            for key, value in entries[0].items():
+                if key in SCALAR_STATE_KEYS or not torch.is_tensor(value):
+                    shard_state[key] = value.clone() if torch.is_tensor(value) else value
+                    continue
+                full = torch.zeros_like(fg.flat_param)
+                for (_, view), entry in zip(fg.views(full), entries):
+                    view.copy_(entry[key].reshape(view.shape))
+                shard_state[key] = full[start:end].clone().to(fg.shard.device)
+            self.optimizer.state[fg.shard] = shard_state

@@ -1,0 +1,291 @@
+"""What every mesh strategy shares: process group and mesh set-up, dp-only sampling and reduction,
+steps routed through sharded roots, gradient reduction before clipping, global-norm clipping, and
+checkpoints in the single-process format."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_parallel.mesh import DP, MESH_AXES, ParallelDims
+from lightning_parallel.parallel.clip import GradPart, clip_grad_norm_, dtensor_grad_parts
+from lightning_parallel.parallel.state_dict import full_model_state_dict, load_full_model_state_dict
+from lightning_parallel.strategies.precision import to_mesh_precision
+
+
+class MeshStrategy(ParallelStrategy):
+    """Base of the strategies that lay the world out on one (pp, dp, tp) device mesh.
+
+    Subclasses say how the world splits (:meth:`_parallel_degrees`), how the model is parallelized
+    before the optimizers exist (:meth:`_parallelize_model`) and how optimizers are wrapped after
+    (:meth:`_shard_optimizers`).
+    """
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1
+        self._dims: ParallelDims | None = None
+        self._mesh: DeviceMesh | None = None
+        # True when the LightningModule itself is a sharded unit whose forward hooks must run every step
+        self._route_steps_through_root = False
+        self._parallelized: torch.nn.Module | None = None
+
+    # ----- what subclasses decide -----
+
+    def _parallel_degrees(self, world_size: int) -> ParallelDims:
+        raise NotImplementedError
+
+    def _parallelize_model(self) -> None:
+        """Shard or split ``self.model`` in place, before ``configure_optimizers`` sees its parameters."""
+
+    def _shard_optimizers(self) -> None:
+        """Wrap ``self.optimizers`` once the user's ``configure_optimizers`` has built them."""
+
+    def _grad_parts(self, optimizer: Optimizer) -> list[GradPart]:
+        """This rank's gradients of ``optimizer``'s parameters, with the mesh axes that split each."""
+        return dtensor_grad_parts(p for g in optimizer.param_groups for p in g["params"])
+
+    def _after_backward(self, optimizer: Optimizer) -> None:
+        """Runs once per optimizer step after the last backward, before clipping and the update."""
+
+    # ----- mesh and process group -----
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        if self._dims is None:
+            self._dims = self._parallel_degrees(self.world_size)
+        return self._dims
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("The device mesh exists once the strategy has set up its process group.")
+        return self._mesh
+
+    @property
+    def axis_groups(self) -> dict[str, dist.ProcessGroup]:
+        return {axis: self.device_mesh[axis].get_group() for axis in MESH_AXES}
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every rank of one dp index sees the same samples: pipeline stages and tensor shards share a batch
+        return {"num_replicas": self.parallel_dims.dp, "rank": self.device_mesh[DP].get_local_rank()}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # states load into the sharded model and wrapped optimizers
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._dims = self._parallel_degrees(self.world_size)  # bad degrees fail here, before any process starts
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        dims = self.parallel_dims
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self._mesh = dims.build_mesh(self.root_device.type)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if self._parallelized is not self.model:  # validate/test after fit reuse the parallel model
+            self._parallelize_model()
+            self._parallelized = self.model
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._shard_optimizers()
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def setup_optimizers(self, trainer: Any) -> None:
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ----- precision and clipping -----
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = to_mesh_precision(Precision(), self._name(), self.clip_grad_norm)
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = None if plugin is None else to_mesh_precision(plugin, self._name(), self.clip_grad_norm)
+
+    def _name(self) -> str:
+        return getattr(self, "strategy_name", type(self).__name__)
+
+    def clip_grad_norm(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip by the norm of the whole model's gradient, however it is split; returns that norm."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        always = [(axis,) for axis in MESH_AXES]
+        return clip_grad_norm_(self._grad_parts(optimizer), max_norm, self.axis_groups, norm_type, always)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+        def closure_then_reduce() -> Any:
+            result = closure()
+            self._after_backward(raw)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+
+    # ----- steps -----
+
+    def _step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        assert self.lightning_module is not None and self.model is not None
+        with context:
+            if self._route_steps_through_root:
+                # call the module itself so the sharded root's forward hooks gather its parameters
+                return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
+            return getattr(self.lightning_module, name)(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
+
+    # ----- collectives -----
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Reduce over the dp axis by default: pipeline stages and tensor shards hold the same values."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None and self._mesh is not None:
+            group = self.device_mesh[DP].get_group()
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    # ----- checkpoints: the single-process format, so any layout loads them -----
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return full_model_state_dict(self.model)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.model is not None
+        load_full_model_state_dict(self.model, dict(checkpoint["state_dict"]), strict=strict)
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()

@@ -1,0 +1,152 @@
+"""Worker: trains the tiny GPT under one strategy for a list of cases; writes rank<N>.json (+ params).
+
+Run by tests/harness.py on N processes (or on one for the single-process reference). One launch runs
+several cases in sequence so the process start-up is paid once.
+
+Case keys: name, steps, global_batch, accumulate, clip, precision, seed, save (checkpoint path after
+fit), resume (ckpt_path for fit), memory (measure model-state bytes after the last step), validate,
+optimizer ("adamw" or "lbfgs"), expect_error (record the exception instead of failing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import traceback
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+import lightning_parallel  # noqa: F401  (registers the strategy names)
+from lightning_parallel.models import GPTConfig, LitGPT, SyntheticTokens
+from lightning_parallel.parallel.memory import model_state_bytes
+
+TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
+
+
+class RecordingGPT(LitGPT):
+    """LitGPT that keeps each micro-batch's local loss; optionally returns an optimizer we cannot shard."""
+
+    def __init__(self, optimizer: str = "adamw", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.optimizer_name = optimizer
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "lbfgs":
+            return torch.optim.LBFGS(self.parameters())
+        return super().configure_optimizers()
+
+
+class MemoryProbe(pl.Callback):
+    """Model-state bytes on this rank after the last optimizer step (before the next zero_grad)."""
+
+    def __init__(self, last_step: int) -> None:
+        self.last_step = last_step
+        self.bytes: dict[str, int] | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.last_step and self.bytes is None:
+            opts = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+            self.bytes = model_state_bytes(trainer.strategy.model, opts)
+
+
+class ShardedData(pl.LightningDataModule):
+    """Shuffled batches whose union over the dp ranks is the single-process batch, at any world size.
+
+    Lightning's own sampler does the same split; building it here (from the strategy's dp rank) lets the
+    single-process reference use the identical permutation.
+    """
+
+    def __init__(self, data, micro_batch: int) -> None:
+        super().__init__()
+        self.data, self.micro_batch = data, micro_batch
+
+    def _loader(self, shuffle: bool) -> DataLoader:
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        sampler = DistributedSampler(self.data, shuffle=shuffle, seed=0, **kwargs)
+        return DataLoader(self.data, batch_size=self.micro_batch, sampler=sampler)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(shuffle=False)
+
+
+def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
+    pl.seed_everything(case.get("seed", 0), verbose=False)
+    steps, accumulate = case.get("steps", 10), case.get("accumulate", 1)
+    global_batch = case.get("global_batch", 16)
+    dp = world  # every layout in these tests is pure data parallel
+    micro = global_batch // (accumulate * dp)
+    epoch_steps = case.get("epoch_steps", steps)
+    data = SyntheticTokens(num_samples=global_batch * epoch_steps, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
+    datamodule = ShardedData(data, micro)
+    model = RecordingGPT(optimizer=case.get("optimizer", "adamw"), config=TINY, lr=1e-2)
+    num_params = sum(p.numel() for p in model.parameters())
+    probe = MemoryProbe(steps)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=case.get("clip"),
+        precision=case.get("precision", "32-true"),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[probe],
+        use_distributed_sampler=False,
+    )
+    result: dict = {"name": case["name"], "num_params": num_params}
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=case.get("resume"))
+    except Exception as err:  # noqa: BLE001
+        if not case.get("expect_error"):
+            raise
+        result["error"] = f"{type(err).__name__}: {err}"
+        result["traceback"] = traceback.format_exc()
+        return result
+    result["losses"] = model.losses
+    result["memory"] = probe.bytes
+    state = trainer.strategy.lightning_module_state_dict()
+    if trainer.global_rank == 0:
+        torch.save(state, out / f"{case['name']}_params.pt")
+    if case.get("save"):
+        trainer.save_checkpoint(case["save"])
+    if case.get("validate"):
+        metrics = trainer.validate(model, datamodule=datamodule, verbose=False)
+        result["val_loss"] = metrics[0]["val_loss"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", required=True)
+    parser.add_argument("--cases", required=True, help="JSON list of cases")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    torch.set_num_threads(1)
+    results = [run_case(case, args.strategy, world, out) for case in json.loads(args.cases)]
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
