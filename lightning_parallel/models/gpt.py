@@ -34,7 +34,9 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         # q, k and v are separate so tensor parallelism can split each by heads column-wise
         self.q = nn.Linear(cfg.d_model, cfg.d_model)
-        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        # no key bias: it adds the same score to every key of a query, which softmax cancels, so its
+        # true gradient is 0 and Adam would only amplify rounding noise into it
+        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.n_head = cfg.n_head

@@ -91,7 +91,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     epoch_steps = case.get("epoch_steps", steps)
     data = SyntheticTokens(num_samples=global_batch * epoch_steps, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
     datamodule = ShardedData(data, micro)
-    model = RecordingGPT(optimizer=case.get("optimizer", "adamw"), config=TINY, lr=1e-2)
+    model = RecordingGPT(optimizer=case.get("optimizer", "adamw"), config=TINY, lr=case.get("lr", 1e-3))
     num_params = sum(p.numel() for p in model.parameters())
     probe = MemoryProbe(steps)
     trainer = pl.Trainer(
