@@ -1,0 +1,37 @@
+"""ParallelDims: degrees checked against the world size, with the arithmetic in the error."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_parallel.mesh import ParallelDims
+
+
+def splits(world: int) -> list[tuple[int, int, int]]:
+    """Every (pp, dp, tp) whose product is ``world``."""
+    return [(pp, dp, world // (pp * dp)) for pp in range(1, world + 1) for dp in range(1, world + 1)
+            if world % (pp * dp) == 0]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_every_split_is_accepted(world):
+    for pp, dp, tp in splits(world):
+        dims = ParallelDims.from_degrees(world, pp=pp, dp=dp, tp=tp)
+        assert (dims.pp, dims.dp, dims.tp) == (pp, dp, tp)
+        assert ParallelDims.from_degrees(world, pp=pp, tp=tp).dp == dp  # dp="auto"
+
+
+def test_product_mismatch_shows_the_arithmetic():
+    with pytest.raises(ValueError, match=r"pp\(2\) \* dp\(3\) \* tp\(2\) = 12 != world_size\(8\)"):
+        ParallelDims.from_degrees(8, pp=2, dp=3, tp=2)
+
+
+def test_auto_dp_needs_divisible_world():
+    with pytest.raises(ValueError, match=r"dp='auto' needs world_size\(6\) divisible by pp\(4\) \* tp\(1\)"):
+        ParallelDims.from_degrees(6, pp=4)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
+def test_degrees_must_be_positive_integers(bad):
+    with pytest.raises(ValueError, match="tp="):
+        ParallelDims.from_degrees(4, tp=bad)

@@ -1,0 +1,31 @@
+"""A zero3 checkpoint saved at world 4 resumes at world 2 and in a plain single process.
+
+The reference is Lightning itself: a plain single-process run that saved and resumed its own checkpoint at
+the same step. Two steps after resuming are compared: the first checks the weights, the second the
+optimizer state (Adam's moments move the second step's weights).
+"""
+
+from __future__ import annotations
+
+from conftest import launch
+from parity import assert_same_losses
+
+EPOCH = 5  # checkpoints are taken after the first epoch
+RESUMED_STEPS = 2
+
+
+def test_zero3_checkpoint_resumes_at_other_world_sizes(tmp_path, tmp_path_factory):
+    base = {"epoch_steps": EPOCH}
+    zero3_ckpt, plain_ckpt = tmp_path / "zero3_w4.ckpt", tmp_path / "plain.ckpt"
+    saved = launch(tmp_path_factory, "zero3", 4, [{**base, "name": "save", "steps": EPOCH, "save": str(zero3_ckpt)}])
+    plain = launch(tmp_path_factory, "auto", 1, [{**base, "name": "save", "steps": EPOCH, "save": str(plain_ckpt)}])
+    assert_same_losses(saved.losses("save"), plain.losses("save"), "zero3 world 4 before saving")
+
+    def resume(ckpt):
+        return [{**base, "name": "resume", "steps": EPOCH + RESUMED_STEPS, "resume": str(ckpt)}]
+
+    want = launch(tmp_path_factory, "auto", 1, resume(plain_ckpt), tag="_ref").losses("resume")
+    assert len(want) == RESUMED_STEPS
+    for strategy, world in [("zero3", 2), ("zero1", 2), ("auto", 1)]:
+        got = launch(tmp_path_factory, strategy, world, resume(zero3_ckpt), tag="_resume").losses("resume")
+        assert_same_losses(got, want, f"zero3 world-4 checkpoint resumed by {strategy} at world {world}")
