@@ -44,3 +44,12 @@ def test_bf16_mixed_parity(tmp_path_factory):
         for i, (g, s, d) in enumerate(zip(got, single, ddp)):
             assert abs(g - s) <= BF16_RTOL * s, f"{strategy} bf16 step {i}: {g} vs single process {s}"
             assert abs(g - d) <= 1e-6 * d, f"{strategy} bf16 step {i}: {g} vs Lightning ddp {d}"
+
+
+def test_zero3_with_the_lightning_module_as_a_unit(tmp_path_factory):
+    """Tied weights across top-level layers put the LightningModule itself in a ZeRO-3 unit."""
+    cases = [{"name": "top", "steps": 6, "model": "top_level", "clip": 0.05}]
+    single = launch(tmp_path_factory, "auto", 1, cases)
+    run = launch(tmp_path_factory, "zero3", 2, cases)
+    assert_same_losses(run.losses("top"), single.losses("top"), "zero3 top-level model")
+    assert_same_params(run.params("top"), single.params("top"), "zero3 top-level model")

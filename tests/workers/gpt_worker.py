@@ -18,6 +18,8 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_parallel  # noqa: F401  (registers the strategy names)
@@ -44,6 +46,23 @@ class RecordingGPT(LitGPT):
         if self.optimizer_name == "lbfgs":
             return torch.optim.LBFGS(self.parameters())
         return super().configure_optimizers()
+
+
+class TopLevelGPT(RecordingGPT):
+    """The GPT's layers directly on the LightningModule, head tied to the embedding across them:
+    ZeRO-3 has to make the LightningModule itself a unit and route every step through it."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        gpt = self.model
+        del self.model
+        self.wte, self.wpe, self.blocks, self.ln_f, self.lm_head = gpt.wte, gpt.wpe, gpt.blocks, gpt.ln_f, gpt.lm_head
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
 
 
 class MemoryProbe(pl.Callback):
@@ -81,6 +100,12 @@ class ShardedData(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self._loader(shuffle=False)
 
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(shuffle=False)
+
 
 def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     pl.seed_everything(case.get("seed", 0), verbose=False)
@@ -91,9 +116,15 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     epoch_steps = case.get("epoch_steps", steps)
     data = SyntheticTokens(num_samples=global_batch * epoch_steps, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
     datamodule = ShardedData(data, micro)
-    model = RecordingGPT(optimizer=case.get("optimizer", "adamw"), config=TINY, lr=case.get("lr", 1e-3))
+    model_cls = TopLevelGPT if case.get("model") == "top_level" else RecordingGPT
+    model = model_cls(optimizer=case.get("optimizer", "adamw"), config=TINY, lr=case.get("lr", 1e-3))
     num_params = sum(p.numel() for p in model.parameters())
     probe = MemoryProbe(steps)
+    callbacks: list[pl.Callback] = [probe]
+    logger = False
+    if case.get("features"):  # what people use alongside a strategy: checkpoints on a metric, a logger
+        callbacks.append(ModelCheckpoint(dirpath=out / "ckpts", monitor="train_loss", every_n_train_steps=2))
+        logger = CSVLogger(out, name="logs")
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
@@ -102,12 +133,14 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         accumulate_grad_batches=accumulate,
         gradient_clip_val=case.get("clip"),
         precision=case.get("precision", "32-true"),
-        logger=False,
-        enable_checkpointing=False,
+        logger=logger,
+        enable_checkpointing=bool(case.get("features")),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[probe],
+        limit_val_batches=2,
+        log_every_n_steps=1,
+        callbacks=callbacks,
         use_distributed_sampler=False,
     )
     result: dict = {"name": case["name"], "num_params": num_params}
@@ -126,6 +159,11 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         torch.save(state, out / f"{case['name']}_params.pt")
     if case.get("save"):
         trainer.save_checkpoint(case["save"])
+    if case.get("features"):
+        result["best_checkpoint"] = callbacks[-1].best_model_path
+        result["test_loss"] = trainer.test(model, datamodule=datamodule, verbose=False)[0]["test_loss"]
+        predictions = trainer.predict(model, datamodule=datamodule)
+        result["predicted_tokens"] = sum(p.numel() for p in predictions)
     if case.get("validate"):
         metrics = trainer.validate(model, datamodule=datamodule, verbose=False)
         result["val_loss"] = metrics[0]["val_loss"]
