@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from harness import run_distributed
 
 # 10 steps of AdamW on the tiny GPT, plain, with clipping, and with accumulation (validation on one).
@@ -38,7 +37,9 @@ class Run:
 
 def launch(tmp_path_factory, strategy: str, world: int, cases: list[dict], tag: str = "") -> Run:
     out = tmp_path_factory.mktemp(f"{strategy}_w{world}{tag}")
-    ranks = run_distributed("gpt_worker.py", world, ["--strategy", strategy, "--cases", json.dumps(cases)], out)
+    ranks = run_distributed(
+        "gpt_worker.py", world, ["--strategy", strategy, "--cases", json.dumps(cases)], out
+    )
     return Run(ranks, out)
 
 

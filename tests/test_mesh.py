@@ -9,8 +9,12 @@ from lightning_parallel.mesh import ParallelDims
 
 def splits(world: int) -> list[tuple[int, int, int]]:
     """Every (pp, dp, tp) whose product is ``world``."""
-    return [(pp, dp, world // (pp * dp)) for pp in range(1, world + 1) for dp in range(1, world + 1)
-            if world % (pp * dp) == 0]
+    return [
+        (pp, dp, world // (pp * dp))
+        for pp in range(1, world + 1)
+        for dp in range(1, world + 1)
+        if world % (pp * dp) == 0
+    ]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])

@@ -6,8 +6,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.plugins.precision import MixedPrecision
 from conftest import launch
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 import lightning_parallel  # noqa: F401
 from lightning_parallel import ZeroStrategy
@@ -50,8 +50,12 @@ def test_fp16_mixed_is_refused_until_it_has_a_sharded_scaler():
 
 
 def test_registered_names_build_the_right_strategy():
-    for name, stage, offload in [("zero1", 1, False), ("zero2", 2, False), ("zero3", 3, False),
-                                 ("zero3_offload", 3, True)]:
+    for name, stage, offload in [
+        ("zero1", 1, False),
+        ("zero2", 2, False),
+        ("zero3", 3, False),
+        ("zero3_offload", 3, True),
+    ]:
         trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
         assert isinstance(trainer.strategy, ZeroStrategy)
         assert (trainer.strategy.stage, trainer.strategy.offload) == (stage, offload)
@@ -67,7 +71,9 @@ def test_non_elementwise_optimizer_is_refused():
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero3"])
 def test_non_elementwise_optimizer_is_refused_in_training(strategy, tmp_path_factory):
-    run = launch(tmp_path_factory, strategy, 2, [{"name": "lbfgs", "optimizer": "lbfgs", "expect_error": True}])
+    run = launch(
+        tmp_path_factory, strategy, 2, [{"name": "lbfgs", "optimizer": "lbfgs", "expect_error": True}]
+    )
     for rank in range(2):
         error = run.case("lbfgs", rank).get("error", "")
         assert error.startswith("TypeError"), f"rank {rank}: {error or 'trained without an error'}"

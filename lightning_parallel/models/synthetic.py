@@ -18,14 +18,21 @@ class SyntheticTokens(Dataset):
         seq_len: tokens per input sequence (targets are the inputs shifted by one).
         vocab_size: token ids are in ``[0, vocab_size)``.
         noise: probability that a token is drawn at random instead of from the table.
-        seed: seed of the table and the sequences.
+        seed: seed of the table (the "language"); splits of one language share it.
+        split: 0 for training, 1 for validation, ...: draws other sequences from the same table.
     """
 
     def __init__(
-        self, num_samples: int = 512, seq_len: int = 32, vocab_size: int = 256, noise: float = 0.1, seed: int = 0
+        self,
+        num_samples: int = 512,
+        seq_len: int = 32,
+        vocab_size: int = 256,
+        noise: float = 0.1,
+        seed: int = 0,
+        split: int = 0,
     ) -> None:
-        g = torch.Generator().manual_seed(seed)
-        table = torch.randint(vocab_size, (vocab_size,), generator=g)
+        table = torch.randint(vocab_size, (vocab_size,), generator=torch.Generator().manual_seed(seed))
+        g = torch.Generator().manual_seed(seed * 1_000_003 + split + 1)
         tokens = torch.empty(num_samples, seq_len + 1, dtype=torch.long)
         tokens[:, 0] = torch.randint(vocab_size, (num_samples,), generator=g)
         for t in range(1, seq_len + 1):

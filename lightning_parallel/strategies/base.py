@@ -4,9 +4,9 @@ checkpoints in the single-process format."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -141,9 +141,13 @@ class MeshStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self._dims = self._parallel_degrees(self.world_size)  # bad degrees fail here, before any process starts
+        self._dims = self._parallel_degrees(
+            self.world_size
+        )  # bad degrees fail here, before any process starts
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
 
     @override
     def setup_environment(self) -> None:
@@ -151,7 +155,9 @@ class MeshStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         dims = self.parallel_dims
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
         self._process_group_backend = backend
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
@@ -198,7 +204,9 @@ class MeshStrategy(ParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = None if plugin is None else to_mesh_precision(plugin, self._name(), self.clip_grad_norm)
+        self._precision_plugin = (
+            None if plugin is None else to_mesh_precision(plugin, self._name(), self.clip_grad_norm)
+        )
 
     def _name(self) -> str:
         return getattr(self, "strategy_name", type(self).__name__)
@@ -211,7 +219,9 @@ class MeshStrategy(ParallelStrategy):
         return clip_grad_norm_(self._grad_parts(optimizer), max_norm, self.axis_groups, norm_type, always)
 
     @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
         raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
         def closure_then_reduce() -> Any:

@@ -6,21 +6,21 @@ sharding are local slices; these plugins ask the strategy for the global norm in
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from collections.abc import Callable
 
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-ClipFn = Callable[[Optimizer, Union[int, float]], Tensor]
+ClipFn = Callable[[Optimizer, int | float], Tensor]
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed")
 
 
 class _GlobalNormClipping:
     clip_fn: ClipFn | None = None
 
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         assert self.clip_fn is not None, "the strategy sets clip_fn when it takes the plugin"
         self.clip_fn(optimizer, clip_val)
 
@@ -29,7 +29,7 @@ class MeshPrecision(_GlobalNormClipping, Precision):
     """``precision="32-true"``."""
 
     @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         _GlobalNormClipping.clip_grad_by_norm(self, optimizer, clip_val)
 
 
@@ -37,7 +37,7 @@ class MeshMixedPrecision(_GlobalNormClipping, MixedPrecision):
     """``precision="bf16-mixed"``: bf16 autocast over fp32 parameters, gradients and optimizer states."""
 
     @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         _GlobalNormClipping.clip_grad_by_norm(self, optimizer, clip_val)
 
 

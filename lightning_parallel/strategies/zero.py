@@ -52,7 +52,9 @@ class ZeroStrategy(MeshStrategy):
 
     strategy_name = "zero"
 
-    def __init__(self, stage: int = 2, offload: bool = False, reshard_after_forward: bool = True, **kwargs: Any):
+    def __init__(
+        self, stage: int = 2, offload: bool = False, reshard_after_forward: bool = True, **kwargs: Any
+    ):
         check_zero_settings(stage, offload)
         super().__init__(**kwargs)
         self.stage = stage
@@ -69,7 +71,8 @@ class ZeroStrategy(MeshStrategy):
         if world_size < 2:
             raise ValueError(
                 f"{self._setting()} shards over data-parallel processes but the world size is {world_size}: "
-                "set devices (or num_nodes) so there are at least 2 processes, or use strategy='auto' for one."
+                "set devices (or num_nodes) so there are at least 2 processes, "
+                "or use strategy='auto' for one."
             )
         return ParallelDims.from_degrees(world_size, pp=1, dp=world_size, tp=1)
 
@@ -139,11 +142,25 @@ class ZeroStrategy(MeshStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         for stage in ZERO_STAGES:
             strategy_registry.register(
-                f"zero{stage}", cls, description=f"ZeRO stage {stage} over the data-parallel ranks", override=True, stage=stage
+                f"zero{stage}",
+                cls,
+                description=f"ZeRO stage {stage} over the data-parallel ranks",
+                override=True,
+                stage=stage,
             )
         strategy_registry.register(
-            "zero3_offload", cls, description="ZeRO stage 3 with states on the host", override=True, stage=3, offload=True
+            "zero3_offload",
+            cls,
+            description="ZeRO stage 3 with states on the host",
+            override=True,
+            stage=3,
+            offload=True,
         )
         strategy_registry.register(
-            "zero2_offload", cls, description="ZeRO stage 2 with states on the host", override=True, stage=2, offload=True
+            "zero2_offload",
+            cls,
+            description="ZeRO stage 2 with states on the host",
+            override=True,
+            stage=2,
+            offload=True,
         )

@@ -56,7 +56,13 @@ class TopLevelGPT(RecordingGPT):
         super().__init__(**kwargs)
         gpt = self.model
         del self.model
-        self.wte, self.wpe, self.blocks, self.ln_f, self.lm_head = gpt.wte, gpt.wpe, gpt.blocks, gpt.ln_f, gpt.lm_head
+        self.wte, self.wpe, self.blocks, self.ln_f, self.lm_head = (
+            gpt.wte,
+            gpt.wpe,
+            gpt.blocks,
+            gpt.ln_f,
+            gpt.lm_head,
+        )
 
     def forward(self, idx):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
@@ -90,7 +96,10 @@ class ShardedData(pl.LightningDataModule):
         self.data, self.micro_batch = data, micro_batch
 
     def _loader(self, shuffle: bool) -> DataLoader:
-        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {
+            "num_replicas": 1,
+            "rank": 0,
+        }
         sampler = DistributedSampler(self.data, shuffle=shuffle, seed=0, **kwargs)
         return DataLoader(self.data, batch_size=self.micro_batch, sampler=sampler)
 
@@ -114,7 +123,9 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     dp = world  # every layout in these tests is pure data parallel
     micro = global_batch // (accumulate * dp)
     epoch_steps = case.get("epoch_steps", steps)
-    data = SyntheticTokens(num_samples=global_batch * epoch_steps, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
+    data = SyntheticTokens(
+        num_samples=global_batch * epoch_steps, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size
+    )
     datamodule = ShardedData(data, micro)
     model_cls = TopLevelGPT if case.get("model") == "top_level" else RecordingGPT
     model = model_cls(optimizer=case.get("optimizer", "adamw"), config=TINY, lr=case.get("lr", 1e-3))
