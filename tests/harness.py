@@ -41,6 +41,7 @@ def _env(rank: int, world_size: int, port: int) -> dict[str, str]:
         OMP_NUM_THREADS="1",  # 2 cores shared by up to 8 ranks
         PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}",
         PYTHONWARNINGS="ignore",
+        PYTHONFAULTHANDLER="1",  # a C++ abort still prints the Python stack
     )
     return env
 
