@@ -65,6 +65,8 @@ def main() -> None:
             f"done: {args.strategy} on {trainer.world_size} processes, {trainer.global_step} steps, {metrics}"
         )
         print(f"(a uniform guess scores {torch.log(torch.tensor(config.vocab_size)).item():.4f})")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
