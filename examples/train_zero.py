@@ -19,12 +19,8 @@ from lightning_parallel.models import GPTConfig, LitGPT, SyntheticTokens
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--strategy", default="zero3", help="zero1, zero2, zero3, zero3_offload, ddp, auto, ..."
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategy", default="zero3", help="zero1, zero2, zero3, zero3_offload, ddp, auto, ...")
     parser.add_argument("--devices", type=int, default=2, help="processes (CPU) or GPUs")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
@@ -61,9 +57,7 @@ def main() -> None:
     )
     if trainer.is_global_zero:
         metrics = {k: round(v.item(), 4) for k, v in trainer.callback_metrics.items()}
-        print(
-            f"done: {args.strategy} on {trainer.world_size} processes, {trainer.global_step} steps, {metrics}"
-        )
+        print(f"done: {args.strategy} on {trainer.world_size} processes, {trainer.global_step} steps, {metrics}")
         print(f"(a uniform guess scores {torch.log(torch.tensor(config.vocab_size)).item():.4f})")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -37,9 +37,7 @@ class Run:
 
 def launch(tmp_path_factory, strategy: str, world: int, cases: list[dict], tag: str = "") -> Run:
     out = tmp_path_factory.mktemp(f"{strategy}_w{world}{tag}")
-    ranks = run_distributed(
-        "gpt_worker.py", world, ["--strategy", strategy, "--cases", json.dumps(cases)], out
-    )
+    ranks = run_distributed("gpt_worker.py", world, ["--strategy", strategy, "--cases", json.dumps(cases)], out)
     return Run(ranks, out)
 
 

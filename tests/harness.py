@@ -52,9 +52,7 @@ def _run_once(cmd: list[str], world_size: int, timeout: float, log_dir: Path) ->
     for rank in range(world_size):
         log = open(log_dir / f"rank{rank}.log", "w+")
         logs.append(log)
-        procs.append(
-            subprocess.Popen(cmd, env=_env(rank, world_size, port), stdout=log, stderr=subprocess.STDOUT)
-        )
+        procs.append(subprocess.Popen(cmd, env=_env(rank, world_size, port), stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     codes: list[int | None] = [None] * world_size
     while any(c is None for c in codes):

@@ -17,12 +17,8 @@ RESUMED_STEPS = 2
 def test_zero3_checkpoint_resumes_at_other_world_sizes(tmp_path, tmp_path_factory):
     base = {"epoch_steps": EPOCH}
     zero3_ckpt, plain_ckpt = tmp_path / "zero3_w4.ckpt", tmp_path / "plain.ckpt"
-    saved = launch(
-        tmp_path_factory, "zero3", 4, [{**base, "name": "save", "steps": EPOCH, "save": str(zero3_ckpt)}]
-    )
-    plain = launch(
-        tmp_path_factory, "auto", 1, [{**base, "name": "save", "steps": EPOCH, "save": str(plain_ckpt)}]
-    )
+    saved = launch(tmp_path_factory, "zero3", 4, [{**base, "name": "save", "steps": EPOCH, "save": str(zero3_ckpt)}])
+    plain = launch(tmp_path_factory, "auto", 1, [{**base, "name": "save", "steps": EPOCH, "save": str(plain_ckpt)}])
     assert_same_losses(saved.losses("save"), plain.losses("save"), "zero3 world 4 before saving")
 
     def resume(ckpt):

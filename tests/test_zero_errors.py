@@ -71,9 +71,7 @@ def test_non_elementwise_optimizer_is_refused():
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero3"])
 def test_non_elementwise_optimizer_is_refused_in_training(strategy, tmp_path_factory):
-    run = launch(
-        tmp_path_factory, strategy, 2, [{"name": "lbfgs", "optimizer": "lbfgs", "expect_error": True}]
-    )
+    run = launch(tmp_path_factory, strategy, 2, [{"name": "lbfgs", "optimizer": "lbfgs", "expect_error": True}])
     for rank in range(2):
         error = run.case("lbfgs", rank).get("error", "")
         assert error.startswith("TypeError"), f"rank {rank}: {error or 'trained without an error'}"

@@ -29,10 +29,7 @@ def test_model_state_bytes_match_zero_formulas(memory_runs):
                 f"zero{stage} rank {rank}: {measured} bytes of model states, formula says {expected}"
             )
     print(f"\nmodel-state bytes per rank, world {WORLD}, P = {P} parameters (fp32 AdamW)")
-    print(
-        f"{'stage':>5} {'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'total':>9} "
-        f"{'formula':>9} {'ratio':>6}"
-    )
+    print(f"{'stage':>5} {'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'total':>9} {'formula':>9} {'ratio':>6}")
     for stage, rank, m, expected in rows:
         print(
             f"{stage:>5} {rank:>4} {m['params']:>9} {m['grads']:>9} {m['optimizer']:>9} {m['total']:>9} "

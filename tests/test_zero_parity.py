@@ -19,9 +19,7 @@ def test_parity_with_single_process(strategy, world, reference, tmp_path_factory
     want_val = reference.case("plain")["val_loss"]
     for rank in range(world):  # sync_dist over dp: every rank reports the global validation loss
         got_val = run.case("plain", rank)["val_loss"]
-        assert abs(got_val - want_val) <= 1e-5 * want_val, (
-            f"{strategy} rank {rank} val_loss {got_val} != {want_val}"
-        )
+        assert abs(got_val - want_val) <= 1e-5 * want_val, f"{strategy} rank {rank} val_loss {got_val} != {want_val}"
 
 
 @pytest.mark.parametrize("strategy", ["zero2_offload", "zero3_offload"])

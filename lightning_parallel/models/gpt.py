@@ -45,12 +45,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape  # (B, T, C)
         # -1 for the head count: under tensor parallelism each rank holds n_head / tp heads
-        q, k, v = (
-            lin(x).view(B, T, -1, self.head_dim(x)).transpose(1, 2) for lin in (self.q, self.k, self.v)
-        )
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        q, k, v = (lin(x).view(B, T, -1, self.head_dim(x)).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
     def head_dim(self, x: Tensor) -> int:

@@ -80,8 +80,6 @@ def load_full_optimizer_state_dict(
         )
     by_name = {
         "state": {index_to_name[i]: s for i, s in state_dict["state"].items()},
-        "param_groups": [
-            {**g, "params": [index_to_name[i] for i in g["params"]]} for g in state_dict["param_groups"]
-        ],
+        "param_groups": [{**g, "params": [index_to_name[i] for i in g["params"]]} for g in state_dict["param_groups"]],
     }
     set_optimizer_state_dict(module, optimizer, by_name, options=_LOAD)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 # Optimizers whose update is elementwise, so running them on a flat slice is the same math as
 # running them per parameter. Anything else (LBFGS, factored or matrix optimizers) would be wrong.
@@ -64,6 +65,40 @@ def check_shardable_optimizer(optimizer: torch.optim.Optimizer, setting: str) ->
         )
 
 
+def _local(t: Tensor) -> Tensor:
+    """This rank's data: a tensor-parallel (DTensor) parameter's local shard, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _point_at(p: nn.Parameter, view: Tensor) -> None:
+    """Make ``p``'s (local) data a view into a flat buffer."""
+    if isinstance(p, DTensor):
+        # DTensor keeps its shard in _local_tensor; assigning .data would copy instead of aliasing
+        p._local_tensor = view
+    else:
+        p.data = view
+
+
+def _as_grad(p: nn.Parameter, view: Tensor) -> Tensor:
+    if isinstance(p, DTensor):
+        return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return view
+
+
+def _to_full(p: nn.Parameter, local: Tensor) -> Tensor:
+    """A per-element state of ``p`` made whole across tensor-parallel ranks (collective for DTensors)."""
+    if isinstance(p, DTensor):
+        local = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+    return local.detach().cpu().clone()
+
+
+def _to_local(p: nn.Parameter, full: Tensor) -> Tensor:
+    """This rank's tensor-parallel shard of a full per-element state of ``p``."""
+    if isinstance(p, DTensor):
+        return distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()
+    return full
+
+
 @dataclass
 class FlatGroup:
     """One optimizer group's parameters packed into one flat buffer, and this rank's slice of it."""
@@ -80,25 +115,27 @@ class FlatGroup:
 
     def views(self, flat: Tensor) -> Iterator[tuple[nn.Parameter, Tensor]]:
         for p, off in zip(self.params, self.offsets):
-            yield p, flat[off : off + p.numel()].view_as(p)
+            local = _local(p)
+            yield p, flat[off : off + local.numel()].view(local.shape)
 
 
 def _pack(params: list[nn.Parameter], world: int) -> tuple[list[int], int, Tensor]:
-    devices = {p.device for p in params}
-    dtypes = {p.dtype for p in params}
+    locals_ = [_local(p) for p in params]
+    devices = {t.device for t in locals_}
+    dtypes = {t.dtype for t in locals_}
     if len(devices) > 1 or len(dtypes) > 1:
         raise ValueError(
             f"ZeRO packs each optimizer group into one buffer, but a group mixes devices {devices} or dtypes "
             f"{dtypes}: put parameters of different devices or dtypes into separate param groups."
         )
     offsets, total = [], 0
-    for p in params:
+    for t in locals_:
         offsets.append(total)
-        total += p.numel()
+        total += t.numel()
     shard_numel = -(-total // world)
-    flat = torch.zeros(shard_numel * world, dtype=params[0].dtype, device=params[0].device)
-    for p, off in zip(params, offsets):
-        flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
+    flat = torch.zeros(shard_numel * world, dtype=locals_[0].dtype, device=locals_[0].device)
+    for t, off in zip(locals_, offsets):
+        flat[off : off + t.numel()].copy_(t.detach().reshape(-1))
     return offsets, shard_numel, flat
 
 
@@ -143,11 +180,11 @@ class FlatZero:
             shard = shard.to("cpu", copy=True)
         fg = FlatGroup(params, offsets, shard_numel, flat_param, flat_grad, shard)
         for p, view in fg.views(flat_param):
-            p.data = view
+            _point_at(p, view)
         if flat_grad is not None:
             # autograd accumulates into these views in place, so stage 1 needs no copy after backward
             for p, view in fg.views(flat_grad):
-                p.grad = view
+                p.grad = _as_grad(p, view)
         param_group["params"] = [shard]
         return fg
 
@@ -176,10 +213,10 @@ class FlatZero:
         for fg in self.flat_groups:
             flat = fg.flat_grad if fg.flat_grad is not None else torch.zeros_like(fg.flat_param)
             for p, view in fg.views(flat):
-                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                    view.add_(p.grad)  # a gradient autograd allocated itself (stage 2, or grads were reset)
+                if p.grad is not None and _local(p.grad).data_ptr() != view.data_ptr():
+                    view.add_(_local(p.grad))  # a gradient autograd allocated itself (stage 2, or a reset)
                 if fg.flat_grad is not None:
-                    p.grad = view
+                    p.grad = _as_grad(p, view)
                 else:
                     p.grad = None  # stage 2: the full gradient is freed once reduced
             flat.div_(self.world)  # divide first: the sum stays in range for low-precision gradients
@@ -228,7 +265,7 @@ class FlatZero:
                 full = torch.empty_like(fg.flat_param)
                 dist.all_gather_single(full, value.to(full.device), group=self.group)
                 for p, view in fg.views(full):
-                    per_param[by_param[id(p)]][key] = view.detach().cpu().clone()
+                    per_param[by_param[id(p)]][key] = _to_full(p, view)
             state.update(per_param)
         return {"state": state, "param_groups": param_groups}
 
@@ -262,7 +299,7 @@ class FlatZero:
                     shard_state[key] = value.clone() if torch.is_tensor(value) else value
                     continue
                 full = torch.zeros_like(fg.flat_param)
-                for (_, view), entry in zip(fg.views(full), entries):
-                    view.copy_(entry[key].reshape(view.shape))
+                for (p, view), entry in zip(fg.views(full), entries):
+                    view.copy_(_to_local(p, entry[key]).reshape(view.shape))
                 shard_state[key] = full[start:end].clone().to(fg.shard.device)
             self.optimizer.state[fg.shard] = shard_state

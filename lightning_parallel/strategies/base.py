@@ -31,18 +31,27 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_parallel.mesh import DP, MESH_AXES, ParallelDims
+from lightning_parallel.mesh import DP, MESH_AXES, TP, ParallelDims
 from lightning_parallel.parallel.clip import GradPart, clip_grad_norm_, dtensor_grad_parts
-from lightning_parallel.parallel.state_dict import full_model_state_dict, load_full_model_state_dict
+from lightning_parallel.parallel.data_parallel import all_reduce_gradients
+from lightning_parallel.parallel.fsdp import apply_fsdp
+from lightning_parallel.parallel.state_dict import (
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    load_full_model_state_dict,
+    load_full_optimizer_state_dict,
+)
+from lightning_parallel.parallel.zero import FlatZero, check_shardable_optimizer
 from lightning_parallel.strategies.precision import to_mesh_precision
 
 
 class MeshStrategy(ParallelStrategy):
     """Base of the strategies that lay the world out on one (pp, dp, tp) device mesh.
 
-    Subclasses say how the world splits (:meth:`_parallel_degrees`), how the model is parallelized
-    before the optimizers exist (:meth:`_parallelize_model`) and how optimizers are wrapped after
-    (:meth:`_shard_optimizers`).
+    Subclasses say how the world splits (:meth:`_parallel_degrees`) and how the model is split over the
+    tp and pp axes (:meth:`_apply_model_parallel`); this class shards it over dp with ZeRO stage
+    ``zero_stage`` (0: gradients averaged; 1: + optimizer states sharded; 2: + gradients; 3: +
+    parameters, with FSDP2).
     """
 
     def __init__(
@@ -54,6 +63,9 @@ class MeshStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        zero_stage: int = 0,
+        offload: bool = False,
+        reshard_after_forward: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -70,24 +82,72 @@ class MeshStrategy(ParallelStrategy):
         # True when the LightningModule itself is a sharded unit whose forward hooks must run every step
         self._route_steps_through_root = False
         self._parallelized: torch.nn.Module | None = None
+        self.zero_stage = zero_stage
+        self.offload = offload
+        self.reshard_after_forward = reshard_after_forward
+        self._flat: dict[int, FlatZero] = {}  # id(optimizer) -> its ZeRO-1/2 sharding
+        self.fsdp_units: list[str] = []
 
     # ----- what subclasses decide -----
 
     def _parallel_degrees(self, world_size: int) -> ParallelDims:
         raise NotImplementedError
 
+    def _setting(self) -> str:
+        """How the user named this strategy, for error messages."""
+        return f"strategy={self._name()!r}"
+
+    def _apply_model_parallel(self) -> None:
+        """Split the model over the tp and pp axes, in place (before ZeRO-3 shards over dp)."""
+
+    # ----- sharding over the dp axis: ZeRO stages 0-3 -----
+
     def _parallelize_model(self) -> None:
         """Shard or split ``self.model`` in place, before ``configure_optimizers`` sees its parameters."""
+        assert self.model is not None
+        self._apply_model_parallel()
+        if self.zero_stage == 3:
+            self.fsdp_units = apply_fsdp(
+                self.model,
+                self.device_mesh[DP],
+                reshard_after_forward=self.reshard_after_forward,
+                offload=self.offload,
+            )
+            self._route_steps_through_root = "" in self.fsdp_units
 
     def _shard_optimizers(self) -> None:
-        """Wrap ``self.optimizers`` once the user's ``configure_optimizers`` has built them."""
+        """Wrap the optimizers the user's ``configure_optimizers`` built."""
+        self._flat = {}
+        for optimizer in self.optimizers:
+            if self.zero_stage > 0:
+                check_shardable_optimizer(optimizer, self._setting())
+            if self.zero_stage in (1, 2):
+                group = self.device_mesh[DP].get_group()
+                self._flat[id(optimizer)] = FlatZero(optimizer, group, self.zero_stage, offload=self.offload)
 
-    def _grad_parts(self, optimizer: Optimizer) -> list[GradPart]:
-        """This rank's gradients of ``optimizer``'s parameters, with the mesh axes that split each."""
-        return dtensor_grad_parts(p for g in optimizer.param_groups for p in g["params"])
+    def _flat_zero(self, optimizer: Optimizer) -> FlatZero | None:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return self._flat.get(id(optimizer))
 
     def _after_backward(self, optimizer: Optimizer) -> None:
         """Runs once per optimizer step after the last backward, before clipping and the update."""
+        flat = self._flat_zero(optimizer)
+        if flat is not None:
+            flat.reduce_gradients()
+        elif self.zero_stage == 0:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+            all_reduce_gradients(params, self.device_mesh[DP].get_group())
+
+    def _grad_parts(self, optimizer: Optimizer) -> list[GradPart]:
+        """This rank's gradients of ``optimizer``'s parameters, with the mesh axes that split each."""
+        flat = self._flat_zero(optimizer)
+        if flat is None:
+            return dtensor_grad_parts(p for g in optimizer.param_groups for p in g["params"])
+        flat.reduce_gradients()
+        # a flat slice is split over dp, and over tp too where it holds tensor-parallel shards
+        axes = (DP, TP) if self.parallel_dims.tp > 1 else (DP,)
+        return [(fg.shard.grad, axes) for fg in flat.flat_groups if fg.shard.grad is not None]
 
     # ----- mesh and process group -----
 
@@ -141,13 +201,9 @@ class MeshStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self._dims = self._parallel_degrees(
-            self.world_size
-        )  # bad degrees fail here, before any process starts
+        self._dims = self._parallel_degrees(self.world_size)  # bad degrees fail here, before any process starts
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -155,9 +211,7 @@ class MeshStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         dims = self.parallel_dims
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
@@ -219,9 +273,7 @@ class MeshStrategy(ParallelStrategy):
         return clip_grad_norm_(self._grad_parts(optimizer), max_norm, self.axis_groups, norm_type, always)
 
     @override
-    def optimizer_step(
-        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
-    ) -> Any:
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
         def closure_then_reduce() -> Any:
@@ -292,6 +344,26 @@ class MeshStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.model is not None
         load_full_model_state_dict(self.model, dict(checkpoint["state_dict"]), strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        flat = self._flat_zero(optimizer)
+        if flat is not None:
+            return flat.full_state_dict()
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        return full_optimizer_state_dict(self.model, optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.model is not None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            flat = self._flat_zero(optimizer)
+            if flat is not None:
+                flat.load_full_state_dict(state)
+            else:
+                load_full_optimizer_state_dict(self.model, optimizer, state)
 
     @override
     def teardown(self) -> None:

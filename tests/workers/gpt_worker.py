@@ -124,9 +124,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     dp = world  # every layout in these tests is pure data parallel
     micro = global_batch // (accumulate * dp)
     epoch_steps = case.get("epoch_steps", steps)
-    data = SyntheticTokens(
-        num_samples=global_batch * epoch_steps, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size
-    )
+    data = SyntheticTokens(num_samples=global_batch * epoch_steps, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
     datamodule = ShardedData(data, micro)
     model_cls = TopLevelGPT if case.get("model") == "top_level" else RecordingGPT
     model = model_cls(optimizer=case.get("optimizer", "adamw"), config=TINY, lr=case.get("lr", 1e-3))
