@@ -9,6 +9,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 
 @dataclass
@@ -111,3 +119,47 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Tensor parallelism splits heads, the MLP and the vocabulary: each must divide by tp."""
+        cfg = self.cfg
+        for name, size in [("n_head", cfg.n_head), ("d_model", cfg.d_model), ("vocab_size", cfg.vocab_size)]:
+            if size % tp:
+                raise ValueError(f"tp={tp} does not divide GPTConfig.{name}={size}: choose tp among its divisors.")
+
+
+def gpt_tp_plan(prefix: str = "", sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """Megatron's plan for :class:`GPT`: heads and MLP split column-then-row, the vocabulary split in the
+    embedding (row-wise) and the head (column-wise, logits left sharded for a vocabulary-parallel loss).
+
+    With ``sequence_parallel`` the layer norms and the residual stream between blocks are split along the
+    sequence (dim 1) as well, and the tp all-reduces become reduce-scatter / all-gather pairs.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    block = f"{prefix}blocks.*"
+    plan: dict[str, ParallelStyle] = {
+        # the sum of the embeddings is replicated: the position embedding is added before any sharding
+        f"{prefix}wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        f"{block}.attn.q": ColwiseParallel(),
+        f"{block}.attn.k": ColwiseParallel(),
+        f"{block}.attn.v": ColwiseParallel(),
+        f"{block}.attn.proj": RowwiseParallel(output_layouts=seq),
+        f"{block}.mlp.fc": ColwiseParallel(),
+        f"{block}.mlp.proj": RowwiseParallel(output_layouts=seq),
+        f"{prefix}lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sequence_parallel:
+        plan.update(
+            {
+                # the first block takes the replicated embeddings and keeps only its slice of the sequence
+                f"{prefix}blocks.0": PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+                ),
+                f"{block}.ln_1": SequenceParallel(),
+                f"{block}.ln_2": SequenceParallel(),
+                f"{block}.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                f"{block}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                f"{prefix}ln_f": SequenceParallel(),
+            }
+        )
+    return plan

@@ -1,4 +1,5 @@
-"""The GPT as an ordinary LightningModule: nothing in it knows about parallelism."""
+"""The GPT as an ordinary LightningModule, plus the two protocol methods hybrid3d reads (a TP plan and a
+degree check); it runs unchanged under "auto", "ddp", "fsdp" and the zero strategies."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_parallel.models.gpt import GPT, GPTConfig
+from lightning_parallel.models.gpt import GPT, GPTConfig, gpt_tp_plan
 
 
 class LitGPT(pl.LightningModule):
@@ -59,6 +61,16 @@ class LitGPT(pl.LightningModule):
 
     def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         return self(batch[0]).argmax(dim=-1)
+
+    # ----- the parallel protocol: what hybrid3d needs beyond an ordinary LightningModule -----
+
+    def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+        """Module path -> torch ParallelStyle, applied on the tp axis."""
+        return gpt_tp_plan("model.", sequence_parallel)
+
+    def check_parallel_degrees(self, pp: int, tp: int) -> None:
+        """Refuse degrees this model cannot split into, before any process group exists."""
+        self.model.check_tensor_parallel(tp)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         decay = [p for p in self.parameters() if p.dim() >= 2]

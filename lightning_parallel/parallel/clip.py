@@ -59,7 +59,7 @@ def total_norm(
         partial[axes]  # noqa: B018 -- creates the zero entry
     by_axes: dict[tuple[str, ...], list[Tensor]] = defaultdict(list)
     for g, axes in parts:
-        by_axes[axes].append(g)
+        by_axes[tuple(sorted(axes))].append(g)
     for axes, grads in by_axes.items():
         norms = torch._foreach_norm([g.float() for g in grads], norm_type)
         stacked = torch.stack([n.to(device) for n in norms])

@@ -230,6 +230,24 @@ class FlatZero:
             fg.shard.grad = grad.to(fg.shard.device) if self.offload else grad
         self._reduced = True
 
+    def shard_grad_segments(self) -> list[tuple[Tensor, nn.Parameter]]:
+        """This rank's reduced gradient slice cut at parameter boundaries: (view, parameter) pairs.
+
+        Gradient-norm code needs to know which parameter each element belongs to, because a tensor-parallel
+        shard is summed over tp ranks while a replicated parameter must be counted once.
+        """
+        self.reduce_gradients()
+        segments = []
+        for fg in self.flat_groups:
+            if fg.shard.grad is None:
+                continue
+            start, end = fg.local_range(self.rank)
+            for p, off in zip(fg.params, fg.offsets):
+                lo, hi = max(start, off), min(end, off + _local(p).numel())
+                if lo < hi:
+                    segments.append((fg.shard.grad[lo - start : hi - start], p))
+        return segments
+
     def _after_step(self) -> None:
         for fg in self.flat_groups:
             start, end = fg.local_range(self.rank)

@@ -4,6 +4,7 @@ checkpoints in the single-process format."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -28,10 +29,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_parallel.mesh import DP, MESH_AXES, TP, ParallelDims
+from lightning_parallel.mesh import DP, MESH_AXES, ParallelDims
 from lightning_parallel.parallel.clip import GradPart, clip_grad_norm_, dtensor_grad_parts
 from lightning_parallel.parallel.data_parallel import all_reduce_gradients
 from lightning_parallel.parallel.fsdp import apply_fsdp
@@ -43,6 +45,17 @@ from lightning_parallel.parallel.state_dict import (
 )
 from lightning_parallel.parallel.zero import FlatZero, check_shardable_optimizer
 from lightning_parallel.strategies.precision import to_mesh_precision
+
+# every rank reduces every combination, present or not, so all ranks issue the same collectives
+_AXIS_COMBOS = [c for n in (1, 2, 3) for c in itertools.combinations(sorted(MESH_AXES), n)]
+
+
+def _split_axes(param: torch.Tensor) -> tuple[str, ...]:
+    """Mesh axes over which a (DTensor) parameter is sharded; () for a replicated one."""
+    if not isinstance(param, DTensor):
+        return ()
+    names = param.device_mesh.mesh_dim_names or ()
+    return tuple(names[i] for i, pl in enumerate(param.placements) if pl.is_shard())
 
 
 class MeshStrategy(ParallelStrategy):
@@ -144,10 +157,10 @@ class MeshStrategy(ParallelStrategy):
         flat = self._flat_zero(optimizer)
         if flat is None:
             return dtensor_grad_parts(p for g in optimizer.param_groups for p in g["params"])
-        flat.reduce_gradients()
-        # a flat slice is split over dp, and over tp too where it holds tensor-parallel shards
-        axes = (DP, TP) if self.parallel_dims.tp > 1 else (DP,)
-        return [(fg.shard.grad, axes) for fg in flat.flat_groups if fg.shard.grad is not None]
+        parts = []
+        for grad, param in flat.shard_grad_segments():
+            parts.append((grad, (DP, *_split_axes(param))))
+        return parts
 
     # ----- mesh and process group -----
 
@@ -269,8 +282,7 @@ class MeshStrategy(ParallelStrategy):
         """Clip by the norm of the whole model's gradient, however it is split; returns that norm."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        always = [(axis,) for axis in MESH_AXES]
-        return clip_grad_norm_(self._grad_parts(optimizer), max_norm, self.axis_groups, norm_type, always)
+        return clip_grad_norm_(self._grad_parts(optimizer), max_norm, self.axis_groups, norm_type, _AXIS_COMBOS)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -1,0 +1,79 @@
+"""Megatron-style tensor parallelism with DTensor plans on the ``tp`` axis. Pure torch.
+
+A plan is a plain dict of module path (``*`` matches one name) to a torch ``ParallelStyle``; models keep
+their own plan beside their code. What torch leaves to us: weights tied across two modules (GPT's
+embedding and head) come out of ``parallelize_module`` as two separate parameters, so they are tied
+again here, and a tie whose two sides were given different placements is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+
+def tied_parameters(root: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module path, parameter name) that share one Parameter object."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for path, module in root.named_modules(remove_duplicate=False):
+        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(p), [])
+            if (path, name) not in owners[id(p)]:
+                owners[id(p)].append((path, name))
+    return [sites for sites in owners.values() if len(sites) > 1]
+
+
+def _sharded_dim(style: ParallelStyle, module: nn.Module) -> tuple[str, int] | None:
+    """The size a style splits across tp ranks, named for the error message."""
+    if isinstance(module, nn.Linear):
+        if isinstance(style, ColwiseParallel):
+            return "out_features", module.out_features
+        if isinstance(style, RowwiseParallel):
+            return "in_features", module.in_features
+    if isinstance(module, nn.Embedding):
+        if isinstance(style, ColwiseParallel):
+            return "embedding_dim", module.embedding_dim
+        if isinstance(style, RowwiseParallel):
+            return "num_embeddings (the vocabulary)", module.num_embeddings
+    return None
+
+
+def check_tp_plan(root: nn.Module, plan: Mapping[str, ParallelStyle], tp: int) -> None:
+    """Every dimension the plan splits must divide by ``tp``; no process group needed."""
+    import fnmatch
+
+    for path, module in root.named_modules():
+        for pattern, style in plan.items():
+            if not fnmatch.fnmatchcase(path, pattern) or path.count(".") != pattern.count("."):
+                continue
+            split = _sharded_dim(style, module)
+            if split and split[1] % tp:
+                raise ValueError(
+                    f"tp={tp} does not divide {path}.{split[0]}={split[1]}: choose tp among the divisors of "
+                    f"{split[1]}, or change the model's size."
+                )
+
+
+def apply_tp(root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> None:
+    """Shard ``root`` in place over ``tp_mesh`` following ``plan``, keeping tied weights tied."""
+    ties = tied_parameters(root)
+    parallelize_module(root, tp_mesh, dict(plan))
+    for sites in ties:
+        (first_path, first_name), *others = sites
+        shared = getattr(root.get_submodule(first_path), first_name)
+        for path, name in others:
+            module = root.get_submodule(path)
+            mine = getattr(module, name)
+            placements = [getattr(t, "placements", None) for t in (shared, mine)]
+            if isinstance(shared, DTensor) != isinstance(mine, DTensor) or placements[0] != placements[1]:
+                raise ValueError(
+                    f"{first_path}.{first_name} and {path}.{name} are one tied weight but the tensor-parallel "
+                    f"plan places them as {placements[0]} and {placements[1]}: give both the same placement "
+                    "(e.g. RowwiseParallel for the embedding and ColwiseParallel for the head shard the "
+                    "vocabulary dimension of both)."
+                )
+            setattr(module, name, shared)
