@@ -27,8 +27,10 @@ class Run:
     def case(self, name: str, rank: int = 0) -> dict[str, Any]:
         return next(c for c in self.ranks[rank] if c["name"] == name)
 
-    def losses(self, name: str) -> list[float]:
-        per_rank = [self.case(name, r)["losses"] for r in range(len(self.ranks))]
+    def losses(self, name: str, ranks: list[int] | None = None) -> list[float]:
+        """Per-step mean over ``ranks`` (default all): give one rank per dp index when tp > 1."""
+        ranks = list(range(len(self.ranks))) if ranks is None else ranks
+        per_rank = [self.case(name, r)["losses"] for r in ranks]
         return [sum(step) / len(step) for step in zip(*per_rank)]
 
     def params(self, name: str) -> dict[str, torch.Tensor]:
@@ -36,7 +38,8 @@ class Run:
 
 
 def launch(tmp_path_factory, strategy: str, world: int, cases: list[dict], tag: str = "") -> Run:
-    out = tmp_path_factory.mktemp(f"{strategy}_w{world}{tag}")
+    safe = strategy.replace(":", "_").replace(",", "_").replace("=", "")
+    out = tmp_path_factory.mktemp(f"{safe}_w{world}{tag}")
     ranks = run_distributed("gpt_worker.py", world, ["--strategy", strategy, "--cases", json.dumps(cases)], out)
     return Run(ranks, out)
 

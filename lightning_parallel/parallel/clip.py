@@ -30,7 +30,8 @@ def dtensor_grad_parts(params: Iterable[Tensor]) -> list[GradPart]:
         if isinstance(g, DTensor):
             names = g.device_mesh.mesh_dim_names
             assert names is not None, "gradients on a mesh need named axes"
-            axes = tuple(names[i] for i, pl in enumerate(g.placements) if pl.is_shard() or pl.is_partial())
+            # not is_replicate(): FSDP2 over a tensor-parallel dim uses _StridedShard, whose is_shard() is False
+            axes = tuple(names[i] for i, pl in enumerate(g.placements) if not pl.is_replicate())
             parts.append((g.to_local(), axes))
         else:
             parts.append((g, ()))

@@ -25,6 +25,8 @@ def all_reduce_gradients(params: Iterable[Tensor], group: dist.ProcessGroup) -> 
         if p.grad is None:
             # every rank must contribute the same buffer layout, so a missing gradient becomes zeros
             p.grad = torch.zeros_like(p)
+        if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
+            p.grad = p.grad.redistribute(placements=p.placements)  # e.g. Partial over tp: reduce it first
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         by_dtype[grad.dtype].append(grad)
     for dtype in sorted(by_dtype, key=str):

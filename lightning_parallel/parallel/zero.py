@@ -79,6 +79,13 @@ def _point_at(p: nn.Parameter, view: Tensor) -> None:
         p.data = view
 
 
+def _placed_like(p: nn.Parameter, grad: Tensor) -> Tensor:
+    """A DTensor gradient in its parameter's placements (a Partial one is reduced over tp here)."""
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
+        return grad.redistribute(placements=p.placements)
+    return grad
+
+
 def _as_grad(p: nn.Parameter, view: Tensor) -> Tensor:
     if isinstance(p, DTensor):
         return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
@@ -182,9 +189,11 @@ class FlatZero:
         for p, view in fg.views(flat_param):
             _point_at(p, view)
         if flat_grad is not None:
-            # autograd accumulates into these views in place, so stage 1 needs no copy after backward
+            # autograd accumulates into these views in place, so stage 1 needs no copy after backward;
+            # not for DTensors: a sequence-parallel gradient arrives Partial and would be added unreduced
             for p, view in fg.views(flat_grad):
-                p.grad = _as_grad(p, view)
+                if not isinstance(p, DTensor):
+                    p.grad = view
         param_group["params"] = [shard]
         return fg
 
@@ -214,7 +223,7 @@ class FlatZero:
             flat = fg.flat_grad if fg.flat_grad is not None else torch.zeros_like(fg.flat_param)
             for p, view in fg.views(flat):
                 if p.grad is not None and _local(p.grad).data_ptr() != view.data_ptr():
-                    view.add_(_local(p.grad))  # a gradient autograd allocated itself (stage 2, or a reset)
+                    view.add_(_local(_placed_like(p, p.grad)))  # a gradient autograd allocated itself
                 if fg.flat_grad is not None:
                     p.grad = _as_grad(p, view)
                 else:
@@ -258,6 +267,9 @@ class FlatZero:
             dist.all_gather_single(fg.flat_param, local.clone(), group=self.group)
             if fg.flat_grad is not None:
                 fg.flat_grad.zero_()
+                for p in fg.params:
+                    if isinstance(p, DTensor):
+                        p.grad = None  # autograd allocates the next one (see _shard_group)
         self._reduced = False
 
     # ----- consolidated state in torch's own per-parameter format -----

@@ -55,7 +55,7 @@ def _split_axes(param: torch.Tensor) -> tuple[str, ...]:
     if not isinstance(param, DTensor):
         return ()
     names = param.device_mesh.mesh_dim_names or ()
-    return tuple(names[i] for i, pl in enumerate(param.placements) if pl.is_shard())
+    return tuple(names[i] for i, pl in enumerate(param.placements) if not pl.is_replicate())
 
 
 class MeshStrategy(ParallelStrategy):

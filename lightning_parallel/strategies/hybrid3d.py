@@ -126,6 +126,13 @@ class Hybrid3DStrategy(MeshStrategy):
             if callable(getattr(module, "loss", None)):
                 module.loss = _vocab_parallel(module.loss)
 
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self.parallel_dims.tp == 1:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        with loss_parallel():  # the vocabulary-parallel loss needs its own backward rules too
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:

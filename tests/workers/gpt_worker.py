@@ -24,10 +24,11 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_parallel  # noqa: F401  (registers the strategy names)
+from lightning_parallel import Hybrid3DStrategy
 from lightning_parallel.models import GPTConfig, LitGPT, SyntheticTokens
 from lightning_parallel.parallel.memory import model_state_bytes
 
-TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
+TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=8, d_model=32)  # tp up to 8 divides it
 
 
 class RecordingGPT(LitGPT):
@@ -117,11 +118,23 @@ class ShardedData(pl.LightningDataModule):
         return self._loader(shuffle=False)
 
 
+def build_strategy(spec: str):
+    """'zero2' stays a registered name; 'hybrid3d:tp=2,zero_stage=1,sequence_parallel=1' builds the class."""
+    if not spec.startswith("hybrid3d:"):
+        return spec, None
+    kwargs = {}
+    for item in spec.split(":", 1)[1].split(","):
+        key, value = item.split("=")
+        kwargs[key] = bool(int(value)) if key == "sequence_parallel" else (value if not value.isdigit() else int(value))
+    return Hybrid3DStrategy(**kwargs), kwargs
+
+
 def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     pl.seed_everything(case.get("seed", 0), verbose=False)
     steps, accumulate = case.get("steps", 10), case.get("accumulate", 1)
     global_batch = case.get("global_batch", 16)
-    dp = world  # every layout in these tests is pure data parallel
+    strategy_obj, degrees = build_strategy(strategy)
+    dp = world // ((degrees or {}).get("pp", 1) * (degrees or {}).get("tp", 1))
     micro = global_batch // (accumulate * dp)
     epoch_steps = case.get("epoch_steps", steps)
     data = SyntheticTokens(num_samples=global_batch * epoch_steps, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
@@ -138,7 +151,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=strategy,
+        strategy=strategy_obj,
         max_steps=steps,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=case.get("clip"),
