@@ -17,7 +17,7 @@ TP = "tp"
 MESH_AXES = (PP, DP, TP)
 
 
-def _check_degree(name: str, value: object) -> int:
+def check_degree(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} is not a parallel degree: set {name} to a positive integer.")
     return value
@@ -50,9 +50,9 @@ class ParallelDims:
         Raises:
             ValueError: with the arithmetic and the fix, when the degrees do not fit the world size.
         """
-        world_size = _check_degree("world_size", world_size)
-        pp = _check_degree("pp", pp)
-        tp = _check_degree("tp", tp)
+        world_size = check_degree("world_size", world_size)
+        pp = check_degree("pp", pp)
+        tp = check_degree("tp", tp)
         if dp == "auto":
             if world_size % (pp * tp) != 0:
                 raise ValueError(
@@ -60,7 +60,7 @@ class ParallelDims:
                     f"choose pp and tp whose product divides {world_size}, or change the number of devices."
                 )
             dp = world_size // (pp * tp)
-        dp = _check_degree("dp", dp)
+        dp = check_degree("dp", dp)
         if pp * dp * tp != world_size:
             raise ValueError(
                 f"pp({pp}) * dp({dp}) * tp({tp}) = {pp * dp * tp} != world_size({world_size}): "

@@ -78,3 +78,8 @@ def test_registered_name():
     t = pl.Trainer(strategy="hybrid3d", accelerator="cpu", devices=2, logger=False)
     assert isinstance(t.strategy, Hybrid3DStrategy)
     assert (t.strategy.parallel_dims.dp, t.strategy.parallel_dims.tp) == (2, 1)
+
+
+def test_pipeline_settings_at_pp1_warn_that_they_are_ignored():
+    with pytest.warns(UserWarning, match=r"only apply with pp > 1: ignored at pp=1"):
+        Hybrid3DStrategy(pp_schedule="gpipe")

@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
-from lightning_parallel.mesh import TP, ParallelDims
+from lightning_parallel.mesh import TP, ParallelDims, check_degree
 from lightning_parallel.parallel.tensor import apply_tp, check_tp_plan
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.zero import check_zero_settings
@@ -22,9 +23,14 @@ PIPELINE_BALANCES = ("uniform", "params")
 def _check_degree_arg(name: str, value: object, allow_auto: bool = False) -> None:
     if allow_auto and value == "auto":
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        extra = " or 'auto'" if allow_auto else ""
-        raise ValueError(f"{name}={value!r} is not a parallel degree: set {name} to a positive integer{extra}.")
+    try:
+        check_degree(name, value)
+    except ValueError:
+        if not allow_auto:
+            raise
+        raise ValueError(
+            f"{name}={value!r} is not a parallel degree: set {name} to a positive integer or 'auto'."
+        ) from None
 
 
 class Hybrid3DStrategy(MeshStrategy):
@@ -85,6 +91,10 @@ class Hybrid3DStrategy(MeshStrategy):
             raise ValueError(
                 f"pp={pp}: pipeline parallelism is not available in this version yet: set pp=1 and use dp and tp."
             )
+        if pp == 1 and (pp_schedule != "1f1b" or microbatches is not None or pp_balance != "uniform"):
+            rank_zero_warn("pp_schedule, microbatches and pp_balance only apply with pp > 1: ignored at pp=1.")
+        if zero_stage != 3 and not reshard_after_forward:
+            rank_zero_warn("reshard_after_forward only applies with zero_stage=3: ignored.")
         super().__init__(zero_stage=zero_stage, offload=offload, reshard_after_forward=reshard_after_forward, **kwargs)
         self._degrees = {"dp": dp, "pp": pp, "tp": tp}
         self.pp_schedule = pp_schedule

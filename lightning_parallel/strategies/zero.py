@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_parallel.mesh import ParallelDims
@@ -48,6 +49,8 @@ class ZeroStrategy(MeshStrategy):
 
     def __init__(self, stage: int = 2, offload: bool = False, reshard_after_forward: bool = True, **kwargs: Any):
         check_zero_settings(stage, offload)
+        if stage != 3 and not reshard_after_forward:
+            rank_zero_warn("reshard_after_forward only applies with stage=3: ignored.")
         super().__init__(zero_stage=stage, offload=offload, reshard_after_forward=reshard_after_forward, **kwargs)
 
     @property
