@@ -46,7 +46,7 @@ def _env(rank: int, world_size: int, port: int) -> dict[str, str]:
     return env
 
 
-def _run_once(cmd: list[str], world_size: int, timeout: float, log_dir: Path) -> tuple[list[int], list[str]]:
+def _run_once(cmd: list[str], world_size: int, timeout: float, log_dir: Path) -> tuple[list[int], list[str], bool]:
     port = free_port()
     procs, logs = [], []
     for rank in range(world_size):
@@ -55,10 +55,12 @@ def _run_once(cmd: list[str], world_size: int, timeout: float, log_dir: Path) ->
         procs.append(subprocess.Popen(cmd, env=_env(rank, world_size, port), stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     codes: list[int | None] = [None] * world_size
+    timed_out = False
     while any(c is None for c in codes):
         for i, p in enumerate(procs):
             codes[i] = p.poll()
-        if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
+        timed_out = time.monotonic() > deadline
+        if any(c not in (None, 0) for c in codes) or timed_out:
             time.sleep(2)  # let peers print their side before they are stopped
             for p in procs:
                 if p.poll() is None:
@@ -71,7 +73,7 @@ def _run_once(cmd: list[str], world_size: int, timeout: float, log_dir: Path) ->
         log.seek(0)
         texts.append(log.read())
         log.close()
-    return [int(c) for c in codes], texts
+    return [int(c) for c in codes], texts, timed_out
 
 
 def run_distributed(
@@ -85,12 +87,13 @@ def run_distributed(
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(WORKERS / script), *args, "--out", str(out_dir)]
     for _ in range(3):
-        codes, texts = _run_once(cmd, world_size, timeout, out_dir)
+        codes, texts, timed_out = _run_once(cmd, world_size, timeout, out_dir)
         if not (any(codes) and any(m in t for t in texts for m in _PORT_TAKEN)):
             break
     if any(codes):
         failed = "\n".join(
             f"--- rank {r} exited {c} ---\n{t[-6000:]}" for r, (c, t) in enumerate(zip(codes, texts)) if c
         )
-        raise AssertionError(f"{script} at world {world_size} failed:\n{failed}")
+        why = f"hung: stopped after {timeout:.0f} s" if timed_out else "failed"
+        raise AssertionError(f"{script} at world {world_size} {why}:\n{failed}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
