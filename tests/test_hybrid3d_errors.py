@@ -42,7 +42,16 @@ def test_auto_dp_needs_a_divisible_world():
         ({"pp_schedule": "fast"}, r"pp_schedule='fast' is unknown: set it to one of gpipe, 1f1b"),
         ({"pp_balance": "magic"}, r"pp_balance='magic' is unknown"),
         ({"microbatches": 0}, r"microbatches=0 is not a parallel degree"),
-        ({"pp": 2}, r"pp=2: pipeline parallelism is not available in this version yet"),
+        ({"pp": 4, "microbatches": 2}, r"needs at least one microbatch per stage, but microbatches=2 < pp=4"),
+        (
+            {"pp": 2, "microbatches": 5, "pp_schedule": "interleaved_1f1b"},
+            r"microbatches=5 must be a multiple of 2: set microbatches to a multiple of 2",
+        ),
+        ({"pp": 2, "pp_virtual_stages": 3}, r"pp_virtual_stages=3 does not fit pp_schedule='1f1b'"),
+        (
+            {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 1},
+            r"pp_virtual_stages=1 makes interleaved_1f1b plain 1F1B",
+        ),
         ({"activation_checkpointing": "full"}, r"activation_checkpointing='full' is not available yet"),
     ],
 )
@@ -59,7 +68,7 @@ def test_tp_must_divide_the_heads():
 
 def test_tp_must_divide_the_vocabulary():
     model = LitGPT(GPTConfig(vocab_size=66, seq_len=16, n_layer=2, n_head=4, d_model=32))
-    with pytest.raises(ValueError, match=r"tp=4 does not divide model.wte.num_embeddings \(the vocabulary\)=66"):
+    with pytest.raises(ValueError, match=r"tp=4 does not divide model.embed.wte.num_embeddings \(the vocabulary\)=66"):
         trainer(4, tp=4).fit(model)
 
 
@@ -72,6 +81,29 @@ class NoProtocol(pl.LightningModule):
 def test_tensor_parallel_needs_the_protocol():
     with pytest.raises(TypeError, match=r"tp=2 needs NoProtocol.tensor_parallel_plan\(sequence_parallel\)"):
         trainer(2, tp=2).fit(NoProtocol())
+
+
+def test_pipeline_needs_the_protocol():
+    with pytest.raises(TypeError, match=r"pp=2 needs NoProtocol.pipeline_layers and .loss\(\)"):
+        trainer(2, pp=2).fit(NoProtocol())
+
+
+def test_more_stages_than_layers():
+    model = LitGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))  # 4 pipeline layers
+    with pytest.raises(ValueError, match=r"needs 8 pipeline stages but the model has only 4 pipeline layers"):
+        trainer(4, pp=4, pp_schedule="interleaved_1f1b").fit(model)
+    with pytest.raises(ValueError, match=r"needs 8 pipeline stages but the model has only 4 pipeline layers"):
+        trainer(8, pp=8).fit(model)
+
+
+def test_microbatches_must_divide_the_batch(tmp_path_factory):
+    from conftest import launch
+
+    case = {"name": "odd", "steps": 2, "expect_error": True}  # 16 samples per rank, 3 microbatches
+    run = launch(tmp_path_factory, "hybrid3d:pp=2,microbatches=3", 2, [case])
+    for rank in range(2):
+        error = run.case("odd", rank)["error"]
+        assert "A batch of 16 samples per data-parallel rank does not split into microbatches=3" in error, error
 
 
 def test_registered_name():

@@ -1,22 +1,50 @@
-"""hybrid3d: every (dp, tp) split trains exactly like one process on the same global batch."""
+"""hybrid3d: every (pp, dp, tp) split trains exactly like one process on the same global batch."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import pytest
 from conftest import PARITY_CASES, launch
 from parity import assert_same_losses, assert_same_params
 
 
-def spec(dp: int, tp: int, zero: int, sp: bool = False) -> str:
-    return f"hybrid3d:dp={dp},tp={tp},zero_stage={zero}" + (",sequence_parallel=1" if sp else "")
+class Layout(NamedTuple):
+    world: int
+    pp: int
+    dp: int
+    tp: int
+    zero: int = 0
+    schedule: str = "1f1b"
+    sp: bool = False
+    microbatches: int | None = None
+
+    @property
+    def spec(self) -> str:
+        parts = [f"dp={self.dp}", f"pp={self.pp}", f"tp={self.tp}", f"zero_stage={self.zero}"]
+        if self.pp > 1:
+            parts.append(f"pp_schedule={self.schedule}")
+        if self.microbatches:
+            parts.append(f"microbatches={self.microbatches}")
+        if self.sp:
+            parts.append("sequence_parallel=1")
+        return "hybrid3d:" + ",".join(parts)
+
+    @property
+    def id(self) -> str:
+        name = f"w{self.world}-pp{self.pp}-dp{self.dp}-tp{self.tp}-zero{self.zero}"
+        name += f"-{self.schedule}" if self.pp > 1 else ""
+        return name + ("-sp" if self.sp else "")
 
 
-def check_against_reference(run, reference, world: int, tp: int, label: str) -> None:
-    dp_leaders = list(range(0, world, tp))  # one rank per dp index (tp is the innermost mesh axis)
+def check_against_reference(run, reference, layout: Layout) -> None:
+    """Losses, parameters and validation loss equal the single-process run's; every rank agrees."""
+    world, tp, label = layout.world, layout.tp, layout.id
+    dp_leaders = [d * tp for d in range(layout.dp)]  # one rank per dp index, on the first pipeline stage
     for case in PARITY_CASES:
         name = case["name"]
-        for rank in range(world):  # every tp rank of a dp index reports the same loss
-            leader = rank - rank % tp
+        for rank in range(world):  # every pp and tp rank of a dp index reports the same loss
+            leader = rank % (layout.dp * tp) - rank % tp
             assert run.case(name, rank)["losses"] == run.case(name, leader)["losses"], f"{label} rank {rank}"
         loss_rel = assert_same_losses(run.losses(name, dp_leaders), reference.losses(name), f"{label} {name}")
         param_abs = assert_same_params(run.params(name), reference.params(name), f"{label} {name}")
@@ -27,34 +55,58 @@ def check_against_reference(run, reference, world: int, tp: int, label: str) -> 
         assert abs(got_val - want_val) <= 1e-5 * want_val, f"{label} rank {rank} val_loss {got_val} != {want_val}"
 
 
-LAYOUTS = [  # (world, dp, tp, zero_stage, sequence_parallel)
-    (2, 1, 2, 0, False),
-    (4, 2, 2, 0, False),
-    (4, 2, 2, 1, False),
-    (4, 2, 2, 2, False),
-    (4, 2, 2, 3, False),
-    (4, 1, 4, 0, False),
-    (4, 4, 1, 0, False),
-    (4, 2, 2, 1, True),
+LAYOUTS = [  # `make test`: dp x tp without pipeline, then every schedule with dp, tp and ZeRO beside it
+    Layout(2, 1, 1, 2),
+    Layout(4, 1, 2, 2),
+    Layout(4, 1, 2, 2, zero=1),
+    Layout(4, 1, 2, 2, zero=2),
+    Layout(4, 1, 2, 2, zero=3),
+    Layout(4, 1, 1, 4),
+    Layout(4, 1, 4, 1),
+    Layout(4, 1, 2, 2, zero=1, sp=True),
+    Layout(2, 2, 1, 1, schedule="1f1b"),
+    Layout(4, 2, 1, 2, schedule="1f1b"),  # clipping and accumulation under pp=2, tp=2
+    Layout(4, 2, 2, 1, zero=1, schedule="gpipe"),
+    Layout(4, 2, 2, 1, zero=3, schedule="interleaved_1f1b"),
+    Layout(4, 2, 2, 1, zero=2, schedule="zero_bubble"),
+    Layout(4, 4, 1, 1, schedule="interleaved_1f1b"),
+    Layout(4, 2, 1, 2, zero=0, schedule="zero_bubble", sp=True),
 ]
-WORLD8 = [(8, dp, 8 // dp, zero, False) for dp in (1, 2, 4, 8) for zero in (0, 1, 3)] + [(8, 2, 4, 2, True)]
+
+_SCHEDULES = ["1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"]
 
 
-def _id(layout) -> str:
-    world, dp, tp, zero, sp = layout
-    return f"w{world}-dp{dp}-tp{tp}-zero{zero}" + ("-sp" if sp else "")
+def _world8() -> list[Layout]:
+    """Every (pp, dp, tp) split of 8 ranks with zero 0 and 1 (3 for some), schedules taken in turn."""
+    layouts = []
+    turn = 0
+    for pp in (1, 2, 4, 8):
+        for dp in (d for d in (1, 2, 4, 8) if (8 // pp) % d == 0):
+            tp = 8 // (pp * dp)
+            zeros = (0, 1, 3) if pp < 8 else (0, 1)
+            for zero in zeros:
+                if pp == 8:  # 8 stages of the 8 layers: one stage per rank
+                    schedule = ("1f1b", "gpipe")[zero % 2]
+                else:
+                    schedule = _SCHEDULES[turn % len(_SCHEDULES)]
+                turn += 1
+                # accumulation halves each dp rank's batch of 16 / dp: microbatches must divide 8 / dp
+                micro = min(2 * pp, 8 // dp) if pp > 1 else None
+                layouts.append(Layout(8, pp, dp, tp, zero, schedule, microbatches=micro))
+    return layouts
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=_id)
-def test_dp_tp_parity(layout, reference, tmp_path_factory):
-    world, dp, tp, zero, sp = layout
-    run = launch(tmp_path_factory, spec(dp, tp, zero, sp), world, PARITY_CASES)
-    check_against_reference(run, reference, world, tp, _id(layout))
+WORLD8 = _world8() + [Layout(8, 2, 2, 2, zero=2, schedule="1f1b", sp=True)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.id)
+def test_parity(layout, reference, tmp_path_factory):
+    run = launch(tmp_path_factory, layout.spec, layout.world, PARITY_CASES)
+    check_against_reference(run, reference, layout)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", WORLD8, ids=_id)
-def test_dp_tp_parity_world8(layout, reference, tmp_path_factory):
-    world, dp, tp, zero, sp = layout
-    run = launch(tmp_path_factory, spec(dp, tp, zero, sp), world, PARITY_CASES)
-    check_against_reference(run, reference, world, tp, _id(layout))
+@pytest.mark.parametrize("layout", WORLD8, ids=lambda lay: lay.id)
+def test_parity_world8(layout, reference, tmp_path_factory):
+    run = launch(tmp_path_factory, layout.spec, layout.world, PARITY_CASES)
+    check_against_reference(run, reference, layout)

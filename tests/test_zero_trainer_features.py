@@ -1,7 +1,9 @@
-"""Lightning features next to ZeRO: ModelCheckpoint on train_loss, CSV logging, test and predict."""
+"""Lightning features next to ZeRO and pipelines: ModelCheckpoint on train_loss, CSV logging (the logged
+loss is the single-process loss), test and predict."""
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import pytest
@@ -17,19 +19,22 @@ def single(tmp_path_factory):
     return launch(tmp_path_factory, "auto", 1, FEATURES)
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
-def test_trainer_features(strategy, single, tmp_path_factory):
+@pytest.mark.parametrize(("strategy", "dp"), [("zero2", 2), ("zero3", 2), ("hybrid3d:pp=2", 1)])
+def test_trainer_features(strategy, dp, single, tmp_path_factory):
     run = launch(tmp_path_factory, strategy, 2, FEATURES)
-    assert_same_losses(run.losses("features"), single.losses("features"), strategy)
+    assert_same_losses(run.losses("features", list(range(dp))), single.losses("features"), strategy)
     want = single.case("features")
     for rank in range(2):
         got = run.case("features", rank)
         assert abs(got["test_loss"] - want["test_loss"]) <= 1e-5 * want["test_loss"], f"rank {rank} test_loss"
-        # each dp rank predicts its half of the data
-        assert got["predicted_tokens"] * 2 == want["predicted_tokens"]
+        # each dp rank predicts its share of the data
+        assert got["predicted_tokens"] * dp == want["predicted_tokens"]
     best = Path(run.case("features")["best_checkpoint"])
     assert best.is_file(), "ModelCheckpoint(monitor='train_loss') saved nothing"
     ckpt = torch.load(best, weights_only=True)
     assert ckpt["state_dict"].keys() == single.params("features").keys()
     metrics = (run.out / "logs" / "version_0" / "metrics.csv").read_text()
     assert "train_loss" in metrics and "test_loss" in metrics
+    # what rank 0 logged (the progress bar shows the same) is the single-process loss of each step
+    logged = [float(row["train_loss"]) for row in csv.DictReader(metrics.splitlines()) if row.get("train_loss")]
+    assert_same_losses(logged, single.losses("features"), f"{strategy} logged train_loss")

@@ -84,17 +84,43 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class Embedding(nn.Module):
+    """Token plus position embeddings: the first pipeline layer."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.seq_len = cfg.seq_len
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        T = idx.shape[1]  # (B, T) token ids
+        if T > self.seq_len:
+            raise ValueError(f"sequence length {T} exceeds GPTConfig.seq_len={self.seq_len}")
+        return self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C)
+
+
+class Head(nn.Module):
+    """Final norm and the projection to vocabulary logits: the last pipeline layer."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.embed = Embedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head = Head(cfg)
         if cfg.tie_weights:
-            self.lm_head.weight = self.wte.weight
+            self.head.lm_head.weight = self.embed.wte.weight
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):  # GPT-2's scaled init of residual projections
@@ -107,15 +133,15 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def layers(self) -> list[nn.Module]:
+        """The model as a sequence: embedding, blocks, head. Pipeline stages cut it between layers."""
+        return [self.embed, *self.blocks, self.head]
+
     def forward(self, idx: Tensor) -> Tensor:
-        B, T = idx.shape  # (B, T) token ids
-        if T > self.cfg.seq_len:
-            raise ValueError(f"sequence length {T} exceeds GPTConfig.seq_len={self.cfg.seq_len}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))  # (B, T, V)
+        x = idx
+        for layer in self.layers():
+            x = layer(x)
+        return x  # (B, T, V) logits
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -139,14 +165,14 @@ def gpt_tp_plan(prefix: str = "", sequence_parallel: bool = False) -> dict[str, 
     block = f"{prefix}blocks.*"
     plan: dict[str, ParallelStyle] = {
         # the sum of the embeddings is replicated: the position embedding is added before any sharding
-        f"{prefix}wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        f"{prefix}embed.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         f"{block}.attn.q": ColwiseParallel(),
         f"{block}.attn.k": ColwiseParallel(),
         f"{block}.attn.v": ColwiseParallel(),
         f"{block}.attn.proj": RowwiseParallel(output_layouts=seq),
         f"{block}.mlp.fc": ColwiseParallel(),
         f"{block}.mlp.proj": RowwiseParallel(output_layouts=seq),
-        f"{prefix}lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        f"{prefix}head.lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
     }
     if sequence_parallel:
         plan.update(
@@ -159,7 +185,7 @@ def gpt_tp_plan(prefix: str = "", sequence_parallel: bool = False) -> dict[str, 
                 f"{block}.ln_2": SequenceParallel(),
                 f"{block}.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
                 f"{block}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                f"{prefix}ln_f": SequenceParallel(),
+                f"{prefix}head.ln_f": SequenceParallel(),
             }
         )
     return plan

@@ -1,5 +1,6 @@
-"""The GPT as an ordinary LightningModule, plus the two protocol methods hybrid3d reads (a TP plan and a
-degree check); it runs unchanged under "auto", "ddp", "fsdp" and the zero strategies."""
+"""The GPT as an ordinary LightningModule, plus the protocol methods hybrid3d reads (its ordered layers, a
+TP plan, a degree check; ``loss`` it has anyway); it runs unchanged under "auto", "ddp", "fsdp" and the
+zero strategies."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class LitGPT(pl.LightningModule):
         lr: AdamW learning rate.
         weight_decay: applied to weights of dimension >= 2.
         betas: AdamW betas.
+        eps: AdamW epsilon.
     """
 
     def __init__(
@@ -28,11 +30,12 @@ class LitGPT(pl.LightningModule):
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
     ) -> None:
         super().__init__()
         self.config = config or GPTConfig()
         self.model = GPT(self.config)
-        self.lr, self.weight_decay, self.betas = lr, weight_decay, betas
+        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx)
@@ -64,6 +67,10 @@ class LitGPT(pl.LightningModule):
 
     # ----- the parallel protocol: what hybrid3d needs beyond an ordinary LightningModule -----
 
+    def pipeline_layers(self) -> list[torch.nn.Module]:
+        """The layers forward runs, in order: pipeline stages are contiguous runs of them."""
+        return self.model.layers()
+
     def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
         """Module path -> torch ParallelStyle, applied on the tp axis."""
         return gpt_tp_plan("model.", sequence_parallel)
@@ -79,4 +86,4 @@ class LitGPT(pl.LightningModule):
             {"params": decay, "weight_decay": self.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
+        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps)

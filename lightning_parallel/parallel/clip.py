@@ -81,17 +81,19 @@ def clip_grad_norm_(
     groups: Mapping[str, dist.ProcessGroup],
     norm_type: float = 2.0,
     always_reduce: Sequence[tuple[str, ...]] = (),
+    uncounted: Sequence[Tensor] = (),
 ) -> Tensor:
     """Scale the local gradients in place so the full gradient's norm is at most ``max_norm``.
 
     Same formula as ``torch.nn.utils.clip_grad_norm_``, so a single-process run clips identically.
+    ``uncounted`` gradients are scaled too but not counted: copies of a weight counted on another rank.
 
     Returns:
         The total norm before clipping.
     """
     norm = total_norm(parts, groups, norm_type, always_reduce)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    grads = [g for g, _ in parts]
+    grads = [g for g, _ in parts] + list(uncounted)
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
     return norm

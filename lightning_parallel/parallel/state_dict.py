@@ -21,14 +21,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_GATHER_EVERYWHERE = StateDictOptions(full_state_dict=True)
 _LOAD = StateDictOptions(full_state_dict=True)
 
 
-def full_model_state_dict(module: nn.Module) -> dict[str, Any]:
-    """The whole model's state on rank 0 (other ranks get what DCP gives them); collective."""
-    state = get_model_state_dict(module, options=_GATHER)
+def full_model_state_dict(module: nn.Module, every_rank: bool = False) -> dict[str, Any]:
+    """The whole model's state on rank 0, or on every rank; collective.
+
+    On other ranks without ``every_rank`` the result is empty (torch gathers to rank 0 only).
+    """
+    state = get_model_state_dict(module, options=_GATHER_EVERYWHERE if every_rank else _GATHER)
     # clone: parameters may be views into a flat ZeRO buffer that torch.save would write whole
-    return {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+    return {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
 
 
 def load_full_model_state_dict(module: nn.Module, state: dict[str, Any], strict: bool = True) -> None:

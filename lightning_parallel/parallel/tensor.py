@@ -8,6 +8,7 @@ again here, and a tie whose two sides were given different placements is refused
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping
 
 from torch import nn
@@ -44,11 +45,9 @@ def _sharded_dim(style: ParallelStyle, module: nn.Module) -> tuple[str, int] | N
 
 def check_tp_plan(root: nn.Module, plan: Mapping[str, ParallelStyle], tp: int) -> None:
     """Every dimension the plan splits must divide by ``tp``; no process group needed."""
-    import fnmatch
-
     for path, module in root.named_modules():
         for pattern, style in plan.items():
-            if not fnmatch.fnmatchcase(path, pattern) or path.count(".") != pattern.count("."):
+            if not _matches(path, pattern):
                 continue
             split = _sharded_dim(style, module)
             if split and split[1] % tp:
@@ -77,3 +76,13 @@ def apply_tp(root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelSt
                     "vocabulary dimension of both)."
                 )
             setattr(module, name, shared)
+
+
+def _matches(path: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(path, pattern) and path.count(".") == pattern.count(".")
+
+
+def resolvable_plan(root: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """The entries of ``plan`` that name a module ``root`` still holds (a pipeline stage holds a part)."""
+    paths = [path for path, _ in root.named_modules()]
+    return {pattern: style for pattern, style in plan.items() if any(_matches(p, pattern) for p in paths)}

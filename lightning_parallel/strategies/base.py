@@ -152,15 +152,31 @@ class MeshStrategy(ParallelStrategy):
             params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
             all_reduce_gradients(params, self.device_mesh[DP].get_group())
 
-    def _grad_parts(self, optimizer: Optimizer) -> list[GradPart]:
-        """This rank's gradients of ``optimizer``'s parameters, with the mesh axes that split each."""
+    def _grad_parts(self, optimizer: Optimizer) -> tuple[list[GradPart], list[Tensor]]:
+        """This rank's gradients of ``optimizer``'s parameters, with the mesh axes that split each, and the
+        gradients of tied copies that another rank counts in the norm."""
+        skip, extra = self._excluded_from_norm(), self._stage_axes()
         flat = self._flat_zero(optimizer)
         if flat is None:
-            return dtensor_grad_parts(p for g in optimizer.param_groups for p in g["params"])
-        parts = []
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            counted = dtensor_grad_parts(p for p in params if id(p) not in skip)
+            uncounted = [g for g, _ in dtensor_grad_parts(p for p in params if id(p) in skip)]
+            return [(grad, (*axes, *extra)) for grad, axes in counted], uncounted
+        counted, uncounted = [], []
         for grad, param in flat.shard_grad_segments():
-            parts.append((grad, (DP, *_split_axes(param))))
-        return parts
+            if id(param) in skip:
+                uncounted.append(grad)
+            else:
+                counted.append((grad, (DP, *_split_axes(param), *extra)))
+        return counted, uncounted
+
+    def _excluded_from_norm(self) -> set[int]:
+        """Ids of parameters another rank already counts in the gradient norm (tied copies)."""
+        return set()
+
+    def _stage_axes(self) -> tuple[str, ...]:
+        """Mesh axes over which ranks hold different parameters altogether (pipeline stages)."""
+        return ()
 
     # ----- mesh and process group -----
 
@@ -282,7 +298,8 @@ class MeshStrategy(ParallelStrategy):
         """Clip by the norm of the whole model's gradient, however it is split; returns that norm."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return clip_grad_norm_(self._grad_parts(optimizer), max_norm, self.axis_groups, norm_type, _AXIS_COMBOS)
+        counted, uncounted = self._grad_parts(optimizer)
+        return clip_grad_norm_(counted, max_norm, self.axis_groups, norm_type, _AXIS_COMBOS, uncounted)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

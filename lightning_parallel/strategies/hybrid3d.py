@@ -2,21 +2,41 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_parallel.mesh import TP, ParallelDims, check_degree
-from lightning_parallel.parallel.tensor import apply_tp, check_tp_plan
+from lightning_parallel.mesh import DP, PP, TP, ParallelDims, check_degree
+from lightning_parallel.parallel.fsdp import apply_fsdp
+from lightning_parallel.parallel.partition import balanced_partition, check_stage_count, uniform_partition
+from lightning_parallel.parallel.pipeline import (
+    SCHEDULES,
+    Pipeline,
+    PipelineSplit,
+    TiedGradients,
+    check_microbatches,
+    layer_paths,
+    split_model,
+    stage_ranks_for,
+    stages_per_rank,
+)
+from lightning_parallel.parallel.pipeline_state import gather_pipeline_optimizer_state, pipeline_local_optimizer_state
+from lightning_parallel.parallel.state_dict import full_model_state_dict, load_full_model_state_dict
+from lightning_parallel.parallel.tensor import apply_tp, check_tp_plan, resolvable_plan
 from lightning_parallel.strategies.base import MeshStrategy
+from lightning_parallel.strategies.pipelined_step import PipelinedStep
 from lightning_parallel.strategies.zero import check_zero_settings
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+PIPELINE_SCHEDULES = SCHEDULES
 PIPELINE_BALANCES = ("uniform", "params")
 
 
@@ -36,9 +56,11 @@ def _check_degree_arg(name: str, value: object, allow_auto: bool = False) -> Non
 class Hybrid3DStrategy(MeshStrategy):
     """Train one LightningModule across any split of the world into (pp, dp, tp).
 
-    Tensor parallelism applies the module's ``tensor_parallel_plan()`` (Megatron column/row splits) on
-    the tp axis; data parallelism averages gradients over dp, or shards model states there with
-    ``zero_stage`` 1-3. The logged loss, samplers and ``sync_dist`` use the dp axis.
+    Pipeline parallelism cuts the module's ``pipeline_layers()`` into contiguous stages on the pp axis
+    and runs them under a ``torch.distributed.pipelining`` schedule; tensor parallelism applies the
+    module's ``tensor_parallel_plan()`` (Megatron column/row splits) on the tp axis; data parallelism
+    averages gradients over dp, or shards model states there with ``zero_stage`` 1-3 (also together with
+    pp). The logged loss is the same on every rank; samplers and ``sync_dist`` use the dp axis.
 
     Args:
         dp: data-parallel degree; ``"auto"`` takes the ranks pp and tp leave.
@@ -46,8 +68,10 @@ class Hybrid3DStrategy(MeshStrategy):
         tp: tensor-parallel degree.
         zero_stage: 0 (gradients averaged over dp), 1, 2 or 3 (ZeRO over dp).
         pp_schedule: one of ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble``.
-        microbatches: microbatches per pipeline step (default: 2 * pp).
+        microbatches: microbatches per pipeline step (default: 2 * pp); they must divide each dp rank's batch.
         pp_balance: ``uniform`` (layers per stage) or ``params`` (parameter count per stage).
+        pp_virtual_stages: stages per rank for ``interleaved_1f1b`` (default 2); ``zero_bubble`` runs 2
+            (ZB-V), ``gpipe`` and ``1f1b`` 1.
         sequence_parallel: also split layer norms and the residual stream along the sequence over tp.
         activation_checkpointing: reserved; only ``None`` is accepted for now.
         offload: keep ZeRO-2/3 states on the host.
@@ -65,6 +89,7 @@ class Hybrid3DStrategy(MeshStrategy):
         pp_schedule: str = "1f1b",
         microbatches: int | None = None,
         pp_balance: str = "uniform",
+        pp_virtual_stages: int | None = None,
         sequence_parallel: bool = False,
         activation_checkpointing: str | None = None,
         offload: bool = False,
@@ -83,16 +108,24 @@ class Hybrid3DStrategy(MeshStrategy):
             raise ValueError(f"pp_balance={pp_balance!r} is unknown: set it to one of {', '.join(PIPELINE_BALANCES)}.")
         if microbatches is not None:
             _check_degree_arg("microbatches", microbatches)
+        _check_virtual_stages(pp_schedule, pp_virtual_stages)
         if activation_checkpointing is not None:
             raise ValueError(
                 f"activation_checkpointing={activation_checkpointing!r} is not available yet: leave it None."
             )
-        if pp > 1:
-            raise ValueError(
-                f"pp={pp}: pipeline parallelism is not available in this version yet: set pp=1 and use dp and tp."
+        pipeline_set = pp_schedule != "1f1b" or microbatches is not None or pp_balance != "uniform"
+        if pp == 1 and (pipeline_set or pp_virtual_stages is not None):
+            rank_zero_warn(
+                "pp_schedule, microbatches, pp_balance and pp_virtual_stages only apply with pp > 1: ignored at pp=1."
             )
-        if pp == 1 and (pp_schedule != "1f1b" or microbatches is not None or pp_balance != "uniform"):
-            rank_zero_warn("pp_schedule, microbatches and pp_balance only apply with pp > 1: ignored at pp=1.")
+        if pp > 1:
+            microbatches = 2 * pp if microbatches is None else microbatches
+            setting = f"strategy='hybrid3d' (pp={pp}, pp_schedule={pp_schedule!r})"
+            check_microbatches(pp_schedule, microbatches, pp, setting)
+        if pp > 1 and pp_schedule == "zero_bubble" and zero_stage == 3 and reshard_after_forward:
+            # resharding between a zero-bubble schedule's split backward passes gives wrong weight gradients
+            rank_zero_warn("pp_schedule='zero_bubble' with zero_stage=3 keeps parameters gathered after forward.")
+            reshard_after_forward = False
         if zero_stage != 3 and not reshard_after_forward:
             rank_zero_warn("reshard_after_forward only applies with zero_stage=3: ignored.")
         super().__init__(zero_stage=zero_stage, offload=offload, reshard_after_forward=reshard_after_forward, **kwargs)
@@ -100,7 +133,11 @@ class Hybrid3DStrategy(MeshStrategy):
         self.pp_schedule = pp_schedule
         self.microbatches = microbatches
         self.pp_balance = pp_balance
+        self.pp_virtual_stages = stages_per_rank(pp_schedule, pp_virtual_stages)
         self.sequence_parallel = sequence_parallel
+        self._split: PipelineSplit | None = None
+        self._pipelined: PipelinedStep | None = None
+        self._tied: TiedGradients | None = None
 
     @override
     def _setting(self) -> str:
@@ -122,31 +159,200 @@ class Hybrid3DStrategy(MeshStrategy):
                     "{module path: ParallelStyle}: add it (see the README's bring-your-own-model section) or set tp=1."
                 )
             check_tp_plan(model, model.tensor_parallel_plan(self.sequence_parallel), dims.tp)
+        if dims.pp > 1:
+            missing = [m for m in ("pipeline_layers", "loss") if not callable(getattr(model, m, None))]
+            if missing:
+                raise TypeError(
+                    f"pp={dims.pp} needs {type(model).__name__}.{' and .'.join(missing)}(): pipeline_layers() returns "
+                    "the layers forward runs in order, loss(output, target) the loss. Add them (see the README's "
+                    "bring-your-own-model section) or set pp=1."
+                )
+            self._pipeline_partition(model)  # more stages than layers fails here
         check = getattr(model, "check_parallel_degrees", None)
         if callable(check):
             check(pp=dims.pp, tp=dims.tp)
         super().connect(model)
 
+    def _pipeline_partition(self, model: pl.LightningModule) -> list[range]:
+        layers = list(model.pipeline_layers())
+        num_stages = self.parallel_dims.pp * self.pp_virtual_stages
+        setting = (
+            f"strategy='hybrid3d' with pp={self.parallel_dims.pp} and pp_schedule={self.pp_schedule!r} "
+            f"({self.pp_virtual_stages} stage(s) per rank)"
+        )
+        check_stage_count(len(layers), num_stages, setting)
+        if self.pp_balance == "params":
+            costs = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+            return balanced_partition(costs, num_stages)
+        return uniform_partition(len(layers), num_stages)
+
     @override
     def _apply_model_parallel(self) -> None:
         module = self.lightning_module
         assert module is not None and self.model is not None
-        if self.parallel_dims.tp > 1:
-            apply_tp(self.model, self.device_mesh[TP], module.tensor_parallel_plan(self.sequence_parallel))
-            if callable(getattr(module, "loss", None)):
+        dims = self.parallel_dims
+        if dims.pp > 1:
+            paths = layer_paths(self.model, module.pipeline_layers())
+            partition = self._pipeline_partition(module)
+            ranks = stage_ranks_for(self.pp_schedule, len(partition), dims.pp)
+            pp_rank = self.device_mesh[PP].get_local_rank()
+            self._split = split_model(self.model, paths, partition, ranks, pp_rank)
+        if dims.tp > 1:
+            plan = module.tensor_parallel_plan(self.sequence_parallel)
+            if dims.pp > 1:  # entries for layers other stages hold resolve to nothing here
+                plan = resolvable_plan(self.model, plan)
+            apply_tp(self.model, self.device_mesh[TP], plan)
+            if callable(getattr(module, "loss", None)) and dims.pp == 1:  # under pp the pipeline wraps it
                 module.loss = _vocab_parallel(module.loss)
 
     @override
+    def _parallelize_model(self) -> None:
+        if self.parallel_dims.pp == 1:
+            return super()._parallelize_model()
+        module = self.lightning_module
+        assert module is not None and self._split is None
+        self._apply_model_parallel()
+        split = self._split
+        assert split is not None
+        if self.zero_stage == 3:
+            for stage in split.stages.values():
+                # each layer is a unit; the stage is the root torch's schedules drive
+                units = [f"layers.{i}" for i in range(len(stage.layers))] + [""]
+                apply_fsdp(
+                    stage,
+                    self.device_mesh[DP],
+                    reshard_after_forward=self.reshard_after_forward,
+                    offload=self.offload,
+                    units=units,
+                )
+            self.fsdp_units = units
+        pp_group = self.device_mesh[PP].get_group()
+        tp = self.parallel_dims.tp > 1
+        # under tp the whole schedule runs in one loss_parallel context: its backward needs the rules too,
+        # and a nested context would switch them off on exit
+        loss_fn = _full_tensor(module.loss) if tp else module.loss
+        pipeline = Pipeline(split, self.pp_schedule, self.microbatches, pp_group, self.root_device, loss_fn)
+        params = list(dict.fromkeys(p for stage in split.stages.values() for p in stage.parameters()))
+        context = loss_parallel if tp else contextlib.nullcontext
+        self._pipelined = PipelinedStep(module, pipeline, params, context)
+        self._tied = TiedGradients(self.model, split.tie_groups, pp_group) if split.tie_groups else None
+
+    @override
+    def _after_backward(self, optimizer: Optimizer) -> None:
+        if self._tied is not None:
+            self._tied.reduce()  # before the dp reduction: both are sums
+        super()._after_backward(optimizer)
+
+    @override
+    def _excluded_from_norm(self) -> set[int]:
+        return self._tied.excluded_from_norm() if self._tied is not None else set()
+
+    @override
+    def _stage_axes(self) -> tuple[str, ...]:
+        return (PP,) if self.parallel_dims.pp > 1 else ()
+
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipelined is not None:
+            # the schedule ran forward and backward inside the training step; hand over its gradients
+            assert self.lightning_module is not None
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+            self._pipelined.apply_gradients()
+            closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+            self.post_backward(closure_loss)
+            return closure_loss
         if self.parallel_dims.tp == 1:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         with loss_parallel():  # the vocabulary-parallel loss needs its own backward rules too
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    # ----- checkpoints: every stage contributes its layers, in the single-process format -----
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._split is None:
+            return super().lightning_module_state_dict()
+        assert self.model is not None
+        state = full_model_state_dict(self.model, every_rank=True)
+        everyone: list[Any] = [None] * self.parallel_dims.pp
+        dist.all_gather_object(everyone, state, group=self.device_mesh[PP].get_group())
+        merged: dict[str, Any] = {}
+        for part in everyone:
+            for key, value in part.items():
+                merged.setdefault(key, value)
+        return merged
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._split is None:
+            return super().load_model_state_dict(checkpoint, strict)
+        assert self.model is not None
+        mine = set(self.model.state_dict())
+        state = {k: v for k, v in checkpoint["state_dict"].items() if k in mine}
+        load_full_model_state_dict(self.model, state, strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        local = super().optimizer_state(optimizer)
+        if self._split is None:
+            return local
+        assert self.model is not None
+        return gather_pipeline_optimizer_state(
+            local, self._local_param_names(optimizer), self._split, self.device_mesh[PP].get_group()
+        )
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._split is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        states = []
+        for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):
+            names = self._local_param_names(optimizer)
+            states.append(pipeline_local_optimizer_state(full, names, self._split, self.device_mesh[PP].get_group()))
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
+
+    def _local_param_names(self, optimizer: Optimizer) -> list[list[str]]:
+        """The parameter names of each of ``optimizer``'s groups, as configure_optimizers built them."""
+        assert self.model is not None
+        names: dict[int, str] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+        flat = self._flat_zero(optimizer)
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        groups = flat.original_params if flat is not None else [g["params"] for g in raw.param_groups]
+        return [[names[id(p)] for p in group] for group in groups]
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("hybrid3d", cls, description="data x pipeline x tensor parallelism", override=True)
+
+
+def _check_virtual_stages(schedule: str, virtual: int | None) -> None:
+    if virtual is None:
+        return
+    _check_degree_arg("pp_virtual_stages", virtual)
+    fixed = {"gpipe": 1, "1f1b": 1, "zero_bubble": 2}.get(schedule)
+    if fixed is not None and virtual != fixed:
+        raise ValueError(
+            f"pp_virtual_stages={virtual} does not fit pp_schedule={schedule!r}, which runs {fixed} stage(s) per rank: "
+            "leave pp_virtual_stages unset, or use pp_schedule='interleaved_1f1b' for more stages per rank."
+        )
+    if schedule == "interleaved_1f1b" and virtual < 2:
+        raise ValueError(
+            "pp_virtual_stages=1 makes interleaved_1f1b plain 1F1B: set it to 2 or more, or use pp_schedule='1f1b'."
+        )
+
+
+def _full_tensor(loss_fn: Any) -> Any:
+    """The module's loss as a plain tensor when it comes out of a vocabulary-parallel computation."""
+
+    def loss(*args: Any, **kwargs: Any) -> Tensor:
+        value = loss_fn(*args, **kwargs)
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    return loss
 
 
 def _vocab_parallel(loss_fn: Any) -> Any:

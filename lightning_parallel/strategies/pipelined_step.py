@@ -1,0 +1,126 @@
+"""Lets a LightningModule's own steps drive a pipeline schedule, unchanged.
+
+Under pp > 1 no rank holds the whole model, so ``self(x)`` cannot return logits. Instead it returns a
+:class:`PipelineInput` that remembers ``x``, and ``self.loss(output, target)`` runs the schedule:
+
+- in training (gradients enabled): forward and backward of every microbatch happen inside the step,
+  because the schedule interleaves them. Lightning then zeroes gradients (first batch of an accumulation
+  window) and calls backward; so the fresh gradients are set aside here and added back when the strategy's
+  backward runs, exactly where plain autograd would have produced them;
+- in validation and test: forward only, the loss reduced to every pp rank;
+- anything else done with the output (``argmax`` in a predict step) runs the forward pipeline and hands
+  every rank the whole output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+from lightning_parallel.parallel.pipeline import Pipeline
+
+_TRAINING_USE = (
+    "Under pp > 1 the training step must pass the output of self(...) straight to self.loss(output, target): "
+    "the pipeline computes the loss on its last stage and runs the backward there. Compute anything else "
+    "inside loss(), or log it from validation_step."
+)
+
+
+class PipelineInput:
+    """What ``self(...)`` returns under pp > 1: the inputs of a pipeline run not yet made."""
+
+    def __init__(self, runner: PipelinedStep, args: tuple, kwargs: dict) -> None:
+        self._runner, self._args, self._kwargs = runner, args, kwargs
+
+    def materialize(self) -> Any:
+        if torch.is_grad_enabled():
+            raise TypeError(_TRAINING_USE)
+        return self._runner.pipeline.forward(self._args, self._kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.materialize(), name)
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        def real(x: Any) -> Any:
+            return x.materialize() if isinstance(x, PipelineInput) else x
+
+        return func(*[real(a) for a in args], **{k: real(v) for k, v in (kwargs or {}).items()})
+
+
+class PipelinedStep:
+    """Patches ``module.forward`` and ``module.loss`` so the module's steps run ``pipeline``.
+
+    Args:
+        module: the LightningModule (already split: it holds only this rank's stages).
+        pipeline: this rank's stages and schedule; its loss function is the module's original ``loss``.
+        params: the parameters of this rank's stages.
+        context: entered around every schedule run (the vocabulary-parallel loss context under tp).
+    """
+
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        pipeline: Pipeline,
+        params: list[nn.Parameter],
+        context: Callable[[], Any],
+    ) -> None:
+        self.module, self.pipeline, self.params, self.context = module, pipeline, params, context
+        self.original_loss = module.loss
+        self._pending: list[Tensor | None] | None = None
+        module.forward = self.capture
+        module.loss = self.loss
+
+    def capture(self, *args: Any, **kwargs: Any) -> PipelineInput:
+        return PipelineInput(self, args, kwargs)
+
+    def loss(self, output: Any, target: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if not isinstance(output, PipelineInput):
+            return self.original_loss(output, target, *args, **kwargs)
+        if args or kwargs:
+            raise TypeError("Under pp > 1, loss(output, target) takes no further arguments: fold them into loss().")
+        with self.context():
+            if torch.is_grad_enabled():
+                return self._train(output, target)
+            return self.pipeline.eval_loss(output._args, output._kwargs, target)
+
+    def _train(self, output: PipelineInput, target: Any) -> Tensor:
+        if self._pending is not None:
+            raise RuntimeError(
+                "Under pp > 1 each training step runs the pipeline once: call self.loss(self(x), y) once per step."
+            )
+        trainer = self.module._trainer
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        earlier = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        try:
+            loss = self.pipeline.train_step(output._args, output._kwargs, target, loss_scale=1.0 / accumulate)
+            self._pending = [p.grad for p in self.params]
+        finally:
+            for p, grad in zip(self.params, earlier):
+                p.grad = grad
+        return loss
+
+    def apply_gradients(self) -> None:
+        """Add the gradients the last training step computed (what ``loss.backward()`` would have done)."""
+        if self._pending is None:
+            raise RuntimeError("Under pp > 1 backward needs a loss from self.loss(self(x), y) in the training step.")
+        for p, fresh in zip(self.params, self._pending):
+            if fresh is None:
+                continue
+            if p.grad is None:
+                p.grad = fresh
+            elif p.grad.__class__ is not fresh.__class__ or getattr(p.grad, "placements", None) != getattr(
+                fresh, "placements", None
+            ):
+                p.grad = p.grad + fresh
+            else:
+                p.grad.add_(fresh)  # in place: the gradient may be a view into a flat buffer
+        self._pending = None
