@@ -110,3 +110,14 @@ def test_parity(layout, reference, tmp_path_factory):
 def test_parity_world8(layout, reference, tmp_path_factory):
     run = launch(tmp_path_factory, layout.spec, layout.world, PARITY_CASES)
     check_against_reference(run, reference, layout)
+
+
+def test_meta_device_build(reference, tmp_path_factory):
+    """Built in configure_model under pp: layers start on the meta device, each rank materializes its stage."""
+    layout = Layout(4, 2, 1, 2, zero=1)
+    cases = [{**PARITY_CASES[0], "meta": True}]
+    run = launch(tmp_path_factory, layout.spec, layout.world, cases, tag="meta")
+    for rank in range(layout.world):
+        assert run.case("plain", rank)["built_on"] == "meta", f"rank {rank} built real tensors"
+    assert_same_losses(run.losses("plain", [0]), reference.losses("plain"), "meta build")
+    assert_same_params(run.params("plain"), reference.params("plain"), "meta build")

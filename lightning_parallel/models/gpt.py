@@ -71,13 +71,41 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+def _layer_generator(index: int) -> torch.Generator:
+    """Random numbers for one layer's initial weights: from the global seed and the layer's position only,
+    so a layer gets the same weights whichever rank or pipeline stage materializes it."""
+    return torch.Generator().manual_seed((torch.initial_seed() * 1_000_003 + index) % 2**63)
+
+
+@torch.no_grad()
+def _normal_(tensor: Tensor, std: float, generator: torch.Generator) -> None:
+    # drawn on the host then copied, so every device type gets the same numbers
+    tensor.copy_(torch.randn(tensor.shape, generator=generator) * std)
+
+
+def _reset_linears_and_norms(module: nn.Module, generator: torch.Generator, residual_std: float) -> None:
+    """GPT-2's init: weights N(0, 0.02) (residual projections scaled down), biases 0, norms 1 and 0."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.Linear):
+            _normal_(sub.weight, residual_std if name.endswith("proj") else 0.02, generator)
+            if sub.bias is not None:
+                nn.init.zeros_(sub.bias)
+        elif isinstance(sub, nn.LayerNorm):
+            sub.reset_parameters()
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, index: int) -> None:
         super().__init__()
+        self.index = index  # position among the pipeline layers: seeds its initial weights
+        self.residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         self.ln_1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
+
+    def reset_parameters(self) -> None:
+        _reset_linears_and_norms(self, _layer_generator(self.index), self.residual_std)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -87,11 +115,18 @@ class Block(nn.Module):
 class Embedding(nn.Module):
     """Token plus position embeddings: the first pipeline layer."""
 
+    index = 0  # first pipeline layer
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.seq_len = cfg.seq_len
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def reset_parameters(self) -> None:
+        generator = _layer_generator(self.index)
+        _normal_(self.wte.weight, 0.02, generator)  # first draw: Head repeats it for a tied lm_head
+        _normal_(self.wpe.weight, 0.02, generator)
 
     def forward(self, idx: Tensor) -> Tensor:
         T = idx.shape[1]  # (B, T) token ids
@@ -105,8 +140,16 @@ class Head(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
+        self.index = cfg.n_layer + 1
+        self.tied = cfg.tie_weights
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def reset_parameters(self) -> None:
+        self.ln_f.reset_parameters()
+        # a tied head gets the embedding's values, also when a pipeline stage holds its own copy
+        generator = _layer_generator(Embedding.index if self.tied else self.index)
+        _normal_(self.lm_head.weight, 0.02, generator)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.lm_head(self.ln_f(x))  # (B, T, V)
@@ -117,21 +160,16 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, index=1 + i) for i in range(cfg.n_layer))
         self.head = Head(cfg)
         if cfg.tie_weights:
             self.head.lm_head.weight = self.embed.wte.weight
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):  # GPT-2's scaled init of residual projections
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if not self.embed.wte.weight.is_meta:  # on the meta device the strategy initializes each stage
+            self.reset_parameters()
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def reset_parameters(self) -> None:
+        for layer in self.layers():
+            layer.reset_parameters()
 
     def layers(self) -> list[nn.Module]:
         """The model as a sequence: embedding, blocks, head. Pipeline stages cut it between layers."""
@@ -148,7 +186,10 @@ class GPT(nn.Module):
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Tensor parallelism splits heads, the MLP and the vocabulary: each must divide by tp."""
-        cfg = self.cfg
+        self.check_tensor_parallel_config(self.cfg, tp)
+
+    @staticmethod
+    def check_tensor_parallel_config(cfg: GPTConfig, tp: int) -> None:
         for name, size in [("n_head", cfg.n_head), ("d_model", cfg.d_model), ("vocab_size", cfg.vocab_size)]:
             if size % tp:
                 raise ValueError(f"tp={tp} does not divide GPTConfig.{name}={size}: choose tp among its divisors.")

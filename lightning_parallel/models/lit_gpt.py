@@ -22,6 +22,8 @@ class LitGPT(pl.LightningModule):
         weight_decay: applied to weights of dimension >= 2.
         betas: AdamW betas.
         eps: AdamW epsilon.
+        build_in_configure_model: build the GPT in ``configure_model`` instead of here; under hybrid3d
+            with pp > 1 it is then built on the meta device and each rank materializes only its stages.
     """
 
     def __init__(
@@ -31,13 +33,19 @@ class LitGPT(pl.LightningModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
+        build_in_configure_model: bool = False,
     ) -> None:
         super().__init__()
         self.config = config or GPTConfig()
-        self.model = GPT(self.config)
+        self.model: GPT | None = None if build_in_configure_model else GPT(self.config)
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
 
+    def configure_model(self) -> None:
+        if self.model is None:  # the strategy's context decides the device (meta under pipelining)
+            self.model = GPT(self.config)
+
     def forward(self, idx: Tensor) -> Tensor:
+        assert self.model is not None, "the GPT is built in configure_model: run it through a Trainer"
         return self.model(idx)
 
     def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
@@ -69,6 +77,8 @@ class LitGPT(pl.LightningModule):
 
     def pipeline_layers(self) -> list[torch.nn.Module]:
         """The layers forward runs, in order: pipeline stages are contiguous runs of them."""
+        if self.model is None:
+            raise AttributeError("pipeline_layers: the GPT is built in configure_model")
         return self.model.layers()
 
     def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
@@ -77,7 +87,7 @@ class LitGPT(pl.LightningModule):
 
     def check_parallel_degrees(self, pp: int, tp: int) -> None:
         """Refuse degrees this model cannot split into, before any process group exists."""
-        self.model.check_tensor_parallel(tp)
+        GPT.check_tensor_parallel_config(self.config, tp)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         decay = [p for p in self.parameters() if p.dim() >= 2]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
@@ -167,7 +169,12 @@ class Hybrid3DStrategy(MeshStrategy):
                     "the layers forward runs in order, loss(output, target) the loss. Add them (see the README's "
                     "bring-your-own-model section) or set pp=1."
                 )
-            self._pipeline_partition(model)  # more stages than layers fails here
+            try:
+                self._pipeline_partition(model)  # more stages than layers fails here
+            except AttributeError:
+                if not is_overridden("configure_model", model):
+                    raise
+                # layers built in configure_model do not exist yet: checked when the model is split
         check = getattr(model, "check_parallel_degrees", None)
         if callable(check):
             check(pp=dims.pp, tp=dims.tp)
@@ -197,6 +204,7 @@ class Hybrid3DStrategy(MeshStrategy):
             ranks = stage_ranks_for(self.pp_schedule, len(partition), dims.pp)
             pp_rank = self.device_mesh[PP].get_local_rank()
             self._split = split_model(self.model, paths, partition, ranks, pp_rank)
+            self._materialize_stages()
         if dims.tp > 1:
             plan = module.tensor_parallel_plan(self.sequence_parallel)
             if dims.pp > 1:  # entries for layers other stages hold resolve to nothing here
@@ -204,6 +212,41 @@ class Hybrid3DStrategy(MeshStrategy):
             apply_tp(self.model, self.device_mesh[TP], plan)
             if callable(getattr(module, "loss", None)) and dims.pp == 1:  # under pp the pipeline wraps it
                 module.loss = _vocab_parallel(module.loss)
+
+    @override
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # under pp, configure_model builds on the meta device: each rank materializes only its stages
+        if self.parallel_dims.pp == 1:
+            yield
+            return
+        with torch.device("meta"):
+            yield
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if any(t.is_meta for t in (*self.model.parameters(), *self.model.buffers())):
+            return  # built on meta: each stage is materialized on the device once the model is split
+        super().model_to_device()
+
+    def _materialize_stages(self) -> None:
+        """Give this rank's stages real storage and initial values when they were built on meta."""
+        assert self._split is not None
+        for stage in self._split.stages.values():
+            tensors = [*stage.parameters(), *stage.buffers()]
+            if not any(t.is_meta for t in tensors):
+                continue
+            stage.to_empty(device=self.root_device)
+            for layer in stage.layers:
+                reset = getattr(layer, "reset_parameters", None)
+                if not callable(reset):
+                    raise TypeError(
+                        f"{type(layer).__name__} was built on the meta device but has no reset_parameters(): "
+                        "give each pipeline layer a reset_parameters() that initializes all its weights, or "
+                        "build the model in __init__ instead of configure_model."
+                    )
+                reset()
 
     @override
     def _parallelize_model(self) -> None:

@@ -5,7 +5,9 @@ several cases in sequence so the process start-up is paid once.
 
 Case keys: name, steps, global_batch, accumulate, clip, precision, seed, save (checkpoint path after
 fit), resume (ckpt_path for fit), memory (measure model-state bytes after the last step), validate,
-optimizer ("adamw" or "lbfgs"), expect_error (record the exception instead of failing).
+optimizer ("adamw" or "lbfgs"), expect_error (record the exception instead of failing), model ("gpt",
+"top_level" or "byo": the README's bring-your-own-model example), meta (build the GPT in
+configure_model).
 """
 
 from __future__ import annotations
@@ -29,22 +31,43 @@ from lightning_parallel.models import GPTConfig, LitGPT, SyntheticTokens
 from lightning_parallel.models.gpt import gpt_tp_plan
 from lightning_parallel.parallel.memory import model_state_bytes
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from byo_model import MLPClassifier, teacher_dataset  # noqa: E402  (the README's bring-your-own-model example)
+
 # tp up to 8 divides it; 6 blocks + embedding + head = 8 pipeline layers, enough for pp=8 or pp=4 x 2 stages
 TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=6, n_head=8, d_model=32)
 
 
-class RecordingGPT(LitGPT):
-    """LitGPT that keeps each micro-batch's local loss; optionally returns an optimizer we cannot shard."""
+class RecordLosses:
+    """Keeps each micro-batch's local loss as the training step returned it."""
 
-    def __init__(self, optimizer: str = "adamw", **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.optimizer_name = optimizer
-        self.losses: list[float] = []
+    losses: list[float]
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         self.losses.append(loss.item())
         return loss
+
+
+class RecordingBYO(RecordLosses, MLPClassifier):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.losses = []
+
+
+class RecordingGPT(RecordLosses, LitGPT):
+    """LitGPT recording its losses; optionally returns an optimizer we cannot shard."""
+
+    def __init__(self, optimizer: str = "adamw", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.optimizer_name = optimizer
+        self.losses: list[float] = []
+        self.built_on: str | None = None
+
+    def configure_model(self):
+        super().configure_model()
+        if self.built_on is None:  # the device the strategy had the layers created on
+            self.built_on = next(self.model.parameters()).device.type
 
     def configure_optimizers(self):
         if self.optimizer_name == "lbfgs":
@@ -139,14 +162,24 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     dp = world // ((degrees or {}).get("pp", 1) * (degrees or {}).get("tp", 1))
     micro = global_batch // (accumulate * dp)
     epoch_steps = case.get("epoch_steps", steps)
-    data = SyntheticTokens(num_samples=global_batch * epoch_steps, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
+    if case.get("model") == "byo":
+        data = teacher_dataset(global_batch * epoch_steps)
+        model = RecordingBYO(lr=case.get("lr", 1e-3))
+    else:
+        data = SyntheticTokens(num_samples=global_batch * epoch_steps, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
+        model_cls = TopLevelGPT if case.get("model") == "top_level" else RecordingGPT
+        # eps 1e-6, not torch's 1e-8: a coordinate whose gradient is at float32 rounding level gets an Adam
+        # update of pure rounding noise (one element of 4096 in blocks.4.mlp.proj ended 1.4e-5 apart under
+        # pp=2 x tp=2 and 5.4e-6 under Lightning's own ddp at world 4, every other element within 6e-7); that
+        # says nothing about a strategy, and a larger eps keeps such coordinates still
+        model = model_cls(
+            optimizer=case.get("optimizer", "adamw"),
+            config=TINY,
+            lr=case.get("lr", 1e-3),
+            eps=1e-6,
+            build_in_configure_model=bool(case.get("meta")),
+        )
     datamodule = ShardedData(data, micro)
-    model_cls = TopLevelGPT if case.get("model") == "top_level" else RecordingGPT
-    # eps 1e-6, not torch's 1e-8: a coordinate whose gradient is at float32 rounding level gets an Adam update
-    # of pure rounding noise (one element of 4096 in blocks.4.mlp.proj ended 1.4e-5 apart under pp=2 x tp=2
-    # and 5.4e-6 under Lightning's own ddp at world 4, every other element within 6e-7); that says nothing
-    # about a strategy, and a larger eps keeps such coordinates still
-    model = model_cls(optimizer=case.get("optimizer", "adamw"), config=TINY, lr=case.get("lr", 1e-3), eps=1e-6)
     num_params = sum(p.numel() for p in model.parameters())
     probe = MemoryProbe(steps)
     callbacks: list[pl.Callback] = [probe]
@@ -182,6 +215,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         result["traceback"] = traceback.format_exc()
         return result
     result["losses"] = model.losses
+    result["built_on"] = getattr(model, "built_on", None)
     result["memory"] = probe.bytes
     state = trainer.strategy.lightning_module_state_dict()
     if trainer.global_rank == 0:
