@@ -48,3 +48,13 @@ def launch(tmp_path_factory, strategy: str, world: int, cases: list[dict], tag: 
 def reference(tmp_path_factory) -> Run:
     """The single-process run every parity test compares against."""
     return launch(tmp_path_factory, "auto", 1, PARITY_CASES)
+
+
+@pytest.fixture(scope="session")
+def deep_reference(tmp_path_factory) -> Run:
+    """The single-process run for the 6-block GPT (8 pipeline layers) of the world-8 matrix."""
+    return launch(tmp_path_factory, "auto", 1, deep(PARITY_CASES), tag="deep")
+
+
+def deep(cases: list[dict]) -> list[dict]:
+    return [{**case, "deep": True} for case in cases]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import pytest
-from conftest import PARITY_CASES, launch
+from conftest import PARITY_CASES, deep, launch
 from parity import assert_same_losses, assert_same_params
 
 
@@ -18,6 +18,7 @@ class Layout(NamedTuple):
     schedule: str = "1f1b"
     sp: bool = False
     microbatches: int | None = None
+    balance: str = "uniform"
 
     @property
     def spec(self) -> str:
@@ -26,6 +27,8 @@ class Layout(NamedTuple):
             parts.append(f"pp_schedule={self.schedule}")
         if self.microbatches:
             parts.append(f"microbatches={self.microbatches}")
+        if self.balance != "uniform":
+            parts.append(f"pp_balance={self.balance}")
         if self.sp:
             parts.append("sequence_parallel=1")
         return "hybrid3d:" + ",".join(parts)
@@ -34,14 +37,15 @@ class Layout(NamedTuple):
     def id(self) -> str:
         name = f"w{self.world}-pp{self.pp}-dp{self.dp}-tp{self.tp}-zero{self.zero}"
         name += f"-{self.schedule}" if self.pp > 1 else ""
+        name += f"-{self.balance}" if self.balance != "uniform" else ""
         return name + ("-sp" if self.sp else "")
 
 
-def check_against_reference(run, reference, layout: Layout) -> None:
+def check_against_reference(run, reference, layout: Layout, cases: list[dict] = PARITY_CASES) -> None:
     """Losses, parameters and validation loss equal the single-process run's; every rank agrees."""
     world, tp, label = layout.world, layout.tp, layout.id
     dp_leaders = [d * tp for d in range(layout.dp)]  # one rank per dp index, on the first pipeline stage
-    for case in PARITY_CASES:
+    for case in cases:
         name = case["name"]
         for rank in range(world):  # every pp and tp rank of a dp index reports the same loss
             leader = rank % (layout.dp * tp) - rank % tp
@@ -50,9 +54,12 @@ def check_against_reference(run, reference, layout: Layout) -> None:
         param_abs = assert_same_params(run.params(name), reference.params(name), f"{label} {name}")
         print(f"{label} {name}: max loss rel diff {loss_rel:.1e}, max param abs diff {param_abs:.1e}")
     want_val = reference.case("plain")["val_loss"]
+    want_samples = reference.case("plain")["val_samples"]
     for rank in range(world):
         got_val = run.case("plain", rank)["val_loss"]
         assert abs(got_val - want_val) <= 1e-5 * want_val, f"{label} rank {rank} val_loss {got_val} != {want_val}"
+        # a torchmetrics metric syncs over dp only: pp and tp ranks share their dp index's samples
+        assert run.case("plain", rank)["val_samples"] == want_samples, f"{label} rank {rank} metric sync"
 
 
 LAYOUTS = [  # `make test`: dp x tp without pipeline, then every schedule with dp, tp and ZeRO beside it
@@ -65,12 +72,12 @@ LAYOUTS = [  # `make test`: dp x tp without pipeline, then every schedule with d
     Layout(4, 1, 4, 1),
     Layout(4, 1, 2, 2, zero=1, sp=True),
     Layout(2, 2, 1, 1, schedule="1f1b"),
-    Layout(4, 2, 1, 2, schedule="1f1b"),  # clipping and accumulation under pp=2, tp=2
+    Layout(4, 2, 1, 2, schedule="1f1b", microbatches=2),  # clipping and accumulation under pp=2, tp=2
     Layout(4, 2, 2, 1, zero=1, schedule="gpipe"),
     Layout(4, 2, 2, 1, zero=3, schedule="interleaved_1f1b"),
     Layout(4, 2, 2, 1, zero=2, schedule="zero_bubble"),
-    Layout(4, 4, 1, 1, schedule="interleaved_1f1b"),
-    Layout(4, 2, 1, 2, zero=0, schedule="zero_bubble", sp=True),
+    Layout(4, 4, 1, 1, balance="params"),
+    Layout(4, 2, 1, 2, zero=1, schedule="zero_bubble", sp=True, microbatches=2),
 ]
 
 _SCHEDULES = ["1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"]
@@ -96,7 +103,10 @@ def _world8() -> list[Layout]:
     return layouts
 
 
-WORLD8 = _world8() + [Layout(8, 2, 2, 2, zero=2, schedule="1f1b", sp=True)]
+WORLD8 = _world8() + [
+    Layout(8, 2, 2, 2, zero=2, schedule="1f1b", sp=True),
+    Layout(8, 4, 2, 1, zero=1, schedule="interleaved_1f1b", balance="params"),
+]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.id)
@@ -107,9 +117,9 @@ def test_parity(layout, reference, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", WORLD8, ids=lambda lay: lay.id)
-def test_parity_world8(layout, reference, tmp_path_factory):
-    run = launch(tmp_path_factory, layout.spec, layout.world, PARITY_CASES)
-    check_against_reference(run, reference, layout)
+def test_parity_world8(layout, deep_reference, tmp_path_factory):
+    run = launch(tmp_path_factory, layout.spec, layout.world, deep(PARITY_CASES))
+    check_against_reference(run, deep_reference, layout, deep(PARITY_CASES))
 
 
 def test_meta_device_build(reference, tmp_path_factory):

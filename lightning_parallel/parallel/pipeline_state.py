@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_parallel.parallel.pipeline import PipelineSplit
@@ -87,6 +88,6 @@ def pipeline_local_optimizer_state(
         param_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
         for i, name in zip(ids, names):
             entry = full["state"].get(full_index[split.canonical[name]])
-            if entry is not None:
-                state[i] = entry
+            if entry is not None:  # copied: tied copies on one rank must not share their moments
+                state[i] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
     return {"state": state, "param_groups": param_groups}

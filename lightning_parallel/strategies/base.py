@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_parallel.mesh import DP, MESH_AXES, ParallelDims
@@ -257,6 +258,7 @@ class MeshStrategy(ParallelStrategy):
         if self._parallelized is not self.model:  # validate/test after fit reuse the parallel model
             self._parallelize_model()
             self._parallelized = self.model
+            self._sync_metrics_over_dp()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -264,6 +266,14 @@ class MeshStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _sync_metrics_over_dp(self) -> None:
+        """torchmetrics sync over the whole world by default; pp and tp ranks would count a batch twice."""
+        assert self.model is not None
+        group = self.device_mesh[DP].get_group()
+        for module in self.model.modules():
+            if isinstance(module, Metric) and module.process_group is None:
+                module.process_group = group
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:

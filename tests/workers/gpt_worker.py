@@ -7,7 +7,7 @@ Case keys: name, steps, global_batch, accumulate, clip, precision, seed, save (c
 fit), resume (ckpt_path for fit), memory (measure model-state bytes after the last step), validate,
 optimizer ("adamw" or "lbfgs"), expect_error (record the exception instead of failing), model ("gpt",
 "top_level" or "byo": the README's bring-your-own-model example), meta (build the GPT in
-configure_model).
+configure_model), deep (6 blocks instead of 2).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, DistributedSampler
@@ -34,12 +35,15 @@ from lightning_parallel.parallel.memory import model_state_bytes
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from byo_model import MLPClassifier, teacher_dataset  # noqa: E402  (the README's bring-your-own-model example)
 
-# tp up to 8 divides it; 6 blocks + embedding + head = 8 pipeline layers, enough for pp=8 or pp=4 x 2 stages
-TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=6, n_head=8, d_model=32)
+# tp up to 8 divides it; 2 blocks + embedding + head = 4 pipeline layers (pp up to 4, or 2 x 2 stages)
+TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=8, d_model=32)
+# 8 pipeline layers: enough for pp=8, or pp=4 with 2 stages per rank (the world-8 matrix)
+DEEP = GPTConfig(vocab_size=64, seq_len=16, n_layer=6, n_head=8, d_model=32)
 
 
 class RecordLosses:
-    """Keeps each micro-batch's local loss as the training step returned it."""
+    """Keeps each micro-batch's local loss as the training step returned it, and counts validation samples
+    with a torchmetrics metric (its sync must count each sample once, whatever the layout)."""
 
     losses: list[float]
 
@@ -48,11 +52,16 @@ class RecordLosses:
         self.losses.append(loss.item())
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        self.val_samples.update(batch[0].shape[0])
+        return super().validation_step(batch, batch_idx)
+
 
 class RecordingBYO(RecordLosses, MLPClassifier):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.losses = []
+        self.val_samples = torchmetrics.SumMetric()
 
 
 class RecordingGPT(RecordLosses, LitGPT):
@@ -62,6 +71,7 @@ class RecordingGPT(RecordLosses, LitGPT):
         super().__init__(**kwargs)
         self.optimizer_name = optimizer
         self.losses: list[float] = []
+        self.val_samples = torchmetrics.SumMetric()
         self.built_on: str | None = None
 
     def configure_model(self):
@@ -72,6 +82,8 @@ class RecordingGPT(RecordLosses, LitGPT):
     def configure_optimizers(self):
         if self.optimizer_name == "lbfgs":
             return torch.optim.LBFGS(self.parameters())
+        if self.optimizer_name == "sgd":  # linear in the gradient: a wrong gradient scale shows at once
+            return torch.optim.SGD(self.parameters(), lr=0.5)
         return super().configure_optimizers()
 
 
@@ -84,6 +96,9 @@ class TopLevelGPT(RecordingGPT):
         gpt = self.model
         del self.model
         self.embed, self.blocks, self.head = gpt.embed, gpt.blocks, gpt.head
+
+    def configure_model(self):
+        pass  # built in __init__
 
     def forward(self, idx):
         x = self.embed(idx)
@@ -174,7 +189,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         # says nothing about a strategy, and a larger eps keeps such coordinates still
         model = model_cls(
             optimizer=case.get("optimizer", "adamw"),
-            config=TINY,
+            config=DEEP if case.get("deep") else TINY,
             lr=case.get("lr", 1e-3),
             eps=1e-6,
             build_in_configure_model=bool(case.get("meta")),
@@ -228,8 +243,10 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         predictions = trainer.predict(model, datamodule=datamodule)
         result["predicted_tokens"] = sum(p.numel() for p in predictions)
     if case.get("validate"):
+        model.val_samples.reset()
         metrics = trainer.validate(model, datamodule=datamodule, verbose=False)
         result["val_loss"] = metrics[0]["val_loss"]
+        result["val_samples"] = int(model.val_samples.compute().item())
     return result
 
 
