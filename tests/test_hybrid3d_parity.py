@@ -131,3 +131,15 @@ def test_meta_device_build(reference, tmp_path_factory):
         assert run.case("plain", rank)["built_on"] == "meta", f"rank {rank} built real tensors"
     assert_same_losses(run.losses("plain", [0]), reference.losses("plain"), "meta build")
     assert_same_params(run.params("plain"), reference.params("plain"), "meta build")
+
+
+def test_batchnorm_running_statistics_under_pipeline(tmp_path_factory):
+    """torch's shape inference runs stages on placeholder inputs; BatchNorm statistics must not see it."""
+    cases = [{"name": "vgg", "model": "vgg", "steps": 4, "validate": True}]
+    single = launch(tmp_path_factory, "auto", 1, cases, tag="vgg")
+    # one microbatch: BatchNorm's batch statistics then cover the same samples as in one process
+    run = launch(tmp_path_factory, "hybrid3d:pp=2,pp_schedule=gpipe,microbatches=1", 2, cases, tag="vgg")
+    assert_same_losses(run.losses("vgg", [0]), single.losses("vgg"), "vgg pp=2")
+    assert_same_params(run.params("vgg"), single.params("vgg"), "vgg pp=2 (running statistics included)")
+    want = single.case("vgg")["val_loss"]
+    assert abs(run.case("vgg", 1)["val_loss"] - want) <= 1e-5 * want

@@ -243,6 +243,26 @@ def _grad_like(p: nn.Parameter, local: Tensor) -> Tensor:
     return local
 
 
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` whose shape inference leaves running statistics alone.
+
+    To learn shapes, torch runs each stage once in train mode on placeholder inputs (uninitialized memory
+    on every stage but the first); BatchNorm would fold that run into its running statistics (NaN seen).
+    The buffers are restored right after.
+    """
+
+    def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(submodule, *args, **kwargs)
+        self._buffers_before = [b.detach().clone() for b in submodule.buffers()]
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        super()._post_metadata_inference_cleanup()
+        with torch.no_grad():
+            for buffer, before in zip(self.submod.buffers(), self._buffers_before):
+                buffer.copy_(before)
+        self._buffers_before = []
+
+
 def _signature(args: tuple, kwargs: dict, target: Any) -> tuple:
     def sig(x: Any) -> Any:
         return (tuple(x.shape), x.dtype) if isinstance(x, Tensor) else type(x).__name__
@@ -292,7 +312,7 @@ class Pipeline:
         key = (mode, _signature(args, kwargs, target))
         if key not in self._schedules:
             stages = [
-                PipelineStage(module, index, self.split.num_stages, self.device, group=self.group)
+                _Stage(module, index, self.split.num_stages, self.device, group=self.group)
                 for index, module in sorted(self.split.stages.items())
             ]
             loss_fn = None if mode == "forward" else self._microbatch_loss

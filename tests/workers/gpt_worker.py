@@ -6,7 +6,7 @@ several cases in sequence so the process start-up is paid once.
 Case keys: name, steps, global_batch, accumulate, clip, precision, seed, save (checkpoint path after
 fit), resume (ckpt_path for fit), memory (measure model-state bytes after the last step), validate,
 optimizer ("adamw" or "lbfgs"), expect_error (record the exception instead of failing), model ("gpt",
-"top_level" or "byo": the README's bring-your-own-model example), meta (build the GPT in
+"top_level", "byo": the README's bring-your-own-model example, or "vgg": BatchNorm), meta (build the GPT in
 configure_model), deep (6 blocks instead of 2).
 """
 
@@ -24,12 +24,14 @@ import torch
 import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_parallel  # noqa: F401  (registers the strategy names)
 from lightning_parallel import Hybrid3DStrategy
 from lightning_parallel.models import GPTConfig, LitGPT, SyntheticTokens
 from lightning_parallel.models.gpt import gpt_tp_plan
+from lightning_parallel.models.lit_vgg import LitVGG
+from lightning_parallel.models.vgg import VGGConfig
 from lightning_parallel.parallel.memory import model_state_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -62,6 +64,20 @@ class RecordingBYO(RecordLosses, MLPClassifier):
         super().__init__(**kwargs)
         self.losses = []
         self.val_samples = torchmetrics.SumMetric()
+
+
+class RecordingVGG(RecordLosses, LitVGG):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.losses = []
+        self.val_samples = torchmetrics.SumMetric()
+
+
+def random_images(num_samples: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(
+        torch.randn(num_samples, 3, 32, 32, generator=g), torch.randint(0, 10, (num_samples,), generator=g)
+    )
 
 
 class RecordingGPT(RecordLosses, LitGPT):
@@ -177,7 +193,10 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     dp = world // ((degrees or {}).get("pp", 1) * (degrees or {}).get("tp", 1))
     micro = global_batch // (accumulate * dp)
     epoch_steps = case.get("epoch_steps", steps)
-    if case.get("model") == "byo":
+    if case.get("model") == "vgg":  # BatchNorm: running statistics are buffers every stage must keep right
+        data = random_images(global_batch * epoch_steps)
+        model = RecordingVGG(config=VGGConfig(name="vgg11", width=8), lr=case.get("lr", 0.01))
+    elif case.get("model") == "byo":
         data = teacher_dataset(global_batch * epoch_steps)
         model = RecordingBYO(lr=case.get("lr", 1e-3))
     else:

@@ -1,0 +1,127 @@
+"""VGG image classification as an ordinary LightningModule, plus the protocol methods hybrid3d reads (its
+ordered layers, a channel-split TP plan, a degree check, the loss); it runs unchanged under "auto", "ddp"
+and the zero strategies."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
+
+_OPTIMIZERS = ("sgd", "adamw")
+
+
+class LitVGG(pl.LightningModule):
+    """Cross-entropy classification with SGD (momentum, Nesterov off) or AdamW; weight decay on conv and
+    Linear weights only (two param groups).
+
+    BatchNorm in training mode normalizes with the statistics of the batch it sees: under data parallelism
+    that is each rank's slice, under pipelining each microbatch. ``sync_batchnorm`` makes the statistics
+    those of the whole data-parallel batch again.
+
+    Args:
+        config: the model's shape.
+        optimizer: ``"sgd"`` (with ``momentum``) or ``"adamw"``.
+        lr: learning rate.
+        momentum: SGD momentum; AdamW keeps its default betas instead.
+        weight_decay: applied to weights of dimension >= 2.
+        sync_batchnorm: convert BatchNorm to SyncBatchNorm over the data-parallel group. The strategy does
+            it by calling :meth:`sync_batchnorm_modules` with that group. torch's SyncBatchNorm trains only on
+            CUDA, HPU or XPU devices: on CPU it raises whenever torch.distributed is initialized.
+        build_in_configure_model: build the VGG in ``configure_model`` instead of here; under hybrid3d
+            with pp > 1 it is then built on the meta device and each rank materializes only its stages.
+    """
+
+    def __init__(
+        self,
+        config: VGGConfig | None = None,
+        optimizer: str = "sgd",
+        lr: float = 0.05,
+        momentum: float = 0.9,
+        weight_decay: float = 5e-4,
+        sync_batchnorm: bool = False,
+        build_in_configure_model: bool = False,
+    ) -> None:
+        super().__init__()
+        if optimizer not in _OPTIMIZERS:
+            raise ValueError(f"LitVGG(optimizer={optimizer!r}) is not one of {_OPTIMIZERS}: pick one of them.")
+        self.config = config or VGGConfig()
+        self.model: VGG | None = None if build_in_configure_model else VGG(self.config)
+        self.optimizer_name, self.lr, self.momentum, self.weight_decay = optimizer, lr, momentum, weight_decay
+        self.sync_batchnorm = sync_batchnorm
+
+    def configure_model(self) -> None:
+        if self.model is None:  # the strategy's context decides the device (meta under pipelining)
+            self.model = VGG(self.config)
+
+    def forward(self, images: Tensor) -> Tensor:
+        assert self.model is not None, "the VGG is built in configure_model: run it through a Trainer"
+        return self.model(images)  # (B, 3, H, W) -> (B, num_classes)
+
+    def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(logits.float(), targets)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        images, targets = batch
+        loss = self.loss(self(images), targets)
+        # sync_dist: each data-parallel rank saw its own slice of the batch; log the global mean
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        images, targets = batch
+        logits = self(images)
+        loss = self.loss(logits, targets)
+        accuracy = (logits.argmax(dim=-1) == targets).float().mean()
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val_acc", accuracy, prog_bar=True, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        images, targets = batch
+        loss = self.loss(self(images), targets)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self(batch[0]).argmax(dim=-1)
+
+    # ----- the parallel protocol: what hybrid3d needs beyond an ordinary LightningModule -----
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The layers forward runs, in order: pipeline stages are contiguous runs of them."""
+        if self.model is None:
+            raise AttributeError("pipeline_layers: the VGG is built in configure_model")
+        return self.model.layers()
+
+    def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+        """Module path -> ParallelStyle on the tp axis: conv channels split in pairs, the head column-then-row."""
+        if sequence_parallel:
+            raise ValueError("LitVGG has no sequence dimension to split: set sequence_parallel=False.")
+        return vgg_tp_plan("model.", self.config)
+
+    def check_parallel_degrees(self, pp: int, tp: int) -> None:
+        """Refuse degrees this model cannot split into, before any process group exists."""
+        VGG.check_tensor_parallel_config(self.config, tp)
+
+    def sync_batchnorm_modules(self, process_group: ProcessGroup | None = None) -> None:
+        """Convert every BatchNorm to SyncBatchNorm over ``process_group`` (the data-parallel group), when
+        ``sync_batchnorm`` is set; parameters and running statistics are kept. Call it before sharding."""
+        if self.sync_batchnorm and self.model is not None:
+            self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model, process_group)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": self.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(groups, lr=self.lr)
+        return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum)
