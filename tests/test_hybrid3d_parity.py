@@ -34,6 +34,12 @@ class Layout(NamedTuple):
         return "hybrid3d:" + ",".join(parts)
 
     @property
+    def deep(self) -> bool:
+        """More stages than the 2-block GPT's 4 layers: use the 6-block one (8 layers)."""
+        per_rank = 2 if self.schedule in ("interleaved_1f1b", "zero_bubble") else 1
+        return self.pp * per_rank > 4
+
+    @property
     def id(self) -> str:
         name = f"w{self.world}-pp{self.pp}-dp{self.dp}-tp{self.tp}-zero{self.zero}"
         name += f"-{self.schedule}" if self.pp > 1 else ""
@@ -105,7 +111,7 @@ def _world8() -> list[Layout]:
 
 WORLD8 = _world8() + [
     Layout(8, 2, 2, 2, zero=2, schedule="1f1b", sp=True),
-    Layout(8, 4, 2, 1, zero=1, schedule="interleaved_1f1b", balance="params"),
+    Layout(8, 4, 2, 1, zero=1, schedule="interleaved_1f1b", balance="params", microbatches=4),
 ]
 
 
@@ -117,9 +123,11 @@ def test_parity(layout, reference, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", WORLD8, ids=lambda lay: lay.id)
-def test_parity_world8(layout, deep_reference, tmp_path_factory):
-    run = launch(tmp_path_factory, layout.spec, layout.world, deep(PARITY_CASES))
-    check_against_reference(run, deep_reference, layout, deep(PARITY_CASES))
+def test_parity_world8(layout, request, tmp_path_factory):
+    cases = deep(PARITY_CASES) if layout.deep else PARITY_CASES
+    reference = request.getfixturevalue("deep_reference" if layout.deep else "reference")
+    run = launch(tmp_path_factory, layout.spec, layout.world, cases)
+    check_against_reference(run, reference, layout, cases)
 
 
 def test_meta_device_build(reference, tmp_path_factory):
