@@ -1,0 +1,1 @@
+"""What the Hydra recipes share: config schemas, data, the training entry point and the launcher."""

@@ -1,0 +1,34 @@
+"""Train a GPT from Hydra configs: python recipes/train_gpt.py [group=option ...] [key=value ...]
+
+    python recipes/train_gpt.py                                   # tiny GPT, one process, Python's docs
+    python recipes/train_gpt.py strategy=zero3 trainer.devices=2
+    python recipes/train_gpt.py strategy=hybrid3d strategy.pp=2 strategy.tp=2 trainer.devices=8
+    torchrun --nproc-per-node 4 recipes/train_gpt.py strategy=zero2 trainer.devices=4
+
+The config groups live in conf/ (strategy, precision, model, data, trainer, checkpoint, experiment); the
+run directory gets metrics.json, logs and, with checkpoint.dir, checkpoints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from lightning_parallel.recipes.config import register_configs
+
+register_configs()
+
+
+@hydra.main(config_path="../conf", config_name="train_gpt", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    import lightning_parallel  # noqa: F401  (registers the strategy names)
+    from lightning_parallel.recipes.train import train
+
+    train(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+if __name__ == "__main__":
+    main()

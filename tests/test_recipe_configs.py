@@ -1,0 +1,68 @@
+"""Every config of every group composes against its schema and builds what it names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+import lightning_parallel  # noqa: F401
+from lightning_parallel.models import GPTConfig
+from lightning_parallel.recipes.config import register_configs
+from lightning_parallel.recipes.train import build_strategy, micro_batch_size
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = ["strategy", "precision", "model", "data", "trainer", "checkpoint"]
+
+register_configs()
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def compose_gpt(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train_gpt", overrides=list(overrides))
+
+
+@pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in options(g)])
+def test_every_option_composes_and_builds(group, option):
+    cfg = compose_gpt(f"{group}={option}")
+    GPTConfig(**{k: cfg.model[k] for k in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "dropout")})
+    strategy = build_strategy(cfg.strategy)
+    devices = max(cfg.trainer.devices, 8 if group == "strategy" and option.startswith("hybrid3d_") else 2)
+    if cfg.precision.value in ("32-true", "bf16-mixed") or strategy == "ddp":
+        pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision=cfg.precision.value, logger=False)
+    assert micro_batch_size(cfg, devices) >= 1
+
+
+@pytest.mark.parametrize("experiment", [p.stem for p in (CONF / "experiment").glob("*.yaml")])
+def test_every_experiment_composes(experiment):
+    cfg = compose_gpt(f"+experiment={experiment}")
+    pl.Trainer(accelerator="cpu", devices=cfg.trainer.devices, strategy=build_strategy(cfg.strategy), logger=False)
+
+
+@pytest.mark.parametrize(
+    ("override", "error"),
+    [
+        ("strategy.tpp=2", ConfigCompositionException),  # a misspelled key
+        ("strategy.tp=two", ConfigCompositionException),  # a wrong type
+        ("strategy=fsdp9", ConfigCompositionException),  # an option that does not exist
+    ],
+)
+def test_bad_overrides_fail_while_composing(override, error):
+    with pytest.raises((error, ConfigKeyError, ValidationError)):
+        compose_gpt(override)
+
+
+def test_bad_settings_name_the_key_and_the_fix():
+    with pytest.raises(ValueError, match=r"strategy.tp=2 needs strategy=hybrid3d"):
+        build_strategy(compose_gpt("strategy=zero2", "strategy.tp=2").strategy)
+    cfg = compose_gpt("strategy=hybrid3d", "strategy.tp=2", "data.global_batch_size=6")
+    with pytest.raises(ValueError, match=r"data.global_batch_size=6 does not split over dp=4"):
+        micro_batch_size(cfg, 8)

@@ -1,0 +1,67 @@
+"""recipes/train_gpt.py end to end: the default command, and the same training under other layouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "train_gpt.py"
+SHORT = ["trainer=debug", "trainer.max_steps=6", "sample_tokens=8"]
+
+
+def run_recipe(tmp_path: Path, *overrides: str, timeout: int = 300) -> dict:
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(RECIPE), *overrides, f"hydra.run.dir={run_dir}"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> dict:
+    return run_recipe(tmp_path_factory.mktemp("single"), *SHORT)
+
+
+def test_single_process_run_writes_its_metrics(single):
+    assert single["steps"] == 6 and single["layout"]["world_size"] == 1
+    assert single["final_train_loss"] < 5.6  # below a uniform guess over 256 bytes (ln 256 = 5.55)
+    assert single["final_val_loss"] is not None and single["throughput"] > 0
+    assert len(single["peak_memory_bytes"]) == 1 and "sample" in single
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["strategy=zero3", "trainer.devices=2"],
+        ["strategy=hybrid3d", "strategy.pp=2", "strategy.tp=2", "trainer.devices=4"],
+    ],
+    ids=["zero3-2", "hybrid3d-pp2-tp2"],
+)
+def test_same_final_loss_in_other_layouts(overrides, single, tmp_path):
+    got = run_recipe(tmp_path, *SHORT, *overrides)
+    want = single["final_train_loss"]
+    assert abs(got["final_train_loss"] - want) <= 1e-5 * want, (got["final_train_loss"], want)
+    assert got["layout"]["world_size"] == int(overrides[-1].split("=")[1])  # as the workers saw it
+    assert len(got["peak_memory_bytes"]) == got["layout"]["world_size"]
+
+
+@pytest.mark.slow
+def test_same_final_loss_at_world_8(single, tmp_path):
+    overrides = ["strategy=hybrid3d", "strategy.pp=2", "strategy.dp=2", "strategy.tp=2", "trainer.devices=8"]
+    got = run_recipe(tmp_path, *SHORT, *overrides, timeout=600)
+    assert abs(got["final_train_loss"] - single["final_train_loss"]) <= 1e-5 * single["final_train_loss"]
+    assert got["layout"] | {"precision": None} == {
+        "dp": 2,
+        "pp": 2,
+        "tp": 2,
+        "zero_stage": 0,
+        "precision": None,
+        "world_size": 8,
+    }
