@@ -65,3 +65,26 @@ def test_same_final_loss_at_world_8(single, tmp_path):
         "precision": None,
         "world_size": 8,
     }
+
+
+def test_sweep_jobs_run_with_their_own_world_size(tmp_path):
+    """-m over device counts: each job starts its own workers; the workers report the world size."""
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(RECIPE), "-m", *SHORT, "trainer.max_steps=2", "strategy=hybrid3d"]
+    cmd += ["trainer.devices=1,2,4", f"hydra.sweep.dir={sweep}"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    seen = [json.loads((sweep / str(job) / "metrics.json").read_text())["layout"]["world_size"] for job in range(3)]
+    assert seen == [1, 2, 4]
+    summary = (sweep / "summary.csv").read_text().splitlines()
+    assert len(summary) == 4 and summary[0].startswith("job,world_size")
+
+
+def test_bad_override_fails_before_any_worker_starts(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(RECIPE), "strategy=hybrid3d", "strategy.tp=3", "trainer.devices=6", "trainer=debug"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "tp=3 does not divide GPTConfig.n_head=8" in result.stderr + result.stdout
+    assert "Initializing distributed" not in result.stderr + result.stdout  # no worker ever started

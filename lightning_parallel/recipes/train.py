@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel import Hybrid3DStrategy, ZeroStrategy
 from lightning_parallel.models import GPTConfig, LitGPT
+from lightning_parallel.models.gpt import GPT
+from lightning_parallel.parallel.partition import check_stage_count
 from lightning_parallel.recipes.text_data import TokenWindows, load_tokens
 from lightning_parallel.strategies.pipelined_step import PipelineInput
 
@@ -89,6 +91,32 @@ def micro_batch_size(cfg: DictConfig, world: int) -> int:
             f"trainer.accumulate_grad_batches={accumulate}: make it a multiple of {dp * accumulate}."
         )
     return size
+
+
+def gpt_config(m: DictConfig) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=m.vocab_size,
+        seq_len=m.seq_len,
+        n_layer=m.n_layer,
+        n_head=m.n_head,
+        d_model=m.d_model,
+        mlp_ratio=m.mlp_ratio,
+        dropout=m.dropout,
+    )
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Everything that can be refused before a worker starts: names, degrees, sizes, batch splits."""
+    devices = cfg.trainer.devices
+    strategy = build_strategy(cfg.strategy)
+    config = gpt_config(cfg.model)
+    if isinstance(strategy, Hybrid3DStrategy):
+        dims = strategy._parallel_degrees(devices)
+        GPT.check_tensor_parallel_config(config, dims.tp)
+        check_stage_count(config.n_layer + 2, dims.pp * strategy.pp_virtual_stages, f"strategy.pp={dims.pp}")
+    elif devices < 2 and strategy != "ddp":
+        raise ValueError(f"strategy={cfg.strategy.name} shards over processes: set trainer.devices to 2 or more.")
+    micro_batch_size(cfg, devices)
 
 
 class TextData(pl.LightningDataModule):
