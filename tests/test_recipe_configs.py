@@ -66,3 +66,18 @@ def test_bad_settings_name_the_key_and_the_fix():
     cfg = compose_gpt("strategy=hybrid3d", "strategy.tp=2", "data.global_batch_size=6")
     with pytest.raises(ValueError, match=r"data.global_batch_size=6 does not split over dp=4"):
         micro_batch_size(cfg, 8)
+
+
+def test_model_warmup_raises_the_learning_rate_linearly():
+    from lightning_parallel.models import LitGPT
+
+    cfg = compose_gpt("model=gpt_tiny", "model.warmup_steps=4", "model.lr=1.0")
+    model = LitGPT(GPTConfig(n_layer=1), lr=cfg.model.lr, warmup_steps=cfg.model.warmup_steps)
+    conf = model.configure_optimizers()
+    optimizer, scheduler = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    seen = []
+    for _ in range(6):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]

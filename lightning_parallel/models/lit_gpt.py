@@ -4,6 +4,8 @@ zero strategies."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,8 @@ class LitGPT(pl.LightningModule):
         weight_decay: applied to weights of dimension >= 2.
         betas: AdamW betas.
         eps: AdamW epsilon.
+        warmup_steps: raise the learning rate linearly from lr / warmup_steps to lr over this many
+            optimizer steps (0: constant).
         build_in_configure_model: build the GPT in ``configure_model`` instead of here; under hybrid3d
             with pp > 1 it is then built on the meta device and each rank materializes only its stages.
     """
@@ -33,12 +37,14 @@ class LitGPT(pl.LightningModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
+        warmup_steps: int = 0,
         build_in_configure_model: bool = False,
     ) -> None:
         super().__init__()
         self.config = config or GPTConfig()
         self.model: GPT | None = None if build_in_configure_model else GPT(self.config)
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
+        self.warmup_steps = warmup_steps
 
     def configure_model(self) -> None:
         if self.model is None:  # the strategy's context decides the device (meta under pipelining)
@@ -89,11 +95,16 @@ class LitGPT(pl.LightningModule):
         """Refuse degrees this model cannot split into, before any process group exists."""
         GPT.check_tensor_parallel_config(self.config, tp)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> Any:
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
         groups = [
             {"params": decay, "weight_decay": self.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps)
+        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps)
+        if self.warmup_steps <= 0:
+            return optimizer
+        warmup = self.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

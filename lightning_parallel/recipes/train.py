@@ -207,7 +207,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         mlp_ratio=m.mlp_ratio,
         dropout=m.dropout,
     )
-    model = LitGPT(config, lr=m.lr, weight_decay=m.weight_decay, build_in_configure_model=True)
+    model = LitGPT(
+        config, lr=m.lr, weight_decay=m.weight_decay, warmup_steps=m.warmup_steps, build_in_configure_model=True
+    )
     callbacks: list[pl.Callback] = []
     if cfg.checkpoint.dir and cfg.checkpoint.every_n_steps > 0:
         callbacks.append(
