@@ -88,3 +88,16 @@ def test_bad_override_fails_before_any_worker_starts(tmp_path):
     assert result.returncode != 0
     assert "tp=3 does not divide GPTConfig.n_head=8" in result.stderr + result.stdout
     assert "Initializing distributed" not in result.stderr + result.stdout  # no worker ever started
+
+
+def test_runs_under_torchrun(single, tmp_path):
+    """`torchrun --nproc-per-node 2 recipes/train_gpt.py ...`: the recipe uses torchrun's processes."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(RECIPE), *SHORT]
+    cmd += ["strategy=zero2", "trainer.devices=2", f"hydra.run.dir={run_dir}"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    got = json.loads((run_dir / "metrics.json").read_text())
+    assert got["layout"]["world_size"] == 2
+    assert abs(got["final_train_loss"] - single["final_train_loss"]) <= 1e-5 * single["final_train_loss"]
