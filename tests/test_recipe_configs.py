@@ -81,3 +81,22 @@ def test_model_warmup_raises_the_learning_rate_linearly():
         optimizer.step()
         scheduler.step()
     assert seen == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["strategy=zero2", "strategy.microbatches=4"], r"strategy.microbatches=4 needs strategy=hybrid3d"),
+        (["strategy=ddp", "strategy.offload=true"], r"strategy=ddp keeps no state on the host"),
+    ],
+)
+def test_settings_a_strategy_would_ignore_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        build_strategy(compose_gpt(*overrides).strategy)
+
+
+def test_a_checkpoint_dir_without_a_period_is_refused():
+    from lightning_parallel.recipes.train import check_config
+
+    with pytest.raises(ValueError, match=r"checkpoint.every_n_steps=0 would save nothing"):
+        check_config(compose_gpt("checkpoint.dir=ckpts"))

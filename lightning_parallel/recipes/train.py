@@ -25,6 +25,7 @@ from lightning_parallel import Hybrid3DStrategy, ZeroStrategy
 from lightning_parallel.models import GPTConfig, LitGPT
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.parallel.partition import check_stage_count
+from lightning_parallel.recipes.config import StrategyConf
 from lightning_parallel.recipes.text_data import TokenWindows, load_tokens
 from lightning_parallel.strategies.pipelined_step import PipelineInput
 
@@ -48,10 +49,12 @@ def build_strategy(conf: DictConfig) -> Any:
             sequence_parallel=conf.sequence_parallel,
             offload=conf.offload,
         )
-    model_parallel = {"pp": conf.pp != 1, "tp": conf.tp != 1, "sequence_parallel": conf.sequence_parallel}
-    if any(model_parallel.values()):
-        set_ = ", ".join(f"strategy.{k}={conf[k]}" for k, on in model_parallel.items() if on)
-        raise ValueError(f"{set_} needs strategy=hybrid3d: strategy={name} only splits data.")
+    defaults = StrategyConf()
+    hybrid_only = ["dp", "pp", "tp", "pp_schedule", "microbatches", "pp_balance", "pp_virtual_stages"]
+    changed = [k for k in [*hybrid_only, "sequence_parallel"] if conf[k] != getattr(defaults, k)]
+    if changed:
+        set_ = ", ".join(f"strategy.{k}={conf[k]}" for k in changed)
+        raise ValueError(f"{set_} needs strategy=hybrid3d: strategy={name} only splits data, so it would ignore it.")
     if name in ZERO_NAMES:
         stage, offload = ZERO_NAMES[name]
         if conf.zero_stage not in (0, stage) or (conf.offload and not offload):
@@ -61,6 +64,8 @@ def build_strategy(conf: DictConfig) -> Any:
             )
         return ZeroStrategy(stage=stage, offload=offload)
     if name == "ddp":
+        if conf.offload:
+            raise ValueError("strategy=ddp keeps no state on the host (strategy.offload=true): use zero2_offload.")
         if conf.zero_stage:
             raise ValueError(
                 f"strategy=ddp does not shard (strategy.zero_stage={conf.zero_stage}): use strategy=zero1..3."
@@ -117,6 +122,11 @@ def check_config(cfg: DictConfig) -> None:
     elif devices < 2 and strategy != "ddp":
         raise ValueError(f"strategy={cfg.strategy.name} shards over processes: set trainer.devices to 2 or more.")
     micro_batch_size(cfg, devices)
+    if cfg.checkpoint.dir and cfg.checkpoint.every_n_steps <= 0:
+        raise ValueError(
+            f"checkpoint.dir={cfg.checkpoint.dir!r} with checkpoint.every_n_steps={cfg.checkpoint.every_n_steps} "
+            "would save nothing: set checkpoint.every_n_steps to a positive step count."
+        )
 
 
 class TextData(pl.LightningDataModule):
@@ -198,15 +208,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     strategy = build_strategy(cfg.strategy)
     micro = micro_batch_size(cfg, devices)
     m = cfg.model
-    config = GPTConfig(
-        vocab_size=m.vocab_size,
-        seq_len=m.seq_len,
-        n_layer=m.n_layer,
-        n_head=m.n_head,
-        d_model=m.d_model,
-        mlp_ratio=m.mlp_ratio,
-        dropout=m.dropout,
-    )
+    config = gpt_config(m)
     model = LitGPT(
         config, lr=m.lr, weight_decay=m.weight_decay, warmup_steps=m.warmup_steps, build_in_configure_model=True
     )

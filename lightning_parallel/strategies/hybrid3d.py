@@ -258,7 +258,8 @@ class Hybrid3DStrategy(MeshStrategy):
         split = self._split
         assert split is not None
         if self.zero_stage == 3:
-            for stage in split.stages.values():
+            self.fsdp_units = []
+            for index, stage in sorted(split.stages.items()):
                 # each layer is a unit; the stage is the root torch's schedules drive
                 units = [f"layers.{i}" for i in range(len(stage.layers))] + [""]
                 apply_fsdp(
@@ -268,7 +269,7 @@ class Hybrid3DStrategy(MeshStrategy):
                     offload=self.offload,
                     units=units,
                 )
-            self.fsdp_units = units
+                self.fsdp_units += [f"stage{index}.{u}" if u else f"stage{index}" for u in units]
         pp_group = self.device_mesh[PP].get_group()
         tp = self.parallel_dims.tp > 1
         # under tp the whole schedule runs in one loss_parallel context: its backward needs the rules too,

@@ -20,6 +20,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_parallel.parallel.pipeline import Pipeline
 
@@ -117,10 +118,8 @@ class PipelinedStep:
                 continue
             if p.grad is None:
                 p.grad = fresh
-            elif p.grad.__class__ is not fresh.__class__ or getattr(p.grad, "placements", None) != getattr(
-                fresh, "placements", None
-            ):
-                p.grad = p.grad + fresh
+            elif isinstance(p.grad, DTensor):
+                p.grad = p.grad + fresh  # DTensor addition also reconciles differing placements
             else:
-                p.grad.add_(fresh)  # in place: the gradient may be a view into a flat buffer
+                p.grad.add_(fresh)  # in place: the gradient may be a view into a ZeRO flat buffer
         self._pending = None
