@@ -9,7 +9,7 @@ install:
 	$(PYTHON) -m pip install --quiet -e ".[dev]"
 
 train: install
-	$(PYTHON) examples/train_zero.py
+	$(PYTHON) recipes/train_gpt.py
 
 test: install
 	$(PYTHON) -m pytest -m "not slow and not gpu" -q
@@ -18,5 +18,5 @@ test-full: install
 	$(PYTHON) -m pytest -m "not gpu" -q
 
 lint: install
-	$(PYTHON) -m ruff check lightning_parallel tests examples
-	$(PYTHON) -m ruff format --check lightning_parallel tests examples
+	$(PYTHON) -m ruff check lightning_parallel tests examples recipes
+	$(PYTHON) -m ruff format --check lightning_parallel tests examples recipes

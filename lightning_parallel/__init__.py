@@ -8,9 +8,17 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.strategies import Hybrid3DStrategy, MeshStrategy, ZeroStrategy
+from lightning_parallel.strategies.layer_sync import DataParallelSyncBatchNorm
 
 __version__ = "0.1.0"
-__all__ = ["Hybrid3DStrategy", "MeshStrategy", "ParallelDims", "ZeroStrategy", "register_strategies"]
+__all__ = [
+    "DataParallelSyncBatchNorm",
+    "Hybrid3DStrategy",
+    "MeshStrategy",
+    "ParallelDims",
+    "ZeroStrategy",
+    "register_strategies",
+]
 
 
 def register_strategies() -> None:

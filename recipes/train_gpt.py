@@ -25,12 +25,12 @@ register_configs()
 @hydra.main(config_path="../conf", config_name="train_gpt", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     import lightning_parallel  # noqa: F401  (registers the strategy names)
+    from lightning_parallel.recipes.gpt import check_config
     from lightning_parallel.recipes.launch import run
-    from lightning_parallel.recipes.train import check_config
 
     check_config(cfg)  # bad settings fail here, before any worker starts
     # trainer.devices > 1: this job starts its own workers (also inside a -m sweep); under torchrun it just runs
-    run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    run(cfg, Path(HydraConfig.get().runtime.output_dir), entry="lightning_parallel.recipes.gpt.train")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,10 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 import lightning_parallel  # noqa: F401
-from lightning_parallel.models import GPTConfig
+from lightning_parallel.models import GPTConfig, LitVGG
+from lightning_parallel.recipes.common import build_strategy, micro_batch_size
 from lightning_parallel.recipes.config import register_configs
-from lightning_parallel.recipes.train import build_strategy, micro_batch_size
+from lightning_parallel.recipes.vgg import scaled_lr, vgg_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ["strategy", "precision", "model", "data", "trainer", "checkpoint"]
@@ -25,15 +26,37 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-def compose_gpt(*overrides: str):
+def recipe_of(group: str, option: str) -> str:
+    """The recipe an option belongs to: model/ and data/ options extend one recipe's schema."""
+    text = (CONF / group / f"{option}.yaml").read_text()
+    return "train_vgg" if "vgg_schema" in text or "images_schema" in text else "train_gpt"
+
+
+def compose_recipe(recipe: str, *overrides: str):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="train_gpt", overrides=list(overrides))
+        return compose(config_name=recipe, overrides=list(overrides))
+
+
+def compose_gpt(*overrides: str):
+    return compose_recipe("train_gpt", *overrides)
+
+
+def compose_vgg(*overrides: str):
+    return compose_recipe("train_vgg", *overrides)
+
+
+def build_model(cfg) -> None:
+    if "vocab_size" in cfg.model:
+        GPTConfig(**{k: cfg.model[k] for k in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "dropout")})
+    else:
+        LitVGG(vgg_config(cfg.model), lr=scaled_lr(cfg), warmup_steps=cfg.model.warmup_steps)
 
 
 @pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_composes_and_builds(group, option):
-    cfg = compose_gpt(f"{group}={option}")
-    GPTConfig(**{k: cfg.model[k] for k in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "dropout")})
+    overrides = [f"{group}={option}"] + (["data.path=/nowhere"] if option == "cifar10" else [])
+    cfg = compose_recipe(recipe_of(group, option), *overrides)
+    build_model(cfg)
     strategy = build_strategy(cfg.strategy)
     devices = max(cfg.trainer.devices, 8 if group == "strategy" and option.startswith("hybrid3d_") else 2)
     if cfg.precision.value in ("32-true", "bf16-mixed") or strategy == "ddp":
@@ -41,10 +64,29 @@ def test_every_option_composes_and_builds(group, option):
     assert micro_batch_size(cfg, devices) >= 1
 
 
-@pytest.mark.parametrize("experiment", [p.stem for p in (CONF / "experiment").glob("*.yaml")])
+@pytest.mark.parametrize("experiment", options("experiment"))
 def test_every_experiment_composes(experiment):
-    cfg = compose_gpt(f"+experiment={experiment}")
+    cfg = compose_recipe("train_vgg" if "vgg" in experiment else "train_gpt", f"+experiment={experiment}")
+    build_model(cfg)
     pl.Trainer(accelerator="cpu", devices=cfg.trainer.devices, strategy=build_strategy(cfg.strategy), logger=False)
+
+
+@pytest.mark.parametrize("recipe", ["train_gpt", "train_vgg"])
+def test_each_recipe_composes_with_its_defaults(recipe):
+    cfg = compose_recipe(recipe)
+    build_model(cfg)
+    assert cfg.trainer.devices == 1 and cfg.strategy.name == "ddp"
+
+
+def test_a_model_of_the_other_recipe_is_refused_while_composing():
+    with pytest.raises((ConfigCompositionException, ConfigKeyError, ValidationError)):
+        compose_gpt("model=vgg11")
+
+
+def test_vgg_learning_rate_scales_linearly_with_the_global_batch():
+    cfg = compose_vgg("model.lr=0.1", "model.lr_reference_batch=256", "data.global_batch_size=1024")
+    assert scaled_lr(cfg) == pytest.approx(0.4)
+    assert scaled_lr(compose_vgg("model.lr=0.1", "model.lr_reference_batch=null")) == 0.1
 
 
 @pytest.mark.parametrize(
@@ -96,7 +138,16 @@ def test_settings_a_strategy_would_ignore_are_refused(overrides, message):
 
 
 def test_a_checkpoint_dir_without_a_period_is_refused():
-    from lightning_parallel.recipes.train import check_config
+    from lightning_parallel.recipes.gpt import check_config
 
     with pytest.raises(ValueError, match=r"checkpoint.every_n_steps=0 would save nothing"):
         check_config(compose_gpt("checkpoint.dir=ckpts"))
+
+
+def test_vgg_warmup_then_cosine_decay():
+    from lightning_parallel.models.lit_vgg import lr_factor
+
+    seen = [lr_factor(step, warmup_steps=2, total_steps=6, schedule="cosine") for step in range(7)]
+    assert seen[:3] == [0.5, 1.0, 1.0] and seen[-1] == pytest.approx(0.0)
+    assert all(a >= b for a, b in zip(seen[1:], seen[2:]))  # never rises after warmup
+    assert [lr_factor(s, 0, 6, "constant") for s in range(6)] == [1.0] * 6

@@ -68,25 +68,44 @@ def test_same_final_loss_at_world_8(single, tmp_path):
 
 
 def test_sweep_jobs_run_with_their_own_world_size(tmp_path):
-    """-m over device counts: each job starts its own workers; the workers report the world size."""
+    """-m over device counts and pipeline degrees: each job starts its own workers, and the world size the
+    workers report (from their process group, one peak-memory entry per rank) is the job's own."""
     sweep = tmp_path / "sweep"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(RECIPE), "-m", *SHORT, "trainer.max_steps=2", "strategy=hybrid3d"]
-    cmd += ["trainer.devices=1,2,4", f"hydra.sweep.dir={sweep}"]
+    cmd += ["trainer.devices=2,4", "strategy.pp=1,2", f"hydra.sweep.dir={sweep}"]
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    seen = [json.loads((sweep / str(job) / "metrics.json").read_text())["layout"]["world_size"] for job in range(3)]
-    assert seen == [1, 2, 4]
+    jobs = [json.loads((sweep / str(job) / "metrics.json").read_text()) for job in range(4)]
+    seen = [
+        (m["layout"]["world_size"], len(m["peak_memory_bytes"]), m["layout"]["pp"], m["layout"]["dp"]) for m in jobs
+    ]
+    assert seen == [(2, 2, 1, 2), (2, 2, 2, 1), (4, 4, 1, 4), (4, 4, 2, 2)]
     summary = (sweep / "summary.csv").read_text().splitlines()
-    assert len(summary) == 4 and summary[0].startswith("job,world_size")
+    assert len(summary) == 5 and summary[0].startswith("job,world_size")
+    assert all(row.split(",")[1] in ("2", "4") for row in summary[1:])  # every job listed with its figures
+    assert (sweep / "summary.png").stat().st_size > 10_000  # the throughput and memory plot
 
 
-def test_bad_override_fails_before_any_worker_starts(tmp_path):
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["strategy=hybrid3d", "strategy.tp=3", "trainer.devices=6"], "tp=3 does not divide GPTConfig.n_head=8"),
+        (
+            ["strategy=hybrid3d", "strategy.dp=2", "strategy.pp=2", "strategy.tp=2", "trainer.devices=4"],
+            "pp(2) * dp(2) * tp(2) = 8 != world_size(4)",
+        ),
+        (["strategy=fsdp9"], "Could not find 'strategy/fsdp9'"),
+        (["strategy.name=fsdp9"], "strategy='fsdp9' is unknown: use ddp"),
+    ],
+    ids=["tp-heads", "degrees-world", "unknown-strategy", "unknown-strategy-name"],
+)
+def test_bad_override_fails_before_any_worker_starts(tmp_path, overrides, message):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(RECIPE), "strategy=hybrid3d", "strategy.tp=3", "trainer.devices=6", "trainer=debug"]
+    cmd = [sys.executable, str(RECIPE), *overrides, "trainer=debug"]
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
-    assert "tp=3 does not divide GPTConfig.n_head=8" in result.stderr + result.stdout
+    assert message in result.stderr + result.stdout
     assert "Initializing distributed" not in result.stderr + result.stdout  # no worker ever started
 
 
@@ -101,3 +120,36 @@ def test_runs_under_torchrun(single, tmp_path):
     got = json.loads((run_dir / "metrics.json").read_text())
     assert got["layout"]["world_size"] == 2
     assert abs(got["final_train_loss"] - single["final_train_loss"]) <= 1e-5 * single["final_train_loss"]
+
+
+def test_the_readme_default_command_runs_as_written(tmp_path):
+    """`make train` runs `python recipes/train_gpt.py`: 200 steps on the default corpus, about a minute."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(RECIPE)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    (metrics_file,) = (tmp_path / "outputs").glob("*/*/metrics.json")
+    got = json.loads(metrics_file.read_text())
+    assert got["steps"] == 200 and got["final_val_loss"] < 3.0  # from 5.5, a uniform guess over 256 bytes
+    assert "--- sample ---" in result.stdout
+
+
+def test_ckpt_path_last_starts_fresh_then_resumes(tmp_path):
+    """The same command twice (as a preempted job would be rerun): the first starts from scratch, the
+    second continues from the newest checkpoint in checkpoint.dir."""
+    common = [*SHORT, "checkpoint=periodic", "checkpoint.every_n_steps=3", "ckpt_path=last"]
+    first = run_recipe(tmp_path, *common, "trainer.max_steps=6")
+    assert first["steps"] == 6 and (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    second = run_recipe(tmp_path, *common, "trainer.max_steps=9")
+    assert second["steps"] == 9
+    logged = (tmp_path / "run" / "logs" / "version_1" / "metrics.csv").read_text().splitlines()[1:]
+    steps = {int(line.split(",")[1]) for line in logged}
+    assert min(steps) >= 6 and max(steps) == 8  # the second run trained steps 7 to 9 only
+
+
+def test_ckpt_path_last_needs_a_checkpoint_dir(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(RECIPE), "ckpt_path=last", "trainer=debug"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "ckpt_path=last looks in checkpoint.dir" in result.stderr

@@ -3,6 +3,7 @@ a plain copy (two gloo processes), and the errors a user can configure into."""
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import lightning.pytorch as pl
@@ -13,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_parallel import DataParallelSyncBatchNorm
 from lightning_parallel.models.lit_vgg import LitVGG
 from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
 from lightning_parallel.parallel.conv_tp import (
@@ -21,6 +23,7 @@ from lightning_parallel.parallel.conv_tp import (
     ChannelOutParallel,
     check_conv_tp_plan,
 )
+from lightning_parallel.parallel.sync_batchnorm import SyncBatchNorm2d
 
 TOL = 1e-5
 # 8 convs (VGG11) and 13 (VGG16, odd: its first conv stays replicated); without BatchNorm the convs have biases
@@ -128,23 +131,27 @@ def test_check_names_in_channels_and_norm_features():
 
 
 def test_lit_vgg_protocol_and_options():
-    lit = LitVGG(tiny("vgg16"), sync_batchnorm=True)
+    lit = LitVGG(tiny("vgg16"))
     assert lit.pipeline_layers() == lit.model.layers() and len(lit.pipeline_layers()) == 14
     assert set(lit.tensor_parallel_plan()) == set(vgg_tp_plan("model.", lit.config))
     with pytest.raises(ValueError, match="no sequence dimension to split: set sequence_parallel=False"):
         lit.tensor_parallel_plan(sequence_parallel=True)
     with pytest.raises(ValueError, match=r"optimizer='lbfgs'"):
         LitVGG(optimizer="lbfgs")
+
+
+def test_lit_vgg_batchnorm_sync_is_the_trainers():
+    """No flag on the module: Trainer(sync_batchnorm=True) or the plugin swaps its BatchNorms (the strategy
+    does it before splitting the model); the swapped ones keep their tensors and the tp plan still applies."""
+    lit = LitVGG(tiny("vgg16"))
+    assert "sync_batchnorm" not in inspect.signature(LitVGG).parameters
     weight = lit.model.features[0].bn.weight
-    lit.sync_batchnorm_modules(process_group=None)
+    assert DataParallelSyncBatchNorm().apply(lit) is lit
     norms = [m for m in lit.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    assert len(norms) == 13 and all(isinstance(m, nn.SyncBatchNorm) for m in norms)
-    assert torch.equal(lit.model.features[0].bn.weight, weight)
-    plain = LitVGG(tiny("vgg11"))
-    plain.sync_batchnorm_modules(None)  # sync_batchnorm=False: nothing to do
-    assert isinstance(plain.model.features[0].bn, nn.BatchNorm2d) and not isinstance(
-        plain.model.features[0].bn, nn.SyncBatchNorm
-    )
+    assert len(norms) == 13 and all(type(m) is SyncBatchNorm2d for m in norms)
+    assert lit.model.features[0].bn.weight is weight
+    lit.check_parallel_degrees(pp=1, tp=8)  # ChannelNormParallel still takes the swapped BatchNorms
+    check_conv_tp_plan(lit, lit.tensor_parallel_plan(), tp=8)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])

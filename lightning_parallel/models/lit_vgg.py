@@ -4,16 +4,29 @@ and the zero strategies."""
 
 from __future__ import annotations
 
+import math
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
 
 _OPTIMIZERS = ("sgd", "adamw")
+_LR_SCHEDULES = ("constant", "cosine")
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """The learning rate at optimizer step ``step`` as a fraction of the peak: a linear warmup over
+    ``warmup_steps``, then constant or a cosine decay that reaches 0 at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class LitVGG(pl.LightningModule):
@@ -21,8 +34,11 @@ class LitVGG(pl.LightningModule):
     Linear weights only (two param groups).
 
     BatchNorm in training mode normalizes with the statistics of the batch it sees: under data parallelism
-    that is each rank's slice, under pipelining each microbatch. ``sync_batchnorm`` makes the statistics
-    those of the whole data-parallel batch again.
+    that is each rank's slice, under pipelining each microbatch. To make them those of the whole
+    data-parallel batch again, ask the Trainer, not this module: ``Trainer(sync_batchnorm=True)`` under
+    ``hybrid3d`` and ``zero*``, or ``Trainer(plugins=[DataParallelSyncBatchNorm()])`` under any strategy
+    (Lightning's ``ddp`` included, on CPU too; ``sync_batchnorm=True`` there means torch's SyncBatchNorm,
+    which trains only on GPUs). The strategy swaps the BatchNorms before it splits the model.
 
     Args:
         config: the model's shape.
@@ -30,9 +46,9 @@ class LitVGG(pl.LightningModule):
         lr: learning rate.
         momentum: SGD momentum; AdamW keeps its default betas instead.
         weight_decay: applied to weights of dimension >= 2.
-        sync_batchnorm: convert BatchNorm to SyncBatchNorm over the data-parallel group. The strategy does
-            it by calling :meth:`sync_batchnorm_modules` with that group. torch's SyncBatchNorm trains only on
-            CUDA, HPU or XPU devices: on CPU it raises whenever torch.distributed is initialized.
+        warmup_steps: raise the learning rate linearly from lr / warmup_steps to lr over this many optimizer
+            steps: large-batch training with a linearly scaled lr needs it (Goyal et al., 2017).
+        lr_schedule: after warmup, ``"constant"`` or ``"cosine"`` (decay to 0 at the Trainer's last step).
         build_in_configure_model: build the VGG in ``configure_model`` instead of here; under hybrid3d
             with pp > 1 it is then built on the meta device and each rank materializes only its stages.
     """
@@ -44,16 +60,19 @@ class LitVGG(pl.LightningModule):
         lr: float = 0.05,
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
-        sync_batchnorm: bool = False,
+        warmup_steps: int = 0,
+        lr_schedule: str = "constant",
         build_in_configure_model: bool = False,
     ) -> None:
         super().__init__()
         if optimizer not in _OPTIMIZERS:
             raise ValueError(f"LitVGG(optimizer={optimizer!r}) is not one of {_OPTIMIZERS}: pick one of them.")
+        if lr_schedule not in _LR_SCHEDULES:
+            raise ValueError(f"LitVGG(lr_schedule={lr_schedule!r}) is not one of {_LR_SCHEDULES}: pick one of them.")
         self.config = config or VGGConfig()
         self.model: VGG | None = None if build_in_configure_model else VGG(self.config)
         self.optimizer_name, self.lr, self.momentum, self.weight_decay = optimizer, lr, momentum, weight_decay
-        self.sync_batchnorm = sync_batchnorm
+        self.warmup_steps, self.lr_schedule = warmup_steps, lr_schedule
 
     def configure_model(self) -> None:
         if self.model is None:  # the strategy's context decides the device (meta under pipelining)
@@ -109,13 +128,7 @@ class LitVGG(pl.LightningModule):
         """Refuse degrees this model cannot split into, before any process group exists."""
         VGG.check_tensor_parallel_config(self.config, tp)
 
-    def sync_batchnorm_modules(self, process_group: ProcessGroup | None = None) -> None:
-        """Convert every BatchNorm to SyncBatchNorm over ``process_group`` (the data-parallel group), when
-        ``sync_batchnorm`` is set; parameters and running statistics are kept. Call it before sharding."""
-        if self.sync_batchnorm and self.model is not None:
-            self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model, process_group)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> torch.optim.Optimizer | dict:
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
         groups = [
@@ -123,5 +136,12 @@ class LitVGG(pl.LightningModule):
             {"params": no_decay, "weight_decay": 0.0},
         ]
         if self.optimizer_name == "adamw":
-            return torch.optim.AdamW(groups, lr=self.lr)
-        return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum)
+            optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=self.lr)
+        else:
+            optimizer = torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum)
+        if self.warmup_steps <= 0 and self.lr_schedule == "constant":
+            return optimizer
+        total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 0
+        warmup, schedule = self.warmup_steps, self.lr_schedule
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup, total, schedule))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

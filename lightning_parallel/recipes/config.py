@@ -1,10 +1,11 @@
 """Config schemas of the recipes, registered in Hydra's ConfigStore.
 
-Every YAML file under ``conf/<group>/`` starts from the group's schema here, so a misspelled key or a value
-of the wrong type fails when Hydra composes the config, before anything is launched. The keys are the
-stable CLI of the recipes (listed in shared/DESIGN.md): ``trainer.devices``, ``trainer.max_steps``,
-``strategy.dp|pp|tp|zero_stage|pp_schedule|microbatches``, ``precision=...``, ``data.global_batch_size``,
-``seed``, ``checkpoint.dir``, ``checkpoint.every_n_steps``, ``ckpt_path``.
+Every YAML file under ``conf/<group>/`` starts from a schema of its group here (``model/`` and ``data/``
+have one per recipe), so a misspelled key or a value of the wrong type fails when Hydra composes the
+config, before anything is launched. The keys are the stable CLI of the recipes (listed in
+shared/DESIGN.md): ``trainer.devices``, ``trainer.max_steps``, ``strategy.dp|pp|tp|zero_stage|pp_schedule|
+microbatches``, ``precision=...``, ``data.global_batch_size``, ``seed``, ``checkpoint.dir``,
+``checkpoint.every_n_steps``, ``ckpt_path``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,23 @@ class GPTModelConf:
 
 
 @dataclass
+class VGGModelConf:
+    name: str = "vgg11"  # vgg11 (8 convs) or vgg16 (13 convs); pipeline layers are the convs plus the head
+    width: int = 64  # channels of the first convs (the paper's 64); tp must divide it
+    num_classes: int = 10
+    image_size: int = 32  # a multiple of 32 (five max-pools)
+    batch_norm: bool = True
+    optimizer: str = "sgd"  # sgd (with momentum) or adamw
+    lr: float = 0.05  # the learning rate at lr_reference_batch samples per step
+    # linear scaling (Goyal et al., 2017): lr x data.global_batch_size / lr_reference_batch; None: lr as given
+    lr_reference_batch: int | None = 128
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    warmup_steps: int = 0  # linear warmup to the (scaled) lr: what keeps large scaled rates stable early on
+    lr_schedule: str = "cosine"  # after warmup: cosine decay to 0 at trainer.max_steps, or constant
+
+
+@dataclass
 class TextDataConf:
     kind: str = "text"  # "text": bytes of a UTF-8 file; "tokens": a pre-tokenized file of uint16 ids
     path: str | None = None  # None: a corpus built from text that ships with Python
@@ -62,8 +80,20 @@ class TextDataConf:
 
 
 @dataclass
+class ImageDataConf:
+    kind: str = "generated"  # "generated": a learnable 10-class set built here; "cifar10": a local copy
+    path: str | None = None  # cifar10: the cifar-10-batches-py folder (Python version) or its parent
+    global_batch_size: int = 64  # samples per optimizer step, whatever the layout
+    num_train: int = 10_000  # generated only: images in the train and validation sets
+    num_val: int = 1_000
+    augment: bool = True  # random crop (4-pixel padding) and horizontal flip on training images
+    num_workers: int = 0
+
+
+@dataclass
 class TrainerConf:
-    devices: int = 1
+    devices: int = 1  # processes per node
+    num_nodes: int = 1  # more than 1 needs processes started on every node: hydra/launcher=slurm or torchrun
     accelerator: str = "cpu"
     max_steps: int = 200
     log_every_n_steps: int = 10
@@ -73,6 +103,7 @@ class TrainerConf:
     accumulate_grad_batches: int = 1
     enable_progress_bar: bool = True
     logger: str = "csv"  # csv, tensorboard or none
+    sync_batchnorm: bool = False  # BatchNorm statistics over the whole dp batch instead of each rank's share
 
 
 @dataclass
@@ -92,23 +123,41 @@ class GPTRecipeConf:
     trainer: TrainerConf = MISSING
     checkpoint: CheckpointConf = MISSING
     seed: int = 0
-    ckpt_path: str | None = None
+    ckpt_path: str | None = None  # a checkpoint to resume from, or "last": the newest in checkpoint.dir
     sample_tokens: int = 200  # generated at the end of training; 0 for none
 
 
+@dataclass
+class VGGRecipeConf:
+    """The VGG recipe's root; conf/train_vgg.yaml picks each group's option."""
+
+    strategy: StrategyConf = MISSING
+    precision: PrecisionConf = MISSING
+    model: VGGModelConf = MISSING
+    data: ImageDataConf = MISSING
+    trainer: TrainerConf = MISSING
+    checkpoint: CheckpointConf = MISSING
+    seed: int = 0
+    ckpt_path: str | None = None  # a checkpoint to resume from, or "last": the newest in checkpoint.dir
+
+
+# (group, name) -> schema; a group with two recipes' options has one schema per kind
 SCHEMAS = {
-    "strategy": StrategyConf,
-    "precision": PrecisionConf,
-    "model": GPTModelConf,
-    "data": TextDataConf,
-    "trainer": TrainerConf,
-    "checkpoint": CheckpointConf,
+    ("strategy", "schema"): StrategyConf,
+    ("precision", "schema"): PrecisionConf,
+    ("model", "gpt_schema"): GPTModelConf,
+    ("model", "vgg_schema"): VGGModelConf,
+    ("data", "text_schema"): TextDataConf,
+    ("data", "images_schema"): ImageDataConf,
+    ("trainer", "schema"): TrainerConf,
+    ("checkpoint", "schema"): CheckpointConf,
 }
 
 
 def register_configs() -> None:
-    """Store each group's schema as ``<group>/schema`` (the YAML files extend it) and the recipe's root."""
+    """Store each group's schemas (the YAML files extend one) and the recipes' roots."""
     cs = ConfigStore.instance()
-    for group, schema in SCHEMAS.items():
-        cs.store(group=group, name="schema", node=schema)
-    cs.store(name="gpt_schema", node=GPTRecipeConf)
+    for (group, name), schema in SCHEMAS.items():
+        cs.store(group=group, name=name, node=schema)
+    cs.store(name="gpt_recipe_schema", node=GPTRecipeConf)
+    cs.store(name="vgg_recipe_schema", node=VGGRecipeConf)

@@ -21,6 +21,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -44,7 +45,9 @@ from lightning_parallel.parallel.state_dict import (
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
 )
+from lightning_parallel.parallel.sync_batchnorm import convert_sync_batchnorm
 from lightning_parallel.parallel.zero import FlatZero, check_shardable_optimizer
+from lightning_parallel.strategies.layer_sync import DataParallelSyncBatchNorm
 from lightning_parallel.strategies.precision import to_mesh_precision
 
 # every rank reduces every combination, present or not, so all ranks issue the same collectives
@@ -256,6 +259,7 @@ class MeshStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._parallelized is not self.model:  # validate/test after fit reuse the parallel model
+            self._sync_batchnorm_over_dp()  # before tp, pp and ZeRO-3 wrap the BatchNorms' parameters
             self._parallelize_model()
             self._parallelized = self.model
             self._sync_metrics_over_dp()
@@ -266,6 +270,25 @@ class MeshStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _sync_batchnorm_over_dp(self) -> None:
+        """Apply ``Trainer(sync_batchnorm=True)`` or a ``LayerSync`` plugin: BatchNorm statistics over the dp axis.
+
+        Lightning's ``TorchSyncBatchNorm`` (what ``sync_batchnorm=True`` sets) would use torch's SyncBatchNorm,
+        which trains only on GPUs and syncs over the whole world, pp and tp ranks included (tp ranks hold other
+        channels): ours syncs over the dp group on any device. A plugin with its own group, or another
+        ``LayerSync``, is applied as given. Conversion is part of parallelizing: validation after fit reuses it,
+        and nothing reverts it (the model stays split after fit too); eval mode runs the plain BatchNorm.
+        """
+        sync = self._layer_sync
+        if sync is None:
+            return
+        assert self.model is not None
+        default = type(sync) is TorchSyncBatchNorm
+        if default or (isinstance(sync, DataParallelSyncBatchNorm) and sync.process_group is None):
+            self.model = convert_sync_batchnorm(self.model, self.device_mesh[DP].get_group())
+        else:
+            self.model = sync.apply(self.model)
 
     def _sync_metrics_over_dp(self) -> None:
         """torchmetrics sync over the whole world by default; pp and tp ranks would count a batch twice."""

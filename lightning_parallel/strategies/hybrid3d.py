@@ -214,6 +214,16 @@ class Hybrid3DStrategy(MeshStrategy):
                 module.loss = _vocab_parallel(module.loss)
 
     @override
+    def _sync_batchnorm_over_dp(self) -> None:
+        if self._layer_sync is not None and self.parallel_dims.pp > 1 and self.microbatches != 1:
+            rank_zero_warn(
+                f"sync_batchnorm with pp={self.parallel_dims.pp} and microbatches={self.microbatches}: BatchNorm "
+                "statistics cover one microbatch of every dp rank, not the whole batch. Set microbatches=1 for "
+                "the whole batch's statistics (the pipeline then runs its stages one after another)."
+            )
+        super()._sync_batchnorm_over_dp()
+
+    @override
     @contextlib.contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         # under pp, configure_model builds on the meta device: each rank materializes only its stages

@@ -6,8 +6,9 @@ several cases in sequence so the process start-up is paid once.
 Case keys: name, steps, global_batch, accumulate, clip, precision, seed, save (checkpoint path after
 fit), resume (ckpt_path for fit), memory (measure model-state bytes after the last step), validate,
 optimizer ("adamw" or "lbfgs"), expect_error (record the exception instead of failing), model ("gpt",
-"top_level", "byo": the README's bring-your-own-model example, or "vgg": BatchNorm), meta (build the GPT in
-configure_model), deep (6 blocks instead of 2).
+"top_level", "byo": the README's bring-your-own-model example, or "vgg": BatchNorm), meta (build the GPT or VGG
+in configure_model), deep (6 blocks instead of 2), sync_bn ("trainer": Trainer(sync_batchnorm=True), "plugin":
+Trainer(plugins=[DataParallelSyncBatchNorm()])).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_parallel  # noqa: F401  (registers the strategy names)
-from lightning_parallel import Hybrid3DStrategy
+from lightning_parallel import DataParallelSyncBatchNorm, Hybrid3DStrategy
 from lightning_parallel.models import GPTConfig, LitGPT, SyntheticTokens
 from lightning_parallel.models.gpt import gpt_tp_plan
 from lightning_parallel.models.lit_vgg import LitVGG
@@ -195,7 +196,11 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     epoch_steps = case.get("epoch_steps", steps)
     if case.get("model") == "vgg":  # BatchNorm: running statistics are buffers every stage must keep right
         data = random_images(global_batch * epoch_steps)
-        model = RecordingVGG(config=VGGConfig(name="vgg11", width=8), lr=case.get("lr", 0.01))
+        model = RecordingVGG(
+            config=VGGConfig(name="vgg11", width=8),
+            lr=case.get("lr", 0.01),
+            build_in_configure_model=bool(case.get("meta")),
+        )
     elif case.get("model") == "byo":
         data = teacher_dataset(global_batch * epoch_steps)
         model = RecordingBYO(lr=case.get("lr", 1e-3))
@@ -238,6 +243,8 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         log_every_n_steps=1,
         callbacks=callbacks,
         use_distributed_sampler=False,
+        sync_batchnorm=case.get("sync_bn") == "trainer",
+        plugins=[DataParallelSyncBatchNorm()] if case.get("sync_bn") == "plugin" else None,
     )
     result: dict = {"name": case["name"], "num_params": num_params}
     try:

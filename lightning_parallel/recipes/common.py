@@ -1,0 +1,218 @@
+"""What the GPT and VGG recipes share: the strategy from ``strategy=...``, the batch split over dp, the
+checks that run before any worker starts, the Trainer, and ``metrics.json``."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from omegaconf import DictConfig
+
+from lightning_parallel import Hybrid3DStrategy, ZeroStrategy
+from lightning_parallel.parallel.partition import check_stage_count
+from lightning_parallel.recipes.config import StrategyConf
+
+ZERO_NAMES = {"zero1": (1, False), "zero2": (2, False), "zero3": (3, False)}
+ZERO_NAMES |= {"zero2_offload": (2, True), "zero3_offload": (3, True)}
+
+
+def build_strategy(conf: DictConfig) -> Any:
+    """The strategy object (or Lightning's name) for ``strategy=...``; settings it cannot use are refused."""
+    name = conf.name
+    if name == "hybrid3d":
+        return Hybrid3DStrategy(
+            dp=conf.dp,
+            pp=conf.pp,
+            tp=conf.tp,
+            zero_stage=conf.zero_stage,
+            pp_schedule=conf.pp_schedule,
+            microbatches=conf.microbatches,
+            pp_balance=conf.pp_balance,
+            pp_virtual_stages=conf.pp_virtual_stages,
+            sequence_parallel=conf.sequence_parallel,
+            offload=conf.offload,
+        )
+    defaults = StrategyConf()
+    hybrid_only = ["dp", "pp", "tp", "pp_schedule", "microbatches", "pp_balance", "pp_virtual_stages"]
+    changed = [k for k in [*hybrid_only, "sequence_parallel"] if conf[k] != getattr(defaults, k)]
+    if changed:
+        set_ = ", ".join(f"strategy.{k}={conf[k]}" for k in changed)
+        raise ValueError(f"{set_} needs strategy=hybrid3d: strategy={name} only splits data, so it would ignore it.")
+    if name in ZERO_NAMES:
+        stage, offload = ZERO_NAMES[name]
+        if conf.zero_stage not in (0, stage) or (conf.offload and not offload):
+            raise ValueError(
+                f"strategy={name} is ZeRO stage {stage}: pick strategy=zero{conf.zero_stage} instead of setting "
+                "strategy.zero_stage, or use strategy=hybrid3d with strategy.zero_stage."
+            )
+        return ZeroStrategy(stage=stage, offload=offload)
+    if name == "ddp":
+        if conf.offload:
+            raise ValueError("strategy=ddp keeps no state on the host (strategy.offload=true): use zero2_offload.")
+        if conf.zero_stage:
+            raise ValueError(
+                f"strategy=ddp does not shard (strategy.zero_stage={conf.zero_stage}): use strategy=zero1..3."
+            )
+        return "ddp"
+    raise ValueError(
+        f"strategy={name!r} is unknown: use ddp, {', '.join(ZERO_NAMES)} or hybrid3d (conf/strategy/ lists presets)."
+    )
+
+
+def world_size(cfg: DictConfig) -> int:
+    """Processes in the job: ``trainer.devices`` on each of ``trainer.num_nodes`` nodes."""
+    return cfg.trainer.devices * cfg.trainer.num_nodes
+
+
+def data_parallel_size(conf: DictConfig, world: int) -> int:
+    """How many different batches one optimizer step sees: the world size minus what pp and tp take."""
+    if conf.name != "hybrid3d":
+        return world
+    if conf.dp != "auto":
+        return int(conf.dp)
+    return max(1, world // (conf.pp * conf.tp))
+
+
+def micro_batch_size(cfg: DictConfig, world: int) -> int:
+    """Samples per dp rank per forward so that one optimizer step sees ``data.global_batch_size``."""
+    dp = data_parallel_size(cfg.strategy, world)
+    accumulate = cfg.trainer.accumulate_grad_batches
+    size, rest = divmod(cfg.data.global_batch_size, dp * accumulate)
+    if rest or size == 0:
+        raise ValueError(
+            f"data.global_batch_size={cfg.data.global_batch_size} does not split over dp={dp} x "
+            f"trainer.accumulate_grad_batches={accumulate}: make it a multiple of {dp * accumulate}."
+        )
+    return size
+
+
+def check_run_settings(cfg: DictConfig, num_layers: int) -> Any:
+    """The checks every recipe runs before a worker starts; returns the strategy (checked, not yet used).
+
+    Args:
+        cfg: the composed recipe config.
+        num_layers: how many pipeline layers the model has (``strategy.pp`` stages cut between them).
+    """
+    world = world_size(cfg)
+    strategy = build_strategy(cfg.strategy)
+    micro = micro_batch_size(cfg, world)
+    if isinstance(strategy, Hybrid3DStrategy):
+        dims = strategy._parallel_degrees(world)
+        check_stage_count(num_layers, dims.pp * strategy.pp_virtual_stages, f"strategy.pp={dims.pp}")
+        if dims.pp > 1 and micro % strategy.microbatches:
+            raise ValueError(
+                f"strategy.microbatches={strategy.microbatches} does not divide the {micro} samples each dp rank "
+                f"gets per step (data.global_batch_size={cfg.data.global_batch_size} over dp={dims.dp}): "
+                "pick a divisor of it or change data.global_batch_size."
+            )
+    elif world < 2 and strategy != "ddp":
+        raise ValueError(f"strategy={cfg.strategy.name} shards over processes: set trainer.devices to 2 or more.")
+    if cfg.checkpoint.dir and cfg.checkpoint.every_n_steps <= 0:
+        raise ValueError(
+            f"checkpoint.dir={cfg.checkpoint.dir!r} with checkpoint.every_n_steps={cfg.checkpoint.every_n_steps} "
+            "would save nothing: set checkpoint.every_n_steps to a positive step count."
+        )
+    if cfg.ckpt_path == "last" and not cfg.checkpoint.dir:
+        raise ValueError("ckpt_path=last looks in checkpoint.dir, which is not set: add checkpoint=periodic.")
+    if cfg.ckpt_path not in (None, "last") and not Path(cfg.ckpt_path).exists():
+        raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path!r} does not exist: give a saved checkpoint, or last.")
+    return strategy
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
+    """The Trainer the recipe's ``trainer``, ``precision`` and ``checkpoint`` groups describe."""
+    t = cfg.trainer
+    callbacks: list[pl.Callback] = list(kwargs.pop("callbacks", []))
+    if cfg.checkpoint.dir:
+        every = cfg.checkpoint.every_n_steps
+        callbacks.append(ModelCheckpoint(dirpath=cfg.checkpoint.dir, every_n_train_steps=every, save_last=True))
+    return pl.Trainer(
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=build_strategy(cfg.strategy),
+        precision=cfg.precision.value,
+        max_steps=t.max_steps,
+        log_every_n_steps=t.log_every_n_steps,
+        val_check_interval=min(t.val_check_interval, t.max_steps),
+        check_val_every_n_epoch=None,
+        limit_val_batches=t.limit_val_batches,
+        gradient_clip_val=t.gradient_clip_val,
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        enable_progress_bar=t.enable_progress_bar,
+        enable_checkpointing=bool(cfg.checkpoint.dir),
+        logger=_logger(t.logger, run_dir),
+        callbacks=callbacks,
+        use_distributed_sampler=False,  # the data modules split each global batch over the dp axis themselves
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+
+
+def _logger(kind: str, run_dir: Path) -> Any:
+    if kind == "csv":
+        return CSVLogger(run_dir, name="logs")
+    if kind == "tensorboard":
+        return TensorBoardLogger(run_dir, name="tb")
+    if kind == "none":
+        return False
+    raise ValueError(f"trainer.logger={kind!r} is unknown: use csv, tensorboard or none.")
+
+
+def sampler_kwargs(trainer: pl.Trainer) -> dict[str, int]:
+    """``num_replicas`` and ``rank`` along the dp axis: pp and tp ranks of one dp rank read the same samples."""
+    return getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # peak resident memory of this process
+
+
+def all_ranks(value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order (collective)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_step: int, unit: str) -> dict[str, Any]:
+    """The metrics.json fields of shared/DESIGN.md, from what the workers saw (collective)."""
+    logged = trainer.callback_metrics
+    steps = trainer.global_step
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    layout = {
+        "dp": dims.dp if dims else trainer.world_size,
+        "pp": dims.pp if dims else 1,
+        "tp": dims.tp if dims else 1,
+        "zero_stage": getattr(trainer.strategy, "zero_stage", 0),
+        "precision": cfg.precision.value,
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,  # as the workers saw it
+    }
+    return {
+        "final_train_loss": float(logged["train_loss"]) if "train_loss" in logged else None,
+        "final_val_loss": float(logged["val_loss"]) if "val_loss" in logged else None,
+        "throughput": steps * items_per_step / wall,
+        "throughput_unit": unit,
+        "peak_memory_bytes": all_ranks(peak_memory_bytes(trainer.strategy.root_device)),
+        "layout": layout,
+        "steps": steps,
+        "wall_seconds": wall,
+    }
+
+
+def write_metrics(trainer: pl.Trainer, metrics: dict[str, Any], run_dir: Path) -> None:
+    if trainer.global_rank == 0:
+        (Path(run_dir) / "metrics.json").write_text(json.dumps(metrics, indent=2))

@@ -1,0 +1,125 @@
+"""The GPT recipe's ``train(cfg, run_dir)``, what recipes/train_gpt.py runs in each worker process: a
+LitGPT on byte-level text, trained with the strategy, precision and checkpointing the config picks; it
+writes ``metrics.json`` (the fields listed in shared/DESIGN.md) and prints a generated sample.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_parallel import Hybrid3DStrategy
+from lightning_parallel.models import GPTConfig, LitGPT
+from lightning_parallel.models.gpt import GPT
+from lightning_parallel.recipes.common import (
+    build_trainer,
+    check_run_settings,
+    micro_batch_size,
+    run_metrics,
+    sampler_kwargs,
+    world_size,
+    write_metrics,
+)
+from lightning_parallel.recipes.text_data import TokenWindows, load_tokens
+from lightning_parallel.strategies.pipelined_step import PipelineInput
+
+
+def gpt_config(m: DictConfig) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=m.vocab_size,
+        seq_len=m.seq_len,
+        n_layer=m.n_layer,
+        n_head=m.n_head,
+        d_model=m.d_model,
+        mlp_ratio=m.mlp_ratio,
+        dropout=m.dropout,
+    )
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Everything that can be refused before a worker starts: names, degrees, sizes, batch splits."""
+    strategy = check_run_settings(cfg, num_layers=cfg.model.n_layer + 2)  # embedding, blocks, head
+    if isinstance(strategy, Hybrid3DStrategy):
+        GPT.check_tensor_parallel_config(gpt_config(cfg.model), strategy._parallel_degrees(world_size(cfg)).tp)
+
+
+class TextData(pl.LightningDataModule):
+    """Train and validation windows of the corpus; each dp rank reads its share of every global batch."""
+
+    def __init__(self, cfg: DictConfig, micro_batch: int, cache_dir: Path) -> None:
+        super().__init__()
+        self.cfg, self.micro_batch, self.cache_dir = cfg, micro_batch, cache_dir
+
+    def setup(self, stage: str) -> None:
+        tokens = load_tokens(self.cfg.data.kind, self.cfg.data.path, self.cache_dir)
+        if self.cfg.data.kind == "tokens" and int(tokens.max()) >= self.cfg.model.vocab_size:
+            raise ValueError(
+                f"data.path holds token id {int(tokens.max())} >= model.vocab_size={self.cfg.model.vocab_size}: "
+                "set model.vocab_size to the tokenizer's vocabulary size."
+            )
+        seq, frac = self.cfg.model.seq_len, self.cfg.data.val_fraction
+        self.train_set = TokenWindows(tokens, seq, "train", frac)
+        self.val_set = TokenWindows(tokens, seq, "val", frac)
+
+    def _loader(self, dataset: TokenWindows, shuffle: bool) -> DataLoader:
+        kwargs = sampler_kwargs(self.trainer)
+        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=self.cfg.seed, drop_last=True, **kwargs)
+        return DataLoader(
+            dataset, batch_size=self.micro_batch, sampler=sampler, num_workers=self.cfg.data.num_workers, drop_last=True
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+
+@torch.no_grad()
+def generate(model: LitGPT, prompt: bytes, tokens: int, temperature: float = 0.8, seed: int = 0) -> bytes:
+    """A sampled continuation of ``prompt`` (``temperature`` 0: greedy), runnable under every layout
+    (collective under pp and tp). Every rank draws the same bytes: the logits are whole on every rank and
+    the generator is seeded alike."""
+    seq_len = model.config.seq_len
+    idx = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
+    generator = torch.Generator().manual_seed(seed)
+    model.eval()
+    for _ in range(tokens):
+        out = model(idx[:, -seq_len:])
+        logits = out.materialize() if isinstance(out, PipelineInput) else out
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        last = logits[:, -1].float().cpu()  # (1, vocab)
+        if temperature <= 0:
+            token = last.argmax(-1, keepdim=True)
+        else:
+            token = torch.multinomial(torch.softmax(last / temperature, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, token.to(idx.device)], dim=1)
+    return bytes(idx[0].tolist())
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Train as ``cfg`` says; returns the metrics written to ``run_dir/metrics.json`` (by rank 0)."""
+    pl.seed_everything(cfg.seed, verbose=False)
+    micro = micro_batch_size(cfg, world_size(cfg))
+    m = cfg.model
+    model = LitGPT(
+        gpt_config(m), lr=m.lr, weight_decay=m.weight_decay, warmup_steps=m.warmup_steps, build_in_configure_model=True
+    )
+    trainer = build_trainer(cfg, run_dir)
+    data = TextData(cfg, micro, cache_dir=Path.cwd() / "data")  # the default corpus is written there once
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
+    wall = time.perf_counter() - start
+    metrics = run_metrics(trainer, cfg, wall, cfg.data.global_batch_size * m.seq_len, "tokens/s")
+    if cfg.sample_tokens > 0:
+        metrics["sample"] = generate(model, b"The ", cfg.sample_tokens, seed=cfg.seed).decode("utf-8", errors="replace")
+    write_metrics(trainer, metrics, run_dir)
+    if trainer.global_rank == 0 and "sample" in metrics:
+        print(f"\n--- sample ---\n{metrics['sample']}\n--------------")
+    return metrics

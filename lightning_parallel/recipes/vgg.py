@@ -1,0 +1,163 @@
+"""The VGG recipe's ``train(cfg, run_dir)``, what recipes/train_vgg.py runs in each worker process: a
+LitVGG with BatchNorm on 32x32 images (a generated 10-class set by default, or CIFAR-10 from a local
+folder), trained with the strategy, precision and checkpointing the config picks; it writes ``metrics.json``
+(the fields listed in shared/DESIGN.md) with the final validation accuracy.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_parallel import Hybrid3DStrategy
+from lightning_parallel.models import LitVGG, VGGConfig
+from lightning_parallel.models.vgg import VGG
+from lightning_parallel.recipes.common import (
+    build_trainer,
+    check_run_settings,
+    micro_batch_size,
+    run_metrics,
+    sampler_kwargs,
+    world_size,
+    write_metrics,
+)
+from lightning_parallel.recipes.image_data import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    EpochTaggedSampler,
+    ImageSet,
+    generated_images,
+    load_cifar10,
+)
+
+DATA_KINDS = ("generated", "cifar10")
+LR_SCHEDULES = ("cosine", "constant")
+
+
+def vgg_config(m: DictConfig) -> VGGConfig:
+    return VGGConfig(
+        name=m.name, width=m.width, num_classes=m.num_classes, image_size=m.image_size, batch_norm=m.batch_norm
+    )
+
+
+def scaled_lr(cfg: DictConfig) -> float:
+    """``model.lr`` scaled linearly with the global batch (Goyal et al., 2017), unless lr_reference_batch is None."""
+    reference = cfg.model.lr_reference_batch
+    return cfg.model.lr if reference is None else cfg.model.lr * cfg.data.global_batch_size / reference
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Everything that can be refused before a worker starts: names, degrees, sizes, batch splits, data."""
+    config = vgg_config(cfg.model)  # checks the name and image size
+    strategy = check_run_settings(cfg, num_layers=len(config.conv_channels()) + 1)  # the convs, then the head
+    if isinstance(strategy, Hybrid3DStrategy):
+        VGG.check_tensor_parallel_config(config, strategy._parallel_degrees(world_size(cfg)).tp)
+    m, d = cfg.model, cfg.data
+    if m.lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"model.lr_schedule={m.lr_schedule!r} is unknown: use one of {LR_SCHEDULES}.")
+    if m.lr_reference_batch is not None and m.lr_reference_batch <= 0:
+        raise ValueError(f"model.lr_reference_batch={m.lr_reference_batch} must be positive, or null for no scaling.")
+    if d.kind not in DATA_KINDS:
+        raise ValueError(f"data.kind={d.kind!r} is unknown: use one of {DATA_KINDS} (data=images or data=cifar10).")
+    if d.kind == "cifar10":
+        if OmegaConf.is_missing(d, "path") or d.path is None:
+            raise ValueError(
+                "data=cifar10 needs data.path: the cifar-10-batches-py folder of CIFAR-10's python version."
+            )
+        if m.image_size != 32 or m.num_classes != 10:
+            raise ValueError(
+                f"CIFAR-10 has 10 classes of 32x32 images, not model.num_classes={m.num_classes} and "
+                f"model.image_size={m.image_size}: set both back (model.num_classes=10 model.image_size=32)."
+            )
+        load_cifar10(d.path, "test")  # a wrong folder fails here, with the path, before any worker starts
+    elif d.num_train < d.global_batch_size:
+        raise ValueError(
+            f"data.num_train={d.num_train} is smaller than data.global_batch_size={d.global_batch_size}: "
+            "not even one step would run. Raise data.num_train."
+        )
+    if cfg.trainer.sync_batchnorm and not m.batch_norm:
+        raise ValueError("trainer.sync_batchnorm=true with model.batch_norm=false: there is no BatchNorm to sync.")
+
+
+class ImageData(pl.LightningDataModule):
+    """Train and validation images; each dp rank reads its share of every global batch. Augmentation
+    depends on (seed, epoch, sample) only, so every layout sees the same augmented batches."""
+
+    def __init__(self, cfg: DictConfig, micro_batch: int) -> None:
+        super().__init__()
+        self.cfg, self.micro_batch = cfg, micro_batch
+
+    def setup(self, stage: str) -> None:
+        d, m, seed = self.cfg.data, self.cfg.model, self.cfg.seed
+        if d.kind == "cifar10":
+            train, val = load_cifar10(d.path, "train"), load_cifar10(d.path, "test")
+            mean, std = CIFAR10_MEAN, CIFAR10_STD
+        else:
+            train = generated_images(d.num_train, seed=seed, num_classes=m.num_classes, image_size=m.image_size)
+            val = generated_images(d.num_val, seed=seed + 1, num_classes=m.num_classes, image_size=m.image_size)
+            mean, std = _channel_stats(train[0])
+        self.train_set = ImageSet(*train, mean=mean, std=std, augment=d.augment, seed=seed)
+        self.val_set = ImageSet(*val, mean=mean, std=std, augment=False, seed=seed)
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = EpochTaggedSampler(
+            self.train_set, shuffle=True, seed=self.cfg.seed, drop_last=True, **sampler_kwargs(self.trainer)
+        )
+        return self._loader(self.train_set, sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        sampler = DistributedSampler(self.val_set, shuffle=False, drop_last=True, **sampler_kwargs(self.trainer))
+        return self._loader(self.val_set, sampler)
+
+    def _loader(self, dataset: ImageSet, sampler: DistributedSampler) -> DataLoader:
+        return DataLoader(
+            dataset, batch_size=self.micro_batch, sampler=sampler, num_workers=self.cfg.data.num_workers, drop_last=True
+        )
+
+
+def _channel_stats(images: Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std of uint8 images (N, C, H, W), in 0..1 units."""
+    x = images.float().div_(255).transpose(0, 1).flatten(1)  # (C, N*H*W)
+    return tuple(x.mean(1).tolist()), tuple(x.std(1).tolist())
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Train as ``cfg`` says; returns the metrics written to ``run_dir/metrics.json`` (by rank 0)."""
+    pl.seed_everything(cfg.seed, verbose=False)
+    micro = micro_batch_size(cfg, world_size(cfg))
+    m = cfg.model
+    model = LitVGG(
+        vgg_config(m),
+        optimizer=m.optimizer,
+        lr=scaled_lr(cfg),
+        momentum=m.momentum,
+        weight_decay=m.weight_decay,
+        warmup_steps=m.warmup_steps,
+        lr_schedule=m.lr_schedule,
+        build_in_configure_model=True,
+    )
+    trainer = build_trainer(cfg, run_dir, **sync_batchnorm_args(cfg))
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=ImageData(cfg, micro), ckpt_path=cfg.ckpt_path)
+    wall = time.perf_counter() - start
+    metrics = run_metrics(trainer, cfg, wall, cfg.data.global_batch_size, "samples/s")
+    if "val_acc" in trainer.callback_metrics:
+        metrics["final_val_accuracy"] = float(trainer.callback_metrics["val_acc"])
+    write_metrics(trainer, metrics, run_dir)
+    return metrics
+
+
+def sync_batchnorm_args(cfg: DictConfig) -> dict[str, Any]:
+    """Trainer arguments for ``trainer.sync_batchnorm``: statistics over the dp group, on CPU as on GPU."""
+    if not cfg.trainer.sync_batchnorm:
+        return {}
+    from lightning_parallel import DataParallelSyncBatchNorm
+
+    # Lightning's sync_batchnorm=True would use torch's SyncBatchNorm, which cannot run on CPU
+    return {"plugins": [DataParallelSyncBatchNorm()]}

@@ -1,0 +1,37 @@
+"""Train a VGG from Hydra configs: python recipes/train_vgg.py [group=option ...] [key=value ...]
+
+    python recipes/train_vgg.py                                   # tiny VGG11, one process, generated images
+    python recipes/train_vgg.py strategy=zero2 trainer.devices=2 trainer.sync_batchnorm=true
+    python recipes/train_vgg.py strategy=hybrid3d strategy.tp=2 strategy.pp=2 trainer.devices=4
+    python recipes/train_vgg.py model=vgg16 data=cifar10 data.path=/data/cifar-10-batches-py
+
+The config groups live in conf/ (strategy, precision, model, data, trainer, checkpoint, experiment); the
+run directory gets metrics.json, logs and, with checkpoint.dir, checkpoints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from lightning_parallel.recipes.config import register_configs
+
+register_configs()
+
+
+@hydra.main(config_path="../conf", config_name="train_vgg", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    import lightning_parallel  # noqa: F401  (registers the strategy names)
+    from lightning_parallel.recipes.launch import run
+    from lightning_parallel.recipes.vgg import check_config
+
+    check_config(cfg)  # bad settings fail here, before any worker starts
+    # trainer.devices > 1: this job starts its own workers (also inside a -m sweep); under torchrun it just runs
+    run(cfg, Path(HydraConfig.get().runtime.output_dir), entry="lightning_parallel.recipes.vgg.train")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""recipes/train_vgg.py end to end: the default data, CIFAR-10 from a folder, and the same training under
+other layouts (BatchNorm statistics synced over dp make data parallelism exact)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "train_vgg.py"
+SHORT = ["trainer=debug", "trainer.max_steps=6", "data.num_train=512", "data.num_val=64", "data.global_batch_size=32"]
+
+
+def run_recipe(tmp_path: Path, *overrides: str, timeout: int = 300) -> dict:
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(RECIPE), *overrides, f"hydra.run.dir={run_dir}"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> dict:
+    return run_recipe(tmp_path_factory.mktemp("single"), *SHORT, "trainer.sync_batchnorm=true")
+
+
+def test_single_process_run_writes_its_metrics(single):
+    """Six steps only (learning shows in the default command's test): the reference for the layouts below."""
+    assert single["steps"] == 6 and single["layout"]["world_size"] == 1
+    assert 1.0 < single["final_train_loss"] < 3.0  # about ln 10 = 2.303, a uniform guess over 10 classes
+    assert single["final_val_loss"] is not None and 0.0 <= single["final_val_accuracy"] <= 1.0
+    assert single["throughput_unit"] == "samples/s" and single["throughput"] > 0
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["strategy=ddp", "trainer.devices=2"],
+        ["strategy=zero3", "trainer.devices=2"],
+        ["strategy=hybrid3d", "strategy.tp=2", "trainer.devices=4"],
+        # one microbatch: BatchNorm sees each step's whole batch, as in one process
+        [
+            "strategy=hybrid3d",
+            "strategy.pp=2",
+            "strategy.pp_schedule=gpipe",
+            "strategy.microbatches=1",
+            "trainer.devices=2",
+        ],
+    ],
+    ids=["ddp-2", "zero3-2", "hybrid3d-dp2-tp2", "hybrid3d-pp2"],
+)
+def test_synced_batchnorm_makes_other_layouts_the_same_training(overrides, single, tmp_path):
+    got = run_recipe(tmp_path, *SHORT, "trainer.sync_batchnorm=true", *overrides)
+    want = single["final_train_loss"]
+    assert abs(got["final_train_loss"] - want) <= 1e-5 * want, (got["final_train_loss"], want)
+    assert got["layout"]["world_size"] == len(got["peak_memory_bytes"]) == int(overrides[-1].split("=")[1])
+
+
+def write_cifar10(folder: Path, per_batch: int = 40) -> None:
+    """A small CIFAR-10 in the real format: pickled dicts with bytes keys, uint8 rows of 3072 bytes."""
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    for name in names:
+        labels = [int(x) for x in rng.integers(0, 10, per_batch)]
+        data = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
+        batch = {b"batch_label": name.encode(), b"labels": labels, b"data": data, b"filenames": [b"x.png"] * per_batch}
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f, protocol=4)  # a Python 3 re-save (tests/test_image_data.py writes Python 2 files)
+
+
+def test_cifar10_from_a_local_folder(tmp_path):
+    write_cifar10(tmp_path / "cifar-10-batches-py")
+    overrides = ["data=cifar10", f"data.path={tmp_path}", "data.global_batch_size=32", "trainer=debug"]
+    got = run_recipe(tmp_path, *overrides, "trainer.max_steps=3", "strategy=ddp", "trainer.devices=2")
+    assert got["steps"] == 3 and got["layout"]["world_size"] == 2
+    assert np.isfinite(got["final_train_loss"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data=cifar10", "data.path=/no/such/folder"], "data.path='/no/such/folder' is not a folder"),
+        (["data=cifar10"], "data=cifar10 needs data.path"),
+        (["strategy=hybrid3d", "strategy.tp=2", "model.width=3"], "tp=2 does not divide features.0.conv"),
+        (["model.lr_schedule=linear"], "model.lr_schedule='linear' is unknown"),
+    ],
+    ids=["missing-folder", "no-path", "tp-channels", "lr-schedule"],
+)
+def test_bad_override_fails_before_any_worker_starts(tmp_path, overrides, message):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(RECIPE), *overrides, "trainer=debug", "trainer.devices=2"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert message in result.stderr + result.stdout
+    assert "Initializing distributed" not in result.stderr + result.stdout  # no worker ever started
+
+
+def test_the_readme_default_command_runs_as_written(tmp_path):
+    """`python recipes/train_vgg.py`: VGG11 (vgg_tiny) on generated images, 200 steps, seconds on a CPU."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(RECIPE)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    (metrics_file,) = (tmp_path / "outputs").glob("*/*/metrics.json")
+    got = json.loads(metrics_file.read_text())
+    assert got["steps"] == 200 and got["final_val_loss"] < 1.5  # from ln 10 = 2.3, a uniform guess
+    assert got["final_val_accuracy"] > 0.5  # chance is 0.1
