@@ -23,7 +23,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="zero3", help="zero1, zero2, zero3, zero3_offload, ddp, auto, ...")
     parser.add_argument("--devices", type=int, default=2, help="processes (CPU) or GPUs")
     parser.add_argument("--accelerator", default="cpu")
-    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "16-mixed", "bf16-true"])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--global-batch", type=int, default=32, help="samples per optimizer step, all ranks")
     args = parser.parse_args()

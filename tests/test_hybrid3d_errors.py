@@ -52,7 +52,14 @@ def test_auto_dp_needs_a_divisible_world():
             {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 1},
             r"pp_virtual_stages=1 makes interleaved_1f1b plain 1F1B",
         ),
-        ({"activation_checkpointing": "full"}, r"activation_checkpointing='full' is not available yet"),
+        (
+            {"activation_checkpointing": "partial"},
+            r"activation_checkpointing='partial' is unknown: set it to one of none, full, selective",
+        ),
+        (
+            {"pp": 2, "pp_schedule": "zero_bubble", "activation_checkpointing": "selective"},
+            r"activation_checkpointing='selective' cannot run under pp_schedule='zero_bubble'",
+        ),
     ],
 )
 def test_bad_arguments(kwargs, message):

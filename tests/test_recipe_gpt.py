@@ -34,6 +34,7 @@ def test_single_process_run_writes_its_metrics(single):
     assert single["final_train_loss"] < 5.6  # below a uniform guess over 256 bytes (ln 256 = 5.55)
     assert single["final_val_loss"] is not None and single["throughput"] > 0
     assert len(single["peak_memory_bytes"]) == 1 and "sample" in single
+    assert single["activation_memory_bytes"][0] > 0 and single["activation_checkpointing"] == "none"
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""A zero3 checkpoint saved at world 4 resumes at world 2 and in a plain single process.
+"""A zero3 checkpoint (a sharded folder) saved at world 4 resumes at world 2 under zero3 and zero1, and in a
+plain single process once consolidated into one file.
 
 The reference is Lightning itself: a plain single-process run that saved and resumed its own checkpoint at
 the same step. Two steps after resuming are compared: the first checks the weights, the second the
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 from conftest import launch
 from parity import assert_same_losses
+
+from lightning_parallel.checkpoint import consolidate
 
 EPOCH = 5  # checkpoints are taken after the first epoch
 RESUMED_STEPS = 2
@@ -26,6 +29,8 @@ def test_zero3_checkpoint_resumes_at_other_world_sizes(tmp_path, tmp_path_factor
 
     want = launch(tmp_path_factory, "auto", 1, resume(plain_ckpt), tag="_ref").losses("resume")
     assert len(want) == RESUMED_STEPS
-    for strategy, world in [("zero3", 2), ("zero1", 2), ("auto", 1)]:
-        got = launch(tmp_path_factory, strategy, world, resume(zero3_ckpt), tag="_resume").losses("resume")
+    assert zero3_ckpt.is_dir() and (zero3_ckpt / "meta.pt").is_file()
+    one_file = consolidate(zero3_ckpt, tmp_path / "zero3_w4_consolidated.pt")
+    for strategy, world, ckpt in [("zero3", 2, zero3_ckpt), ("zero1", 2, zero3_ckpt), ("auto", 1, one_file)]:
+        got = launch(tmp_path_factory, strategy, world, resume(ckpt), tag="_resume").losses("resume")
         assert_same_losses(got, want, f"zero3 world-4 checkpoint resumed by {strategy} at world {world}")

@@ -1,12 +1,17 @@
-"""Bytes of model states held by this rank, counted from the tensors themselves. Pure torch."""
+"""Bytes of model states and of activations held by this rank, counted from the tensors themselves (so the
+same on any device). Pure torch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def _local(t: Tensor) -> Tensor:
@@ -47,3 +52,80 @@ def zero_formula_bytes(stage: int, num_params: int, world: int) -> int:
     """Model-state bytes per rank for fp32 Adam under ZeRO (Rajbhandari et al., 2020), K=8 state bytes."""
     p, n = num_params, world
     return {0: 16 * p, 1: 8 * p + 8 * p // n, 2: 4 * p + 12 * p // n, 3: 16 * p // n}[stage]
+
+
+class ActivationMemory(TorchDispatchMode):
+    """Bytes of the tensors a forward leaves alive for backward: activations, counted on any device.
+
+    While the mode is active it notes the storage of every tensor an op creates (weakly: nothing is kept
+    alive by it). :meth:`sample` adds up those storages still alive, other than ``exclude``'s parameters,
+    buffers and gradients. Taken after a training forward, before backward, that is what autograd saved for
+    backward (with activation checkpointing: each layer's input and what selective checkpointing keeps),
+    plus the output itself. ``peak`` is the largest sample. (``torch.autograd.graph.saved_tensors_hooks`` would
+    miss most of it: torch's checkpoint installs its own hooks inside each layer, and holds the layer inputs
+    and the outputs selective checkpointing keeps outside any hook.)
+
+    Args:
+        exclude: the model, whose parameters (FSDP2 gathers them during forward) and gradients do not count.
+    """
+
+    def __init__(self, exclude: nn.Module | None = None) -> None:
+        super().__init__()
+        self.exclude = exclude
+        self.peak = 0
+        self._created: set[StorageWeakRef] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor):
+                self._note(t)
+        return out
+
+    def _note(self, t: Tensor) -> None:
+        t = _local(t)
+        if t.device.type == "meta":
+            return
+        try:
+            storage = t.untyped_storage()
+            storage.data_ptr()
+        except RuntimeError:  # a wrapper subclass (an async collective's result): its inner tensor is noted
+            return
+        self._created.add(StorageWeakRef(storage))
+
+    def _excluded(self) -> set[int]:
+        if self.exclude is None:
+            return set()
+        tensors = [*self.exclude.parameters(), *self.exclude.buffers()]
+        tensors += [p.grad for p in self.exclude.parameters() if p.grad is not None]
+        return {_local(t).untyped_storage().data_ptr() for t in tensors}
+
+    def sample(self) -> int:
+        """Bytes of storage created while active and alive now (each storage once); updates ``peak``."""
+        self._created = {ref for ref in self._created if not ref.expired()}
+        excluded, seen, total = self._excluded(), set(), 0
+        for ref in self._created:
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            if storage is None:  # freed since (by another thread: a finished send, say)
+                continue
+            ptr = storage.data_ptr()
+            if storage.nbytes() == 0 or ptr in excluded or ptr in seen:
+                continue
+            seen.add(ptr)
+            total += storage.nbytes()
+        self.peak = max(self.peak, total)
+        return total
+
+
+def measure_saved_activation_bytes(
+    fn: Callable[..., Any], *args: Any, exclude: nn.Module | None = None, **kwargs: Any
+) -> tuple[Any, int]:
+    """Run ``fn(*args, **kwargs)`` (a training forward, loss included) and count what it leaves for backward.
+
+    Returns:
+        ``fn``'s result and the bytes of the tensors created during the call and still alive after it
+        (see :class:`ActivationMemory`; ``exclude``'s parameters and gradients do not count).
+    """
+    with ActivationMemory(exclude) as meter:
+        out = fn(*args, **kwargs)
+    return out, meter.sample()

@@ -272,6 +272,20 @@ class FlatZero:
                         p.grad = None  # autograd allocates the next one (see _shard_group)
         self._reduced = False
 
+    def discard_unstepped(self) -> None:
+        """Drop reduced gradients that no ``step()`` consumed (an fp16 overflow skipped it, or there was no
+        backward): the next window then accumulates from zero, as after a step. A no-op after ``step()``."""
+        if not self._reduced:
+            return
+        for fg in self.flat_groups:
+            fg.shard.grad = None
+            if fg.flat_grad is not None:
+                fg.flat_grad.zero_()
+                for p in fg.params:
+                    if isinstance(p, DTensor):
+                        p.grad = None
+        self._reduced = False
+
     # ----- consolidated state in torch's own per-parameter format -----
 
     def full_state_dict(self) -> dict:

@@ -17,8 +17,11 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig
 
 from lightning_parallel import Hybrid3DStrategy, ZeroStrategy
+from lightning_parallel.parallel.activation_checkpoint import check_activation_checkpointing
 from lightning_parallel.parallel.partition import check_stage_count
 from lightning_parallel.recipes.config import StrategyConf
+from lightning_parallel.resume import ExactResume
+from lightning_parallel.strategies.activation_checkpointing import ActivationCheckpointing, ActivationMemoryMonitor
 
 ZERO_NAMES = {"zero1": (1, False), "zero2": (2, False), "zero3": (3, False)}
 ZERO_NAMES |= {"zero2_offload": (2, True), "zero3_offload": (3, True)}
@@ -27,6 +30,7 @@ ZERO_NAMES |= {"zero2_offload": (2, True), "zero3_offload": (3, True)}
 def build_strategy(conf: DictConfig) -> Any:
     """The strategy object (or Lightning's name) for ``strategy=...``; settings it cannot use are refused."""
     name = conf.name
+    check_activation_checkpointing(conf.activation_checkpointing, "strategy.activation_checkpointing")
     if name == "hybrid3d":
         return Hybrid3DStrategy(
             dp=conf.dp,
@@ -38,6 +42,7 @@ def build_strategy(conf: DictConfig) -> Any:
             pp_balance=conf.pp_balance,
             pp_virtual_stages=conf.pp_virtual_stages,
             sequence_parallel=conf.sequence_parallel,
+            activation_checkpointing=conf.activation_checkpointing,
             offload=conf.offload,
         )
     defaults = StrategyConf()
@@ -53,8 +58,8 @@ def build_strategy(conf: DictConfig) -> Any:
                 f"strategy={name} is ZeRO stage {stage}: pick strategy=zero{conf.zero_stage} instead of setting "
                 "strategy.zero_stage, or use strategy=hybrid3d with strategy.zero_stage."
             )
-        return ZeroStrategy(stage=stage, offload=offload)
-    if name == "ddp":
+        return ZeroStrategy(stage=stage, offload=offload, activation_checkpointing=conf.activation_checkpointing)
+    if name == "ddp":  # activation checkpointing, if set, comes as a callback (build_trainer)
         if conf.offload:
             raise ValueError("strategy=ddp keeps no state on the host (strategy.offload=true): use zero2_offload.")
         if conf.zero_stage:
@@ -120,6 +125,8 @@ def check_run_settings(cfg: DictConfig, num_layers: int) -> Any:
             f"checkpoint.dir={cfg.checkpoint.dir!r} with checkpoint.every_n_steps={cfg.checkpoint.every_n_steps} "
             "would save nothing: set checkpoint.every_n_steps to a positive step count."
         )
+    if cfg.checkpoint.dir and cfg.checkpoint.keep_last == 0:
+        raise ValueError("checkpoint.keep_last=0 keeps no step checkpoints: set it to 1 or more (-1 keeps all).")
     if cfg.ckpt_path == "last" and not cfg.checkpoint.dir:
         raise ValueError("ckpt_path=last looks in checkpoint.dir, which is not set: add checkpoint=periodic.")
     if cfg.ckpt_path not in (None, "last") and not Path(cfg.ckpt_path).exists():
@@ -130,15 +137,28 @@ def check_run_settings(cfg: DictConfig, num_layers: int) -> Any:
 def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
     """The Trainer the recipe's ``trainer``, ``precision`` and ``checkpoint`` groups describe."""
     t = cfg.trainer
-    callbacks: list[pl.Callback] = list(kwargs.pop("callbacks", []))
+    callbacks: list[pl.Callback] = [*kwargs.pop("callbacks", []), ActivationMemoryMonitor(), ExactResume()]
+    strategy = build_strategy(cfg.strategy)
+    if strategy == "ddp" and cfg.strategy.activation_checkpointing != "none":
+        callbacks.append(ActivationCheckpointing(cfg.strategy.activation_checkpointing))  # Lightning's own ddp
     if cfg.checkpoint.dir:
-        every = cfg.checkpoint.every_n_steps
-        callbacks.append(ModelCheckpoint(dirpath=cfg.checkpoint.dir, every_n_train_steps=every, save_last=True))
+        c = cfg.checkpoint
+        # monitor "step", highest first: keeps the newest keep_last checkpoints (plus last.ckpt)
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=c.dir,
+                every_n_train_steps=c.every_n_steps,
+                save_last=True,
+                monitor="step",
+                mode="max",
+                save_top_k=c.keep_last,
+            )
+        )
     return pl.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
-        strategy=build_strategy(cfg.strategy),
+        strategy=strategy,
         precision=cfg.precision.value,
         max_steps=t.max_steps,
         log_every_n_steps=t.log_every_n_steps,
@@ -207,10 +227,18 @@ def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_ste
         "throughput": steps * items_per_step / wall,
         "throughput_unit": unit,
         "peak_memory_bytes": all_ranks(peak_memory_bytes(trainer.strategy.root_device)),
+        # bytes of activations held for backward in one training batch (see ActivationMemoryMonitor), per rank
+        "activation_memory_bytes": all_ranks(_activation_bytes(trainer)),
+        "activation_checkpointing": cfg.strategy.activation_checkpointing,
         "layout": layout,
         "steps": steps,
         "wall_seconds": wall,
     }
+
+
+def _activation_bytes(trainer: pl.Trainer) -> int | None:
+    monitor = next((c for c in trainer.callbacks if isinstance(c, ActivationMemoryMonitor)), None)
+    return monitor.bytes if monitor is not None else None
 
 
 def write_metrics(trainer: pl.Trainer, metrics: dict[str, Any], run_dir: Path) -> None:

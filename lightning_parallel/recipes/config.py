@@ -32,6 +32,7 @@ class StrategyConf:
     pp_balance: str = "uniform"
     pp_virtual_stages: int | None = None
     sequence_parallel: bool = False
+    activation_checkpointing: str = "none"  # none, full or selective: recompute each layer's activations in backward
 
 
 @dataclass
@@ -108,8 +109,9 @@ class TrainerConf:
 
 @dataclass
 class CheckpointConf:
-    dir: str | None = None  # None: no periodic checkpoints
+    dir: str | None = None  # None: no periodic checkpoints; else one folder per save (sharded under our strategies)
     every_n_steps: int = 0
+    keep_last: int = 3  # step checkpoints kept besides last.ckpt (-1: all); saves are atomic
 
 
 @dataclass

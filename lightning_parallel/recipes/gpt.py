@@ -27,6 +27,7 @@ from lightning_parallel.recipes.common import (
     write_metrics,
 )
 from lightning_parallel.recipes.text_data import TokenWindows, load_tokens
+from lightning_parallel.resume import ResumableDataLoader
 from lightning_parallel.strategies.pipelined_step import PipelineInput
 
 
@@ -70,7 +71,8 @@ class TextData(pl.LightningDataModule):
     def _loader(self, dataset: TokenWindows, shuffle: bool) -> DataLoader:
         kwargs = sampler_kwargs(self.trainer)
         sampler = DistributedSampler(dataset, shuffle=shuffle, seed=self.cfg.seed, drop_last=True, **kwargs)
-        return DataLoader(
+        loader = ResumableDataLoader if shuffle else DataLoader  # training: a mid-epoch resume continues the epoch
+        return loader(
             dataset, batch_size=self.micro_batch, sampler=sampler, num_workers=self.cfg.data.num_workers, drop_last=True
         )
 

@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from lightning_parallel import Hybrid3DStrategy
 from lightning_parallel.models import LitVGG, VGGConfig
@@ -35,6 +35,7 @@ from lightning_parallel.recipes.image_data import (
     generated_images,
     load_cifar10,
 )
+from lightning_parallel.resume import ResumableDataLoader
 
 DATA_KINDS = ("generated", "cifar10")
 LR_SCHEDULES = ("cosine", "constant")
@@ -109,14 +110,14 @@ class ImageData(pl.LightningDataModule):
         sampler = EpochTaggedSampler(
             self.train_set, shuffle=True, seed=self.cfg.seed, drop_last=True, **sampler_kwargs(self.trainer)
         )
-        return self._loader(self.train_set, sampler)
+        return self._loader(self.train_set, sampler, ResumableDataLoader)  # a mid-epoch resume continues the epoch
 
     def val_dataloader(self) -> DataLoader:
         sampler = DistributedSampler(self.val_set, shuffle=False, drop_last=True, **sampler_kwargs(self.trainer))
         return self._loader(self.val_set, sampler)
 
-    def _loader(self, dataset: ImageSet, sampler: DistributedSampler) -> DataLoader:
-        return DataLoader(
+    def _loader(self, dataset: ImageSet, sampler: Sampler, loader: type[DataLoader] = DataLoader) -> DataLoader:
+        return loader(
             dataset, batch_size=self.micro_batch, sampler=sampler, num_workers=self.cfg.data.num_workers, drop_last=True
         )
 

@@ -1,12 +1,13 @@
 """What every mesh strategy shares: process group and mesh set-up, dp-only sampling and reduction,
 steps routed through sharded roots, gradient reduction before clipping, global-norm clipping, and
-checkpoints in the single-process format."""
+checkpoints (sharded folders, or one file in the single-process format)."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,6 +37,11 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_parallel.mesh import DP, MESH_AXES, ParallelDims
+from lightning_parallel.parallel import checkpoint_io
+from lightning_parallel.parallel.activation_checkpoint import (
+    apply_activation_checkpointing,
+    check_activation_checkpointing,
+)
 from lightning_parallel.parallel.clip import GradPart, clip_grad_norm_, dtensor_grad_parts
 from lightning_parallel.parallel.data_parallel import all_reduce_gradients
 from lightning_parallel.parallel.fsdp import apply_fsdp
@@ -47,6 +53,8 @@ from lightning_parallel.parallel.state_dict import (
 )
 from lightning_parallel.parallel.sync_batchnorm import convert_sync_batchnorm
 from lightning_parallel.parallel.zero import FlatZero, check_shardable_optimizer
+from lightning_parallel.strategies import checkpointing
+from lightning_parallel.strategies.checkpointing import check_checkpoint_format
 from lightning_parallel.strategies.layer_sync import DataParallelSyncBatchNorm
 from lightning_parallel.strategies.precision import to_mesh_precision
 
@@ -68,7 +76,8 @@ class MeshStrategy(ParallelStrategy):
     Subclasses say how the world splits (:meth:`_parallel_degrees`) and how the model is split over the
     tp and pp axes (:meth:`_apply_model_parallel`); this class shards it over dp with ZeRO stage
     ``zero_stage`` (0: gradients averaged; 1: + optimizer states sharded; 2: + gradients; 3: +
-    parameters, with FSDP2).
+    parameters, with FSDP2). ``activation_checkpointing`` (``"none"``, ``"full"``, ``"selective"``) recomputes
+    each layer's activations in backward; it is applied after tp and pp, before ZeRO-3.
     """
 
     def __init__(
@@ -83,7 +92,11 @@ class MeshStrategy(ParallelStrategy):
         zero_stage: int = 0,
         offload: bool = False,
         reshard_after_forward: bool = True,
+        checkpoint_format: str = "sharded",
+        activation_checkpointing: str = "none",
     ) -> None:
+        check_checkpoint_format(checkpoint_format)
+        self.activation_checkpointing = check_activation_checkpointing(activation_checkpointing)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -104,6 +117,8 @@ class MeshStrategy(ParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self._flat: dict[int, FlatZero] = {}  # id(optimizer) -> its ZeRO-1/2 sharding
         self.fsdp_units: list[str] = []
+        self.checkpoint_format = checkpoint_format
+        self._full_param_order: list[str] = []  # the unsplit model's parameter names: checkpoints number them
 
     # ----- what subclasses decide -----
 
@@ -123,6 +138,7 @@ class MeshStrategy(ParallelStrategy):
         """Shard or split ``self.model`` in place, before ``configure_optimizers`` sees its parameters."""
         assert self.model is not None
         self._apply_model_parallel()
+        self._apply_activation_checkpointing()  # after tp (torchtitan's order), before ZeRO-3 wraps the layers
         if self.zero_stage == 3:
             self.fsdp_units = apply_fsdp(
                 self.model,
@@ -131,6 +147,22 @@ class MeshStrategy(ParallelStrategy):
                 offload=self.offload,
             )
             self._route_steps_through_root = "" in self.fsdp_units
+
+    def _apply_activation_checkpointing(self, layers: list[torch.nn.Module] | None = None) -> None:
+        """Recompute each layer's activations in backward (``activation_checkpointing``): the module's
+        ``pipeline_layers()`` (or repeated blocks), or ``layers`` (this rank's pipeline stages)."""
+        if self.activation_checkpointing == "none":
+            return
+        assert self.lightning_module is not None
+        wrapped = apply_activation_checkpointing(
+            self.lightning_module if layers is None else layers, self.activation_checkpointing
+        )
+        if not wrapped:
+            rank_zero_warn(
+                f"activation_checkpointing={self.activation_checkpointing!r} found no layers in "
+                f"{type(self.lightning_module).__name__}: give it pipeline_layers() (see the README) or keep its "
+                "repeated blocks in an nn.ModuleList; nothing is recomputed."
+            )
 
     def _shard_optimizers(self) -> None:
         """Wrap the optimizers the user's ``configure_optimizers`` built."""
@@ -259,6 +291,8 @@ class MeshStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._parallelized is not self.model:  # validate/test after fit reuse the parallel model
+            # checkpoints number optimizer states as the unsplit model's parameters (what one process has)
+            self._full_param_order = [name for name, _ in self.model.named_parameters()]
             self._sync_batchnorm_over_dp()  # before tp, pp and ZeRO-3 wrap the BatchNorms' parameters
             self._parallelize_model()
             self._parallelized = self.model
@@ -343,7 +377,11 @@ class MeshStrategy(ParallelStrategy):
             self._after_backward(raw)
             return result
 
-        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        result = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        flat = self._flat_zero(raw)
+        if flat is not None:
+            flat.discard_unstepped()  # fp16 skipped the update: forget the reduced gradients on every rank
+        return result
 
     # ----- steps -----
 
@@ -395,20 +433,27 @@ class MeshStrategy(ParallelStrategy):
             group = self.device_mesh[DP].get_group()
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
-    # ----- checkpoints: the single-process format, so any layout loads them -----
+    # ----- checkpoints: sharded folders (default) or one gathered file in the single-process format -----
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def _flat_zeros(self) -> list[FlatZero | None]:
+        return [self._flat_zero(o) for o in self.optimizers]
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole model's state in the single-process format, on rank 0 (collective)."""
         assert self.model is not None
         return full_model_state_dict(self.model)
 
     @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+    def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
-        load_full_model_state_dict(self.model, dict(checkpoint["state_dict"]), strict=strict)
+        if self.checkpoint_format == "sharded":
+            return self.model.state_dict()  # the shards as they are: save_checkpoint writes them in place
+        return self.full_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.checkpoint_format == "sharded":
+            return {}  # save_checkpoint takes each rank's states from the optimizers themselves
         flat = self._flat_zero(optimizer)
         if flat is not None:
             return flat.full_state_dict()
@@ -418,8 +463,38 @@ class MeshStrategy(ParallelStrategy):
         return full_optimizer_state_dict(self.model, optimizer)
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self.checkpoint_format == "full":
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                "checkpoint_format='sharded' writes with torch's distributed checkpoint: no storage_options."
+            )
+        checkpointing.save(self, checkpoint, filepath, self._flat_zeros(), self._full_param_order)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if checkpoint_io.is_sharded_checkpoint(checkpoint_path):
+            return checkpointing.load(self, checkpoint_path, self._flat_zeros())
+        if Path(checkpoint_path).is_dir():
+            raise FileNotFoundError(
+                f"ckpt_path={str(checkpoint_path)!r} is a folder but not a sharded checkpoint (no .metadata and "
+                "meta.pt in it): give the folder a save wrote, or a checkpoint file."
+            )
+        return checkpointing.load_full_file(checkpoint_path)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.model is not None
+        if checkpoint.get(checkpointing.LOADED_IN_PLACE):
+            return
+        load_full_model_state_dict(self.model, dict(checkpoint["state_dict"]), strict=strict)
+
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.model is not None
+        if checkpoint.get(checkpointing.LOADED_IN_PLACE):
+            return
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             flat = self._flat_zero(optimizer)
             if flat is not None:

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel.mesh import DP, PP, TP, ParallelDims, check_degree
+from lightning_parallel.parallel.activation_checkpoint import check_activation_checkpointing
 from lightning_parallel.parallel.fsdp import apply_fsdp
 from lightning_parallel.parallel.partition import balanced_partition, check_stage_count, uniform_partition
 from lightning_parallel.parallel.pipeline import (
@@ -35,7 +36,9 @@ from lightning_parallel.parallel.pipeline_state import gather_pipeline_optimizer
 from lightning_parallel.parallel.state_dict import full_model_state_dict, load_full_model_state_dict
 from lightning_parallel.parallel.tensor import apply_tp, check_tp_plan, resolvable_plan
 from lightning_parallel.strategies.base import MeshStrategy
+from lightning_parallel.strategies.checkpointing import LOADED_IN_PLACE
 from lightning_parallel.strategies.pipelined_step import PipelinedStep
+from lightning_parallel.strategies.precision import loss_scale_of
 from lightning_parallel.strategies.zero import check_zero_settings
 
 PIPELINE_SCHEDULES = SCHEDULES
@@ -75,7 +78,8 @@ class Hybrid3DStrategy(MeshStrategy):
         pp_virtual_stages: stages per rank for ``interleaved_1f1b`` (default 2); ``zero_bubble`` runs 2
             (ZB-V), ``gpipe`` and ``1f1b`` 1.
         sequence_parallel: also split layer norms and the residual stream along the sequence over tp.
-        activation_checkpointing: reserved; only ``None`` is accepted for now.
+        activation_checkpointing: ``"none"``, ``"full"`` (recompute each pipeline layer in backward, keep only
+            its input) or ``"selective"`` (keep matmul, conv and attention outputs, recompute the rest).
         offload: keep ZeRO-2/3 states on the host.
         **kwargs: passed to :class:`~lightning_parallel.strategies.base.MeshStrategy`.
     """
@@ -93,7 +97,7 @@ class Hybrid3DStrategy(MeshStrategy):
         pp_balance: str = "uniform",
         pp_virtual_stages: int | None = None,
         sequence_parallel: bool = False,
-        activation_checkpointing: str | None = None,
+        activation_checkpointing: str = "none",
         offload: bool = False,
         reshard_after_forward: bool = True,
         **kwargs: Any,
@@ -111,10 +115,6 @@ class Hybrid3DStrategy(MeshStrategy):
         if microbatches is not None:
             _check_degree_arg("microbatches", microbatches)
         _check_virtual_stages(pp_schedule, pp_virtual_stages)
-        if activation_checkpointing is not None:
-            raise ValueError(
-                f"activation_checkpointing={activation_checkpointing!r} is not available yet: leave it None."
-            )
         pipeline_set = pp_schedule != "1f1b" or microbatches is not None or pp_balance != "uniform"
         if pp == 1 and (pipeline_set or pp_virtual_stages is not None):
             rank_zero_warn(
@@ -124,13 +124,26 @@ class Hybrid3DStrategy(MeshStrategy):
             microbatches = 2 * pp if microbatches is None else microbatches
             setting = f"strategy='hybrid3d' (pp={pp}, pp_schedule={pp_schedule!r})"
             check_microbatches(pp_schedule, microbatches, pp, setting)
+        activation_checkpointing = check_activation_checkpointing(activation_checkpointing)
+        if pp > 1 and pp_schedule == "zero_bubble" and activation_checkpointing == "selective":
+            raise ValueError(
+                "activation_checkpointing='selective' cannot run under pp_schedule='zero_bubble': its split backward "
+                "recomputes each layer twice (input, then weight gradients) and selective checkpointing keeps what "
+                "it saved for one backward only. Use activation_checkpointing='full' or another pp_schedule."
+            )
         if pp > 1 and pp_schedule == "zero_bubble" and zero_stage == 3 and reshard_after_forward:
             # resharding between a zero-bubble schedule's split backward passes gives wrong weight gradients
             rank_zero_warn("pp_schedule='zero_bubble' with zero_stage=3 keeps parameters gathered after forward.")
             reshard_after_forward = False
         if zero_stage != 3 and not reshard_after_forward:
             rank_zero_warn("reshard_after_forward only applies with zero_stage=3: ignored.")
-        super().__init__(zero_stage=zero_stage, offload=offload, reshard_after_forward=reshard_after_forward, **kwargs)
+        super().__init__(
+            zero_stage=zero_stage,
+            offload=offload,
+            reshard_after_forward=reshard_after_forward,
+            activation_checkpointing=activation_checkpointing,
+            **kwargs,
+        )
         self._degrees = {"dp": dp, "pp": pp, "tp": tp}
         self.pp_schedule = pp_schedule
         self.microbatches = microbatches
@@ -267,6 +280,8 @@ class Hybrid3DStrategy(MeshStrategy):
         self._apply_model_parallel()
         split = self._split
         assert split is not None
+        # after the split and tp, before ZeRO-3 wraps each layer: only this rank's layers
+        self._apply_activation_checkpointing([layer for stage in split.stages.values() for layer in stage.layers])
         if self.zero_stage == 3:
             self.fsdp_units = []
             for index, stage in sorted(split.stages.items()):
@@ -288,7 +303,8 @@ class Hybrid3DStrategy(MeshStrategy):
         pipeline = Pipeline(split, self.pp_schedule, self.microbatches, pp_group, self.root_device, loss_fn)
         params = list(dict.fromkeys(p for stage in split.stages.values() for p in stage.parameters()))
         context = loss_parallel if tp else contextlib.nullcontext
-        self._pipelined = PipelinedStep(module, pipeline, params, context)
+        # fp16: the schedule backpropagates the loss times the current scale (the plugin's pre_backward cannot)
+        self._pipelined = PipelinedStep(module, pipeline, params, context, lambda: loss_scale_of(self.precision_plugin))
         self._tied = TiedGradients(self.model, split.tie_groups, pp_group) if split.tie_groups else None
 
     @override
@@ -321,12 +337,16 @@ class Hybrid3DStrategy(MeshStrategy):
         with loss_parallel():  # the vocabulary-parallel loss needs its own backward rules too
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    # ----- checkpoints: every stage contributes its layers, in the single-process format -----
+    # ----- full-file checkpoints: every stage contributes its layers, in the single-process format -----
+    # (sharded folders need nothing here: each stage writes its own tensors under their unsplit names)
+
+    def _full_format_under_pp(self) -> bool:
+        return self._split is not None and self.checkpoint_format == "full"
 
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def full_state_dict(self) -> dict[str, Any]:
         if self._split is None:
-            return super().lightning_module_state_dict()
+            return super().full_state_dict()
         assert self.model is not None
         state = full_model_state_dict(self.model, every_rank=True)
         everyone: list[Any] = [None] * self.parallel_dims.pp
@@ -339,7 +359,7 @@ class Hybrid3DStrategy(MeshStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._split is None:
+        if self._split is None or checkpoint.get(LOADED_IN_PLACE):
             return super().load_model_state_dict(checkpoint, strict)
         assert self.model is not None
         mine = set(self.model.state_dict())
@@ -349,7 +369,7 @@ class Hybrid3DStrategy(MeshStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         local = super().optimizer_state(optimizer)
-        if self._split is None:
+        if not self._full_format_under_pp():
             return local
         assert self.model is not None
         return gather_pipeline_optimizer_state(
@@ -358,7 +378,7 @@ class Hybrid3DStrategy(MeshStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._split is None:
+        if self._split is None or checkpoint.get(LOADED_IN_PLACE):
             return super().load_optimizer_state_dict(checkpoint)
         states = []
         for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):

@@ -63,6 +63,8 @@ class PipelinedStep:
         pipeline: this rank's stages and schedule; its loss function is the module's original ``loss``.
         params: the parameters of this rank's stages.
         context: entered around every schedule run (the vocabulary-parallel loss context under tp).
+        loss_scale: the current fp16 loss scale (the schedule backpropagates the scaled loss, as
+            ``loss.backward()`` would after the precision plugin's ``pre_backward``); 1 by default.
     """
 
     def __init__(
@@ -71,8 +73,10 @@ class PipelinedStep:
         pipeline: Pipeline,
         params: list[nn.Parameter],
         context: Callable[[], Any],
+        loss_scale: Callable[[], float] = lambda: 1.0,
     ) -> None:
         self.module, self.pipeline, self.params, self.context = module, pipeline, params, context
+        self.loss_scale = loss_scale
         self.original_loss = module.loss
         self._pending: list[Tensor | None] | None = None
         module.forward = self.capture
@@ -102,7 +106,9 @@ class PipelinedStep:
         for p in self.params:
             p.grad = None
         try:
-            loss = self.pipeline.train_step(output._args, output._kwargs, target, loss_scale=1.0 / accumulate)
+            # the returned loss is unscaled: the pipeline keeps each microbatch's loss before scaling
+            scale = self.loss_scale() / accumulate
+            loss = self.pipeline.train_step(output._args, output._kwargs, target, loss_scale=scale)
             self._pending = [p.grad for p in self.params]
         finally:
             for p, grad in zip(self.params, earlier):

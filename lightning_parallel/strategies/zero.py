@@ -40,6 +40,9 @@ class ZeroStrategy(MeshStrategy):
         offload: keep the sharded states on the host and step the optimizer there (stages 2 and 3).
         reshard_after_forward: stage 3 only: free gathered parameters after each unit's forward (less
             memory) or keep them until backward (less communication).
+        activation_checkpointing: ``"none"``, ``"full"`` (recompute each layer in backward, keep only its input)
+            or ``"selective"`` (keep matmul, conv and attention outputs, recompute the rest). The layers are the
+            module's ``pipeline_layers()`` if it has them, else its repeated blocks.
         **kwargs: passed to :class:`~lightning_parallel.strategies.base.MeshStrategy`
             (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``process_group_backend``,
             ``timeout``, ...).
@@ -47,11 +50,24 @@ class ZeroStrategy(MeshStrategy):
 
     strategy_name = "zero"
 
-    def __init__(self, stage: int = 2, offload: bool = False, reshard_after_forward: bool = True, **kwargs: Any):
+    def __init__(
+        self,
+        stage: int = 2,
+        offload: bool = False,
+        reshard_after_forward: bool = True,
+        activation_checkpointing: str = "none",
+        **kwargs: Any,
+    ):
         check_zero_settings(stage, offload)
         if stage != 3 and not reshard_after_forward:
             rank_zero_warn("reshard_after_forward only applies with stage=3: ignored.")
-        super().__init__(zero_stage=stage, offload=offload, reshard_after_forward=reshard_after_forward, **kwargs)
+        super().__init__(
+            zero_stage=stage,
+            offload=offload,
+            reshard_after_forward=reshard_after_forward,
+            activation_checkpointing=activation_checkpointing,
+            **kwargs,
+        )
 
     @property
     def stage(self) -> int:

@@ -8,7 +8,12 @@ fit), resume (ckpt_path for fit), memory (measure model-state bytes after the la
 optimizer ("adamw" or "lbfgs"), expect_error (record the exception instead of failing), model ("gpt",
 "top_level", "byo": the README's bring-your-own-model example, or "vgg": BatchNorm), meta (build the GPT or VGG
 in configure_model), deep (6 blocks instead of 2), sync_bn ("trainer": Trainer(sync_batchnorm=True), "plugin":
-Trainer(plugins=[DataParallelSyncBatchNorm()])).
+Trainer(plugins=[DataParallelSyncBatchNorm()])), inject_inf (the global step whose gradient gets an inf on rank
+inject_rank, default 0, in one element of its first parameter's local gradient: an fp16 overflow seen by one
+rank); with a precision set, the loss scale and a checksum of this rank's parameters are recorded per step.
+
+Also: activation_memory (the training batch whose activation bytes ActivationMemoryMonitor records, 0: first).
+Strategy specs: a registered name ("zero2"), "hybrid3d:tp=2,..." or "zero3:activation_checkpointing=full".
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import torch
 import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import StrategyRegistry
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_parallel  # noqa: F401  (registers the strategy names)
@@ -34,6 +41,7 @@ from lightning_parallel.models.gpt import gpt_tp_plan
 from lightning_parallel.models.lit_vgg import LitVGG
 from lightning_parallel.models.vgg import VGGConfig
 from lightning_parallel.parallel.memory import model_state_bytes
+from lightning_parallel.strategies.activation_checkpointing import ActivationMemoryMonitor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from byo_model import MLPClassifier, teacher_dataset  # noqa: E402  (the README's bring-your-own-model example)
@@ -143,6 +151,34 @@ class MemoryProbe(pl.Callback):
             self.bytes = model_state_bytes(trainer.strategy.model, opts)
 
 
+class PrecisionProbe(pl.Callback):
+    """Per optimizer step: the loss scale (fp16) and a checksum of this rank's parameters (an unchanged checksum
+    is a skipped step); optionally makes one rank's gradient overflow at one step."""
+
+    def __init__(self, inject_step: int | None, inject_rank: int) -> None:
+        self.inject_step, self.inject_rank = inject_step, inject_rank
+        self.scales: list[float | None] = []
+        self.param_sums: list[float] = []
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step != self.inject_step or trainer.global_rank != self.inject_rank:
+            return
+        for p in pl_module.parameters():
+            if p.grad is not None:
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                grad.view(-1)[0] = float("inf")  # in place: the one element this rank's shard holds
+                return
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.scales.append(scaler.get_scale() if scaler is not None else None)
+        total = 0.0
+        for p in trainer.strategy.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += local.detach().double().abs().sum().item()
+        self.param_sums.append(total)
+
+
 class ShardedData(pl.LightningDataModule):
     """Shuffled batches whose union over the dp ranks is the single-process batch, at any world size.
 
@@ -176,13 +212,18 @@ class ShardedData(pl.LightningDataModule):
 
 
 def build_strategy(spec: str):
-    """'zero2' stays a registered name; 'hybrid3d:tp=2,zero_stage=1,sequence_parallel=1' builds the class."""
-    if not spec.startswith("hybrid3d:"):
+    """'zero2' stays a registered name; 'hybrid3d:tp=2,zero_stage=1,sequence_parallel=1' builds the class, and
+    'zero3:activation_checkpointing=full' the registered name's class with more arguments."""
+    if ":" not in spec:
         return spec, None
+    name, _, items = spec.partition(":")
     kwargs = {}
-    for item in spec.split(":", 1)[1].split(","):
+    for item in items.split(","):
         key, value = item.split("=")
         kwargs[key] = bool(int(value)) if key == "sequence_parallel" else (value if not value.isdigit() else int(value))
+    if name != "hybrid3d":
+        entry = StrategyRegistry[name]
+        return entry["strategy"](**entry["init_params"], **kwargs), None
     return Hybrid3DStrategy(**kwargs), kwargs
 
 
@@ -222,6 +263,19 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     num_params = sum(p.numel() for p in model.parameters())
     probe = MemoryProbe(steps)
     callbacks: list[pl.Callback] = [probe]
+    measure = case.get("activation_memory")
+    activation_monitor = ActivationMemoryMonitor(batch=measure) if measure is not None else None
+    callbacks += [activation_monitor] if activation_monitor else []
+    precision, plugins = case.get("precision", "32-true"), []
+    precision_probe = None
+    if case.get("precision") or case.get("inject_inf") is not None:
+        precision_probe = PrecisionProbe(case.get("inject_inf"), case.get("inject_rank", 0))
+        callbacks.append(precision_probe)
+    if precision == "16-mixed" and strategy == "auto":
+        # Lightning would run bf16 on CPU: hand it fp16 autocast with torch's own GradScaler (the reference)
+        precision, plugins = None, [MixedPrecision("16-mixed", "cpu")]
+    if case.get("sync_bn") == "plugin":
+        plugins.append(DataParallelSyncBatchNorm())
     logger = False
     if case.get("features"):  # what people use alongside a strategy: checkpoints on a metric, a logger
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpts", monitor="train_loss", every_n_train_steps=2))
@@ -233,7 +287,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         max_steps=steps,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=case.get("clip"),
-        precision=case.get("precision", "32-true"),
+        precision=precision,
         logger=logger,
         enable_checkpointing=bool(case.get("features")),
         enable_progress_bar=False,
@@ -244,7 +298,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         callbacks=callbacks,
         use_distributed_sampler=False,
         sync_batchnorm=case.get("sync_bn") == "trainer",
-        plugins=[DataParallelSyncBatchNorm()] if case.get("sync_bn") == "plugin" else None,
+        plugins=plugins or None,
     )
     result: dict = {"name": case["name"], "num_params": num_params}
     try:
@@ -258,7 +312,11 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     result["losses"] = model.losses
     result["built_on"] = getattr(model, "built_on", None)
     result["memory"] = probe.bytes
-    state = trainer.strategy.lightning_module_state_dict()
+    result["activation_bytes"] = activation_monitor.bytes if activation_monitor else None
+    if precision_probe is not None:
+        result["scales"], result["param_sums"] = precision_probe.scales, precision_probe.param_sums
+    full_state = getattr(trainer.strategy, "full_state_dict", trainer.strategy.lightning_module_state_dict)
+    state = full_state()  # gathered in the single-process format, whatever the checkpoint format
     if trainer.global_rank == 0:
         torch.save(state, out / f"{case['name']}_params.pt")
     if case.get("save"):

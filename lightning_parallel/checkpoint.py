@@ -1,0 +1,91 @@
+"""Sharded checkpoints outside training: turn one into an ordinary file, or look inside it.
+
+    python -m lightning_parallel.checkpoint consolidate CKPT_DIR OUT.pt   # one file for plain Lightning
+    python -m lightning_parallel.checkpoint info CKPT_DIR                 # step, tensors, bytes
+
+The file ``consolidate`` writes is the checkpoint a single-process Lightning run would have written:
+``state_dict`` by parameter name, ``optimizer_states`` numbered like ``Optimizer.state_dict()``, and the
+loops, schedulers and callbacks as saved. ``Trainer.fit(ckpt_path=OUT.pt)`` resumes from it with any
+strategy, and ``module.load_state_dict(torch.load(OUT.pt)["state_dict"])`` loads the weights alone.
+Nothing is executed from the folder while reading it (see ``parallel/checkpoint_io.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_parallel.parallel import checkpoint_io
+from lightning_parallel.parallel.sharded_state import full_order_checkpoint
+
+
+def _check_folder(path: Path) -> None:
+    if not checkpoint_io.is_sharded_checkpoint(path):
+        raise FileNotFoundError(
+            f"{path} is not a sharded checkpoint folder (it needs .metadata and meta.pt): give a folder that "
+            "a strategy with checkpoint_format='sharded' saved."
+        )
+
+
+def consolidated(path: str | Path) -> dict[str, Any]:
+    """The whole checkpoint at ``path``, in the single-process format, in this process (no process group)."""
+    path = Path(path)
+    _check_folder(path)
+    meta = checkpoint_io.read_meta(path)
+    groups = [o["param_groups"] for o in meta.get("optimizer_states", [])]
+    return {**meta, **full_order_checkpoint(checkpoint_io.full_tensors(path), groups)}
+
+
+def consolidate(path: str | Path, out: str | Path) -> Path:
+    """Write :func:`consolidated` to ``out`` (atomically: a crash leaves no half-written file)."""
+    out = Path(out)
+    if out.resolve() == Path(path).resolve():
+        raise ValueError(f"consolidate would overwrite its input {path}: give another OUT path.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    torch.save(consolidated(path), tmp)
+    tmp.replace(out)
+    return out
+
+
+def info(path: str | Path) -> str:
+    path = Path(path)
+    _check_folder(path)
+    meta = checkpoint_io.read_meta(path)
+    tensors = checkpoint_io.saved_tensors(path)
+    size = sum(math.prod(md.size) * md.properties.dtype.itemsize for md in tensors.values())
+    model = sum(1 for k in tensors if k.startswith("state_dict."))
+    return (
+        f"{path}: epoch {meta.get('epoch')}, global step {meta.get('global_step')}, {model} model tensors, "
+        f"{len(meta.get('optimizer_states', []))} optimizer(s), {len(tensors)} tensors in all, {size / 2**20:.1f} MiB"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_parallel.checkpoint", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    c = commands.add_parser("consolidate", help="write a sharded checkpoint folder as one ordinary file")
+    c.add_argument("ckpt_dir")
+    c.add_argument("out")
+    i = commands.add_parser("info", help="what a sharded checkpoint holds")
+    i.add_argument("ckpt_dir")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "consolidate":
+            print(f"wrote {consolidate(args.ckpt_dir, args.out)}")
+        else:
+            print(info(args.ckpt_dir))
+    except (FileNotFoundError, ValueError, checkpoint_io.UnsafeCheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
