@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -144,8 +145,8 @@ def test_ckpt_path_last_starts_fresh_then_resumes(tmp_path):
     assert first["steps"] == 6 and (tmp_path / "checkpoints" / "last.ckpt").is_file()
     second = run_recipe(tmp_path, *common, "trainer.max_steps=9")
     assert second["steps"] == 9
-    logged = (tmp_path / "run" / "logs" / "version_1" / "metrics.csv").read_text().splitlines()[1:]
-    steps = {int(line.split(",")[1]) for line in logged}
+    with open(tmp_path / "run" / "logs" / "version_1" / "metrics.csv") as f:
+        steps = {int(row["step"]) for row in csv.DictReader(f)}
     assert min(steps) >= 6 and max(steps) == 8  # the second run trained steps 7 to 9 only
 
 
