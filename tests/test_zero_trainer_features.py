@@ -7,9 +7,10 @@ import csv
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import launch
 from parity import assert_same_losses
+
+from lightning_parallel.checkpoint import consolidated
 
 FEATURES = [{"name": "features", "steps": 6, "features": True}]
 
@@ -30,8 +31,8 @@ def test_trainer_features(strategy, dp, single, tmp_path_factory):
         # each dp rank predicts its share of the data
         assert got["predicted_tokens"] * dp == want["predicted_tokens"]
     best = Path(run.case("features")["best_checkpoint"])
-    assert best.is_file(), "ModelCheckpoint(monitor='train_loss') saved nothing"
-    ckpt = torch.load(best, weights_only=True)
+    assert (best / "meta.pt").is_file(), "ModelCheckpoint(monitor='train_loss') saved no sharded folder"
+    ckpt = consolidated(best)
     assert ckpt["state_dict"].keys() == single.params("features").keys()
     metrics = (run.out / "logs" / "version_0" / "metrics.csv").read_text()
     assert "train_loss" in metrics and "test_loss" in metrics
