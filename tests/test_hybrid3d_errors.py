@@ -6,6 +6,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 import lightning_parallel  # noqa: F401
 from lightning_parallel import Hybrid3DStrategy
@@ -65,6 +66,17 @@ def test_auto_dp_needs_a_divisible_world():
 def test_bad_arguments(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         Hybrid3DStrategy(**kwargs)
+
+
+@pytest.fixture(autouse=True)
+def no_worker_may_start(monkeypatch):
+    """A model the layout cannot split must fail in this process: Lightning's launcher would start the
+    other ranks by re-running the command (here: the whole pytest session) only to fail the same way."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Lightning's launcher started worker processes before the model was checked")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", refuse)
 
 
 def test_tp_must_divide_the_heads():

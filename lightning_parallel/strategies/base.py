@@ -21,6 +21,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.module import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
@@ -57,6 +58,22 @@ from lightning_parallel.strategies import checkpointing
 from lightning_parallel.strategies.checkpointing import check_checkpoint_format
 from lightning_parallel.strategies.layer_sync import DataParallelSyncBatchNorm
 from lightning_parallel.strategies.precision import to_mesh_precision
+
+
+class _CheckFirstLauncher(_SubprocessScriptLauncher):
+    """Lightning's launcher, after the strategy has checked the model in this process."""
+
+    def __init__(self, strategy: MeshStrategy, *args: Any) -> None:
+        super().__init__(*args)
+        self._strategy = strategy
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        model = args[0] if args else None  # fit, validate, test and predict take the model first
+        if isinstance(model, LightningModule):
+            self._strategy.check_model(model)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
 
 # every rank reduces every combination, present or not, so all ranks issue the same collectives
 _AXIS_COMBOS = [c for n in (1, 2, 3) for c in itertools.combinations(sorted(MESH_AXES), n)]
@@ -268,7 +285,12 @@ class MeshStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         self._dims = self._parallel_degrees(self.world_size)  # bad degrees fail here, before any process starts
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _CheckFirstLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def check_model(self, model: Any) -> None:
+        """Refuse a model this layout cannot split, in the calling process: before Lightning's launcher
+        starts the other ranks (which would re-run the script only to fail the same way) and before any
+        process group exists. Subclasses add their checks; ``connect`` runs them too (under torchrun)."""
 
     @override
     def setup_environment(self) -> None:

@@ -165,7 +165,11 @@ class Hybrid3DStrategy(MeshStrategy):
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
-        # runs in Trainer.fit before the process group exists: refuse a model the degrees cannot split
+        self.check_model(model)  # again here: under torchrun no launcher ran it
+        super().connect(model)
+
+    @override
+    def check_model(self, model: pl.LightningModule) -> None:
         dims = self.parallel_dims
         if dims.tp > 1:
             if not callable(getattr(model, "tensor_parallel_plan", None)):
@@ -191,7 +195,6 @@ class Hybrid3DStrategy(MeshStrategy):
         check = getattr(model, "check_parallel_degrees", None)
         if callable(check):
             check(pp=dims.pp, tp=dims.tp)
-        super().connect(model)
 
     def _pipeline_partition(self, model: pl.LightningModule) -> list[range]:
         layers = list(model.pipeline_layers())
