@@ -166,3 +166,19 @@ def test_vgg_warmup_then_cosine_decay():
     assert seen[:3] == [0.5, 1.0, 1.0] and seen[-1] == pytest.approx(0.0)
     assert all(a >= b for a, b in zip(seen[1:], seen[2:]))  # never rises after warmup
     assert [lr_factor(s, 0, 6, "constant") for s in range(6)] == [1.0] * 6
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "message"),
+    [
+        ("train_gpt", ["trainer.sync_batchnorm=true"], r"the GPT has no BatchNorm to sync"),
+        ("train_vgg", ["model.optimizer=lamb"], r"model.optimizer='lamb' is unknown"),
+        ("train_vgg", ["data=cifar10", "data.path=/x", "data.num_train=512"], r"data.num_train=512 sizes"),
+    ],
+)
+def test_settings_a_recipe_would_ignore_are_refused(recipe, overrides, message):
+    from lightning_parallel.recipes import gpt, vgg
+
+    check = gpt.check_config if recipe == "train_gpt" else vgg.check_config
+    with pytest.raises(ValueError, match=message):
+        check(compose_recipe(recipe, *overrides))

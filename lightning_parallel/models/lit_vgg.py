@@ -14,8 +14,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
 
-_OPTIMIZERS = ("sgd", "adamw")
-_LR_SCHEDULES = ("constant", "cosine")
+OPTIMIZERS = ("sgd", "adamw")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
@@ -65,10 +65,10 @@ class LitVGG(pl.LightningModule):
         build_in_configure_model: bool = False,
     ) -> None:
         super().__init__()
-        if optimizer not in _OPTIMIZERS:
-            raise ValueError(f"LitVGG(optimizer={optimizer!r}) is not one of {_OPTIMIZERS}: pick one of them.")
-        if lr_schedule not in _LR_SCHEDULES:
-            raise ValueError(f"LitVGG(lr_schedule={lr_schedule!r}) is not one of {_LR_SCHEDULES}: pick one of them.")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"LitVGG(optimizer={optimizer!r}) is not one of {OPTIMIZERS}: pick one of them.")
+        if lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"LitVGG(lr_schedule={lr_schedule!r}) is not one of {LR_SCHEDULES}: pick one of them.")
         self.config = config or VGGConfig()
         self.model: VGG | None = None if build_in_configure_model else VGG(self.config)
         self.optimizer_name, self.lr, self.momentum, self.weight_decay = optimizer, lr, momentum, weight_decay

@@ -48,6 +48,8 @@ def check_config(cfg: DictConfig) -> None:
     strategy = check_run_settings(cfg, num_layers=cfg.model.n_layer + 2)  # embedding, blocks, head
     if isinstance(strategy, Hybrid3DStrategy):
         GPT.check_tensor_parallel_config(gpt_config(cfg.model), strategy._parallel_degrees(world_size(cfg)).tp)
+    if cfg.trainer.sync_batchnorm:
+        raise ValueError("trainer.sync_batchnorm=true: the GPT has no BatchNorm to sync (LayerNorm needs none).")
 
 
 class TextData(pl.LightningDataModule):

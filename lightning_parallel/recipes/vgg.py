@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from lightning_parallel import Hybrid3DStrategy
 from lightning_parallel.models import LitVGG, VGGConfig
+from lightning_parallel.models.lit_vgg import LR_SCHEDULES, OPTIMIZERS
 from lightning_parallel.models.vgg import VGG
 from lightning_parallel.recipes.common import (
     build_trainer,
@@ -27,6 +28,7 @@ from lightning_parallel.recipes.common import (
     world_size,
     write_metrics,
 )
+from lightning_parallel.recipes.config import ImageDataConf
 from lightning_parallel.recipes.image_data import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -38,7 +40,6 @@ from lightning_parallel.recipes.image_data import (
 from lightning_parallel.resume import ResumableDataLoader
 
 DATA_KINDS = ("generated", "cifar10")
-LR_SCHEDULES = ("cosine", "constant")
 
 
 def vgg_config(m: DictConfig) -> VGGConfig:
@@ -60,6 +61,8 @@ def check_config(cfg: DictConfig) -> None:
     if isinstance(strategy, Hybrid3DStrategy):
         VGG.check_tensor_parallel_config(config, strategy._parallel_degrees(world_size(cfg)).tp)
     m, d = cfg.model, cfg.data
+    if m.optimizer not in OPTIMIZERS:
+        raise ValueError(f"model.optimizer={m.optimizer!r} is unknown: use one of {OPTIMIZERS}.")
     if m.lr_schedule not in LR_SCHEDULES:
         raise ValueError(f"model.lr_schedule={m.lr_schedule!r} is unknown: use one of {LR_SCHEDULES}.")
     if m.lr_reference_batch is not None and m.lr_reference_batch <= 0:
@@ -75,6 +78,13 @@ def check_config(cfg: DictConfig) -> None:
             raise ValueError(
                 f"CIFAR-10 has 10 classes of 32x32 images, not model.num_classes={m.num_classes} and "
                 f"model.image_size={m.image_size}: set both back (model.num_classes=10 model.image_size=32)."
+            )
+        defaults = ImageDataConf()
+        generated_only = [k for k in ("num_train", "num_val") if d[k] != getattr(defaults, k)]
+        if generated_only:
+            raise ValueError(
+                f"data.{generated_only[0]}={d[generated_only[0]]} sizes the generated images; CIFAR-10 has its own "
+                "50,000 + 10,000: drop the setting (or use data=images)."
             )
         load_cifar10(d.path, "test")  # a wrong folder fails here, with the path, before any worker starts
     elif d.num_train < d.global_batch_size:
