@@ -8,10 +8,12 @@ optimizer state (Adam's moments move the second step's weights).
 
 from __future__ import annotations
 
+import torch
 from conftest import launch
 from parity import assert_same_losses
 
 from lightning_parallel.checkpoint import consolidate
+from lightning_parallel.parallel import checkpoint_io
 
 EPOCH = 5  # checkpoints are taken after the first epoch
 RESUMED_STEPS = 2
@@ -34,3 +36,13 @@ def test_zero3_checkpoint_resumes_at_other_world_sizes(tmp_path, tmp_path_factor
     for strategy, world, ckpt in [("zero3", 2, zero3_ckpt), ("zero1", 2, zero3_ckpt), ("auto", 1, one_file)]:
         got = launch(tmp_path_factory, strategy, world, resume(ckpt), tag="_resume").losses("resume")
         assert_same_losses(got, want, f"zero3 world-4 checkpoint resumed by {strategy} at world {world}")
+
+
+def test_weights_only_save_writes_no_optimizer_state(tmp_path, tmp_path_factory):
+    ckpt = tmp_path / "weights.ckpt"
+    case = {"epoch_steps": EPOCH, "name": "save", "steps": 2, "save": str(ckpt), "weights_only": True}
+    run = launch(tmp_path_factory, "zero2", 2, [case])
+    saved = checkpoint_io.saved_tensors(ckpt)
+    assert saved and all(k.startswith("state_dict.") for k in saved)
+    one_file = torch.load(consolidate(ckpt, tmp_path / "weights.pt"), weights_only=True)
+    assert one_file["optimizer_states"] == [] and one_file["state_dict"].keys() == run.params("save").keys()

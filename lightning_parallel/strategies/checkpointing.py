@@ -52,13 +52,16 @@ def save(
     token = strategy.broadcast(uuid.uuid4().hex[:12])
     model = strategy.model
     tensors: dict[str, Any] = {MODEL + k: v for k, v in checkpoint.pop("state_dict").items()}
-    checkpoint.pop("optimizer_states", None)
-    for i, optimizer in enumerate(strategy.optimizers):
+    # save_checkpoint(weights_only=True) leaves the optimizers out of the dict: leave them out of the folder
+    optimizers = strategy.optimizers if checkpoint.pop("optimizer_states", None) is not None else []
+    for i, optimizer in enumerate(optimizers):
         tensors.update(optimizer_state(model, optimizer, i, order, flat_zero[i]))
     meta = None
     if strategy.is_global_zero:
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {**checkpoint, "optimizer_states": [hyperparameters(o) for o in strategy.optimizers]}
+        meta = {**checkpoint}
+        if optimizers:
+            meta["optimizer_states"] = [hyperparameters(o) for o in optimizers]
     strategy.barrier("sharded_checkpoint_prepare")
     checkpoint_io.save_sharded(path, tensors, meta, token, strategy.is_global_zero)
     strategy.barrier("sharded_checkpoint_written")
@@ -82,13 +85,15 @@ def load(strategy: Any, path: str | Path, flat_zero: list[FlatZero | None]) -> d
             "different model. Resume with the model that wrote it."
         )
     installs = []
+    # a weights-only folder has no optimizers: Lightning itself says so if fit() needs them
+    optimizers = strategy.optimizers if "optimizer_states" in meta else []
     saved_optimizers = meta.get("optimizer_states", [])
-    if strategy.optimizers and len(saved_optimizers) != len(strategy.optimizers):
+    if optimizers and len(saved_optimizers) != len(optimizers):  # validate/test/predict have none
         raise ValueError(
             f"{path} holds {len(saved_optimizers)} optimizers but configure_optimizers returned "
-            f"{len(strategy.optimizers)}: resume with the same optimizer setup."
+            f"{len(optimizers)}: resume with the same optimizer setup."
         )
-    for i, optimizer in enumerate(strategy.optimizers):
+    for i, optimizer in enumerate(optimizers):
         _check_param_groups(path, i, saved_optimizers[i]["param_groups"], optimizer)
         opt_targets, states = optimizer_load_targets(model, optimizer, i, saved, flat_zero[i])
         targets.update(opt_targets)

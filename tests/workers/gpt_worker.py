@@ -4,7 +4,8 @@ Run by tests/harness.py on N processes (or on one for the single-process referen
 several cases in sequence so the process start-up is paid once.
 
 Case keys: name, steps, global_batch, accumulate, clip, precision, seed, save (checkpoint path after
-fit), resume (ckpt_path for fit), memory (measure model-state bytes after the last step), validate,
+fit; weights_only: without optimizer states), resume (ckpt_path for fit), memory (measure model-state bytes
+after the last step), validate,
 optimizer ("adamw" or "lbfgs"), expect_error (record the exception instead of failing), model ("gpt",
 "top_level", "byo": the README's bring-your-own-model example, or "vgg": BatchNorm), meta (build the GPT or VGG
 in configure_model), deep (6 blocks instead of 2), sync_bn ("trainer": Trainer(sync_batchnorm=True), "plugin":
@@ -320,7 +321,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     if trainer.global_rank == 0:
         torch.save(state, out / f"{case['name']}_params.pt")
     if case.get("save"):
-        trainer.save_checkpoint(case["save"])
+        trainer.save_checkpoint(case["save"], weights_only=bool(case.get("weights_only")))
     if case.get("features"):
         result["best_checkpoint"] = callbacks[-1].best_model_path
         result["test_loss"] = trainer.test(model, datamodule=datamodule, verbose=False)[0]["test_loss"]
