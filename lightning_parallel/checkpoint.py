@@ -7,7 +7,8 @@ The file ``consolidate`` writes is the checkpoint a single-process Lightning run
 ``state_dict`` by parameter name, ``optimizer_states`` numbered like ``Optimizer.state_dict()``, and the
 loops, schedulers and callbacks as saved. ``Trainer.fit(ckpt_path=OUT.pt)`` resumes from it with any
 strategy, and ``module.load_state_dict(torch.load(OUT.pt)["state_dict"])`` loads the weights alone.
-Nothing is executed from the folder while reading it (see ``parallel/checkpoint_io.py``).
+A one-file checkpoint (Lightning's own, or ``checkpoint_format="full"``) passes through as it is.
+Nothing is executed from a checkpoint while reading it (see ``parallel/checkpoint_io.py``).
 """
 
 from __future__ import annotations
@@ -28,14 +29,18 @@ from lightning_parallel.parallel.sharded_state import full_order_checkpoint
 def _check_folder(path: Path) -> None:
     if not checkpoint_io.is_sharded_checkpoint(path):
         raise FileNotFoundError(
-            f"{path} is not a sharded checkpoint folder (it needs .metadata and meta.pt): give a folder that "
-            "a strategy with checkpoint_format='sharded' saved."
+            f"{path} is neither a checkpoint file nor a sharded checkpoint folder (one needs .metadata and "
+            "meta.pt): give what a save wrote."
         )
 
 
 def consolidated(path: str | Path) -> dict[str, Any]:
-    """The whole checkpoint at ``path``, in the single-process format, in this process (no process group)."""
+    """The whole checkpoint at ``path``, in the single-process format, in this process (no process group).
+    A one-file checkpoint (``checkpoint_format="full"``, or Lightning's own) is already in it: it is read
+    as weights only and returned as it is."""
     path = Path(path)
+    if path.is_file():
+        return checkpoint_io.load_file(path)
     _check_folder(path)
     meta = checkpoint_io.read_meta(path)
     groups = [o["param_groups"] for o in meta.get("optimizer_states", [])]
@@ -55,15 +60,22 @@ def consolidate(path: str | Path, out: str | Path) -> Path:
 
 
 def info(path: str | Path) -> str:
+    """One line: epoch, step, how many model tensors and optimizers, and the size of the tensors."""
     path = Path(path)
-    _check_folder(path)
-    meta = checkpoint_io.read_meta(path)
-    tensors = checkpoint_io.saved_tensors(path)
-    size = sum(math.prod(md.size) * md.properties.dtype.itemsize for md in tensors.values())
-    model = sum(1 for k in tensors if k.startswith("state_dict."))
+    if path.is_file():
+        whole = checkpoint_io.load_file(path)
+        meta, model = whole, len(whole.get("state_dict", {}))
+        size = sum(t.numel() * t.element_size() for t in whole.get("state_dict", {}).values() if torch.is_tensor(t))
+        kind = "one file"
+    else:
+        _check_folder(path)
+        meta, tensors = checkpoint_io.read_meta(path), checkpoint_io.saved_tensors(path)
+        model = sum(1 for k in tensors if k.startswith("state_dict."))
+        size = sum(math.prod(md.size) * md.properties.dtype.itemsize for md in tensors.values())
+        kind = f"sharded, {len(tensors)} tensors in all"
     return (
-        f"{path}: epoch {meta.get('epoch')}, global step {meta.get('global_step')}, {model} model tensors, "
-        f"{len(meta.get('optimizer_states', []))} optimizer(s), {len(tensors)} tensors in all, {size / 2**20:.1f} MiB"
+        f"{path} ({kind}): epoch {meta.get('epoch')}, global step {meta.get('global_step')}, {model} model tensors, "
+        f"{len(meta.get('optimizer_states', []))} optimizer(s), {size / 2**20:.1f} MiB"
     )
 
 

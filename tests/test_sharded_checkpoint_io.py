@@ -16,7 +16,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from lightning_parallel.checkpoint import consolidate, main
 from lightning_parallel.parallel import checkpoint_io
 from lightning_parallel.parallel.checkpoint_chunks import chunked_view, flat_range_boxes
-from lightning_parallel.strategies.checkpointing import load_full_file
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3, 2)])
@@ -96,12 +95,22 @@ def test_loading_never_runs_code_from_a_checkpoint(tmp_path, monkeypatch):
     one_file = tmp_path / "one.ckpt"
     one_file.write_bytes(pickle.dumps({"state_dict": Payload()}))
     with pytest.raises(checkpoint_io.UnsafeCheckpointError, match="refusing to load it"):
-        load_full_file(one_file)
+        checkpoint_io.load_file(one_file)
     assert not (tmp_path / "pwned").exists()
 
 
-def test_consolidate_refuses_what_is_not_a_sharded_folder(tmp_path, capsys):
+def test_consolidate_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
     assert main(["consolidate", str(tmp_path), str(tmp_path / "out.pt")]) == 2
-    assert "is not a sharded checkpoint folder" in capsys.readouterr().err
-    with pytest.raises(FileNotFoundError, match="needs .metadata and meta.pt"):
+    assert "is neither a checkpoint file nor a sharded checkpoint folder" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="one needs .metadata and meta.pt"):
         consolidate(tmp_path / "missing", tmp_path / "out.pt")
+
+
+def test_consolidate_passes_a_one_file_checkpoint_through(tmp_path):
+    """What Lightning's own strategies (and checkpoint_format="full") write is already one ordinary file."""
+    one_file = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(3)}, "global_step": 4}, one_file)
+    assert main(["consolidate", str(one_file), str(tmp_path / "out.pt")]) == 0
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["global_step"] == 4 and torch.equal(out["state_dict"]["w"], torch.ones(3))
+    assert main(["info", str(one_file)]) == 0

@@ -12,7 +12,7 @@ import torch
 from conftest import launch
 from parity import assert_same_losses
 
-from lightning_parallel.checkpoint import consolidate
+from lightning_parallel.checkpoint import consolidate, info
 from lightning_parallel.parallel import checkpoint_io
 
 EPOCH = 5  # checkpoints are taken after the first epoch
@@ -44,5 +44,6 @@ def test_weights_only_save_writes_no_optimizer_state(tmp_path, tmp_path_factory)
     run = launch(tmp_path_factory, "zero2", 2, [case])
     saved = checkpoint_io.saved_tensors(ckpt)
     assert saved and all(k.startswith("state_dict.") for k in saved)
+    assert "(sharded, " in info(ckpt) and "global step 2, " in info(ckpt) and "0 optimizer(s)" in info(ckpt)
     one_file = torch.load(consolidate(ckpt, tmp_path / "weights.pt"), weights_only=True)
     assert one_file["optimizer_states"] == [] and one_file["state_dict"].keys() == run.params("save").keys()

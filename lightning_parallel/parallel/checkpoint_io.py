@@ -131,9 +131,8 @@ def publish(path: str | Path, token: str) -> None:
         old.unlink()
 
 
-def read_meta(path: str | Path) -> dict[str, Any]:
-    """``meta.pt`` of a sharded checkpoint, loaded as weights only."""
-    file = Path(path) / META_FILE
+def load_file(file: str | Path) -> Any:
+    """A ``torch.save`` file (``meta.pt``, or a one-file checkpoint) loaded as weights only."""
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
@@ -141,6 +140,11 @@ def read_meta(path: str | Path) -> dict[str, Any]:
             f"{file} holds objects that loading would have to run code for: refusing to load it. Save "
             f"hyperparameters as plain values (numbers, strings, lists, dicts). Torch said: {err}"
         ) from None
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """``meta.pt`` of a sharded checkpoint, loaded as weights only."""
+    return load_file(Path(path) / META_FILE)
 
 
 def saved_tensors(path: str | Path) -> dict[str, TensorStorageMetadata]:

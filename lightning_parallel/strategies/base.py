@@ -503,7 +503,7 @@ class MeshStrategy(ParallelStrategy):
                 f"ckpt_path={str(checkpoint_path)!r} is a folder but not a sharded checkpoint (no .metadata and "
                 "meta.pt in it): give the folder a save wrote, or a checkpoint file."
             )
-        return checkpointing.load_full_file(checkpoint_path)
+        return checkpoint_io.load_file(checkpoint_path)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -13,7 +13,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -117,16 +116,3 @@ def _check_param_groups(path: Path, index: int, saved: list[dict[str, Any]], opt
             f"{path}: optimizer {index} had {len(saved)} param groups, configure_optimizers now returns "
             f"{len(optimizer.param_groups)}: resume with the same optimizer setup."
         )
-
-
-def load_full_file(path: str | Path) -> dict[str, Any]:
-    """A one-file checkpoint, loaded as weights only (a crafted pickle is refused, not run)."""
-    import pickle
-
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise checkpoint_io.UnsafeCheckpointError(
-            f"{path} holds objects that loading would have to run code for: refusing to load it. Save "
-            f"hyperparameters as plain values (numbers, strings, lists, dicts). Torch said: {err}"
-        ) from None
