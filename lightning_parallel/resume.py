@@ -2,8 +2,8 @@
 random numbers as if it had never stopped.
 
 Lightning restores the model, optimizer, schedulers and loop counters, but a plain ``DataLoader`` restarts
-its epoch from the first batch (with the sampler's epoch-0 order), and every rank's random generators
-(dropout, augmentation drawn from the global generators) start wherever the new process seeds them.
+its epoch from the first batch, and every rank's random generators (dropout, augmentation drawn from the
+global generators) start wherever the new process seeds them.
 Return a :class:`ResumableDataLoader` from ``train_dataloader`` and add :class:`ExactResume` to the
 Trainer's callbacks:
 
@@ -73,7 +73,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 class ResumableDataLoader(DataLoader):
     """A ``DataLoader`` Lightning can save and restore (its ``state_dict`` protocol): after a mid-epoch
-    resume it continues the epoch, with that epoch's sampler order, after the batches already trained on.
+    resume it continues the epoch after the batches already trained on.
 
     Takes ``DataLoader``'s arguments; the sampler (``sampler=``, default sequential) is wrapped in a
     :class:`ResumableSampler`. :class:`ExactResume` fills in the position when a checkpoint is saved: the
@@ -86,15 +86,19 @@ class ResumableDataLoader(DataLoader):
         super().__init__(dataset, *args, sampler=ResumableSampler(sampler), **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": None, "batches": 0}  # ExactResume writes the trained position over it
+        return {"batches": None}  # ExactResume writes the trained position over it
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Lightning calls this before it first iterates the loader, and sets the epoch only afterwards
+        # Lightning calls this before it first iterates the loader (and sets the sampler's epoch itself)
+        if state_dict.get("batches") is None:
+            rank_zero_warn(
+                "The checkpoint has no training position (it was saved without the ExactResume callback): this "
+                "epoch restarts from its first batch. Add lightning_parallel.resume.ExactResume to the callbacks."
+            )
+            return
         sampler = self.sampler
         assert isinstance(sampler, ResumableSampler)
-        if state_dict.get("epoch") is not None:
-            sampler.set_epoch(state_dict["epoch"])
-        sampler.skip = int(state_dict.get("batches", 0)) * (self.batch_size or 1)
+        sampler.skip = int(state_dict["batches"]) * (self.batch_size or 1)
 
 
 class ExactResume(pl.Callback):
@@ -119,11 +123,10 @@ class ExactResume(pl.Callback):
             dist.all_gather_object(everyone, mine)
         checkpoint.setdefault("callbacks", {}).setdefault(self.state_key, {})["rng"] = everyone
         # the batches of this epoch the loop has taken (Lightning fetches one more ahead of training)
-        position = {"epoch": trainer.current_epoch, "batches": trainer.fit_loop.epoch_loop.batch_progress.current.ready}
         loop_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
         for state in loop_state.get("combined_loader", []):
-            if set(state) == {"epoch", "batches"}:
-                state.update(position)
+            if set(state) == {"batches"}:  # a ResumableDataLoader's
+                state["batches"] = trainer.fit_loop.epoch_loop.batch_progress.current.ready
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._rng is not None:

@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 import torch
-from test_recipe_gpt import ROOT, SHORT
+from recipe_runs import GPT
+from recipe_runs import env as recipe_env
+from test_recipe_gpt import SHORT
 from test_recipe_resume import assert_same_states
 
 from lightning_parallel.checkpoint import consolidated
@@ -23,13 +25,13 @@ ARGS += [f"checkpoint.every_n_steps={EVERY}", "checkpoint.keep_last=2", "ckpt_pa
 
 
 def torchrun(cwd: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = recipe_env()
     # restarted workers must not share the rendezvous store of the first attempt: they read the dead
     # workers' addresses from it (pytorch/pytorch#135712); the README says so for users too
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["--max-restarts", "1"]
-    cmd += ["--monitor-interval", "0.5", str(ROOT / "recipes" / "train_gpt.py"), *ARGS, f"hydra.run.dir={cwd / 'run'}"]
+    cmd += ["--monitor-interval", "0.5", str(GPT), *ARGS, f"hydra.run.dir={cwd / 'run'}"]
     log = open(cwd / "torchrun.log", "w")
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -57,6 +59,12 @@ def test_killed_worker_restarts_and_ends_like_an_undisturbed_run(tmp_path):
     log = (hit / "torchrun.log").read_text()
     assert "Restarting" in log or "restart" in log.lower(), "the agent never restarted the workers"
 
+    for run in (calm, hit):  # checkpoint.keep_last=2: the two newest step folders, plus last.ckpt
+        assert sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")) == [
+            f"epoch=0-step={STEPS - EVERY}.ckpt",
+            f"epoch=0-step={STEPS}.ckpt",
+            "last.ckpt",
+        ]
     want = consolidated(calm / "checkpoints" / "last.ckpt")
     got = consolidated(hit / "checkpoints" / "last.ckpt")
     assert want["global_step"] == got["global_step"] == STEPS

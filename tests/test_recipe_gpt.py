@@ -4,25 +4,16 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from recipe_runs import GPT, assert_fails_before_workers, default_run_metrics, run
+from recipe_runs import run_recipe as _run_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "train_gpt.py"
 SHORT = ["trainer=debug", "trainer.max_steps=6", "sample_tokens=8"]
 
 
-def run_recipe(tmp_path: Path, *overrides: str, timeout: int = 300) -> dict:
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(RECIPE), *overrides, f"hydra.run.dir={run_dir}"]
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return json.loads((run_dir / "metrics.json").read_text())
+def run_recipe(cwd, *overrides: str, timeout: int = 300) -> dict:
+    return _run_recipe(GPT, cwd, *overrides, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +64,8 @@ def test_sweep_jobs_run_with_their_own_world_size(tmp_path):
     """-m over device counts and pipeline degrees: each job starts its own workers, and the world size the
     workers report (from their process group, one peak-memory entry per rank) is the job's own."""
     sweep = tmp_path / "sweep"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(RECIPE), "-m", *SHORT, "trainer.max_steps=2", "strategy=hybrid3d"]
-    cmd += ["trainer.devices=2,4", "strategy.pp=1,2", f"hydra.sweep.dir={sweep}"]
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    sweep_args = ["-m", *SHORT, "trainer.max_steps=2", "strategy=hybrid3d", "trainer.devices=2,4", "strategy.pp=1,2"]
+    run(tmp_path, GPT, *sweep_args, f"hydra.sweep.dir={sweep}", timeout=600)
     jobs = [json.loads((sweep / str(job) / "metrics.json").read_text()) for job in range(4)]
     seen = [
         (m["layout"]["world_size"], len(m["peak_memory_bytes"]), m["layout"]["pp"], m["layout"]["dp"]) for m in jobs
@@ -103,22 +91,14 @@ def test_sweep_jobs_run_with_their_own_world_size(tmp_path):
     ids=["tp-heads", "degrees-world", "unknown-strategy", "unknown-strategy-name"],
 )
 def test_bad_override_fails_before_any_worker_starts(tmp_path, overrides, message):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(RECIPE), *overrides, "trainer=debug"]
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0
-    assert message in result.stderr + result.stdout
-    assert "Initializing distributed" not in result.stderr + result.stdout  # no worker ever started
+    assert_fails_before_workers(GPT, tmp_path, *overrides, "trainer=debug", message=message)
 
 
 def test_runs_under_torchrun(single, tmp_path):
     """`torchrun --nproc-per-node 2 recipes/train_gpt.py ...`: the recipe uses torchrun's processes."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(RECIPE), *SHORT]
-    cmd += ["strategy=zero2", "trainer.devices=2", f"hydra.run.dir={run_dir}"]
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", GPT, *SHORT]
+    run(tmp_path, *torchrun, "strategy=zero2", "trainer.devices=2", f"hydra.run.dir={run_dir}")
     got = json.loads((run_dir / "metrics.json").read_text())
     assert got["layout"]["world_size"] == 2
     assert abs(got["final_train_loss"] - single["final_train_loss"]) <= 1e-5 * single["final_train_loss"]
@@ -126,13 +106,8 @@ def test_runs_under_torchrun(single, tmp_path):
 
 def test_the_readme_default_command_runs_as_written(tmp_path):
     """`make train` runs `python recipes/train_gpt.py`: 200 steps on the default corpus, about a minute."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, str(RECIPE)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    (metrics_file,) = (tmp_path / "outputs").glob("*/*/metrics.json")
-    got = json.loads(metrics_file.read_text())
+    result = run(tmp_path, GPT, timeout=600)
+    got = default_run_metrics(tmp_path)
     assert got["steps"] == 200 and got["final_val_loss"] < 3.0  # from 5.5, a uniform guess over 256 bytes
     assert "--- sample ---" in result.stdout
 
@@ -151,7 +126,4 @@ def test_ckpt_path_last_starts_fresh_then_resumes(tmp_path):
 
 
 def test_ckpt_path_last_needs_a_checkpoint_dir(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(RECIPE), "ckpt_path=last", "trainer=debug"]
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and "ckpt_path=last looks in checkpoint.dir" in result.stderr
+    assert_fails_before_workers(GPT, tmp_path, "ckpt_path=last", "trainer=debug", message="looks in checkpoint.dir")

@@ -1,6 +1,6 @@
 """Checkpoints through the recipes: a run resumed from a mid-epoch sharded checkpoint continues exactly
-(same losses, same final parameters and optimizer states as the run that never stopped), folders are kept
-as configured, and a consolidated folder is an ordinary single-process checkpoint."""
+(same losses, same final parameters and optimizer states as the run that never stopped), also one epoch
+later, under every way of holding optimizer states (flat ZeRO-1/2 on the host, FSDP2, pipeline x tensor)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_recipe_gpt import SHORT, run_recipe
+from recipe_runs import GPT, VGG, run_recipe
+from test_recipe_gpt import SHORT as GPT_SHORT
 
 from lightning_parallel.checkpoint import consolidated
-
-EVERY = 3
-STEPS = 6  # the text corpus has hundreds of batches per epoch: both checkpoints are mid-epoch
 
 
 def logged_losses(run_dir: Path) -> dict[int, float]:
@@ -36,29 +34,45 @@ def assert_same_states(got: dict, want: dict, what: str) -> None:
             assert_same_states(got[key], want[key], f"{what}.{key}")
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        ["strategy=zero1", "trainer.devices=2"],
-        ["strategy=zero3", "trainer.devices=2"],
-        ["strategy=hybrid3d", "strategy.pp=2", "strategy.tp=2", "trainer.devices=4"],
-    ],
-    ids=["zero1", "zero3", "hybrid3d-pp2-tp2"],
-)
-def test_resumed_run_continues_exactly(layout, tmp_path):
-    ckpt = ["checkpoint=periodic", f"checkpoint.every_n_steps={EVERY}", "checkpoint.keep_last=-1"]
-    common = [*SHORT, f"trainer.max_steps={STEPS}", *ckpt, *layout]
+def assert_resume_continues_exactly(script: Path, tmp_path: Path, every: int, steps: int, *args: str) -> None:
+    """Run ``steps`` steps saving every ``every``; resume a second run from the first save; the resumed
+    run's logged losses, final parameters and optimizer states equal the uninterrupted run's, bitwise.
+    ``steps`` is a multiple of ``every``: both runs then write last.ckpt at the last step."""
+    assert steps % every == 0
+    ckpt = ["checkpoint=periodic", f"checkpoint.every_n_steps={every}", "checkpoint.keep_last=-1"]
+    common = [*args, f"trainer.max_steps={steps}", *ckpt]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    whole = run_recipe(tmp_path / "a", *common)
-    (middle,) = (tmp_path / "a" / "checkpoints").glob(f"*step={EVERY}.ckpt")
-    assert middle.is_dir() and (middle / "meta.pt").is_file()
-    resumed = run_recipe(tmp_path / "b", *common, f"ckpt_path='{middle}'")  # quoted: the name holds '='
-    assert resumed["steps"] == whole["steps"] == STEPS
+    whole = run_recipe(script, tmp_path / "a", *common)
+    (middle,) = (tmp_path / "a" / "checkpoints").glob(f"*step={every}.ckpt")
+    resumed = run_recipe(script, tmp_path / "b", *common, f"ckpt_path='{middle}'")  # quoted: the name holds '='
+    assert resumed["steps"] == whole["steps"] == steps
     want, got = logged_losses(tmp_path / "a" / "run"), logged_losses(tmp_path / "b" / "run")
-    assert sorted(got) == list(range(EVERY, STEPS)), "the resumed run trains the steps after the checkpoint only"
+    assert sorted(got) == list(range(every, steps)), "the resumed run trains the steps after the checkpoint only"
     assert {s: want[s] for s in got} == got
     final_a = consolidated(tmp_path / "a" / "checkpoints" / "last.ckpt")
     final_b = consolidated(tmp_path / "b" / "checkpoints" / "last.ckpt")
     assert_same_states(final_b["state_dict"], final_a["state_dict"], "parameters")
     assert_same_states(final_b["optimizer_states"][0], final_a["optimizer_states"][0], "optimizer state")
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["strategy=zero1", "trainer.devices=2"],
+        ["strategy=zero2_offload", "trainer.devices=2"],
+        ["strategy=zero3", "trainer.devices=2"],
+        ["strategy=hybrid3d", "strategy.pp=2", "strategy.tp=2", "trainer.devices=4"],
+    ],
+    ids=["zero1", "zero2-offload", "zero3", "hybrid3d-pp2-tp2"],
+)
+def test_resumed_run_continues_exactly(layout, tmp_path):
+    """GPT: the text corpus has hundreds of batches per epoch, so the step-3 checkpoint is mid-epoch 0."""
+    assert_resume_continues_exactly(GPT, tmp_path, 3, 6, *GPT_SHORT, *layout)
+
+
+def test_resume_in_a_later_epoch_continues_exactly(tmp_path):
+    """VGG: 3 steps per epoch, the step-4 checkpoint is one batch into epoch 1: the sampler's epoch-1 order
+    and the augmentation drawn for epoch 1 must both come back."""
+    short = ["trainer=debug", "data.num_train=96", "data.num_val=32", "data.global_batch_size=32"]
+    assert_resume_continues_exactly(VGG, tmp_path, 4, 8, *short, "strategy=zero2", "trainer.devices=2")

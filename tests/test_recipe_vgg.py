@@ -3,28 +3,19 @@ other layouts (BatchNorm statistics synced over dp make data parallelism exact).
 
 from __future__ import annotations
 
-import json
-import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from recipe_runs import VGG, assert_fails_before_workers, default_run_metrics, run
+from recipe_runs import run_recipe as _run_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "train_vgg.py"
 SHORT = ["trainer=debug", "trainer.max_steps=6", "data.num_train=512", "data.num_val=64", "data.global_batch_size=32"]
 
 
-def run_recipe(tmp_path: Path, *overrides: str, timeout: int = 300) -> dict:
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(RECIPE), *overrides, f"hydra.run.dir={run_dir}"]
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return json.loads((run_dir / "metrics.json").read_text())
+def run_recipe(cwd: Path, *overrides: str, timeout: int = 300) -> dict:
+    return _run_recipe(VGG, cwd, *overrides, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -96,22 +87,12 @@ def test_cifar10_from_a_local_folder(tmp_path):
     ids=["missing-folder", "no-path", "tp-channels", "lr-schedule"],
 )
 def test_bad_override_fails_before_any_worker_starts(tmp_path, overrides, message):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(RECIPE), *overrides, "trainer=debug", "trainer.devices=2"]
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0
-    assert message in result.stderr + result.stdout
-    assert "Initializing distributed" not in result.stderr + result.stdout  # no worker ever started
+    assert_fails_before_workers(VGG, tmp_path, *overrides, "trainer=debug", "trainer.devices=2", message=message)
 
 
 def test_the_readme_default_command_runs_as_written(tmp_path):
     """`python recipes/train_vgg.py`: VGG11 (vgg_tiny) on generated images, 200 steps, seconds on a CPU."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, str(RECIPE)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    (metrics_file,) = (tmp_path / "outputs").glob("*/*/metrics.json")
-    got = json.loads(metrics_file.read_text())
+    run(tmp_path, VGG, timeout=600)
+    got = default_run_metrics(tmp_path)
     assert got["steps"] == 200 and got["final_val_loss"] < 1.5  # from ln 10 = 2.3, a uniform guess
     assert got["final_val_accuracy"] > 0.5  # chance is 0.1
