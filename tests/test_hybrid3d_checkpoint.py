@@ -33,8 +33,14 @@ def test_pipeline_checkpoint_resumes_in_any_layout(tmp_path, tmp_path_factory):
     assert len(want) == RESUMED_STEPS
     assert pp_ckpt.is_dir()  # a sharded folder: every rank wrote its own stage's pieces
     one_file = consolidate(pp_ckpt, tmp_path / "pp2_tp2_consolidated.pt")
+    # checkpoint_format="full": one file in the single-process format, gathered from both stages
+    full_file = tmp_path / "pp2_tp2_full.ckpt"
+    save_full = [{**base, "name": "save", "steps": EPOCH, "save": str(full_file)}]
+    launch(tmp_path_factory, f"{saver},checkpoint_format=full", 4, save_full, tag="_full")
+    assert full_file.is_file()
     layouts = [  # (strategy, world, checkpoint, one rank per dp index)
         ("auto", 1, one_file, [0]),  # plain Lightning, from the consolidated file
+        ("auto", 1, full_file, [0]),  # plain Lightning, from the gathered file
         ("hybrid3d:pp=4,pp_schedule=gpipe", 4, pp_ckpt, [0]),  # other stage cuts
         ("hybrid3d:pp=2,dp=2,zero_stage=3,pp_schedule=zero_bubble", 4, pp_ckpt, [0, 1]),
         ("hybrid3d:pp=2,tp=2,zero_stage=1", 4, plain_ckpt, [0]),

@@ -95,6 +95,8 @@ class MeshStrategy(ParallelStrategy):
     ``zero_stage`` (0: gradients averaged; 1: + optimizer states sharded; 2: + gradients; 3: +
     parameters, with FSDP2). ``activation_checkpointing`` (``"none"``, ``"full"``, ``"selective"``) recomputes
     each layer's activations in backward; it is applied after tp and pp, before ZeRO-3.
+    ``checkpoint_format`` is ``"sharded"`` (default: a folder per checkpoint, every rank writes its pieces,
+    any layout resumes it) or ``"full"`` (one file gathered on rank 0 in the single-process format).
     """
 
     def __init__(

@@ -33,7 +33,7 @@ class ZeroStrategy(MeshStrategy):
 
     Stage 1 shards optimizer states, stage 2 also gradients, stage 3 also parameters (with torch's
     FSDP2). The user's ``configure_optimizers`` stays ordinary (AdamW, SGD, ...); the strategy shards it.
-    Checkpoints hold full states in the single-process format, so they resume at any world size.
+    Checkpoints are sharded folders under single-process names, so they resume at any world size and layout.
 
     Args:
         stage: 1, 2 or 3.
