@@ -115,32 +115,32 @@ class CheckpointConf:
 
 
 @dataclass
-class GPTRecipeConf:
-    """The GPT recipe's root; conf/train_gpt.yaml picks each group's option."""
+class RecipeConf:
+    """What every recipe's root has; each recipe adds its model and data schemas."""
 
     strategy: StrategyConf = MISSING
     precision: PrecisionConf = MISSING
-    model: GPTModelConf = MISSING
-    data: TextDataConf = MISSING
     trainer: TrainerConf = MISSING
     checkpoint: CheckpointConf = MISSING
     seed: int = 0
     ckpt_path: str | None = None  # a checkpoint to resume from, or "last": the newest in checkpoint.dir
+
+
+@dataclass
+class GPTRecipeConf(RecipeConf):
+    """The GPT recipe's root; conf/train_gpt.yaml picks each group's option."""
+
+    model: GPTModelConf = MISSING
+    data: TextDataConf = MISSING
     sample_tokens: int = 200  # generated at the end of training; 0 for none
 
 
 @dataclass
-class VGGRecipeConf:
+class VGGRecipeConf(RecipeConf):
     """The VGG recipe's root; conf/train_vgg.yaml picks each group's option."""
 
-    strategy: StrategyConf = MISSING
-    precision: PrecisionConf = MISSING
     model: VGGModelConf = MISSING
     data: ImageDataConf = MISSING
-    trainer: TrainerConf = MISSING
-    checkpoint: CheckpointConf = MISSING
-    seed: int = 0
-    ckpt_path: str | None = None  # a checkpoint to resume from, or "last": the newest in checkpoint.dir
 
 
 # (group, name) -> schema; a group with two recipes' options has one schema per kind
