@@ -17,6 +17,7 @@ import argparse
 import math
 import os
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,39 @@ def _check_folder(path: Path) -> None:
         )
 
 
+def check_checkpoint_path(path: str | Path, setting: str = "ckpt_path") -> None:
+    """Refuse, without reading it, a ``path`` that cannot be a checkpoint: missing, a folder without a sharded
+    checkpoint's files, or a file that is not a ``torch.save`` archive (an empty, cut or text file).
+
+    Args:
+        path: what the user gave.
+        setting: the setting's name for the message.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``, or a folder that holds no sharded checkpoint.
+        ValueError: a file that is not a torch checkpoint file.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"{setting}={str(path)!r} does not exist: give a saved checkpoint (file or folder).")
+    if p.is_dir():
+        if not checkpoint_io.is_sharded_checkpoint(p):
+            raise FileNotFoundError(
+                f"{setting}={str(path)!r} is a folder but not a sharded checkpoint (one holds .metadata and "
+                f"{checkpoint_io.META_FILE}): give the folder a save wrote (e.g. last.ckpt in it) or a checkpoint file."
+            )
+        return
+    # torch.save writes a zip archive (its central directory is at the end, so a cut file fails this too);
+    # the legacy format is a pickle, which starts with the PROTO opcode
+    with open(p, "rb") as f:
+        head = f.read(1)
+    if not (zipfile.is_zipfile(p) or head == b"\x80"):
+        raise ValueError(
+            f"{setting}={str(path)!r} is not a checkpoint file (not a torch.save archive; empty or cut short?): "
+            "give a file or folder a save wrote."
+        )
+
+
 def consolidated(path: str | Path) -> dict[str, Any]:
     """The whole checkpoint at ``path``, in the single-process format, in this process (no process group).
     A one-file checkpoint (``checkpoint_format="full"``, or Lightning's own) is already in it: it is read
@@ -42,6 +76,7 @@ def consolidated(path: str | Path) -> dict[str, Any]:
     if path.is_file():
         return checkpoint_io.load_file(path)
     _check_folder(path)
+    checkpoint_io.verify(path)  # a damaged file is named before anything is read from it
     meta = checkpoint_io.read_meta(path)
     groups = [o["param_groups"] for o in meta.get("optimizer_states", [])]
     return {**meta, **full_order_checkpoint(checkpoint_io.full_tensors(path), groups)}

@@ -7,9 +7,10 @@ stages on the outermost axis, as Megatron and torchtitan do.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Literal
 
-import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 PP = "pp"
 DP = "dp"
@@ -72,11 +73,18 @@ class ParallelDims:
     def degrees(self) -> dict[str, int]:
         return {PP: self.pp, DP: self.dp, TP: self.tp}
 
-    def build_mesh(self, device_type: str) -> torch.distributed.device_mesh.DeviceMesh:
-        """The 3D mesh over the default process group; size-1 axes are kept so code can always name them."""
+    def build_mesh(self, device_type: str, timeout: timedelta | None = None) -> DeviceMesh:
+        """The 3D mesh over the default process group; size-1 axes are kept so code can always name them.
+        ``timeout`` bounds the axis groups' collectives (torch gives new groups its 30-minute default, not the
+        world's timeout)."""
+        from torch._C._distributed_c10d import Backend  # the C++ one: its Options carry a timeout
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_AXES)
+        override = None
+        if timeout is not None:
+            override = {axis: Backend.Options("", timeout) for axis in MESH_AXES}
+        shape = (self.pp, self.dp, self.tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES, backend_override=override)
 
     def __str__(self) -> str:
         return f"pp={self.pp} dp={self.dp} tp={self.tp} (world_size={self.world_size})"

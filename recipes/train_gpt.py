@@ -11,6 +11,7 @@ run directory gets metrics.json, logs and, with checkpoint.dir, checkpoints.
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import hydra
@@ -28,7 +29,11 @@ def main(cfg: DictConfig) -> None:
     from lightning_parallel.recipes.gpt import check_config
     from lightning_parallel.recipes.launch import run
 
-    check_config(cfg)  # bad settings fail here, before any worker starts
+    try:
+        check_config(cfg)  # bad settings fail here, before any worker starts
+    except (ValueError, TypeError, OSError, pickle.UnpicklingError) as err:
+        # the message names the setting and the fix: a traceback through the checks would only bury it
+        raise SystemExit(f"Error in the config ({type(err).__name__}): {err}") from None
     # trainer.devices > 1: this job starts its own workers (also inside a -m sweep); under torchrun it just runs
     run(cfg, Path(HydraConfig.get().runtime.output_dir), entry="lightning_parallel.recipes.gpt.train")
 

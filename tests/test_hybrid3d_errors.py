@@ -23,49 +23,7 @@ def trainer(devices: int, **kwargs) -> pl.Trainer:
     return pl.Trainer(strategy=Hybrid3DStrategy(**kwargs), accelerator="cpu", devices=devices, logger=False)
 
 
-def test_degrees_must_multiply_to_the_world_size():
-    with pytest.raises(ValueError, match=r"pp\(1\) \* dp\(3\) \* tp\(2\) = 6 != world_size\(4\)"):
-        trainer(4, dp=3, tp=2)
-
-
-def test_auto_dp_needs_a_divisible_world():
-    with pytest.raises(ValueError, match=r"dp='auto' needs world_size\(4\) divisible by pp\(1\) \* tp\(3\)"):
-        trainer(4, tp=3)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"tp": 0}, r"tp=0 is not a parallel degree"),
-        ({"dp": "all"}, r"dp='all' is not a parallel degree: set dp to a positive integer or 'auto'"),
-        ({"zero_stage": 4}, r"zero_stage=4 is not a ZeRO stage: set zero_stage to 0, 1, 2 or 3"),
-        ({"zero_stage": 1, "offload": True}, r"offload=True needs sharded gradients"),
-        ({"pp_schedule": "fast"}, r"pp_schedule='fast' is unknown: set it to one of gpipe, 1f1b"),
-        ({"pp_balance": "magic"}, r"pp_balance='magic' is unknown"),
-        ({"microbatches": 0}, r"microbatches=0 is not a parallel degree"),
-        ({"pp": 4, "microbatches": 2}, r"needs at least one microbatch per stage, but microbatches=2 < pp=4"),
-        (
-            {"pp": 2, "microbatches": 5, "pp_schedule": "interleaved_1f1b"},
-            r"microbatches=5 must be a multiple of 2: set microbatches to a multiple of 2",
-        ),
-        ({"pp": 2, "pp_virtual_stages": 3}, r"pp_virtual_stages=3 does not fit pp_schedule='1f1b'"),
-        (
-            {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 1},
-            r"pp_virtual_stages=1 makes interleaved_1f1b plain 1F1B",
-        ),
-        (
-            {"activation_checkpointing": "partial"},
-            r"activation_checkpointing='partial' is unknown: set it to one of none, full, selective",
-        ),
-        (
-            {"pp": 2, "pp_schedule": "zero_bubble", "activation_checkpointing": "selective"},
-            r"activation_checkpointing='selective' cannot run under pp_schedule='zero_bubble'",
-        ),
-    ],
-)
-def test_bad_arguments(kwargs, message):
-    with pytest.raises((ValueError, TypeError), match=message):
-        Hybrid3DStrategy(**kwargs)
+# bad arguments, degrees against the world size: tests/test_bad_input_catalogue.py
 
 
 @pytest.fixture(autouse=True)

@@ -10,11 +10,15 @@ import pytest
 from lightning_parallel.parallel.partition import balanced_partition, stage_to_rank, uniform_partition
 
 
-def brute_force_best(costs: list[float], stages: int) -> float:
+def brute_force_best(costs: list[float], stages: int, memory=None, budget=None) -> float:
+    """The smallest heaviest stage over every contiguous split whose stages fit ``budget`` (inf: none fits);
+    ``memory[s][l]``: what layer l holds in stage s."""
     n, best = len(costs), float("inf")
     for cuts in itertools.combinations(range(1, n), stages - 1):
-        bounds = (0, *cuts, n)
-        best = min(best, max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)))
+        bounds = list(itertools.pairwise((0, *cuts, n)))
+        if budget is not None and any(sum(memory[s][a:b]) > budget for s, (a, b) in enumerate(bounds)):
+            continue
+        best = min(best, max(sum(costs[a:b]) for a, b in bounds))
     return best
 
 
@@ -35,6 +39,58 @@ def test_balanced_matches_brute_force(seed):
     assert [i for r in parts for i in r] == list(range(n)), "stages must be contiguous and cover every layer"
     heaviest = max(sum(costs[i] for i in r) for r in parts)
     assert heaviest == pytest.approx(brute_force_best(costs, stages))
+
+
+def _random_memory_case(seed: int):
+    """Integer bytes (sums exact, so a stage exactly at the budget fits in both computations); costs drawn
+    from few values so that many splits tie; budgets from below the smallest feasible to unconstrained."""
+    rng = random.Random(seed)
+    n = rng.randint(2, 9)
+    stages = rng.randint(2, min(4, n))
+    costs = [rng.choice([0.0, 1.0, 2.0, round(rng.uniform(0, 10), 3)]) for _ in range(n)]
+    static = [rng.randint(0, 20) for _ in range(n)]
+    if rng.random() < 0.5:  # the same bytes in every stage
+        memory = [static] * stages
+    else:  # activations times each stage's in-flight microbatches (1F1B: pp - s)
+        act = [rng.randint(0, 10) for _ in range(n)]
+        memory = [[m + (stages - s) * a for m, a in zip(static, act)] for s in range(stages)]
+    least = min(  # the smallest budget some split fits in
+        max(sum(memory[s][a:b]) for s, (a, b) in enumerate(itertools.pairwise((0, *cuts, n))))
+        for cuts in itertools.combinations(range(1, n), stages - 1)
+    )
+    budget = rng.choice([least - 1, least, least + rng.randint(0, 30), 10**6])
+    return costs, stages, memory, budget, least
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_memory_constrained_matches_brute_force(seed):
+    costs, stages, memory, budget, least = _random_memory_case(seed)
+    n = len(costs)
+    want = brute_force_best(costs, stages, memory, budget)
+    rows = memory[0] if all(row == memory[0] for row in memory) else memory  # both input forms
+    if want == float("inf"):
+        assert budget < least
+        with pytest.raises(
+            ValueError, match=rf"pp_memory_budget={budget} bytes .* smallest budget any split fits is {least} "
+        ):
+            balanced_partition(costs, stages, memory=rows, budget=budget, setting="pp_memory_budget")
+        return
+    parts = balanced_partition(costs, stages, memory=rows, budget=budget)
+    assert len(parts) == stages and all(len(r) >= 1 for r in parts)
+    assert [i for r in parts for i in r] == list(range(n)), "stages must be contiguous and cover every layer"
+    held = [sum(memory[s][i] for i in r) for s, r in enumerate(parts)]
+    assert max(held) <= budget, f"split {parts} holds {held} over the budget {budget}"
+    heaviest = max(sum(costs[i] for i in r) for r in parts)
+    assert heaviest == pytest.approx(want)
+    if budget >= 10**6:  # unconstrained: the same split as without memory
+        assert parts == balanced_partition(costs, stages)
+
+
+def test_memory_budget_moves_the_split():
+    """Unconstrained, the heavy-cost layer 2 shares no stage; a budget that layers 0-2 exceed forces a later cut."""
+    costs, memory = [1, 1, 1, 3], [5, 5, 5, 1]
+    assert [list(r) for r in balanced_partition(costs, 2)] == [[0, 1, 2], [3]]
+    assert [list(r) for r in balanced_partition(costs, 2, memory=memory, budget=10)] == [[0, 1], [2, 3]]
 
 
 def test_balanced_puts_a_heavy_layer_alone():

@@ -76,3 +76,12 @@ def test_resume_in_a_later_epoch_continues_exactly(tmp_path):
     and the augmentation drawn for epoch 1 must both come back."""
     short = ["trainer=debug", "data.num_train=96", "data.num_val=32", "data.global_batch_size=32"]
     assert_resume_continues_exactly(VGG, tmp_path, 4, 8, *short, "strategy=zero2", "trainer.devices=2")
+
+
+def test_keep_last_under_a_pipeline(tmp_path):
+    """checkpoint.keep_last counts every rank's vote: with pp=2 the dp axis is 1 rank of 2, and a vote summed
+    over dp alone never reached the world size, so old step folders were never replaced."""
+    args = [*GPT_SHORT, "strategy=hybrid3d", "strategy.pp=2", "trainer.devices=2", "trainer.max_steps=4"]
+    run_recipe(GPT, tmp_path, *args, "checkpoint=periodic", "checkpoint.every_n_steps=1", "checkpoint.keep_last=2")
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("*step=*.ckpt"))
+    assert saved == ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt"], saved

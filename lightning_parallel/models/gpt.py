@@ -214,6 +214,9 @@ def gpt_tp_plan(prefix: str = "", sequence_parallel: bool = False) -> dict[str, 
         f"{block}.mlp.fc": ColwiseParallel(),
         f"{block}.mlp.proj": RowwiseParallel(output_layouts=seq),
         f"{prefix}head.lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        # q, k and v read one replicated DTensor: their input gradients add up as partial sums and are
+        # all-reduced once in backward (Megatron's f), not once per projection
+        f"{block}.attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
     }
     if sequence_parallel:
         plan.update(

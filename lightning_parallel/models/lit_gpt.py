@@ -14,6 +14,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.models.gpt import GPT, GPTConfig, gpt_tp_plan
 
+EXAMPLE_MICROBATCH = 4  # samples in example_input_array
+
 
 class LitGPT(pl.LightningModule):
     """Next-token prediction with AdamW; weight decay on matrices only (two param groups).
@@ -45,6 +47,12 @@ class LitGPT(pl.LightningModule):
         self.model: GPT | None = None if build_in_configure_model else GPT(self.config)
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.warmup_steps = warmup_steps
+        # Lightning's sample input, one microbatch of token ids: pp_balance="profile" times each pipeline
+        # layer on it (assign your own microbatch to profile at its size). Its own generator: the global
+        # random state, and so the training, is the same with it as without.
+        generator = torch.Generator().manual_seed(0)
+        shape = (EXAMPLE_MICROBATCH, self.config.seq_len)
+        self.example_input_array = torch.randint(0, self.config.vocab_size, shape, generator=generator)
 
     def configure_model(self) -> None:
         if self.model is None:  # the strategy's context decides the device (meta under pipelining)

@@ -16,6 +16,7 @@ from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
 
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "cosine")
+EXAMPLE_MICROBATCH = 4  # images in example_input_array
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
@@ -73,6 +74,12 @@ class LitVGG(pl.LightningModule):
         self.model: VGG | None = None if build_in_configure_model else VGG(self.config)
         self.optimizer_name, self.lr, self.momentum, self.weight_decay = optimizer, lr, momentum, weight_decay
         self.warmup_steps, self.lr_schedule = warmup_steps, lr_schedule
+        # Lightning's sample input, one microbatch of images: pp_balance="profile" times each pipeline layer
+        # on it (assign your own microbatch to profile at its size). Its own generator: the global random
+        # state, and so the training, is the same with it as without.
+        generator = torch.Generator().manual_seed(0)
+        side, channels = self.config.image_size, self.config.in_channels
+        self.example_input_array = torch.randn(EXAMPLE_MICROBATCH, channels, side, side, generator=generator)
 
     def configure_model(self) -> None:
         if self.model is None:  # the strategy's context decides the device (meta under pipelining)

@@ -92,7 +92,9 @@ def apply_fsdp(
     units = fsdp_units(root) if units is None else units
     policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     for path in units:
-        # the root is gathered for the whole step anyway: freeing it after forward would only regather it
-        reshard = reshard_after_forward and path != ""
+        # the root is gathered for the whole step anyway: freeing it after forward would only regather it.
+        # None is torch's own default: every unit reshards except whichever becomes the FSDP root at the first
+        # forward (the outermost unit), which saves one all-gather of it per step
+        reshard = False if path == "" or not reshard_after_forward else None
         fully_shard(root.get_submodule(path), mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
     return units

@@ -2,12 +2,14 @@
 
 Stages are contiguous runs of layers. ``uniform`` gives every stage the same number of layers (the first
 stages one more when they do not divide); ``balanced`` minimizes the heaviest stage for any per-layer
-cost (parameter count today, measured time later) by dynamic programming over the split points.
+cost (parameter count, or measured forward+backward time: ``pp_balance="profile"``) by dynamic programming
+over the split points, optionally keeping each stage's bytes within a budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 
 
 def check_stage_count(num_layers: int, num_stages: int, setting: str) -> None:
@@ -31,18 +33,82 @@ def uniform_partition(num_layers: int, num_stages: int) -> list[range]:
     return stages
 
 
-def balanced_partition(costs: Sequence[float], num_stages: int) -> list[range]:
-    """Contiguous stages minimizing the largest stage cost (ties: the earliest split points).
+def balanced_partition(
+    costs: Sequence[float],
+    num_stages: int,
+    memory: Sequence[float] | Sequence[Sequence[float]] | None = None,
+    budget: float | None = None,
+    setting: str = "budget",
+) -> list[range]:
+    """Contiguous stages minimizing the largest stage cost, each stage's memory within ``budget``
+    (ties: the earliest split points). Hand-written: torch's pipelining has no stage partitioner.
 
     O(L^2 * S) for L layers and S stages: fine for the hundreds of layers models have.
+
+    Args:
+        costs: per-layer cost (time, parameter count), non-negative.
+        num_stages: how many contiguous stages to cut the layers into.
+        memory: per-layer bytes, the same in every stage; or one such list per stage (``memory[s][l]``: what
+            layer ``l`` costs when stage ``s`` holds it, e.g. activations times that stage's in-flight
+            microbatches). None: no memory constraint.
+        budget: the most bytes one stage may hold (needs ``memory``).
+        setting: the setting ``budget`` comes from, named in the error when no split fits.
+
+    Returns:
+        One ``range`` of layer indices per stage, in order.
+
+    Raises:
+        ValueError: no split keeps every stage within ``budget``; the message gives the smallest budget that fits.
     """
     n = len(costs)
     check_stage_count(n, num_stages, f"splitting into {num_stages} stages")
-    prefix = [0.0]
     for c in costs:
         if c < 0:
             raise ValueError(f"layer costs must be non-negative, got {c}")
-        prefix.append(prefix[-1] + c)
+    cost = _stage_sums([costs] * num_stages)
+    if memory is None or budget is None:
+        return _min_max_split(n, num_stages, cost)[1]
+    rows = _memory_rows(memory, n, num_stages)
+    held = _stage_sums(rows)
+    value, stages = _min_max_split(n, num_stages, cost, lambda s, j, i: held(s, j, i) <= budget)
+    if stages:
+        return stages
+    least, tight = _min_max_split(n, num_stages, held)
+    per_stage = ", ".join(_count(held(s, r.start, r.stop)) for s, r in enumerate(tight))
+    raise ValueError(
+        f"{setting}={_count(budget)} bytes per stage fits no split of the {n} layers into {num_stages} stages: the "
+        f"smallest budget any split fits is {_count(least)} bytes (stages of layers "
+        f"{', '.join(f'{r.start}-{r.stop - 1}' for r in tight)} hold {per_stage}). Raise {setting} to at least "
+        f"that, use more pipeline stages, or hold less per stage (smaller microbatches, activation checkpointing)."
+    )
+
+
+def _count(value: float) -> str:
+    """Bytes as an exact integer when they are one (a budget one byte short must not read as enough)."""
+    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+def _memory_rows(memory: Sequence[float] | Sequence[Sequence[float]], n: int, num_stages: int) -> list[list[float]]:
+    rows = [list(memory)] * num_stages if not isinstance(memory[0], Sequence) else [list(r) for r in memory]
+    if len(rows) != num_stages or any(len(r) != n for r in rows):
+        raise ValueError(f"memory must hold {n} per-layer values, or {num_stages} rows of them (one per stage)")
+    return rows
+
+
+def _stage_sums(rows: Sequence[Sequence[float]]) -> Callable[[int, int, int], float]:
+    """``sums(s, j, i)``: the sum of ``rows[s][j:i]``, from prefix sums."""
+    prefixes = [list(itertools.accumulate(row, initial=0)) for row in rows]
+    return lambda s, j, i: prefixes[s][i] - prefixes[s][j]
+
+
+def _min_max_split(
+    n: int,
+    num_stages: int,
+    cost: Callable[[int, int, int], float],
+    allowed: Callable[[int, int, int], bool] = lambda s, j, i: True,
+) -> tuple[float, list[range]]:
+    """The contiguous split of ``n`` layers into stages minimizing the largest ``cost(stage, start, stop)`` over
+    splits where every stage is ``allowed``; ``(inf, [])`` when none is."""
     inf = float("inf")
     # best[s][i]: the smallest possible heaviest stage when the first i layers form s stages
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
@@ -50,16 +116,20 @@ def balanced_partition(costs: Sequence[float], num_stages: int) -> list[range]:
     best[0][0] = 0.0
     for s in range(1, num_stages + 1):
         for i in range(s, n - (num_stages - s) + 1):
-            for j in range(s - 1, i):  # the last stage is layers j..i-1
-                value = max(best[s - 1][j], prefix[i] - prefix[j])
+            for j in range(s - 1, i):  # stage s - 1 is layers j..i-1
+                if best[s - 1][j] == inf or not allowed(s - 1, j, i):
+                    continue
+                value = max(best[s - 1][j], cost(s - 1, j, i))
                 if value < best[s][i]:
                     best[s][i], cut[s][i] = value, j
+    if best[num_stages][n] == inf:
+        return inf, []
     stages, end = [], n
     for s in range(num_stages, 0, -1):
         start = cut[s][end]
         stages.append(range(start, end))
         end = start
-    return stages[::-1]
+    return best[num_stages][n], stages[::-1]
 
 
 def stage_to_rank(num_stages: int, pp: int, style: str = "loop") -> list[int]:

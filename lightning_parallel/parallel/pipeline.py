@@ -32,6 +32,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.parallel.partition import stage_to_rank
+from lightning_parallel.parallel.pipeline_timeline import active_recorder
 from lightning_parallel.parallel.tensor import tied_parameters
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -248,7 +249,8 @@ class _Stage(PipelineStage):
 
     To learn shapes, torch runs each stage once in train mode on placeholder inputs (uninitialized memory
     on every stage but the first); BatchNorm would fold that run into its running statistics (NaN seen).
-    The buffers are restored right after.
+    The buffers are restored right after. While a ``pipeline_timeline.TimelineRecorder`` is active, every
+    forward and backward of a microbatch is timed.
     """
 
     def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -261,6 +263,28 @@ class _Stage(PipelineStage):
             for buffer, before in zip(self.submod.buffers(), self._buffers_before):
                 buffer.copy_(before)
         self._buffers_before = []
+
+    # Timeline hook: each action is timed while a TimelineRecorder is active (one None check otherwise).
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        recorder = active_recorder()
+        if recorder is None:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        with recorder.action("F", self.stage_index, fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, **kwargs: Any) -> Any:
+        recorder = active_recorder()
+        if recorder is None:
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, **kwargs)
+        with recorder.action("B" if full_backward else "I", self.stage_index, bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        recorder = active_recorder()
+        if recorder is None:
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        with recorder.action("W", self.stage_index, bwd_chunk_id):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
 def _signature(args: tuple, kwargs: dict, target: Any) -> tuple:

@@ -43,18 +43,27 @@ def _sharded_dim(style: ParallelStyle, module: nn.Module) -> tuple[str, int] | N
     return None
 
 
-def check_tp_plan(root: nn.Module, plan: Mapping[str, ParallelStyle], tp: int) -> None:
-    """Every dimension the plan splits must divide by ``tp``; no process group needed."""
+def check_tp_plan(root: nn.Module, plan: Mapping[str, ParallelStyle], tp: int, require_match: bool = True) -> None:
+    """Every dimension the plan splits must divide by ``tp``; no process group needed. With
+    ``require_match`` (the model is built), every entry must name a module: a misspelled path would
+    leave that module unsplit."""
+    unmatched = dict.fromkeys(plan)
     for path, module in root.named_modules():
         for pattern, style in plan.items():
             if not _matches(path, pattern):
                 continue
+            unmatched.pop(pattern, None)
             split = _sharded_dim(style, module)
             if split and split[1] % tp:
                 raise ValueError(
                     f"tp={tp} does not divide {path}.{split[0]}={split[1]}: choose tp among the divisors of "
                     f"{split[1]}, or change the model's size."
                 )
+    if require_match and unmatched:
+        raise ValueError(
+            f"tensor_parallel_plan entry {next(iter(unmatched))!r} names no module of {type(root).__name__}: fix "
+            "the path (module names as named_modules() lists them, '*' for one name) or drop the entry."
+        )
 
 
 def apply_tp(root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> None:

@@ -19,9 +19,18 @@ from omegaconf import DictConfig
 from lightning_parallel import Hybrid3DStrategy, ZeroStrategy
 from lightning_parallel.parallel.activation_checkpoint import check_activation_checkpointing
 from lightning_parallel.parallel.partition import check_stage_count
+from lightning_parallel.preemption import PREEMPTED_FILE, Preemption
+from lightning_parallel.recipes.checks import (
+    check_checkpoint_settings,
+    check_known_keys,
+    check_precision,
+    check_trainer_settings,
+)
 from lightning_parallel.recipes.config import StrategyConf
 from lightning_parallel.resume import ExactResume
 from lightning_parallel.strategies.activation_checkpointing import ActivationCheckpointing, ActivationMemoryMonitor
+from lightning_parallel.strategies.failure import to_timeout
+from lightning_parallel.strategies.observability import TrainingMonitor
 
 ZERO_NAMES = {"zero1": (1, False), "zero2": (2, False), "zero3": (3, False)}
 ZERO_NAMES |= {"zero2_offload": (2, True), "zero3_offload": (3, True)}
@@ -31,6 +40,7 @@ def build_strategy(conf: DictConfig) -> Any:
     """The strategy object (or Lightning's name) for ``strategy=...``; settings it cannot use are refused."""
     name = conf.name
     check_activation_checkpointing(conf.activation_checkpointing, "strategy.activation_checkpointing")
+    timeout = {} if conf.timeout_s is None else {"timeout": to_timeout(conf.timeout_s, "strategy.timeout_s")}
     if name == "hybrid3d":
         return Hybrid3DStrategy(
             dp=conf.dp,
@@ -40,13 +50,16 @@ def build_strategy(conf: DictConfig) -> Any:
             pp_schedule=conf.pp_schedule,
             microbatches=conf.microbatches,
             pp_balance=conf.pp_balance,
+            pp_memory_budget=conf.pp_memory_budget,
             pp_virtual_stages=conf.pp_virtual_stages,
             sequence_parallel=conf.sequence_parallel,
             activation_checkpointing=conf.activation_checkpointing,
             offload=conf.offload,
+            **timeout,
         )
     defaults = StrategyConf()
     hybrid_only = ["dp", "pp", "tp", "pp_schedule", "microbatches", "pp_balance", "pp_virtual_stages"]
+    hybrid_only += ["pp_memory_budget"]
     changed = [k for k in [*hybrid_only, "sequence_parallel"] if conf[k] != getattr(defaults, k)]
     if changed:
         set_ = ", ".join(f"strategy.{k}={conf[k]}" for k in changed)
@@ -58,8 +71,12 @@ def build_strategy(conf: DictConfig) -> Any:
                 f"strategy={name} is ZeRO stage {stage}: pick strategy=zero{conf.zero_stage} instead of setting "
                 "strategy.zero_stage, or use strategy=hybrid3d with strategy.zero_stage."
             )
-        return ZeroStrategy(stage=stage, offload=offload, activation_checkpointing=conf.activation_checkpointing)
+        return ZeroStrategy(
+            stage=stage, offload=offload, activation_checkpointing=conf.activation_checkpointing, **timeout
+        )
     if name == "ddp":  # activation checkpointing, if set, comes as a callback (build_trainer)
+        if timeout:
+            raise ValueError("strategy.timeout_s needs one of our strategies: use strategy=zero1..3 or hybrid3d.")
         if conf.offload:
             raise ValueError("strategy=ddp keeps no state on the host (strategy.offload=true): use zero2_offload.")
         if conf.zero_stage:
@@ -90,8 +107,10 @@ def micro_batch_size(cfg: DictConfig, world: int) -> int:
     """Samples per dp rank per forward so that one optimizer step sees ``data.global_batch_size``."""
     dp = data_parallel_size(cfg.strategy, world)
     accumulate = cfg.trainer.accumulate_grad_batches
+    if cfg.data.global_batch_size < 1:
+        raise ValueError(f"data.global_batch_size={cfg.data.global_batch_size} must be positive: samples per step.")
     size, rest = divmod(cfg.data.global_batch_size, dp * accumulate)
-    if rest or size == 0:
+    if rest or size <= 0:
         raise ValueError(
             f"data.global_batch_size={cfg.data.global_batch_size} does not split over dp={dp} x "
             f"trainer.accumulate_grad_batches={accumulate}: make it a multiple of {dp * accumulate}."
@@ -106,8 +125,11 @@ def check_run_settings(cfg: DictConfig, num_layers: int) -> Any:
         cfg: the composed recipe config.
         num_layers: how many pipeline layers the model has (``strategy.pp`` stages cut between them).
     """
+    check_known_keys(cfg)
+    check_trainer_settings(cfg)
     world = world_size(cfg)
     strategy = build_strategy(cfg.strategy)
+    check_precision(cfg, strategy)
     micro = micro_batch_size(cfg, world)
     if isinstance(strategy, Hybrid3DStrategy):
         dims = strategy._parallel_degrees(world)
@@ -120,24 +142,20 @@ def check_run_settings(cfg: DictConfig, num_layers: int) -> Any:
             )
     elif world < 2 and strategy != "ddp":
         raise ValueError(f"strategy={cfg.strategy.name} shards over processes: set trainer.devices to 2 or more.")
-    if cfg.checkpoint.dir and cfg.checkpoint.every_n_steps <= 0:
-        raise ValueError(
-            f"checkpoint.dir={cfg.checkpoint.dir!r} with checkpoint.every_n_steps={cfg.checkpoint.every_n_steps} "
-            "would save nothing: set checkpoint.every_n_steps to a positive step count."
-        )
-    if cfg.checkpoint.dir and cfg.checkpoint.keep_last == 0:
-        raise ValueError("checkpoint.keep_last=0 keeps no step checkpoints: set it to 1 or more (-1 keeps all).")
-    if cfg.ckpt_path == "last" and not cfg.checkpoint.dir:
-        raise ValueError("ckpt_path=last looks in checkpoint.dir, which is not set: add checkpoint=periodic.")
-    if cfg.ckpt_path not in (None, "last") and not Path(cfg.ckpt_path).exists():
-        raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path!r} does not exist: give a saved checkpoint, or last.")
+    check_checkpoint_settings(cfg)
     return strategy
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
     """The Trainer the recipe's ``trainer``, ``precision`` and ``checkpoint`` groups describe."""
     t = cfg.trainer
-    callbacks: list[pl.Callback] = [*kwargs.pop("callbacks", []), ActivationMemoryMonitor(), ExactResume()]
+    o = cfg.observability
+    # before ActivationMemoryMonitor: both enter dispatch modes in a batch, and modes must nest
+    monitor = TrainingMonitor(
+        t.log_every_n_steps, measure_step=o.measure_step, timeline_dir=run_dir if o.timeline else None
+    )
+    callbacks: list[pl.Callback] = [*kwargs.pop("callbacks", []), monitor, ActivationMemoryMonitor(), ExactResume()]
+    callbacks.append(Preemption(cfg.checkpoint.dir, marker=run_dir / PREEMPTED_FILE))  # SIGTERM: save last, stop
     strategy = build_strategy(cfg.strategy)
     if strategy == "ddp" and cfg.strategy.activation_checkpointing != "none":
         callbacks.append(ActivationCheckpointing(cfg.strategy.activation_checkpointing))  # Lightning's own ddp
@@ -152,6 +170,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
                 monitor="step",
                 mode="max",
                 save_top_k=c.keep_last,
+                # a step saved again after a restart replaces its folder instead of adding "-v1" beside it
+                enable_version_counter=False,
             )
         )
     return pl.Trainer(
@@ -226,6 +246,7 @@ def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_ste
         "final_val_loss": float(logged["val_loss"]) if "val_loss" in logged else None,
         "throughput": steps * items_per_step / wall,
         "throughput_unit": unit,
+        **_monitor_metrics(trainer, cfg, wall, items_per_step, unit),
         "peak_memory_bytes": all_ranks(peak_memory_bytes(trainer.strategy.root_device)),
         # bytes of activations held for backward in one training batch (see ActivationMemoryMonitor), per rank
         "activation_memory_bytes": all_ranks(_activation_bytes(trainer)),
@@ -234,6 +255,26 @@ def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_ste
         "steps": steps,
         "wall_seconds": wall,
     }
+
+
+def _monitor_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_step: int, unit: str) -> dict:
+    """TrainingMonitor's measurements (collective): rates over the uninstrumented steps after the first (the
+    whole fit's when there were too few steps), MFU (None off the GPUs it knows), and per rank: model-state
+    bytes and the bytes each op kind moved in the measured step (conventions: parallel/comm_volume.py)."""
+    monitor = next((c for c in trainer.callbacks if isinstance(c, TrainingMonitor)), None)
+    summary = monitor.summary if monitor is not None else {}
+    batch = cfg.data.global_batch_size
+    samples_per_second = summary.get("samples_per_second") or trainer.global_step * batch / wall
+    out: dict[str, Any] = {"samples_per_second": samples_per_second}
+    if unit == "tokens/s":  # items_per_step are the tokens of a step
+        out["tokens_per_second"] = summary.get("tokens_per_second") or samples_per_second * items_per_step / batch
+    out["mfu"] = summary.get("mfu")
+    out["flops_per_step"] = summary.get("flops_per_step")
+    out["model_state_bytes"] = all_ranks(summary.get("model_state_bytes"))
+    out["comm_bytes_per_step"] = all_ranks(summary.get("comm_bytes_per_step"))
+    if "pipeline_bubble" in summary:  # rank 0's: the idle fraction of each pp rank, from the timeline
+        out["pipeline_bubble"] = summary["pipeline_bubble"]
+    return out
 
 
 def _activation_bytes(trainer: pl.Trainer) -> int | None:

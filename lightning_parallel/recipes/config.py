@@ -10,7 +10,7 @@ microbatches``, ``precision=...``, ``data.global_batch_size``, ``seed``, ``check
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -29,10 +29,14 @@ class StrategyConf:
     offload: bool = False
     pp_schedule: str = "1f1b"
     microbatches: int | None = None
-    pp_balance: str = "uniform"
+    pp_balance: str = "uniform"  # uniform (layers), params (parameter count) or profile (timed forward+backward)
+    pp_memory_budget: int | None = None  # with pp_balance=profile: the most bytes one stage may hold (None: no limit)
     pp_virtual_stages: int | None = None
     sequence_parallel: bool = False
     activation_checkpointing: str = "none"  # none, full or selective: recompute each layer's activations in backward
+    # seconds a collective waits for its peers; when a rank fails the others end within it, naming the rank
+    # (None: torch's default, 30 minutes)
+    timeout_s: float | None = None
 
 
 @dataclass
@@ -115,6 +119,14 @@ class CheckpointConf:
 
 
 @dataclass
+class ObservabilityConf:
+    """What TrainingMonitor measures besides throughput, memory and model states (logged every log_every_n_steps)."""
+
+    measure_step: int = 2  # the optimizer step counted for FLOPs and communication bytes (late: no one-off work)
+    timeline: bool = False  # under pp > 1: the next step's pipeline schedule as run_dir/timeline.json and .png
+
+
+@dataclass
 class RecipeConf:
     """What every recipe's root has; each recipe adds its model and data schemas."""
 
@@ -122,6 +134,7 @@ class RecipeConf:
     precision: PrecisionConf = MISSING
     trainer: TrainerConf = MISSING
     checkpoint: CheckpointConf = MISSING
+    observability: ObservabilityConf = field(default_factory=ObservabilityConf)
     seed: int = 0
     ckpt_path: str | None = None  # a checkpoint to resume from, or "last": the newest in checkpoint.dir
 

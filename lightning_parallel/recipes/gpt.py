@@ -46,10 +46,46 @@ def gpt_config(m: DictConfig) -> GPTConfig:
 def check_config(cfg: DictConfig) -> None:
     """Everything that can be refused before a worker starts: names, degrees, sizes, batch splits."""
     strategy = check_run_settings(cfg, num_layers=cfg.model.n_layer + 2)  # embedding, blocks, head
+    m = cfg.model
+    for key in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
+        if m[key] < 1:
+            raise ValueError(f"model.{key}={m[key]} must be a positive size: set model.{key} to 1 or more.")
+    config = gpt_config(m)  # checks d_model against n_head
     if isinstance(strategy, Hybrid3DStrategy):
-        GPT.check_tensor_parallel_config(gpt_config(cfg.model), strategy._parallel_degrees(world_size(cfg)).tp)
+        GPT.check_tensor_parallel_config(config, strategy._parallel_degrees(world_size(cfg)).tp)
     if cfg.trainer.sync_batchnorm:
         raise ValueError("trainer.sync_batchnorm=true: the GPT has no BatchNorm to sync (LayerNorm needs none).")
+    check_text_data(cfg)
+
+
+def check_text_data(cfg: DictConfig) -> None:
+    """The data file exists and holds a training and a validation window (read by its size only)."""
+    d, seq = cfg.data, cfg.model.seq_len
+    if not 0 < d.val_fraction < 1:
+        raise ValueError(f"data.val_fraction={d.val_fraction} must lie between 0 and 1: e.g. data.val_fraction=0.05.")
+    if d.kind not in ("text", "tokens"):
+        raise ValueError(f"data.kind={d.kind!r} is unknown: use data=text (a UTF-8 file) or data=tokens (uint16 ids).")
+    if d.path is None:
+        if d.kind == "tokens":
+            raise ValueError("data=tokens needs data.path=FILE, a file of uint16 token ids.")
+        return  # the default corpus, which the workers build from Python's own documentation
+    file = Path(d.path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"data.path={d.path!r} is not a file: give the path of a local text or token file.")
+    itemsize = 2 if d.kind == "tokens" else 1  # uint16 ids, or UTF-8 bytes
+    size = file.stat().st_size
+    if size % itemsize:
+        raise ValueError(
+            f"data.path={d.path!r} has an odd number of bytes, so it is not uint16 token ids (data=tokens): "
+            "use data=text for a text file."
+        )
+    count = size // itemsize
+    windows = max(0, (count - 1) // seq)
+    if windows - max(1, int(windows * d.val_fraction)) < 1:
+        raise ValueError(
+            f"data.path={d.path!r} holds {count} tokens, too few for a training and a validation window of "
+            f"model.seq_len={seq}: use a longer file (at least {2 * seq + 1} tokens) or a shorter model.seq_len."
+        )
 
 
 class TextData(pl.LightningDataModule):

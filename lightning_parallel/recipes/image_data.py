@@ -31,6 +31,7 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 CIFAR10_FOLDER = "cifar-10-batches-py"
 _SPLIT_FILES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
+_DAMAGED_FIX = "extract cifar-10-python.tar.gz again (the file is damaged or cut short)"
 _ROW_BYTES = 3 * 32 * 32  # channel-major: the R plane, then G, then B, each 32 x 32 row-major
 
 # The only globals a pickled ndarray needs, under numpy 1 (numpy.core) and numpy 2 (numpy._core) names:
@@ -43,6 +44,10 @@ _ALLOWED_GLOBALS = {
 }
 
 
+class RefusedPickleError(pickle.UnpicklingError):
+    """A batch file names a global that a CIFAR-10 batch never needs: refused, not run."""
+
+
 class _NumpyOnlyUnpickler(pickle.Unpickler):
     """Unpickles plain containers and numpy arrays; any other global (``os.system``, ...) is refused."""
 
@@ -52,7 +57,7 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in _ALLOWED_GLOBALS:
-            raise pickle.UnpicklingError(
+            raise RefusedPickleError(
                 f"{self.source} refers to {module}.{name}, which a CIFAR-10 batch never does: refusing to "
                 "unpickle it (it could run code). Re-download CIFAR-10's python version from a trusted source."
             )
@@ -67,7 +72,12 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
 def _read_batch(file: Path) -> tuple[np.ndarray, np.ndarray]:
     """One batch file as (uint8 rows of 3072 bytes, int64 labels), with its shape and labels checked."""
     with file.open("rb") as f:
-        batch = _NumpyOnlyUnpickler(f, file).load()
+        try:
+            batch = _NumpyOnlyUnpickler(f, file).load()
+        except RefusedPickleError:
+            raise
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as err:  # cut short, or garbage
+            raise ValueError(f"{file} is not a readable CIFAR-10 batch ({err!r}): {_DAMAGED_FIX}") from None
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         raise ValueError(f"{file} is not a CIFAR-10 batch (a dict with b'data' and b'labels').")
     data, labels = np.asarray(batch[b"data"]), np.asarray(batch[b"labels"])

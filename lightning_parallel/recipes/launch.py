@@ -6,16 +6,35 @@ process while reporting N. Here each job starts exactly ``trainer.devices`` work
 launch API (torchrun's engine); the workers see torchrun's environment, so Lightning uses it and launches
 nothing. Under an outside ``torchrun``, or in the tasks SLURM starts (``hydra/launcher=slurm`` submits each
 job with ``trainer.devices`` tasks per node), the processes exist already and the job just runs.
+
+When a worker fails, torch elastic stops the others and raises ``ChildFailedError``; its "first observed
+failure" is the first the agent happened to see, often a rank whose collective failed because of the real
+one. The workers write the first failure into the run directory (``strategies/failure.py``), and the error
+raised here names that rank. A SIGTERM (preemption) makes the workers save ``last`` and stop
+(``lightning_parallel.preemption``); the job then ends with status 0 and a line that says what to resume.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import signal
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from lightning_parallel.preemption import PREEMPTED_FILE
+from lightning_parallel.strategies.failure import FAILURE_DIR_ENV, FIRST_FAILURE_FILE, read_first_failure
+
+log = logging.getLogger(__name__)
+# a worker that stopped for a SIGTERM exits with 128 + 15, the shell's code for it: returning normally would
+# leave it waiting for an agent that is itself shutting down, and exiting with 0 without a return value
+# would leave the agent waiting for one
+PREEMPTED_EXIT = 128 + signal.SIGTERM
 
 
 def launched_externally() -> bool:
@@ -46,8 +65,37 @@ def _call(entry: str, cfg: DictConfig, run_dir: Path) -> Any:
 
 def _worker(config_yaml: str, run_dir: str, entry: str) -> Any:
     """What each spawned worker runs (importable, so the spawn start method can find it)."""
-    result = _call(entry, OmegaConf.create(config_yaml), Path(run_dir))
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    try:
+        result = _call(entry, OmegaConf.create(config_yaml), Path(run_dir))
+    except SIGTERMException:  # preempted: the checkpoint is saved, every rank stopped after the same step
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(PREEMPTED_EXIT)
     return result if os.environ.get("RANK") == "0" else None
+
+
+def _first_failure(error: Any, run_dir: Path) -> str:
+    """Which rank failed first and how: the workers' own record, else a rank a signal killed, else the
+    agent's first observation."""
+    recorded = read_first_failure(run_dir)
+    if recorded is not None:
+        return f"rank {recorded[0]} failed first: {recorded[1]}"
+    killed = sorted((f.timestamp, r, f) for r, f in error.failures.items() if f.exitcode < 0)
+    if killed:
+        _, rank, failure = killed[0]
+        return f"rank {rank} failed first: killed by {signal.Signals(-failure.exitcode).name} (pid {failure.pid})"
+    rank, failure = error.get_first_failure()
+    return f"rank {rank} failed first (first seen by torch elastic): exit code {failure.exitcode}, {failure.message}"
+
+
+def _preempted(run_dir: Path) -> dict[str, Any] | None:
+    """What the workers saved when a SIGTERM stopped them (see ``Preemption``), if one did."""
+    try:
+        return json.loads((run_dir / PREEMPTED_FILE).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def run(cfg: DictConfig, run_dir: Path, entry: str) -> Any:
@@ -64,6 +112,8 @@ def run(cfg: DictConfig, run_dir: Path, entry: str) -> Any:
     if devices == 1:
         return _call(entry, cfg, run_dir)
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -77,5 +127,24 @@ def run(cfg: DictConfig, run_dir: Path, entry: str) -> Any:
         monitor_interval=0.5,
         start_method="spawn",
     )
-    results = elastic_launch(config, _worker)(OmegaConf.to_yaml(cfg, resolve=True), str(run_dir), entry)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (run_dir / PREEMPTED_FILE, run_dir / FIRST_FAILURE_FILE):  # from an earlier run in this folder
+        stale.unlink(missing_ok=True)
+    os.environ[FAILURE_DIR_ENV] = str(run_dir)  # the spawned workers inherit it
+    try:
+        results = elastic_launch(config, _worker)(OmegaConf.to_yaml(cfg, resolve=True), str(run_dir), entry)
+    except (ChildFailedError, SignalException) as error:
+        preempted = _preempted(run_dir)
+        if preempted is not None:
+            saved = preempted["checkpoint"] or "nothing (no checkpoint.dir)"
+            log.warning(
+                f"Preempted: every worker stopped after step {preempted['step']} and saved {saved}; "
+                "run again with ckpt_path=last to continue."
+            )
+            return None
+        if isinstance(error, ChildFailedError):
+            raise RuntimeError(_first_failure(error, run_dir)) from error
+        raise
+    finally:
+        os.environ.pop(FAILURE_DIR_ENV, None)
     return results.get(0)

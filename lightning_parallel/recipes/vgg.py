@@ -56,6 +56,9 @@ def scaled_lr(cfg: DictConfig) -> float:
 
 def check_config(cfg: DictConfig) -> None:
     """Everything that can be refused before a worker starts: names, degrees, sizes, batch splits, data."""
+    for key in ("width", "num_classes"):
+        if cfg.model[key] < 1:
+            raise ValueError(f"model.{key}={cfg.model[key]} must be a positive size: set model.{key} to 1 or more.")
     config = vgg_config(cfg.model)  # checks the name and image size
     strategy = check_run_settings(cfg, num_layers=len(config.conv_channels()) + 1)  # the convs, then the head
     if isinstance(strategy, Hybrid3DStrategy):
@@ -86,7 +89,8 @@ def check_config(cfg: DictConfig) -> None:
                 f"data.{generated_only[0]}={d[generated_only[0]]} sizes the generated images; CIFAR-10 has its own "
                 "50,000 + 10,000: drop the setting (or use data=images)."
             )
-        load_cifar10(d.path, "test")  # a wrong folder fails here, with the path, before any worker starts
+        for split in ("test", "train"):  # a wrong folder or a damaged file fails here, before any worker starts
+            load_cifar10(d.path, split)
     elif d.num_train < d.global_batch_size:
         raise ValueError(
             f"data.num_train={d.num_train} is smaller than data.global_batch_size={d.global_batch_size}: "

@@ -56,6 +56,13 @@ from lightning_parallel.parallel.sync_batchnorm import convert_sync_batchnorm
 from lightning_parallel.parallel.zero import FlatZero, check_shardable_optimizer
 from lightning_parallel.strategies import checkpointing
 from lightning_parallel.strategies.checkpointing import check_checkpoint_format
+from lightning_parallel.strategies.failure import (
+    FailureBoard,
+    annotate,
+    end_children,
+    is_collective_failure,
+    to_timeout,
+)
 from lightning_parallel.strategies.layer_sync import DataParallelSyncBatchNorm
 from lightning_parallel.strategies.precision import to_mesh_precision
 
@@ -97,6 +104,8 @@ class MeshStrategy(ParallelStrategy):
     each layer's activations in backward; it is applied after tp and pp, before ZeRO-3.
     ``checkpoint_format`` is ``"sharded"`` (default: a folder per checkpoint, every rank writes its pieces,
     any layout resumes it) or ``"full"`` (one file gathered on rank 0 in the single-process format).
+    ``timeout`` (a ``timedelta`` or seconds; torch's default: 30 minutes) bounds every collective: when a rank
+    fails, the others end within it and name the rank that failed first (see ``strategies/failure.py``).
     """
 
     def __init__(
@@ -107,7 +116,7 @@ class MeshStrategy(ParallelStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
         zero_stage: int = 0,
         offload: bool = False,
         reshard_after_forward: bool = True,
@@ -124,7 +133,9 @@ class MeshStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        # every collective, on the world and on the mesh's axis groups, fails after this long without its peers
+        self._timeout = to_timeout(default_pg_timeout if timeout is None else timeout)
+        self._failures: FailureBoard | None = None
         self.num_nodes = 1
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
@@ -306,7 +317,23 @@ class MeshStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        self._mesh = dims.build_mesh(self.root_device.type)
+        # torch's new groups already get its default: only a timeout set by the user needs passing on
+        mesh_timeout = None if self._timeout == default_pg_timeout else self._timeout
+        self._mesh = dims.build_mesh(self.root_device.type, timeout=mesh_timeout)
+        self._failures = FailureBoard.for_process_group()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A rank that fails leaves word of it; a rank whose collective failed names the rank that failed
+        first; the process that launched the others (Lightning's launcher) gives them 5 s, then kills them."""
+        if self._failures is not None and isinstance(exception, Exception):
+            if is_collective_failure(exception):
+                annotate(exception, self._failures.explain(), self.global_rank)
+            else:
+                self._failures.record(exception)
+        procs = getattr(self._launcher, "procs", None)
+        if procs and not isinstance(exception, SystemExit):  # SystemExit: a preemption stop, every rank exits
+            end_children(procs, grace_s=min(self._timeout.total_seconds(), 5.0))
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -456,6 +483,15 @@ class MeshStrategy(ParallelStrategy):
         if group is None and self._mesh is not None:
             group = self.device_mesh[DP].get_group()
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Every rank votes (Lightning counts the votes against the world size; ``reduce`` sums over dp only)."""
+        if not _distributed_is_initialized():
+            return decision
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+        return bool(votes == self.world_size) if all else bool(votes)
 
     # ----- checkpoints: sharded folders (default) or one gathered file in the single-process format -----
 

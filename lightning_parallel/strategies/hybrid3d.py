@@ -10,16 +10,23 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_parallel.mesh import DP, PP, TP, ParallelDims, check_degree
+from lightning_parallel.mesh import DP, PP, TP, ParallelDims
 from lightning_parallel.parallel.activation_checkpoint import check_activation_checkpointing
 from lightning_parallel.parallel.fsdp import apply_fsdp
+from lightning_parallel.parallel.layer_profile import (
+    example_microbatch,
+    in_flight_microbatches,
+    layer_state_bytes,
+    profile_layers,
+    profiled_partition,
+)
 from lightning_parallel.parallel.partition import balanced_partition, check_stage_count, uniform_partition
 from lightning_parallel.parallel.pipeline import (
     SCHEDULES,
@@ -37,25 +44,19 @@ from lightning_parallel.parallel.state_dict import full_model_state_dict, load_f
 from lightning_parallel.parallel.tensor import apply_tp, check_tp_plan, resolvable_plan
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.checkpointing import LOADED_IN_PLACE
+from lightning_parallel.strategies.hybrid3d_checks import (
+    as_built,
+    check_degree_arg,
+    check_memory_budget,
+    check_resettable,
+    check_virtual_stages,
+)
 from lightning_parallel.strategies.pipelined_step import PipelinedStep
 from lightning_parallel.strategies.precision import loss_scale_of
-from lightning_parallel.strategies.zero import check_zero_settings
+from lightning_parallel.strategies.zero import check_flag, check_zero_settings
 
 PIPELINE_SCHEDULES = SCHEDULES
-PIPELINE_BALANCES = ("uniform", "params")
-
-
-def _check_degree_arg(name: str, value: object, allow_auto: bool = False) -> None:
-    if allow_auto and value == "auto":
-        return
-    try:
-        check_degree(name, value)
-    except ValueError:
-        if not allow_auto:
-            raise
-        raise ValueError(
-            f"{name}={value!r} is not a parallel degree: set {name} to a positive integer or 'auto'."
-        ) from None
+PIPELINE_BALANCES = ("uniform", "params", "profile")
 
 
 class Hybrid3DStrategy(MeshStrategy):
@@ -74,7 +75,12 @@ class Hybrid3DStrategy(MeshStrategy):
         zero_stage: 0 (gradients averaged over dp), 1, 2 or 3 (ZeRO over dp).
         pp_schedule: one of ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble``.
         microbatches: microbatches per pipeline step (default: 2 * pp); they must divide each dp rank's batch.
-        pp_balance: ``uniform`` (layers per stage) or ``params`` (parameter count per stage).
+        pp_balance: ``uniform`` (layers per stage), ``params`` (parameter count per stage) or ``profile``
+            (forward+backward time per stage, each layer timed on the module's ``example_input_array``, one
+            microbatch, before the split).
+        pp_memory_budget: with ``pp_balance="profile"``, the most bytes one stage may hold: its layers'
+            parameters, gradients and two optimizer states (as ZeRO and tp shard them) plus the activations
+            its in-flight microbatches keep for backward, measured while profiling. None: no limit.
         pp_virtual_stages: stages per rank for ``interleaved_1f1b`` (default 2); ``zero_bubble`` runs 2
             (ZB-V), ``gpipe`` and ``1f1b`` 1.
         sequence_parallel: also split layer norms and the residual stream along the sequence over tp.
@@ -95,6 +101,7 @@ class Hybrid3DStrategy(MeshStrategy):
         pp_schedule: str = "1f1b",
         microbatches: int | None = None,
         pp_balance: str = "uniform",
+        pp_memory_budget: int | None = None,
         pp_virtual_stages: int | None = None,
         sequence_parallel: bool = False,
         activation_checkpointing: str = "none",
@@ -102,10 +109,17 @@ class Hybrid3DStrategy(MeshStrategy):
         reshard_after_forward: bool = True,
         **kwargs: Any,
     ) -> None:
-        _check_degree_arg("dp", dp, allow_auto=True)
-        _check_degree_arg("pp", pp)
-        _check_degree_arg("tp", tp)
+        check_degree_arg("dp", dp, allow_auto=True)
+        check_degree_arg("pp", pp)
+        check_degree_arg("tp", tp)
         check_zero_settings(zero_stage, offload, stages=(0, 1, 2, 3), name="zero_stage")
+        check_flag("sequence_parallel", sequence_parallel)
+        check_flag("reshard_after_forward", reshard_after_forward)
+        if sequence_parallel and tp == 1:
+            rank_zero_warn(
+                "sequence_parallel=True splits along the sequence over tp, and tp=1: ignored. "
+                "Set tp > 1 to use it, or sequence_parallel=False."
+            )
         if pp_schedule not in PIPELINE_SCHEDULES:
             raise ValueError(
                 f"pp_schedule={pp_schedule!r} is unknown: set it to one of {', '.join(PIPELINE_SCHEDULES)}."
@@ -113,8 +127,9 @@ class Hybrid3DStrategy(MeshStrategy):
         if pp_balance not in PIPELINE_BALANCES:
             raise ValueError(f"pp_balance={pp_balance!r} is unknown: set it to one of {', '.join(PIPELINE_BALANCES)}.")
         if microbatches is not None:
-            _check_degree_arg("microbatches", microbatches)
-        _check_virtual_stages(pp_schedule, pp_virtual_stages)
+            check_degree_arg("microbatches", microbatches)
+        check_memory_budget(pp_balance, pp_memory_budget)
+        check_virtual_stages(pp_schedule, pp_virtual_stages)
         pipeline_set = pp_schedule != "1f1b" or microbatches is not None or pp_balance != "uniform"
         if pp == 1 and (pipeline_set or pp_virtual_stages is not None):
             rank_zero_warn(
@@ -148,6 +163,7 @@ class Hybrid3DStrategy(MeshStrategy):
         self.pp_schedule = pp_schedule
         self.microbatches = microbatches
         self.pp_balance = pp_balance
+        self.pp_memory_budget = pp_memory_budget
         self.pp_virtual_stages = stages_per_rank(pp_schedule, pp_virtual_stages)
         self.sequence_parallel = sequence_parallel
         self._split: PipelineSplit | None = None
@@ -171,13 +187,16 @@ class Hybrid3DStrategy(MeshStrategy):
     @override
     def check_model(self, model: pl.LightningModule) -> None:
         dims = self.parallel_dims
+        # what configure_model makes, on meta; None when that cannot be known here
+        built = as_built(model) if dims.pp > 1 or dims.tp > 1 else model
         if dims.tp > 1:
             if not callable(getattr(model, "tensor_parallel_plan", None)):
                 raise TypeError(
                     f"tp={dims.tp} needs {type(model).__name__}.tensor_parallel_plan(sequence_parallel) returning "
                     "{module path: ParallelStyle}: add it (see the README's bring-your-own-model section) or set tp=1."
                 )
-            check_tp_plan(model, model.tensor_parallel_plan(self.sequence_parallel), dims.tp)
+            plan = model.tensor_parallel_plan(self.sequence_parallel)
+            check_tp_plan(model if built is None else built, plan, dims.tp, require_match=built is not None)
         if dims.pp > 1:
             missing = [m for m in ("pipeline_layers", "loss") if not callable(getattr(model, m, None))]
             if missing:
@@ -186,17 +205,24 @@ class Hybrid3DStrategy(MeshStrategy):
                     "the layers forward runs in order, loss(output, target) the loss. Add them (see the README's "
                     "bring-your-own-model section) or set pp=1."
                 )
+            if self.pp_balance == "profile":
+                example_microbatch(model)  # a missing example fails before launch; it is timed after
             try:
-                self._pipeline_partition(model)  # more stages than layers fails here
+                # more stages than layers fails here
+                self._pipeline_partition(model if built is None else built, measure=False)
             except AttributeError:
                 if not is_overridden("configure_model", model):
                     raise
                 # layers built in configure_model do not exist yet: checked when the model is split
+            if built is not None and built is not model:  # built on meta: each layer must initialize itself
+                for layer in built.pipeline_layers():
+                    check_resettable(layer)
         check = getattr(model, "check_parallel_degrees", None)
         if callable(check):
             check(pp=dims.pp, tp=dims.tp)
 
-    def _pipeline_partition(self, model: pl.LightningModule) -> list[range]:
+    def _pipeline_partition(self, model: pl.LightningModule, measure: bool = True) -> list[range]:
+        """The layers of each stage; ``measure=False`` (before launch) only checks the stage count."""
         layers = list(model.pipeline_layers())
         num_stages = self.parallel_dims.pp * self.pp_virtual_stages
         setting = (
@@ -207,7 +233,26 @@ class Hybrid3DStrategy(MeshStrategy):
         if self.pp_balance == "params":
             costs = [sum(p.numel() for p in layer.parameters()) for layer in layers]
             return balanced_partition(costs, num_stages)
+        if self.pp_balance == "profile" and measure:
+            return self._profiled_partition(model, layers, num_stages)
         return uniform_partition(len(layers), num_stages)
+
+    def _profiled_partition(self, model: pl.LightningModule, layers: list[torch.nn.Module], stages: int) -> list[range]:
+        dims = self.parallel_dims
+        # every rank times; the maximum over the world makes every rank choose the same split
+        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        profile = profile_layers(layers, example_microbatch(model), self.root_device, group=group)
+        assert self.microbatches is not None
+        split = profiled_partition(
+            profile,
+            stages,
+            budget=self.pp_memory_budget,
+            in_flight=in_flight_microbatches(self.pp_schedule, self.microbatches, stages, dims.pp),
+            state_bytes=[layer_state_bytes(b, self.zero_stage, dims.dp, dims.tp) for b in profile.param_bytes],
+            setting="pp_memory_budget",
+        )
+        rank_zero_info(f"pp_balance='profile': {split.describe()}")
+        return split.stages
 
     @override
     def _apply_model_parallel(self) -> None:
@@ -265,14 +310,8 @@ class Hybrid3DStrategy(MeshStrategy):
                 continue
             stage.to_empty(device=self.root_device)
             for layer in stage.layers:
-                reset = getattr(layer, "reset_parameters", None)
-                if not callable(reset):
-                    raise TypeError(
-                        f"{type(layer).__name__} was built on the meta device but has no reset_parameters(): "
-                        "give each pipeline layer a reset_parameters() that initializes all its weights, or "
-                        "build the model in __init__ instead of configure_model."
-                    )
-                reset()
+                check_resettable(layer)
+                layer.reset_parameters()
 
     @override
     def _parallelize_model(self) -> None:
@@ -404,22 +443,6 @@ class Hybrid3DStrategy(MeshStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("hybrid3d", cls, description="data x pipeline x tensor parallelism", override=True)
-
-
-def _check_virtual_stages(schedule: str, virtual: int | None) -> None:
-    if virtual is None:
-        return
-    _check_degree_arg("pp_virtual_stages", virtual)
-    fixed = {"gpipe": 1, "1f1b": 1, "zero_bubble": 2}.get(schedule)
-    if fixed is not None and virtual != fixed:
-        raise ValueError(
-            f"pp_virtual_stages={virtual} does not fit pp_schedule={schedule!r}, which runs {fixed} stage(s) per rank: "
-            "leave pp_virtual_stages unset, or use pp_schedule='interleaved_1f1b' for more stages per rank."
-        )
-    if schedule == "interleaved_1f1b" and virtual < 2:
-        raise ValueError(
-            "pp_virtual_stages=1 makes interleaved_1f1b plain 1F1B: set it to 2 or more, or use pp_schedule='1f1b'."
-        )
 
 
 def _full_tensor(loss_fn: Any) -> Any:

@@ -19,13 +19,18 @@ def check_zero_settings(stage: object, offload: object, *, stages=ZERO_STAGES, n
     if isinstance(stage, bool) or stage not in stages:
         choices = ", ".join(str(s) for s in stages[:-1]) + f" or {stages[-1]}"
         raise ValueError(f"{name}={stage!r} is not a ZeRO stage: set {name} to {choices}.")
-    if not isinstance(offload, bool):
-        raise TypeError(f"offload={offload!r} must be True or False.")
+    check_flag("offload", offload)
     if offload and stage not in OFFLOAD_STAGES:
         raise ValueError(
             f"offload=True needs sharded gradients, which {name}={stage} does not have (ZeRO-Offload "
             f"builds on stage 2): set {name}=2 or {name}=3, or offload=False."
         )
+
+
+def check_flag(name: str, value: object) -> None:
+    """A boolean setting: refuse anything else (a string such as "false" would be truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False: set {name}=True or {name}=False.")
 
 
 class ZeroStrategy(MeshStrategy):
@@ -59,6 +64,7 @@ class ZeroStrategy(MeshStrategy):
         **kwargs: Any,
     ):
         check_zero_settings(stage, offload)
+        check_flag("reshard_after_forward", reshard_after_forward)
         if stage != 3 and not reshard_after_forward:
             rank_zero_warn("reshard_after_forward only applies with stage=3: ignored.")
         super().__init__(

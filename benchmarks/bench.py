@@ -1,0 +1,173 @@
+"""``make bench``: throughput, model-state memory, communication volume and pipeline bubble of our
+strategies against Lightning's own, in one run, on the GPT and VGG recipes; writes BENCHMARKS.md and
+benchmarks/results.json.
+
+    python benchmarks/bench.py                 # the whole suite (about 15 minutes on 2 CPU cores)
+    python benchmarks/bench.py --repeats 1     # one pass: quicker, noisier
+
+Throughput pairs run interleaved (A, B, A, B, ...) so drifting machine load hits both alike; each figure is
+the median step time over the timed steps of a launch (the first two steps are warm-up), then the median
+over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import run_distributed  # noqa: E402
+from report import write_report  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "worker.py"
+GPT = ["model=gpt_bench", "data.global_batch_size=16"]
+VGG = ["model=vgg_tiny", "model.width=32", "data.global_batch_size=32", "data.num_train=2000"]
+DEEP_GPT = [*GPT, "model.n_layer=6"]  # 8 pipeline layers: 2 virtual stages on each of 4 pp ranks
+
+# (section, recipe, overrides, world, ours, Lightning's): the comparisons the issue asks for
+THROUGHPUT = [
+    ("dp only vs ddp", "gpt", GPT, 2, "hybrid3d", "ddp"),
+    ("zero2 vs FSDP2", "gpt", GPT, 2, "zero2", "model_parallel"),
+    ("zero3 vs FSDP2", "gpt", GPT, 2, "zero3", "model_parallel"),
+    ("dp2 x tp2 vs ModelParallel", "gpt", GPT, 4, "hybrid3d:tp=2,zero_stage=3", "model_parallel:tp=2"),
+    ("dp only vs ddp", "vgg", VGG, 2, "hybrid3d", "ddp"),
+    ("zero3 vs FSDP2", "vgg", VGG, 2, "zero3", "model_parallel"),
+]
+# model-state bytes and bytes communicated per step (one launch each, world 2)
+MEMORY = [("gpt", GPT, 2, spec) for spec in ("ddp", "hybrid3d", "zero1", "zero2", "zero3", "model_parallel")]
+COMM = [("gpt", GPT, 2, spec) for spec in ("hybrid3d:tp=2", "hybrid3d:pp=2,pp_schedule=gpipe,microbatches=4")]
+# (world, pp, schedule, microbatches, virtual stages per rank): measured idle fraction against the formula
+BUBBLE = [
+    (2, 2, "gpipe", 4, 1),
+    (2, 2, "1f1b", 4, 1),
+    (2, 2, "1f1b", 8, 1),
+    (2, 2, "interleaved_1f1b", 4, 2),
+    (2, 2, "zero_bubble", 4, 2),
+    (4, 4, "1f1b", 8, 1),
+    (4, 4, "interleaved_1f1b", 8, 2),
+]
+
+
+def _tag(recipe: str, spec: str, world: int) -> str:
+    return f"{recipe}_{spec.replace(':', '_').replace(',', '_').replace('=', '')}_w{world}"
+
+
+def launch(
+    recipe: str, overrides: list[str], world: int, spec: str, out: Path, steps: int, timeline: bool = False
+) -> list[dict[str, Any]]:
+    args = ["--recipe", recipe, "--overrides", json.dumps(overrides), "--strategy", spec, "--steps", str(steps)]
+    return run_distributed(
+        str(WORKER), world, args + ["--timeline"] * timeline, out / _tag(recipe, spec, world), timeout=600
+    )
+
+
+def step_time(ranks: list[dict[str, Any]]) -> float:
+    """The slowest rank's median step: a step ends when every rank is done."""
+    return max(r["median_step_s"] for r in ranks)
+
+
+def run_throughput(out: Path, repeats: int, steps: int) -> list[dict[str, Any]]:
+    rows = []
+    for section, recipe, overrides, world, ours, theirs in THROUGHPUT:
+        times: dict[str, list[float]] = {ours: [], theirs: []}
+        for _ in range(repeats):
+            for spec in (ours, theirs):
+                times[spec].append(step_time(launch(recipe, overrides, world, spec, out, steps)))
+                print(f"  {recipe} {spec} w{world}: {times[spec][-1] * 1e3:.0f} ms/step", flush=True)
+        ours_s, theirs_s = median(times[ours]), median(times[theirs])
+        rows.append(
+            {
+                "comparison": section,
+                "recipe": recipe,
+                "world": world,
+                "ours": ours,
+                "lightning": theirs,
+                "ours_step_s": ours_s,
+                "lightning_step_s": theirs_s,
+                "ratio": theirs_s / ours_s,  # > 1: ours is faster
+                "samples": {k: v for k, v in times.items()},
+            }
+        )
+    return rows
+
+
+def run_memory_and_comm(out: Path) -> list[dict[str, Any]]:
+    rows = []
+    for recipe, overrides, world, spec in MEMORY + COMM:
+        ranks = launch(recipe, overrides, world, spec, out, steps=5)
+        rows.append({"recipe": recipe, "world": world, "strategy": spec, "overrides": overrides, "ranks": ranks})
+    return rows
+
+
+def run_bubble(out: Path, steps: int) -> list[dict[str, Any]]:
+    rows = []
+    for world, pp, schedule, microbatches, virtual in BUBBLE:
+        spec = f"hybrid3d:pp={pp},pp_schedule={schedule},microbatches={microbatches}"
+        if schedule == "interleaved_1f1b":
+            spec += f",pp_virtual_stages={virtual}"
+        ranks = launch("gpt", DEEP_GPT, world, spec, out, steps, timeline=True)
+        bubble = ranks[0]["pipeline_bubble"]  # rank 0 gathers every pp rank's timeline
+        rows.append(
+            {
+                "world": world,
+                "pp": pp,
+                "schedule": schedule,
+                "microbatches": microbatches,
+                "virtual": virtual,
+                "measured": {int(k): v for k, v in bubble.items()},
+                "step_s": step_time(ranks),
+                "timeline": str(out / _tag("gpt", spec, world) / "timeline" / "timeline.png"),
+            }
+        )
+        print(f"  pp={pp} {schedule} m={microbatches}: bubble {bubble}", flush=True)
+    return rows
+
+
+def describe_machine() -> str:
+    import lightning
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line]
+        cpu = names[0] if names else cpu
+    return (
+        f"{cpu}, {os.cpu_count()} CPU cores, no GPU, gloo, one thread per rank; torch {torch.__version__}, "
+        f"lightning {lightning.__version__}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="steps per launch: 2 warm-up, then timed, 2 measured")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench")
+    parser.add_argument("--report", type=Path, default=ROOT / "BENCHMARKS.md")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    machine = describe_machine()
+    print("throughput", flush=True)
+    results = {"machine": machine, "throughput": run_throughput(args.out, args.repeats, args.steps)}
+    print("memory and communication", flush=True)
+    results["memory"] = run_memory_and_comm(args.out)
+    print("pipeline bubble", flush=True)
+    results["bubble"] = run_bubble(args.out, args.steps)
+    results["wall_seconds"] = time.perf_counter() - start
+    (Path(__file__).resolve().parent / "results.json").write_text(json.dumps(results, indent=1))
+    write_report(results, args.report)
+    print(f"wrote {args.report} in {results['wall_seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

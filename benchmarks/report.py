@@ -1,0 +1,171 @@
+"""BENCHMARKS.md from benchmarks/bench.py's results: one table per question, then the findings
+(benchmarks/findings.md, written by hand from what the tables show)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning_parallel.parallel.memory import zero_formula_bytes
+
+FINDINGS = Path(__file__).resolve().parent / "findings.md"
+# the ZeRO stage whose formula a strategy's model states follow (Lightning's FSDP2 path shards like stage 3)
+STAGE = {"ddp": 0, "hybrid3d": 0, "zero1": 1, "zero2": 2, "zero3": 3, "model_parallel": 3}
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def throughput_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| comparison | recipe | world | ours | Lightning's | ours ms/step | Lightning ms/step | speed ratio |",
+        "|---|---|---:|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['comparison']} | {r['recipe']} | {r['world']} | `{r['ours']}` | `{r['lightning']}` | "
+            f"{r['ours_step_s'] * 1e3:.0f} | {r['lightning_step_s'] * 1e3:.0f} | **{r['ratio']:.2f}x** |"
+        )
+    return lines
+
+
+def memory_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per data-parallel strategy: the largest rank's model-state bytes against the ZeRO formula (fp32 Adam)."""
+    out = []
+    for r in rows:
+        if ":" in r["strategy"]:
+            continue  # tp and pp layouts split the model itself: the communication table's rows
+        stage = STAGE[r["strategy"].split(":")[0]]
+        ranks = r["ranks"]
+        worst = max(ranks, key=lambda x: x["model_state_bytes"]["total"])
+        formula = zero_formula_bytes(stage, worst["num_params"], r["world"])
+        out.append({**r, "stage": stage, "measured": worst["model_state_bytes"], "formula": formula})
+    return out
+
+
+def memory_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| strategy | world | ZeRO stage | params MiB | grads MiB | optimizer MiB | total MiB | formula MiB | ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in memory_rows(rows):
+        m = r["measured"]
+        lines.append(
+            f"| `{r['strategy']}` | {r['world']} | {r['stage']} | {_mb(m['params'])} | {_mb(m['grads'])} | "
+            f"{_mb(m['optimizer'])} | {_mb(m['total'])} | {_mb(r['formula'])} | {m['total'] / r['formula']:.3f} |"
+        )
+    return lines
+
+
+def comm_theory(row: dict[str, Any]) -> tuple[float, str]:
+    """Bytes a rank sends per step by the textbook algorithms (ring collectives), and the formula."""
+    first = row["ranks"][0]
+    w, psi = row["world"], 4 * first["num_params"]  # fp32 gradient or parameter bytes
+    ring = (w - 1) / w
+    spec = row["strategy"]
+    if spec.startswith("hybrid3d:tp="):
+        m = first["model"]
+        act = first["micro_batch"] * m["seq_len"] * m["d_model"] * 4
+        return (4 * m["n_layer"] + 2) * act * 2 * ring, "(4L + 2) all-reduces of the activation: 2(4L+2)A(t-1)/t"
+    if spec.startswith("hybrid3d:pp="):
+        m = first["model"]
+        act = first["micro_batch"] * m["seq_len"] * m["d_model"] * 4
+        tied = m["vocab_size"] * m["d_model"] * 4  # the embedding tied to the head, on the first and last stage
+        return act + tied * 2 * ring, "A (activations forward or their gradients back) + tied weight all-reduce"
+    name = spec.split(":")[0]
+    if name in ("zero3", "model_parallel"):
+        return 3 * psi * ring, "all-gather x2 + reduce-scatter: 3Ψ(w-1)/w (1.5x DP; the root unit is gathered once)"
+    if name == "zero1":
+        return 2 * psi * ring, "ZeRO paper: reduce-scatter + all-gather, 2Ψ(w-1)/w"
+    return 2 * psi * ring, "all-reduce: 2Ψ(w-1)/w"
+
+
+def comm_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| strategy | world | measured KiB/step (max rank) | theory KiB | ratio | by op (KiB sent) | theory |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        worst = max(r["ranks"], key=lambda x: x["comm_sent_bytes_per_step"] or 0)
+        measured = worst["comm_sent_bytes_per_step"] or 0.0
+        theory, formula = comm_theory(r)
+        ops = ", ".join(f"{k} {v['sent_bytes'] / 1024:.0f}" for k, v in sorted(worst["comm_bytes_per_step"].items()))
+        lines.append(
+            f"| `{r['strategy']}` | {r['world']} | {measured / 1024:.1f} | {theory / 1024:.1f} | "
+            f"{measured / theory:.3f} | {ops} | {formula} |"
+        )
+    return lines
+
+
+def expected_bubble(pp: int, microbatches: int, virtual: int) -> float:
+    """Idle fraction of a step: (p-1)/(m+p-1), the warm-up and drain shrunk v-fold by interleaving."""
+    fill = (pp - 1) / virtual
+    return fill / (microbatches + fill)
+
+
+def bubble_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| pp | schedule | microbatches | stages/rank | measured idle per pp rank | mean | formula | step ms |",
+        "|---:|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        measured = [r["measured"][k] for k in sorted(r["measured"])]
+        formula = expected_bubble(r["pp"], r["microbatches"], r["virtual"])
+        shown = "≈0 (ZB-V)" if r["schedule"] == "zero_bubble" else f"{formula:.3f}"
+        lines.append(
+            f"| {r['pp']} | {r['schedule']} | {r['microbatches']} | {r['virtual']} | "
+            f"{', '.join(f'{x:.3f}' for x in measured)} | {sum(measured) / len(measured):.3f} | {shown} | "
+            f"{r['step_s'] * 1e3:.0f} |"
+        )
+    return lines
+
+
+def write_report(results: dict[str, Any], path: Path) -> None:
+    num_params = results["memory"][0]["ranks"][0]["num_params"]
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Written by `make bench` (benchmarks/bench.py) in one run of {results['wall_seconds'] / 60:.1f} minutes on "
+        f"{results['machine']}. Raw figures: benchmarks/results.json.",
+        "",
+        "## Throughput against Lightning's own strategies",
+        "",
+        "Same model, same global batch, same data; pairs interleaved, medians of the per-launch median step "
+        "times. Speed ratio = Lightning's step time / ours (above 1: ours is faster). Lightning's FSDP2 path is "
+        "`ModelParallelStrategy` with the model's TP plan and `fully_shard` in `configure_model` "
+        "(benchmarks/baselines.py); Lightning's `FSDPStrategy` refuses CPU devices.",
+        "",
+        *throughput_table(results["throughput"]),
+        "",
+        "## Model-state memory per rank against the ZeRO formulas",
+        "",
+        f"GPT bench model, P = {num_params:,} parameters, fp32 AdamW (K = 8 bytes of state per parameter), "
+        "counted from the tensors after an optimizer step (largest rank). Formulas (Rajbhandari et al., 2020): "
+        "stage 0: 16P; 1: 8P + 8P/N; 2: 4P + 12P/N; 3: 16P/N.",
+        "",
+        *memory_table(results["memory"]),
+        "",
+    ]
+    lines += [
+        "## Bytes communicated per step per rank against the theoretical volume",
+        "",
+        "Counted at torch's dispatcher (lightning_parallel/parallel/comm_volume.py) during one step, as the bytes "
+        "a ring algorithm sends (all-reduce of n bytes: 2n(w-1)/w; all-gather, reduce-scatter: n(w-1)/w; send: "
+        "n), so backends compare. Ψ = 4P bytes; A = micro-batch x sequence x width x 4 bytes.",
+        "",
+        *comm_table(results["memory"]),
+        "",
+        "## Pipeline bubble",
+        "",
+        "Idle fraction of each pp rank over one recorded step (1 - busy/span; busy: forward, backward and "
+        "weight-gradient computation) against (p-1)/(m+p-1), with the fill and drain divided by v for v "
+        "virtual stages per rank (interleaved 1F1B). GPT bench model with 6 blocks (8 pipeline layers). "
+        "The timelines (Chrome trace + PNG) lie under runs/bench/*/timeline/.",
+        "",
+        *bubble_table(results["bubble"]),
+        "",
+    ]
+    if FINDINGS.exists():
+        lines += ["## Findings", "", FINDINGS.read_text().strip(), ""]
+    path.write_text("\n".join(lines))

@@ -1,0 +1,175 @@
+"""One benchmark launch: a recipe's model and data (composed from conf/ like the recipe does) trained for a
+few steps under one strategy; each rank writes ``rank<N>.json`` with its step times, model-state bytes and,
+when asked, the bytes it communicated in one step and the pipeline timeline.
+
+Started by benchmarks/bench.py on N processes with torchrun's environment (Lightning launches nothing).
+
+Strategy specs: ``ddp`` (Lightning's), ``model_parallel`` / ``model_parallel:tp=2`` (Lightning's
+ModelParallelStrategy, the models parallelized in configure_model as benchmarks/baselines.py shows),
+``zero1``..``zero3`` and ``hybrid3d:dp=2,tp=2,pp_schedule=gpipe,...`` (ours).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from hydra import compose, initialize_config_dir
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baselines import ModelParallelGPT, ModelParallelVGG  # noqa: E402
+
+from lightning_parallel import Hybrid3DStrategy, ZeroStrategy  # noqa: E402
+from lightning_parallel.models import LitGPT, LitVGG  # noqa: E402
+from lightning_parallel.models.gpt import GPT  # noqa: E402
+from lightning_parallel.models.vgg import VGG  # noqa: E402
+from lightning_parallel.parallel.memory import model_state_bytes  # noqa: E402
+from lightning_parallel.recipes.config import register_configs  # noqa: E402
+from lightning_parallel.recipes.gpt import TextData, gpt_config  # noqa: E402
+from lightning_parallel.recipes.vgg import ImageData, scaled_lr, vgg_config  # noqa: E402
+from lightning_parallel.strategies.observability import TrainingMonitor  # noqa: E402
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def parse_spec(spec: str, world: int) -> tuple[Any, dict[str, int]]:
+    """The strategy for ``spec`` and its (dp, pp, tp) degrees."""
+    name, _, args = spec.partition(":")
+    kwargs: dict[str, Any] = {}
+    for item in filter(None, args.split(",")):
+        key, value = item.split("=")
+        kwargs[key] = int(value) if value.lstrip("-").isdigit() else value
+    if name == "ddp":
+        return "ddp", {"dp": world, "pp": 1, "tp": 1}
+    if name == "model_parallel":
+        tp = kwargs.get("tp", 1)
+        return ModelParallelStrategy(data_parallel_size=world // tp, tensor_parallel_size=tp), {
+            "dp": world // tp,
+            "pp": 1,
+            "tp": tp,
+        }
+    if name.startswith("zero"):
+        return ZeroStrategy(stage=int(name[4]), **kwargs), {"dp": world, "pp": 1, "tp": 1}
+    if name == "hybrid3d":
+        pp, tp = kwargs.get("pp", 1), kwargs.get("tp", 1)
+        return Hybrid3DStrategy(**kwargs), {"dp": world // (pp * tp), "pp": pp, "tp": tp}
+    raise ValueError(f"unknown benchmark strategy spec {spec!r}")
+
+
+class StepTimer(pl.Callback):
+    """Wall time of every training batch on this rank (forward, backward, optimizer step)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+
+class ModelStates(pl.Callback):
+    """Model-state bytes after the last optimizer step, before the next zero_grad."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        opts = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+        self.bytes = model_state_bytes(trainer.strategy.model, opts)
+
+
+def build_model(recipe: str, cfg: Any, lightning_2d: bool) -> pl.LightningModule:
+    m = cfg.model
+    if recipe == "gpt":
+        cls = ModelParallelGPT if lightning_2d else LitGPT
+        return cls(gpt_config(m), lr=m.lr, weight_decay=m.weight_decay, build_in_configure_model=True)
+    cls = ModelParallelVGG if lightning_2d else LitVGG
+    return cls(
+        vgg_config(m), optimizer=m.optimizer, lr=scaled_lr(cfg), momentum=m.momentum, build_in_configure_model=True
+    )
+
+
+def num_params(recipe: str, cfg: Any) -> int:
+    """Parameters of the whole model (a tied weight once), built on the meta device."""
+    with torch.device("meta"):
+        model = GPT(gpt_config(cfg.model)) if recipe == "gpt" else VGG(vgg_config(cfg.model))
+    return sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--recipe", choices=["gpt", "vgg"], required=True)
+    parser.add_argument("--overrides", default="[]", help="JSON list of recipe overrides (model=..., data....)")
+    parser.add_argument("--strategy", required=True)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--timeline", action="store_true", help="record the last step's pipeline timeline")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    register_configs()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose(f"train_{args.recipe}", overrides=json.loads(args.overrides))
+    pl.seed_everything(cfg.seed, verbose=False)
+    strategy, degrees = parse_spec(args.strategy, world)
+    micro = cfg.data.global_batch_size // degrees["dp"]
+    model = build_model(args.recipe, cfg, isinstance(strategy, ModelParallelStrategy))
+    data = TextData(cfg, micro, cache_dir=args.out.parent / "data") if args.recipe == "gpt" else ImageData(cfg, micro)
+    timer, states = StepTimer(), ModelStates()
+    # the last two steps run under the communication and FLOP counters, then the timeline recorder: not timed
+    timeline = args.out / "timeline" if args.timeline else None
+    monitor = TrainingMonitor(measure_step=args.steps - 2, timeline_dir=timeline)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        precision=cfg.precision.value,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[monitor, timer, states],
+        use_distributed_sampler=False,
+    )
+    if os.environ.get("BENCH_PROFILE"):  # where the time goes: rank 0's operator table
+        with torch.profiler.profile() as prof:
+            trainer.fit(model, datamodule=data)
+        if rank == 0:
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            (args.out / "profile.txt").write_text(table)
+    else:
+        trainer.fit(model, datamodule=data)
+    result = {
+        "rank": rank,
+        "world": world,
+        "degrees": degrees,
+        "step_times": timer.times,
+        "median_step_s": median(timer.times[2:-2] or timer.times),  # after 2 warm-up steps, before the measured
+        "model_state_bytes": states.bytes,
+        "num_params": num_params(args.recipe, cfg),
+        "micro_batch": micro,
+        "model": {k: cfg.model[k] for k in cfg.model if k in ("seq_len", "d_model", "n_layer", "vocab_size")},
+        "comm_bytes_per_step": monitor.summary.get("comm_bytes_per_step"),
+        "comm_sent_bytes_per_step": monitor.summary.get("comm_sent_bytes_per_step"),
+        "pipeline_bubble": monitor.summary.get("pipeline_bubble"),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()

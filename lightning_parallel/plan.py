@@ -1,0 +1,210 @@
+"""Which (pp, dp, tp, zero_stage) layout to train a recipe model with: ``python -m lightning_parallel.plan``.
+
+    python -m lightning_parallel.plan gpt_small --world-size 8 --device-memory 80GB
+    python -m lightning_parallel.plan conf/model/vgg16.yaml --world-size 4 --device-memory 16GB --json
+
+Builds the model on the meta device from its config (a name under ``conf/model/`` or a YAML path), measures
+each pipeline layer as one tp rank runs it (see :mod:`lightning_parallel.parallel.planner`), and prints one row
+per layout: memory per rank, pipeline bubble, bytes communicated per step and the estimated step time, with the
+reason for every layout that cannot run, then the recommended one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_parallel.models.gpt import GPT, GPTConfig, gpt_tp_plan
+from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
+from lightning_parallel.parallel.estimate import OPTIMIZER_STATES, PRECISIONS, SCHEDULES, Estimate, Settings, recommend
+from lightning_parallel.parallel.planner import ModelSpec, plan_layouts
+from lightning_parallel.recipes.config import GPTModelConf, ImageDataConf, TextDataConf, VGGModelConf
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_UNITS["TIB"] = 2**40
+
+
+def parse_bytes(text: str) -> float:
+    """``80GB`` (10^9), ``80GiB`` (2^30), ``512MB`` or a plain byte count."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if not match or unit not in _UNITS:
+        raise ValueError(f"--device-memory={text!r} is not a size: write it like 80GB, 80GiB or 512MB.")
+    return float(match.group(1)) * _UNITS[unit]
+
+
+def load_model_config(model: str) -> tuple[str, DictConfig]:
+    """("gpt" or "vgg", the model config merged over its recipe schema) for a conf/model name or a YAML path."""
+    path = Path(model) if model.endswith((".yaml", ".yml")) else CONF / "model" / f"{model}.yaml"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in (CONF / "model").glob("*.yaml")))
+        raise ValueError(f"model {model!r} not found: give one of {names} or the path of a model YAML file.")
+    raw = OmegaConf.to_container(OmegaConf.load(path))
+    defaults = raw.pop("defaults", [])  # type: ignore[union-attr]
+    for kind, schema in (("gpt", GPTModelConf), ("vgg", VGGModelConf)):
+        if f"{kind}_schema" in defaults:
+            return kind, OmegaConf.merge(OmegaConf.structured(schema), raw)
+    raise ValueError(f"{path} extends neither gpt_schema nor vgg_schema: start it with `defaults: [gpt_schema]`.")
+
+
+def gpt_spec(m: DictConfig) -> ModelSpec:
+    config = GPTConfig(m.vocab_size, m.seq_len, m.n_layer, m.n_head, m.d_model, m.mlp_ratio, m.dropout)
+    with torch.device("meta"):
+        model = GPT(config)
+
+    def loss(logits: torch.Tensor, batch: int) -> torch.Tensor:  # LitGPT.loss
+        targets = torch.zeros(logits.shape[:-1], dtype=torch.long)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+    return ModelSpec(
+        model=model,
+        layers=model.layers(),
+        plan=gpt_tp_plan(),
+        make_input=lambda b: torch.zeros(b, config.seq_len, dtype=torch.long),
+        loss=loss,
+        check_tp=lambda tp: GPT.check_tensor_parallel_config(config, tp),
+        optimizer_states=OPTIMIZER_STATES["adamw"],
+    )
+
+
+def vgg_spec(m: DictConfig) -> ModelSpec:
+    config = VGGConfig(m.name, m.num_classes, m.width, image_size=m.image_size, batch_norm=m.batch_norm)
+    with torch.device("meta"):
+        model = VGG(config)
+
+    def loss(logits: torch.Tensor, batch: int) -> torch.Tensor:  # LitVGG.loss
+        return F.cross_entropy(logits.float(), torch.zeros(batch, dtype=torch.long))
+
+    optimizer = m.optimizer if m.optimizer == "adamw" or m.momentum else "sgd_no_momentum"
+    return ModelSpec(
+        model=model,
+        layers=model.layers(),
+        plan=vgg_tp_plan("", config),
+        make_input=lambda b: torch.randn(b, config.in_channels, config.image_size, config.image_size),
+        loss=loss,
+        check_tp=lambda tp: VGG.check_tensor_parallel_config(config, tp),
+        optimizer_states=OPTIMIZER_STATES[optimizer],
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m lightning_parallel.plan", description=__doc__.split("\n")[0])
+    p.add_argument("model", help="a conf/model name (gpt_small, vgg16, ...) or a model YAML path")
+    p.add_argument("--world-size", type=int, required=True, help="processes (devices) in the job")
+    p.add_argument("--device-memory", type=parse_bytes, required=True, help="per device, e.g. 80GB or 24GiB")
+    p.add_argument("--global-batch-size", type=int, help="samples per step (default: the recipe's data config)")
+    p.add_argument("--microbatches", type=int, help="per pipeline step (default: 2 * pp, as hybrid3d)")
+    p.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--pp-virtual-stages", type=int, default=2, help="stages per rank for interleaved_1f1b")
+    p.add_argument("--precision", choices=PRECISIONS, default="32-true")
+    p.add_argument("--margin", type=float, default=0.1, help="fraction of device memory to keep free")
+    p.add_argument("--device-flops", type=float, default=100e12, help="sustained FLOP/s per device (cost model)")
+    p.add_argument("--bandwidth", type=float, default=50e9, help="bytes/s each rank sends (cost model)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return p.parse_args(argv)
+
+
+def make_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Every layout's estimate and the recommendation, as plain data (what ``--json`` prints)."""
+    if args.world_size < 1:
+        raise ValueError(f"--world-size={args.world_size} must be at least 1.")
+    kind, m = load_model_config(args.model)
+    spec = gpt_spec(m) if kind == "gpt" else vgg_spec(m)
+    default_batch = (TextDataConf if kind == "gpt" else ImageDataConf).global_batch_size
+    virtual = {"interleaved_1f1b": args.pp_virtual_stages, "zero_bubble": 2}.get(args.pp_schedule, 1)
+    settings = Settings(
+        global_batch=args.global_batch_size or default_batch,
+        microbatches=args.microbatches,
+        schedule=args.pp_schedule,
+        virtual_stages=virtual,
+        precision=args.precision,
+        optimizer_states=spec.optimizer_states,
+        device_memory=args.device_memory,
+        margin=args.margin,
+        device_flops=args.device_flops,
+        bandwidth=args.bandwidth,
+    )
+    estimates = plan_layouts(spec, args.world_size, settings)
+    best = recommend(estimates, settings.device_memory, settings.margin)
+    params = sum(p.numel() for p in spec.model.parameters())
+    return {
+        "model": args.model,
+        "num_params": params,
+        "world_size": args.world_size,
+        "settings": asdict(settings),
+        "layouts": [_row(e) for e in estimates],
+        "recommended": _row(best) if best else None,
+    }
+
+
+def _row(e: Estimate) -> dict[str, Any]:
+    row = {k: v for k, v in asdict(e).items()}
+    row["feasible"], row["memory"] = e.feasible, e.memory
+    return row
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_table(plan: dict[str, Any]) -> str:
+    s = plan["settings"]
+    lines = [
+        f"{plan['model']}: {plan['num_params'] / 1e6:.2f}M parameters, world size {plan['world_size']}, "
+        f"device memory {_size(s['device_memory'])}, global batch {s['global_batch']}, {s['precision']}, "
+        f"pp schedule {s['schedule']}",
+        f"{'pp':>3} {'dp':>3} {'tp':>3} {'zero':>4} {'m':>3} {'mem/rank':>10} {'states':>10} {'activ.':>10} "
+        f"{'bubble':>6} {'dp comm':>10} {'tp comm':>10} {'pp comm':>10} {'step ms':>8}  note",
+    ]
+    best = plan["recommended"]
+    for r in plan["layouts"]:
+        head = f"{r['pp']:>3} {r['dp']:>3} {r['tp']:>3} {'*' if r['zero_stage'] is None else r['zero_stage']:>4}"
+        if r["zero_stage"] is None:
+            lines.append(f"{head} {'-':>3} {'infeasible: ' + r['reason']}")
+            continue
+        i = max(range(len(r["memory_per_rank"])), key=r["memory_per_rank"].__getitem__)
+        c = r["comm"]
+        note = "infeasible: " + r["reason"] if r["reason"] else ""
+        if best and all(r[k] == best[k] for k in ("pp", "dp", "tp", "zero_stage")):
+            note = "<- recommended"
+        lines.append(
+            f"{head} {r['microbatches']:>3} {_size(r['memory']):>10} {_size(r['model_state_per_rank'][i]):>10} "
+            f"{_size(r['activation_per_rank'][i]):>10} {r['bubble']:>6.3f} {_size(c['dp']):>10} {_size(c['tp']):>10} "
+            f"{_size(c['pp']):>10} {r['step_time'] * 1e3:>8.2f}  {note}"
+        )
+    if best is None:
+        lines.append("no layout fits: add devices, lower the batch or use a larger --device-memory")
+    else:
+        lines.append(
+            f"recommended: strategy=hybrid3d strategy.pp={best['pp']} strategy.dp={best['dp']} "
+            f"strategy.tp={best['tp']} strategy.zero_stage={best['zero_stage']}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        plan = make_plan(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=2) if args.json else format_table(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
