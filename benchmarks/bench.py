@@ -110,14 +110,21 @@ def run_memory_and_comm(out: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def run_bubble(out: Path, steps: int) -> list[dict[str, Any]]:
+def run_bubble(out: Path, steps: int, repeats: int) -> list[dict[str, Any]]:
+    """One recorded step per launch; per pp rank the median idle fraction over ``repeats`` launches."""
     rows = []
     for world, pp, schedule, microbatches, virtual in BUBBLE:
         spec = f"hybrid3d:pp={pp},pp_schedule={schedule},microbatches={microbatches}"
         if schedule == "interleaved_1f1b":
             spec += f",pp_virtual_stages={virtual}"
-        ranks = launch("gpt", DEEP_GPT, world, spec, out, steps, timeline=True)
-        bubble = ranks[0]["pipeline_bubble"]  # rank 0 gathers every pp rank's timeline
+        idle: dict[int, list[float]] = {}
+        times = []
+        for _ in range(repeats):
+            ranks = launch("gpt", DEEP_GPT, world, spec, out, steps, timeline=True)
+            for rank, value in ranks[0]["pipeline_bubble"].items():  # rank 0 gathers every pp rank's timeline
+                idle.setdefault(int(rank), []).append(value)
+            times.append(step_time(ranks))
+        measured = {rank: median(values) for rank, values in sorted(idle.items())}
         rows.append(
             {
                 "world": world,
@@ -125,12 +132,13 @@ def run_bubble(out: Path, steps: int) -> list[dict[str, Any]]:
                 "schedule": schedule,
                 "microbatches": microbatches,
                 "virtual": virtual,
-                "measured": {int(k): v for k, v in bubble.items()},
-                "step_s": step_time(ranks),
+                "measured": measured,
+                "samples": idle,
+                "step_s": median(times),
                 "timeline": str(out / _tag("gpt", spec, world) / "timeline" / "timeline.png"),
             }
         )
-        print(f"  pp={pp} {schedule} m={microbatches}: bubble {bubble}", flush=True)
+        print(f"  pp={pp} {schedule} m={microbatches}: idle {measured}", flush=True)
     return rows
 
 
@@ -150,7 +158,7 @@ def describe_machine() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="launches per configuration")
     parser.add_argument("--steps", type=int, default=10, help="steps per launch: 2 warm-up, then timed, 2 measured")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench")
     parser.add_argument("--report", type=Path, default=ROOT / "BENCHMARKS.md")
@@ -162,7 +170,7 @@ def main() -> None:
     print("memory and communication", flush=True)
     results["memory"] = run_memory_and_comm(args.out)
     print("pipeline bubble", flush=True)
-    results["bubble"] = run_bubble(args.out, args.steps)
+    results["bubble"] = run_bubble(args.out, args.steps, args.repeats)
     results["wall_seconds"] = time.perf_counter() - start
     (Path(__file__).resolve().parent / "results.json").write_text(json.dumps(results, indent=1))
     write_report(results, args.report)

@@ -158,10 +158,10 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         "",
         "## Pipeline bubble",
         "",
-        "Idle fraction of each pp rank over one recorded step (1 - busy/span; busy: forward, backward and "
-        "weight-gradient computation) against (p-1)/(m+p-1), with the fill and drain divided by v for v "
-        "virtual stages per rank (interleaved 1F1B). GPT bench model with 6 blocks (8 pipeline layers). "
-        "The timelines (Chrome trace + PNG) lie under runs/bench/*/timeline/.",
+        "Idle fraction of each pp rank over one recorded step, median of the launches (1 - busy/span; busy: "
+        "forward, backward and weight-gradient computation) against (p-1)/(m+p-1), with the fill and drain "
+        "divided by v for v virtual stages per rank (interleaved 1F1B). GPT bench model with 6 blocks "
+        "(8 pipeline layers). The timelines (Chrome trace + PNG) lie under runs/bench/*/timeline/.",
         "",
         *bubble_table(results["bubble"]),
         "",
