@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import run_distributed  # noqa: E402
+from pipeline_split import run_pipeline_split  # noqa: E402
 from report import write_report  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
@@ -171,6 +172,8 @@ def main() -> None:
     results["memory"] = run_memory_and_comm(args.out)
     print("pipeline bubble", flush=True)
     results["bubble"] = run_bubble(args.out, args.steps, args.repeats)
+    print("profile-guided pipeline split", flush=True)
+    results["pipeline_split"] = run_pipeline_split()
     results["wall_seconds"] = time.perf_counter() - start
     (Path(__file__).resolve().parent / "results.json").write_text(json.dumps(results, indent=1))
     write_report(results, args.report)

@@ -121,6 +121,20 @@ def bubble_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def split_lines(result: dict[str, Any]) -> list[str]:
+    lines = [
+        "| split | stages (layers) | re-timed stage ms | slowest / mean |",
+        "|---|---|---|---:|",
+    ]
+    for name in ("profile", "uniform"):
+        stages = ", ".join(f"{a}-{b}" for a, b in result["stages"][name])
+        ms = ", ".join(f"{t * 1e3:.1f}" for t in result["stage_seconds"][name])
+        lines.append(f"| {name} | {stages} | {ms} | {result['slowest_over_mean'][name]:.3f} |")
+    profile, uniform = (max(result["stage_seconds"][k]) for k in ("profile", "uniform"))
+    lines += ["", f"The profiled split's slowest stage is {uniform / profile:.2f}x faster than the uniform split's."]
+    return lines
+
+
 def write_report(results: dict[str, Any], path: Path) -> None:
     num_params = results["memory"][0]["ranks"][0]["num_params"]
     lines = [
@@ -164,6 +178,14 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         "(8 pipeline layers). The timelines (Chrome trace + PNG) lie under runs/bench/*/timeline/.",
         "",
         *bubble_table(results["bubble"]),
+        "",
+        "## Profile-guided pipeline split",
+        "",
+        f'`pp_balance="profile"` on VGG16 (14 pipeline layers) for pp={results["pipeline_split"]["pp"]}, '
+        f"microbatch {results['pipeline_split']['microbatch']}: each stage of the profiled and of the uniform split "
+        "re-timed apart from the profiler (forward + backward, this process's CPU seconds, least of 7 rounds).",
+        "",
+        *split_lines(results["pipeline_split"]),
         "",
     ]
     if FINDINGS.exists():

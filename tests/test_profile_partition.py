@@ -3,9 +3,8 @@ stage times, leaves the model untouched, and trains like one process."""
 
 from __future__ import annotations
 
+import itertools
 import re
-import statistics
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -30,59 +29,27 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=8, d_model=32)
 
 
-def retime(layers, splits: dict[str, list[range]], example: torch.Tensor, rounds: int = 7) -> dict[str, list]:
-    """Least forward+backward CPU seconds of every stage, its layers run together on its own input (with an
-    input gradient after the first stage, as in the pipeline), timed apart from the profiler; whole rounds
-    over every stage of every split, so that a change in load slows them alike."""
-    inputs = stage_inputs(layers, example)
-    times = {(name, r): [] for name, split in splits.items() for r in split}
-    for _ in range(rounds + 1):  # the first round warms up
-        for (_, stage), seconds in times.items():
-            y = inputs[stage.start].detach().requires_grad_(stage.start > 0)
-            start = time.process_time()
-            for i in stage:
-                y = layers[i](y)
-            y.sum().backward()
-            seconds.append(time.process_time() - start)  # gradients accumulate, as over microbatches
-    # interference only ever adds time
-    return {name: [min(times[name, r][1:]) for r in split] for name, split in splits.items()}
-
-
-def stage_inputs(layers, example: torch.Tensor) -> list[torch.Tensor]:
-    """The input of every layer when ``example`` runs through all of them."""
-    inputs, x = [], example
-    with torch.no_grad():
-        for layer in layers:
-            inputs.append(x)
-            x = layer(x)
-    return inputs
-
-
-def test_vgg16_profiled_split_balances_measured_stage_times():
-    """VGG16 (the recipe's config: 14 pipeline layers, 32x32 images) into pp=4 stages: the profiled split's
-    slowest stage, re-timed stage by stage, is within 10% of the mean stage and faster than the uniform split's.
-
-    Times are this process's CPU seconds (one thread), in the profiler and in the re-timing: the other
-    processes that share these cores would otherwise set the numbers. A microbatch of 8 images: the best
-    contiguous split of the profiled layer times was 1.03x the mean stage; with 4 images it was 1.10x, with 16
-    1.14x, with 32 1.05x (16: layers 0-3 take 53 ms of a 47 ms mean and 0-2 only 35 ms; stages cannot cut
-    inside a layer, so the bound max(largest layer, total / 4) is not reachable there)."""
-    torch.set_num_threads(1)
+def test_vgg16_profiled_split_is_the_best_split_of_its_profile():
+    """VGG16 (the recipe's config: 14 pipeline layers) into pp=4 stages: by the profile's own layer times, the
+    profiled split's slowest stage is the least any of the 286 contiguous splits reaches, and no slower than
+    the uniform split's. How the split fares re-timed stage by stage is a speed question, measured by
+    `make bench` (BENCHMARKS.md, "Profile-guided pipeline split"), not asserted here."""
     model_conf = OmegaConf.load(REPO / "conf/model/vgg16.yaml")
     module = LitVGG(config=VGGConfig(name=model_conf.name, width=model_conf.width))
-    module.example_input_array = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     layers = module.pipeline_layers()
-    example = module.example_input_array
     assert len(layers) == 14
-    split = profiled_partition(profile_layers(layers, example, repeats=3, clock=time.process_time), 4)
-    stages = {"profile": split.stages, "uniform": uniform_partition(len(layers), 4)}
-    measured = retime(layers, stages, example)
-    profiled, uniform = measured["profile"], measured["uniform"]
-    report = {k: [f"{t * 1e3:.0f} ms" for t in v] for k, v in measured.items()}
-    print(f"{split.describe()}\nre-timed stages: {report}")
-    mean = statistics.mean(profiled)
-    assert max(profiled) <= 1.10 * mean, f"slowest stage {max(profiled) / mean:.3f}x the mean: {report}"
-    assert max(profiled) < max(uniform), f"profiled split no faster than the uniform one: {report}"
+    profile = profile_layers(layers, module.example_input_array, warmup=0, repeats=1)
+    split = profiled_partition(profile, 4)
+    times = profile.times
+
+    def slowest(stages: list[range]) -> float:
+        return max(sum(times[i] for i in stage) for stage in stages)
+
+    every = [[range(a, b) for a, b in zip((0, *cuts), (*cuts, 14))] for cuts in itertools.combinations(range(1, 14), 3)]
+    assert len(every) == 286
+    assert slowest(split.stages) == pytest.approx(min(slowest(stages) for stages in every))
+    assert slowest(split.stages) <= slowest(uniform_partition(14, 4))
+    assert split.stage_seconds == pytest.approx([sum(times[i] for i in stage) for stage in split.stages])
 
 
 def test_profiling_leaves_model_and_random_state_alone():

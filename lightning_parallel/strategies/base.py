@@ -355,6 +355,17 @@ class MeshStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        self._hide_example_input()
+
+    def _hide_example_input(self) -> None:
+        """Lightning's model summary (and TensorBoard's graph) run ``example_input_array`` through the model on
+        rank 0 only: once the model is sharded or split, that forward starts collectives no other rank joins
+        (seen as a crash at exit, or steps paired with the wrong collectives). Hidden until teardown."""
+        module = self.lightning_module
+        if module is None or self.world_size == 1 or module.example_input_array is None:
+            return
+        self._hidden_example_input = module.example_input_array
+        module.example_input_array = None
 
     def _sync_batchnorm_over_dp(self) -> None:
         """Apply ``Trainer(sync_batchnorm=True)`` or a ``LayerSync`` plugin: BatchNorm statistics over the dp axis.
@@ -565,6 +576,9 @@ class MeshStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
+        hidden = self.__dict__.pop("_hidden_example_input", None)
+        if hidden is not None and self.lightning_module is not None:
+            self.lightning_module.example_input_array = hidden
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
