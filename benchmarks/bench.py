@@ -2,7 +2,7 @@
 strategies against Lightning's own, in one run, on the GPT and VGG recipes; writes BENCHMARKS.md and
 benchmarks/results.json.
 
-    python benchmarks/bench.py                 # the whole suite (about 15 minutes on 2 CPU cores)
+    python benchmarks/bench.py                 # the whole suite (about 6 minutes on 2 CPU cores)
     python benchmarks/bench.py --repeats 1     # one pass: quicker, noisier
 
 Throughput pairs run interleaved (A, B, A, B, ...) so drifting machine load hits both alike; each figure is
