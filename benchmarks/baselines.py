@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_parallel.models import LitGPT, LitVGG
-from lightning_parallel.parallel.tensor import apply_tp
+from lightning_parallel.parallel.tensor.plan import apply_tp
 
 
 def _parallelize(module: Any) -> None:

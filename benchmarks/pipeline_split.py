@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from lightning_parallel.models.lit_vgg import LitVGG
 from lightning_parallel.models.vgg import VGGConfig
-from lightning_parallel.parallel.layer_profile import profile_layers, profiled_partition
-from lightning_parallel.parallel.partition import uniform_partition
+from lightning_parallel.parallel.pipeline.partition import uniform_partition
+from lightning_parallel.parallel.pipeline.profile import profile_layers, profiled_partition
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning_parallel.parallel.memory import zero_formula_bytes
+from lightning_parallel.parallel.data.stages import zero_stage
 
 FINDINGS = Path(__file__).resolve().parent / "findings.md"
 # the ZeRO stage whose formula a strategy's model states follow (Lightning's FSDP2 path shards like stage 3)
@@ -39,7 +39,7 @@ def memory_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         stage = STAGE[r["strategy"].split(":")[0]]
         ranks = r["ranks"]
         worst = max(ranks, key=lambda x: x["model_state_bytes"]["total"])
-        formula = zero_formula_bytes(stage, worst["num_params"], r["world"])
+        formula = zero_stage(stage).state_bytes_exact(worst["num_params"], r["world"])
         out.append({**r, "stage": stage, "measured": worst["model_state_bytes"], "formula": formula})
     return out
 

@@ -29,14 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines import ModelParallelGPT, ModelParallelVGG  # noqa: E402
 
 from lightning_parallel import Hybrid3DStrategy, ZeroStrategy  # noqa: E402
+from lightning_parallel.callbacks.monitor import TrainingMonitor  # noqa: E402
 from lightning_parallel.models import LitGPT, LitVGG  # noqa: E402
 from lightning_parallel.models.gpt import GPT  # noqa: E402
 from lightning_parallel.models.vgg import VGG  # noqa: E402
-from lightning_parallel.parallel.memory import model_state_bytes  # noqa: E402
+from lightning_parallel.parallel.measure.memory import model_state_bytes  # noqa: E402
 from lightning_parallel.recipes.config import register_configs  # noqa: E402
 from lightning_parallel.recipes.gpt import TextData, gpt_config  # noqa: E402
 from lightning_parallel.recipes.vgg import ImageData, scaled_lr, vgg_config  # noqa: E402
-from lightning_parallel.strategies.observability import TrainingMonitor  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

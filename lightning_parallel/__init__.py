@@ -3,34 +3,37 @@
 ``import lightning_parallel`` registers the strategy names (``hybrid3d``, ``zero1``, ``zero2``,
 ``zero3``, ``zero3_offload``, ...) in Lightning's registry, so ``Trainer(strategy="zero2")`` works, and
 lets ``precision="16-mixed"`` on CPU run fp16 under them (Lightning alone would switch it to bf16).
+
+The layout of the package is described in ARCHITECTURE.md at the repository root.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
-
-from lightning_parallel.mesh import ParallelDims
+from lightning_parallel.callbacks.activation import ActivationCheckpointing, ActivationMemoryMonitor
+from lightning_parallel.callbacks.monitor import TrainingMonitor
+from lightning_parallel.callbacks.preemption import Preemption
+from lightning_parallel.callbacks.resume import ExactResume, ResumableDataLoader
+from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.mesh import ParallelDims
+from lightning_parallel.plugins.layer_sync import DataParallelSyncBatchNorm
+from lightning_parallel.protocol import ParallelModule
 from lightning_parallel.strategies import Hybrid3DStrategy, MeshStrategy, ZeroStrategy
-from lightning_parallel.strategies.activation_checkpointing import ActivationCheckpointing, ActivationMemoryMonitor
-from lightning_parallel.strategies.layer_sync import DataParallelSyncBatchNorm
-from lightning_parallel.strategies.precision import keep_fp16_on_cpu
+from lightning_parallel.strategies.registry import register_strategies
 
 __version__ = "0.1.0"
 __all__ = [
     "ActivationCheckpointing",
     "ActivationMemoryMonitor",
     "DataParallelSyncBatchNorm",
+    "ExactResume",
     "Hybrid3DStrategy",
     "MeshStrategy",
+    "ParallelConfig",
     "ParallelDims",
+    "ParallelModule",
+    "Preemption",
+    "ResumableDataLoader",
+    "TrainingMonitor",
     "ZeroStrategy",
     "register_strategies",
 ]
-
-
-def register_strategies() -> None:
-    """Add this package's strategy names to Lightning's registry (idempotent)."""
-    for cls in (ZeroStrategy, Hybrid3DStrategy):
-        cls.register_strategies(StrategyRegistry)
-    keep_fp16_on_cpu()
-
 
 register_strategies()

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from lightning_parallel.parallel import checkpoint_io
-from lightning_parallel.parallel.sharded_state import full_order_checkpoint
+from lightning_parallel.parallel.checkpoint import files as checkpoint_io
+from lightning_parallel.parallel.checkpoint.sharded import full_order_checkpoint
 
 
 def _check_folder(path: Path) -> None:

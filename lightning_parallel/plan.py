@@ -4,7 +4,7 @@
     python -m lightning_parallel.plan conf/model/vgg16.yaml --world-size 4 --device-memory 16GB --json
 
 Builds the model on the meta device from its config (a name under ``conf/model/`` or a YAML path), measures
-each pipeline layer as one tp rank runs it (see :mod:`lightning_parallel.parallel.planner`), and prints one row
+each pipeline layer as one tp rank runs it (see :mod:`lightning_parallel.planning.profile`), and prints one row
 per layout: memory per rank, pipeline bubble, bytes communicated per step and the estimated step time, with the
 reason for every layout that cannot run, then the recommended one.
 """
@@ -25,8 +25,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel.models.gpt import GPT, GPTConfig, gpt_tp_plan
 from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
-from lightning_parallel.parallel.estimate import OPTIMIZER_STATES, PRECISIONS, SCHEDULES, Estimate, Settings, recommend
-from lightning_parallel.parallel.planner import ModelSpec, plan_layouts
+from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, schedule_spec
+from lightning_parallel.planning.estimate import OPTIMIZER_STATES, PRECISIONS, Estimate, Settings, recommend
+from lightning_parallel.planning.profile import ModelSpec, plan_layouts
 from lightning_parallel.recipes.config import GPTModelConf, ImageDataConf, TextDataConf, VGGModelConf
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -104,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device-memory", type=parse_bytes, required=True, help="per device, e.g. 80GB or 24GiB")
     p.add_argument("--global-batch-size", type=int, help="samples per step (default: the recipe's data config)")
     p.add_argument("--microbatches", type=int, help="per pipeline step (default: 2 * pp, as hybrid3d)")
-    p.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--pp-schedule", choices=list(SCHEDULES), default="1f1b")
     p.add_argument("--pp-virtual-stages", type=int, default=2, help="stages per rank for interleaved_1f1b")
     p.add_argument("--precision", choices=PRECISIONS, default="32-true")
     p.add_argument("--margin", type=float, default=0.1, help="fraction of device memory to keep free")
@@ -121,7 +122,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     kind, m = load_model_config(args.model)
     spec = gpt_spec(m) if kind == "gpt" else vgg_spec(m)
     default_batch = (TextDataConf if kind == "gpt" else ImageDataConf).global_batch_size
-    virtual = {"interleaved_1f1b": args.pp_virtual_stages, "zero_bubble": 2}.get(args.pp_schedule, 1)
+    virtual = schedule_spec(args.pp_schedule).stages_per_rank(args.pp_virtual_stages)
     settings = Settings(
         global_batch=args.global_batch_size or default_batch,
         microbatches=args.microbatches,

@@ -44,6 +44,40 @@ def launch(tmp_path_factory, strategy: str, world: int, cases: list[dict], tag: 
     return Run(ranks, out)
 
 
+class Batch:
+    """Independent gpt_worker runs, ``label -> (world, strategy, cases)``, launched together: every run of one
+    world size goes into one launch (one process start-up, one process group), the first time any of them is
+    asked for. A run that fails fails the runs after it in its launch, with its traceback in the error."""
+
+    def __init__(self, tmp_path_factory, runs: dict[str, tuple[int, str, list[dict]]], tag: str = "") -> None:
+        self.factory, self.runs, self.tag = tmp_path_factory, runs, tag
+        self._done: dict[str, Run] = {}
+
+    def __getitem__(self, label: str) -> Run:
+        if label not in self._done:
+            self._launch(self.runs[label][0])
+        return self._done[label]
+
+    def _launch(self, world: int) -> None:
+        mine = {label: run for label, run in self.runs.items() if run[0] == world}
+        out = self.factory.mktemp(f"batch_w{world}{self.tag}")
+        spec = [
+            {"label": _safe(label), "strategy": strategy, "cases": cases}
+            for label, (_, strategy, cases) in mine.items()
+        ]
+        runs_file = out / "runs.json"
+        runs_file.write_text(json.dumps(spec))
+        steps = sum(case.get("steps", 10) for _, _, cases in mine.values() for case in cases)
+        run_distributed("gpt_worker.py", world, ["--runs-file", str(runs_file)], out, timeout=120 + 2 * world * steps)
+        for label in mine:
+            folder = out / _safe(label)
+            self._done[label] = Run([json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)], folder)
+
+
+def _safe(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in label)
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> Run:
     """The single-process run every parity test compares against."""

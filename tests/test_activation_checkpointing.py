@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import PARITY_CASES, launch
+from conftest import PARITY_CASES, Batch
 from omegaconf import OmegaConf
 from parity import assert_same_losses, assert_same_params
 from test_hybrid3d_parity import Layout, check_against_reference
@@ -26,8 +26,8 @@ from lightning_parallel.parallel.activation_checkpoint import (
     checkpoint_layers,
     checkpointing_mode,
 )
-from lightning_parallel.parallel.memory import measure_saved_activation_bytes
-from lightning_parallel.parallel.pipeline import ElsewhereLayer
+from lightning_parallel.parallel.measure.memory import measure_saved_activation_bytes
+from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
 from lightning_parallel.recipes.common import build_strategy
 from lightning_parallel.recipes.config import StrategyConf
 
@@ -185,8 +185,8 @@ def test_callbacks_under_lightnings_own_strategy():
 
 def test_recipe_key():
     conf = OmegaConf.structured(StrategyConf(name="zero3", activation_checkpointing="selective"))
-    assert build_strategy(conf).activation_checkpointing == "selective"
-    assert Hybrid3DStrategy(activation_checkpointing=None).activation_checkpointing == "none"
+    assert build_strategy(conf).config.activation_checkpointing == "selective"
+    assert Hybrid3DStrategy(activation_checkpointing=None).config.activation_checkpointing == "none"
     conf.activation_checkpointing = "all"
     with pytest.raises(ValueError, match=r"strategy.activation_checkpointing='all' is unknown"):
         build_strategy(conf)
@@ -197,8 +197,22 @@ def test_recipe_key():
 AC_CASES = [{**PARITY_CASES[0], "activation_memory": 1}, PARITY_CASES[2]]  # plain (+ validation), accumulation
 
 
-def test_zero3_full(reference, tmp_path_factory):
-    run = launch(tmp_path_factory, "zero3:activation_checkpointing=full", 2, AC_CASES)
+HYBRID = {
+    "w4-pp2-tp2-1f1b-full": (Layout(4, 2, 1, 2, schedule="1f1b", microbatches=2), "full"),
+    "w4-dp2-tp2-zero3-sp-selective": (Layout(4, 1, 2, 2, zero=3, sp=True), "selective"),
+}
+
+
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory) -> Batch:
+    runs = {"zero3-full": (2, "zero3:activation_checkpointing=full", AC_CASES)}
+    for name, (layout, mode) in HYBRID.items():
+        runs[name] = (layout.world, f"{layout.spec},activation_checkpointing={mode}", AC_CASES)
+    return Batch(tmp_path_factory, runs, tag="ac")
+
+
+def test_zero3_full(reference, dist_runs):
+    run = dist_runs["zero3-full"]
     for case in AC_CASES:
         label = f"zero3 full {case['name']}"
         loss_rel = assert_same_losses(run.losses(case["name"]), reference.losses(case["name"]), label)
@@ -210,16 +224,10 @@ def test_zero3_full(reference, tmp_path_factory):
     print("zero3 full activation bytes per rank:", [run.case("plain", r)["activation_bytes"] for r in range(2)])
 
 
-@pytest.mark.parametrize(
-    ("layout", "mode"),
-    [
-        (Layout(4, 2, 1, 2, schedule="1f1b", microbatches=2), "full"),
-        (Layout(4, 1, 2, 2, zero=3, sp=True), "selective"),
-    ],
-    ids=["w4-pp2-tp2-1f1b-full", "w4-dp2-tp2-zero3-sp-selective"],
-)
-def test_hybrid3d(layout, mode, reference, tmp_path_factory):
-    run = launch(tmp_path_factory, f"{layout.spec},activation_checkpointing={mode}", layout.world, AC_CASES)
+@pytest.mark.parametrize("name", list(HYBRID))
+def test_hybrid3d(name, reference, dist_runs):
+    layout, mode = HYBRID[name]
+    run = dist_runs[name]
     check_against_reference(run, reference, layout, AC_CASES)
     per_rank = [run.case("plain", r)["activation_bytes"] for r in range(layout.world)]
     print(f"{layout.id} {mode} activation bytes per rank: {per_rank}")

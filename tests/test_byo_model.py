@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import launch
+from conftest import Batch
 from parity import assert_same_losses, assert_same_params
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "byo_model.py"
@@ -18,17 +18,22 @@ BYO_CASES = [
 ]
 
 
+LAYOUTS = [
+    ("ddp", 2, 2),
+    ("hybrid3d:pp=2,tp=2,zero_stage=1", 4, 1),
+    ("hybrid3d:pp=2,dp=2,pp_schedule=zero_bubble", 4, 2),
+]
+
+
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return launch(tmp_path_factory, "auto", 1, BYO_CASES, tag="byo")
+def runs(tmp_path_factory) -> Batch:
+    runs = {strategy: (world, strategy, BYO_CASES) for strategy, world, _ in LAYOUTS}
+    return Batch(tmp_path_factory, {**runs, "single": (1, "auto", BYO_CASES)}, tag="byo")
 
 
-@pytest.mark.parametrize(
-    ("strategy", "world", "dp"),
-    [("ddp", 2, 2), ("hybrid3d:pp=2,tp=2,zero_stage=1", 4, 1), ("hybrid3d:pp=2,dp=2,pp_schedule=zero_bubble", 4, 2)],
-)
-def test_byo_model_parity(strategy, world, dp, single, tmp_path_factory):
-    run = launch(tmp_path_factory, strategy, world, BYO_CASES, tag="byo")
+@pytest.mark.parametrize(("strategy", "world", "dp"), LAYOUTS)
+def test_byo_model_parity(strategy, world, dp, runs):
+    run, single = runs[strategy], runs["single"]
     tp = world // dp // (2 if "pp=2" in strategy else 1)
     leaders = [d * tp for d in range(dp)]
     for case in BYO_CASES:

@@ -20,7 +20,7 @@ from harness import run_distributed
 from lightning_parallel.checkpoint import consolidate, consolidated, main
 from lightning_parallel.models.gpt import GPT, GPTConfig
 from lightning_parallel.models.vgg import VGG, VGGConfig
-from lightning_parallel.parallel import checkpoint_io
+from lightning_parallel.parallel.checkpoint import files as checkpoint_io
 
 SHARD = "__0_0.distcp"
 GARBAGE = bytes(range(256)) * 16  # not a zip, and not a pickle (0x00 is no opcode)

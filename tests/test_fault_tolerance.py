@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from recipe_runs import GPT
 from recipe_runs import env as recipe_env
@@ -41,6 +42,7 @@ def workers_of(agent: subprocess.Popen) -> list[int]:
     return [int(pid) for pid in children]
 
 
+@pytest.mark.slow
 def test_killed_worker_restarts_and_ends_like_an_undisturbed_run(tmp_path):
     calm, hit = tmp_path / "calm", tmp_path / "hit"
     calm.mkdir()

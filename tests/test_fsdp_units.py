@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_parallel.models import LitGPT
-from lightning_parallel.parallel.fsdp import fsdp_units
+from lightning_parallel.parallel.data.fsdp import fsdp_units
 
 
 def test_gpt_units_are_blocks_then_the_model():

@@ -9,7 +9,7 @@ after resuming check the weights and the optimizer state.
 from __future__ import annotations
 
 import pytest
-from conftest import launch
+from conftest import Batch, launch
 from parity import assert_same_losses
 
 from lightning_parallel.checkpoint import consolidate
@@ -21,33 +21,45 @@ RESUMED_STEPS = 2
 def test_pipeline_checkpoint_resumes_in_any_layout(tmp_path, tmp_path_factory):
     base = {"epoch_steps": EPOCH}
     pp_ckpt, plain_ckpt = tmp_path / "pp2_tp2.ckpt", tmp_path / "plain.ckpt"
+    # checkpoint_format="full": one file in the single-process format, gathered from both stages
+    full_file = tmp_path / "pp2_tp2_full.ckpt"
     saver = "hybrid3d:pp=2,tp=2,zero_stage=1"
-    saved = launch(tmp_path_factory, saver, 4, [{**base, "name": "save", "steps": EPOCH, "save": str(pp_ckpt)}])
-    plain = launch(tmp_path_factory, "auto", 1, [{**base, "name": "save", "steps": EPOCH, "save": str(plain_ckpt)}])
-    assert_same_losses(saved.losses("save", [0]), plain.losses("save"), "pp=2 x tp=2 before saving")
+
+    def save(path):
+        return [{**base, "name": "save", "steps": EPOCH, "save": str(path)}]
+
+    saves = Batch(
+        tmp_path_factory,
+        {
+            "pp2-tp2": (4, saver, save(pp_ckpt)),
+            "pp2-tp2-full": (4, f"{saver},checkpoint_format=full", save(full_file)),
+            "plain": (1, "auto", save(plain_ckpt)),
+        },
+        tag="save",
+    )
+    assert_same_losses(saves["pp2-tp2"].losses("save", [0]), saves["plain"].losses("save"), "pp=2 x tp=2 before saving")
+    assert pp_ckpt.is_dir()  # a sharded folder: every rank wrote its own stage's pieces
+    saves["pp2-tp2-full"]  # noqa: B018  (its launch wrote the file)
+    assert full_file.is_file()
+    one_file = consolidate(pp_ckpt, tmp_path / "pp2_tp2_consolidated.pt")
 
     def resume(ckpt):
         return [{**base, "name": "resume", "steps": EPOCH + RESUMED_STEPS, "resume": str(ckpt)}]
 
-    want = launch(tmp_path_factory, "auto", 1, resume(plain_ckpt), tag="_ref").losses("resume")
+    layouts = {  # label: (strategy, world, checkpoint, one rank per dp index)
+        "auto-consolidated": ("auto", 1, one_file, [0]),  # plain Lightning, from the consolidated file
+        "auto-full": ("auto", 1, full_file, [0]),  # plain Lightning, from the gathered file
+        "pp4": ("hybrid3d:pp=4,pp_schedule=gpipe", 4, pp_ckpt, [0]),  # other stage cuts
+        "pp2-dp2-zero3-zbv": ("hybrid3d:pp=2,dp=2,zero_stage=3,pp_schedule=zero_bubble", 4, pp_ckpt, [0, 1]),
+        "pp2-tp2-from-plain": ("hybrid3d:pp=2,tp=2,zero_stage=1", 4, plain_ckpt, [0]),
+    }
+    runs = {label: (world, strategy, resume(ckpt)) for label, (strategy, world, ckpt, _) in layouts.items()}
+    resumed = Batch(tmp_path_factory, {**runs, "reference": (1, "auto", resume(plain_ckpt))}, tag="resume")
+    want = resumed["reference"].losses("resume")
     assert len(want) == RESUMED_STEPS
-    assert pp_ckpt.is_dir()  # a sharded folder: every rank wrote its own stage's pieces
-    one_file = consolidate(pp_ckpt, tmp_path / "pp2_tp2_consolidated.pt")
-    # checkpoint_format="full": one file in the single-process format, gathered from both stages
-    full_file = tmp_path / "pp2_tp2_full.ckpt"
-    save_full = [{**base, "name": "save", "steps": EPOCH, "save": str(full_file)}]
-    launch(tmp_path_factory, f"{saver},checkpoint_format=full", 4, save_full, tag="_full")
-    assert full_file.is_file()
-    layouts = [  # (strategy, world, checkpoint, one rank per dp index)
-        ("auto", 1, one_file, [0]),  # plain Lightning, from the consolidated file
-        ("auto", 1, full_file, [0]),  # plain Lightning, from the gathered file
-        ("hybrid3d:pp=4,pp_schedule=gpipe", 4, pp_ckpt, [0]),  # other stage cuts
-        ("hybrid3d:pp=2,dp=2,zero_stage=3,pp_schedule=zero_bubble", 4, pp_ckpt, [0, 1]),
-        ("hybrid3d:pp=2,tp=2,zero_stage=1", 4, plain_ckpt, [0]),
-    ]
-    for strategy, world, ckpt, leaders in layouts:
-        run = launch(tmp_path_factory, strategy, world, resume(ckpt), tag="_resume")
-        assert_same_losses(run.losses("resume", leaders), want, f"{ckpt.name} resumed by {strategy} at world {world}")
+    for label, (strategy, world, ckpt, leaders) in layouts.items():
+        got = resumed[label].losses("resume", leaders)
+        assert_same_losses(got, want, f"{ckpt.name} resumed by {strategy} at world {world}")
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import pytest
-from conftest import PARITY_CASES, deep, launch
+from conftest import PARITY_CASES, Batch, deep, launch
 from parity import assert_same_losses, assert_same_params
 
 
@@ -115,38 +115,54 @@ WORLD8 = _world8() + [
 ]
 
 
+META = Layout(4, 2, 1, 2, zero=1)
+VGG_CASES = [{"name": "vgg", "model": "vgg", "steps": 4, "validate": True}]
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory) -> Batch:
+    """Every run of ``make test`` here, one launch per world size."""
+    runs = {lay.id: (lay.world, lay.spec, PARITY_CASES) for lay in LAYOUTS}
+    runs["meta"] = (4, META.spec, [{**PARITY_CASES[0], "meta": True}])
+    # one microbatch: BatchNorm's batch statistics then cover the same samples as in one process
+    runs["vgg-pp2"] = (2, "hybrid3d:pp=2,pp_schedule=gpipe,microbatches=1", VGG_CASES)
+    return Batch(tmp_path_factory, runs)
+
+
+@pytest.fixture(scope="module")
+def matrix8(tmp_path_factory) -> Batch:
+    return Batch(tmp_path_factory, {lay.id: (8, lay.spec, world8_cases(lay)) for lay in WORLD8}, tag="w8")
+
+
+def world8_cases(layout: Layout) -> list[dict]:
+    return deep(PARITY_CASES) if layout.deep else PARITY_CASES
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.id)
-def test_parity(layout, reference, tmp_path_factory):
-    run = launch(tmp_path_factory, layout.spec, layout.world, PARITY_CASES)
-    check_against_reference(run, reference, layout)
+def test_parity(layout, reference, matrix):
+    check_against_reference(matrix[layout.id], reference, layout)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", WORLD8, ids=lambda lay: lay.id)
-def test_parity_world8(layout, request, tmp_path_factory):
-    cases = deep(PARITY_CASES) if layout.deep else PARITY_CASES
+def test_parity_world8(layout, request, matrix8):
     reference = request.getfixturevalue("deep_reference" if layout.deep else "reference")
-    run = launch(tmp_path_factory, layout.spec, layout.world, cases)
-    check_against_reference(run, reference, layout, cases)
+    check_against_reference(matrix8[layout.id], reference, layout, world8_cases(layout))
 
 
-def test_meta_device_build(reference, tmp_path_factory):
+def test_meta_device_build(reference, matrix):
     """Built in configure_model under pp: layers start on the meta device, each rank materializes its stage."""
-    layout = Layout(4, 2, 1, 2, zero=1)
-    cases = [{**PARITY_CASES[0], "meta": True}]
-    run = launch(tmp_path_factory, layout.spec, layout.world, cases, tag="meta")
-    for rank in range(layout.world):
+    run = matrix["meta"]
+    for rank in range(META.world):
         assert run.case("plain", rank)["built_on"] == "meta", f"rank {rank} built real tensors"
     assert_same_losses(run.losses("plain", [0]), reference.losses("plain"), "meta build")
     assert_same_params(run.params("plain"), reference.params("plain"), "meta build")
 
 
-def test_batchnorm_running_statistics_under_pipeline(tmp_path_factory):
+def test_batchnorm_running_statistics_under_pipeline(matrix, tmp_path_factory):
     """torch's shape inference runs stages on placeholder inputs; BatchNorm statistics must not see it."""
-    cases = [{"name": "vgg", "model": "vgg", "steps": 4, "validate": True}]
-    single = launch(tmp_path_factory, "auto", 1, cases, tag="vgg")
-    # one microbatch: BatchNorm's batch statistics then cover the same samples as in one process
-    run = launch(tmp_path_factory, "hybrid3d:pp=2,pp_schedule=gpipe,microbatches=1", 2, cases, tag="vgg")
+    single = launch(tmp_path_factory, "auto", 1, VGG_CASES, tag="vgg")
+    run = matrix["vgg-pp2"]
     assert_same_losses(run.losses("vgg", [0]), single.losses("vgg"), "vgg pp=2")
     assert_same_params(run.params("vgg"), single.params("vgg"), "vgg pp=2 (running statistics included)")
     want = single.case("vgg")["val_loss"]

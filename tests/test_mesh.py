@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_parallel.mesh import ParallelDims
+from lightning_parallel.parallel.mesh import ParallelDims
 
 
 def splits(world: int) -> list[tuple[int, int, int]]:
@@ -39,3 +39,13 @@ def test_auto_dp_needs_divisible_world():
 def test_degrees_must_be_positive_integers(bad):
     with pytest.raises(ValueError, match="tp="):
         ParallelDims.from_degrees(4, tp=bad)
+
+
+def test_roles_name_axes_and_sizes():
+    from lightning_parallel.parallel.mesh import MESH_AXES, ROLES
+
+    dims = ParallelDims.from_degrees(8, pp=2, tp=2)
+    assert all(axis in MESH_AXES for axes in ROLES.values() for axis in axes)
+    assert dims.role_size("batch") == dims.role_size("shard") == 2
+    assert (dims.role_size("stage"), dims.role_size("tensor")) == (2, 2)
+    assert str(dims) == "pp=2 dp=2 tp=2 (world_size=8)"

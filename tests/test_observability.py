@@ -14,15 +14,15 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 from workers.gpt_worker import TINY
 
+from lightning_parallel.callbacks.monitor import LocalFlopCounter, peak_flops
 from lightning_parallel.models.gpt import GPT as GPTModel
-from lightning_parallel.parallel.comm_volume import sent_bytes
-from lightning_parallel.parallel.pipeline_timeline import (
+from lightning_parallel.parallel.measure.comm_volume import sent_bytes
+from lightning_parallel.parallel.measure.timeline import (
     bubble_fractions,
     chrome_trace,
     compute_order,
     plot_timeline,
 )
-from lightning_parallel.strategies.observability import LocalFlopCounter, peak_flops
 
 MICROBATCHES = 4
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

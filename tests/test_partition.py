@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lightning_parallel.parallel.partition import balanced_partition, stage_to_rank, uniform_partition
+from lightning_parallel.parallel.pipeline.partition import balanced_partition, stage_to_rank, uniform_partition
 
 
 def brute_force_best(costs: list[float], stages: int, memory=None, budget=None) -> float:

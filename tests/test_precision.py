@@ -14,13 +14,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import launch
+from conftest import Batch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
 import lightning_parallel  # noqa: F401
 from lightning_parallel import Hybrid3DStrategy, ZeroStrategy
 from lightning_parallel.parallel.loss_scaler import LossScaler, unscale_and_check_
-from lightning_parallel.strategies.precision import (
+from lightning_parallel.plugins.precision import (
     MeshHalfPrecision,
     MeshMixedPrecision,
     MeshPrecision,
@@ -220,8 +220,11 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def single_process(tmp_path_factory):
-    return launch(tmp_path_factory, "auto", 1, ALL_CASES, tag="precision")
+def runs(tmp_path_factory) -> Batch:
+    """The single-process reference and every layout, one launch per world size."""
+    runs = {name: (world, spec, cases) for name, (spec, world, _, _, cases) in LAYOUTS.items()}
+    runs["single"] = (1, "auto", ALL_CASES)
+    return Batch(tmp_path_factory, runs, tag="precision")
 
 
 def _rel(got: list[float], want: list[float]) -> list[float]:
@@ -229,9 +232,9 @@ def _rel(got: list[float], want: list[float]) -> list[float]:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_precision_parity_with_one_process(layout, single_process, tmp_path_factory):
+def test_precision_parity_with_one_process(layout, runs):
     spec, world, dp, tp, cases = LAYOUTS[layout]
-    run = launch(tmp_path_factory, spec, world, cases, tag="precision")
+    run, single_process = runs[layout], runs["single"]
     leaders = [d * tp for d in range(dp)]  # one rank per dp index, on the first pipeline stage
     for case in cases:
         name = case["name"]

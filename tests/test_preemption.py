@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from harness import WORKERS
 from recipe_runs import GPT, run_recipe
 from recipe_runs import env as recipe_env
@@ -24,6 +25,7 @@ ARGS = [*SHORT, f"trainer.max_steps={STEPS}", "strategy=zero2", "trainer.devices
 ARGS += [f"checkpoint.every_n_steps={EVERY}", "checkpoint.keep_last=-1"]
 
 
+@pytest.mark.slow  # test_sigterm_to_one_rank_stops_every_rank_after_the_same_step keeps the save in `make test`
 def test_sigterm_saves_last_and_the_resumed_run_ends_like_an_undisturbed_one(tmp_path):
     calm, hit = tmp_path / "calm", tmp_path / "hit"
     calm.mkdir()

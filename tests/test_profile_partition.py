@@ -22,8 +22,9 @@ from lightning_parallel.models import GPTConfig, LitGPT
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.models.lit_vgg import LitVGG
 from lightning_parallel.models.vgg import VGGConfig
-from lightning_parallel.parallel.layer_profile import layer_state_bytes, profile_layers, profiled_partition
-from lightning_parallel.parallel.partition import uniform_partition
+from lightning_parallel.parallel.data.stages import zero_stage
+from lightning_parallel.parallel.pipeline.partition import uniform_partition
+from lightning_parallel.parallel.pipeline.profile import profile_layers, profiled_partition
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=8, d_model=32)
@@ -105,10 +106,10 @@ def test_memory_budget_constrains_the_profiled_split():
 
 def test_state_bytes_follow_zero_and_tp():
     p = 100
-    assert layer_state_bytes(p) == 4 * p  # parameters, gradients, two optimizer states
-    assert layer_state_bytes(p, zero_stage=1, dp=2) == 3 * p
-    assert layer_state_bytes(p, zero_stage=2, dp=2) == 2.5 * p
-    assert layer_state_bytes(p, zero_stage=3, dp=4, tp=2) == p / 2
+    assert zero_stage(0).state_bytes(p, dp=1) == 4 * p  # parameters, gradients, two optimizer states
+    assert zero_stage(1).state_bytes(p, dp=2) == 3 * p
+    assert zero_stage(2).state_bytes(p, dp=2) == 2.5 * p
+    assert zero_stage(3).state_bytes(p, dp=4) / 2 == p / 2  # tp=2 halves what a rank holds
 
 
 def test_memory_budget_setting_is_checked():

@@ -20,9 +20,9 @@ from recipe_runs import env as recipe_env
 from test_recipe_gpt import SHORT
 
 from lightning_parallel import Hybrid3DStrategy, ZeroStrategy
+from lightning_parallel.parallel.failure import FailureBoard, is_collective_failure, process_alive, to_timeout
 from lightning_parallel.recipes.common import build_strategy
 from lightning_parallel.recipes.config import StrategyConf
-from lightning_parallel.strategies.failure import FailureBoard, is_collective_failure, process_alive, to_timeout
 
 TIMEOUT = 30  # strategy timeout, seconds: every rank must be gone this long after the failure
 WORKER = WORKERS / "rank_failure_worker.py"
@@ -49,7 +49,7 @@ def assert_ended_in_time(output: str, ended: float, world: int) -> dict[int, int
     return pids
 
 
-@pytest.mark.parametrize("how", ["raise", "kill"])
+@pytest.mark.parametrize("how", ["raise", pytest.param("kill", marks=pytest.mark.slow)])
 def test_lightning_launcher_ends_every_rank_and_names_the_failed_one(how, tmp_path):
     cmd = [sys.executable, WORKER, "--fail", how, "--rank", "1", "--devices", "2", "--timeout", TIMEOUT]
     code, output, ended = run([*cmd, "--out", tmp_path], tmp_path)
@@ -76,7 +76,7 @@ def test_torchrun_world4_every_survivor_names_the_failed_rank(tmp_path):
     assert "ValueError: injected failure at step 3" in output
 
 
-@pytest.mark.parametrize("how", ["raise", "kill"])
+@pytest.mark.parametrize("how", [pytest.param("raise", marks=pytest.mark.slow), "kill"])
 def test_recipe_launcher_names_the_first_failure(how, tmp_path):
     """torch elastic's own "first observed failure" is the first exit the agent saw; the error names the
     rank that failed first by the workers' record (or the rank a signal killed)."""

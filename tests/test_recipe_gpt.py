@@ -32,7 +32,7 @@ def test_single_process_run_writes_its_metrics(single):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["strategy=zero3", "trainer.devices=2"],
+        pytest.param(["strategy=zero3", "trainer.devices=2"], marks=pytest.mark.slow),
         ["strategy=hybrid3d", "strategy.pp=2", "strategy.tp=2", "trainer.devices=4"],
     ],
     ids=["zero3-2", "hybrid3d-pp2-tp2"],
@@ -60,19 +60,29 @@ def test_same_final_loss_at_world_8(single, tmp_path):
     }
 
 
-def test_sweep_jobs_run_with_their_own_world_size(tmp_path):
-    """-m over device counts and pipeline degrees: each job starts its own workers, and the world size the
+SWEEPS = {  # pipeline degrees swept: the jobs' (world size, peak-memory entries, pp, dp)
+    "devices": ("1", [(2, 2, 1, 2), (4, 4, 1, 4)]),
+    "devices-and-pp": ("1,2", [(2, 2, 1, 2), (2, 2, 2, 1), (4, 4, 1, 4), (4, 4, 2, 2)]),
+}
+
+
+@pytest.mark.parametrize(
+    "sweep_name", [pytest.param("devices"), pytest.param("devices-and-pp", marks=pytest.mark.slow)]
+)
+def test_sweep_jobs_run_with_their_own_world_size(sweep_name, tmp_path):
+    """-m over device counts (and pipeline degrees): each job starts its own workers, and the world size the
     workers report (from their process group, one peak-memory entry per rank) is the job's own."""
+    pp, want = SWEEPS[sweep_name]
     sweep = tmp_path / "sweep"
-    sweep_args = ["-m", *SHORT, "trainer.max_steps=2", "strategy=hybrid3d", "trainer.devices=2,4", "strategy.pp=1,2"]
+    sweep_args = ["-m", *SHORT, "trainer.max_steps=2", "strategy=hybrid3d", "trainer.devices=2,4", f"strategy.pp={pp}"]
     run(tmp_path, GPT, *sweep_args, f"hydra.sweep.dir={sweep}", timeout=600)
-    jobs = [json.loads((sweep / str(job) / "metrics.json").read_text()) for job in range(4)]
+    jobs = [json.loads((sweep / str(job) / "metrics.json").read_text()) for job in range(len(want))]
     seen = [
         (m["layout"]["world_size"], len(m["peak_memory_bytes"]), m["layout"]["pp"], m["layout"]["dp"]) for m in jobs
     ]
-    assert seen == [(2, 2, 1, 2), (2, 2, 2, 1), (4, 4, 1, 4), (4, 4, 2, 2)]
+    assert seen == want
     summary = (sweep / "summary.csv").read_text().splitlines()
-    assert len(summary) == 5 and summary[0].startswith("job,world_size")
+    assert len(summary) == len(want) + 1 and summary[0].startswith("job,world_size")
     assert all(row.split(",")[1] in ("2", "4") for row in summary[1:])  # every job listed with its figures
     assert (sweep / "summary.png").stat().st_size > 10_000  # the throughput and memory plot
 
@@ -80,13 +90,17 @@ def test_sweep_jobs_run_with_their_own_world_size(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["strategy=hybrid3d", "strategy.tp=3", "trainer.devices=6"], "tp=3 does not divide GPTConfig.n_head=8"),
+        pytest.param(
+            ["strategy=hybrid3d", "strategy.tp=3", "trainer.devices=6"],
+            "tp=3 does not divide GPTConfig.n_head=8",
+            marks=pytest.mark.slow,  # the same check runs in-process in test_bad_input_catalogue
+        ),
         (
             ["strategy=hybrid3d", "strategy.dp=2", "strategy.pp=2", "strategy.tp=2", "trainer.devices=4"],
             "pp(2) * dp(2) * tp(2) = 8 != world_size(4)",
         ),
-        (["strategy=fsdp9"], "Could not find 'strategy/fsdp9'"),
-        (["strategy.name=fsdp9"], "strategy='fsdp9' is unknown: use ddp"),
+        pytest.param(["strategy=fsdp9"], "Could not find 'strategy/fsdp9'", marks=pytest.mark.slow),
+        pytest.param(["strategy.name=fsdp9"], "strategy='fsdp9' is unknown: use ddp", marks=pytest.mark.slow),
     ],
     ids=["tp-heads", "degrees-world", "unknown-strategy", "unknown-strategy-name"],
 )
@@ -104,6 +118,7 @@ def test_runs_under_torchrun(single, tmp_path):
     assert abs(got["final_train_loss"] - single["final_train_loss"]) <= 1e-5 * single["final_train_loss"]
 
 
+@pytest.mark.slow  # 200 steps; test_single_process_run_writes_its_metrics runs the same path shortened
 def test_the_readme_default_command_runs_as_written(tmp_path):
     """`make train` runs `python recipes/train_gpt.py`: 200 steps on the default corpus, about a minute."""
     result = run(tmp_path, GPT, timeout=600)
@@ -125,5 +140,6 @@ def test_ckpt_path_last_starts_fresh_then_resumes(tmp_path):
     assert min(steps) >= 6 and max(steps) == 8  # the second run trained steps 7 to 9 only
 
 
+@pytest.mark.slow  # the same check runs in-process in test_bad_input_catalogue (ckpt-last-without-dir)
 def test_ckpt_path_last_needs_a_checkpoint_dir(tmp_path):
     assert_fails_before_workers(GPT, tmp_path, "ckpt_path=last", "trainer=debug", message="looks in checkpoint.dir")

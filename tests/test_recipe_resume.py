@@ -60,9 +60,11 @@ def assert_resume_continues_exactly(script: Path, tmp_path: Path, every: int, st
     "layout",
     [
         ["strategy=zero1", "trainer.devices=2"],
-        ["strategy=zero2_offload", "trainer.devices=2"],
-        ["strategy=zero3", "trainer.devices=2"],
-        ["strategy=hybrid3d", "strategy.pp=2", "strategy.tp=2", "trainer.devices=4"],
+        pytest.param(["strategy=zero2_offload", "trainer.devices=2"], marks=pytest.mark.slow),
+        pytest.param(["strategy=zero3", "trainer.devices=2"], marks=pytest.mark.slow),
+        pytest.param(
+            ["strategy=hybrid3d", "strategy.pp=2", "strategy.tp=2", "trainer.devices=4"], marks=pytest.mark.slow
+        ),
     ],
     ids=["zero1", "zero2-offload", "zero3", "hybrid3d-pp2-tp2"],
 )
@@ -71,6 +73,7 @@ def test_resumed_run_continues_exactly(layout, tmp_path):
     assert_resume_continues_exactly(GPT, tmp_path, 3, 6, *GPT_SHORT, *layout)
 
 
+@pytest.mark.slow
 def test_resume_in_a_later_epoch_continues_exactly(tmp_path):
     """VGG: 3 steps per epoch, the step-4 checkpoint is one batch into epoch 1: the sampler's epoch-1 order
     and the augmentation drawn for epoch 1 must both come back."""
@@ -78,6 +81,7 @@ def test_resume_in_a_later_epoch_continues_exactly(tmp_path):
     assert_resume_continues_exactly(VGG, tmp_path, 4, 8, *short, "strategy=zero2", "trainer.devices=2")
 
 
+@pytest.mark.slow
 def test_keep_last_under_a_pipeline(tmp_path):
     """checkpoint.keep_last counts every rank's vote: with pp=2 the dp axis is 1 rank of 2, and a vote summed
     over dp alone never reached the world size, so old step folders were never replaced."""

@@ -34,17 +34,20 @@ def test_single_process_run_writes_its_metrics(single):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["strategy=ddp", "trainer.devices=2"],
-        ["strategy=zero3", "trainer.devices=2"],
+        pytest.param(["strategy=ddp", "trainer.devices=2"], marks=pytest.mark.slow),
+        pytest.param(["strategy=zero3", "trainer.devices=2"], marks=pytest.mark.slow),
         ["strategy=hybrid3d", "strategy.tp=2", "trainer.devices=4"],
         # one microbatch: BatchNorm sees each step's whole batch, as in one process
-        [
-            "strategy=hybrid3d",
-            "strategy.pp=2",
-            "strategy.pp_schedule=gpipe",
-            "strategy.microbatches=1",
-            "trainer.devices=2",
-        ],
+        pytest.param(
+            [
+                "strategy=hybrid3d",
+                "strategy.pp=2",
+                "strategy.pp_schedule=gpipe",
+                "strategy.microbatches=1",
+                "trainer.devices=2",
+            ],
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["ddp-2", "zero3-2", "hybrid3d-dp2-tp2", "hybrid3d-pp2"],
 )
@@ -79,10 +82,15 @@ def test_cifar10_from_a_local_folder(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["data=cifar10", "data.path=/no/such/folder"], "data.path='/no/such/folder' is not a folder"),
-        (["data=cifar10"], "data=cifar10 needs data.path"),
+        # the same checks run in-process in test_bad_input_catalogue: one subprocess here in `make test`
+        pytest.param(
+            ["data=cifar10", "data.path=/no/such/folder"],
+            "data.path='/no/such/folder' is not a folder",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(["data=cifar10"], "data=cifar10 needs data.path", marks=pytest.mark.slow),
         (["strategy=hybrid3d", "strategy.tp=2", "model.width=3"], "tp=2 does not divide features.0.conv"),
-        (["model.lr_schedule=linear"], "model.lr_schedule='linear' is unknown"),
+        pytest.param(["model.lr_schedule=linear"], "model.lr_schedule='linear' is unknown", marks=pytest.mark.slow),
     ],
     ids=["missing-folder", "no-path", "tp-channels", "lr-schedule"],
 )
@@ -90,6 +98,7 @@ def test_bad_override_fails_before_any_worker_starts(tmp_path, overrides, messag
     assert_fails_before_workers(VGG, tmp_path, *overrides, "trainer=debug", "trainer.devices=2", message=message)
 
 
+@pytest.mark.slow  # 200 steps; test_single_process_run_writes_its_metrics runs the same path shortened
 def test_the_readme_default_command_runs_as_written(tmp_path):
     """`python recipes/train_vgg.py`: VGG11 (vgg_tiny) on generated images, 200 steps, seconds on a CPU."""
     run(tmp_path, VGG, timeout=600)

@@ -14,8 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_parallel.checkpoint import consolidate, main
-from lightning_parallel.parallel import checkpoint_io
-from lightning_parallel.parallel.checkpoint_chunks import chunked_view, flat_range_boxes
+from lightning_parallel.parallel.checkpoint import files as checkpoint_io
+from lightning_parallel.parallel.checkpoint.chunks import chunked_view, flat_range_boxes
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3, 2)])

@@ -17,10 +17,9 @@ from lightning.pytorch.plugins import TorchSyncBatchNorm
 from parity import assert_same_losses, assert_same_params
 from torch import nn
 
-from lightning_parallel import DataParallelSyncBatchNorm, Hybrid3DStrategy, MeshStrategy, ParallelDims
+from lightning_parallel import DataParallelSyncBatchNorm, Hybrid3DStrategy, ParallelDims
 from lightning_parallel.models.vgg import VGG, VGGConfig
-from lightning_parallel.parallel.conv_tp import ChannelNormParallel
-from lightning_parallel.parallel.sync_batchnorm import (
+from lightning_parallel.parallel.data.sync_batchnorm import (
     SyncBatchNorm1d,
     SyncBatchNorm2d,
     SyncBatchNorm3d,
@@ -28,6 +27,7 @@ from lightning_parallel.parallel.sync_batchnorm import (
     convert_sync_batchnorm,
     revert_sync_batchnorm,
 )
+from lightning_parallel.parallel.tensor.conv import ChannelNormParallel
 
 UNIT_TOL = 1e-6  # |got - want| / (1 + |want|): float32 summation order only
 MUST_DIFFER = 1e-4  # without the sync a run has to be at least this far from one process
@@ -122,13 +122,20 @@ def test_plugin_reaches_the_strategy_and_lightning_refuses_both_flags():
         pl.Trainer(accelerator="cpu", devices=2, sync_batchnorm=True, plugins=[plugin], logger=False)
 
 
+class _NoMesh:
+    def group(self, role: str) -> None:
+        return None
+
+
 def test_hybrid3d_warns_that_microbatches_split_the_statistics(monkeypatch):
     strategy = Hybrid3DStrategy(pp=2)  # 1f1b with 2 * pp = 4 microbatches
     strategy._dims = ParallelDims.from_degrees(4, pp=2)
     strategy._layer_sync = TorchSyncBatchNorm()
-    monkeypatch.setattr(MeshStrategy, "_sync_batchnorm_over_dp", lambda self: None)  # no mesh here
+    strategy._mesh = _NoMesh()  # no process group here: the conversion itself is left out
+    strategy.model = torch.nn.BatchNorm1d(4)
+    monkeypatch.setattr("lightning_parallel.strategies.base.convert_sync_batchnorm", lambda model, group: model)
     with pytest.warns(UserWarning, match=r"pp=2 and microbatches=4: BatchNorm statistics cover one microbatch"):
-        strategy._sync_batchnorm_over_dp()
+        strategy._sync_batchnorm_over_batch()
 
 
 # ----- (a) the layer alone, two processes, ranks with different batch sizes -----

@@ -17,13 +17,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_parallel import DataParallelSyncBatchNorm
 from lightning_parallel.models.lit_vgg import LitVGG
 from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
-from lightning_parallel.parallel.conv_tp import (
+from lightning_parallel.parallel.data.sync_batchnorm import SyncBatchNorm2d
+from lightning_parallel.parallel.tensor.conv import (
     ChannelInParallel,
     ChannelNormParallel,
     ChannelOutParallel,
     check_conv_tp_plan,
 )
-from lightning_parallel.parallel.sync_batchnorm import SyncBatchNorm2d
 
 TOL = 1e-5
 # 8 convs (VGG11) and 13 (VGG16, odd: its first conv stays replicated); without BatchNorm the convs have biases

@@ -9,11 +9,11 @@ optimizer state (Adam's moments move the second step's weights).
 from __future__ import annotations
 
 import torch
-from conftest import launch
+from conftest import Batch, launch
 from parity import assert_same_losses
 
 from lightning_parallel.checkpoint import consolidate, info
-from lightning_parallel.parallel import checkpoint_io
+from lightning_parallel.parallel.checkpoint import files as checkpoint_io
 
 EPOCH = 5  # checkpoints are taken after the first epoch
 RESUMED_STEPS = 2
@@ -22,19 +22,25 @@ RESUMED_STEPS = 2
 def test_zero3_checkpoint_resumes_at_other_world_sizes(tmp_path, tmp_path_factory):
     base = {"epoch_steps": EPOCH}
     zero3_ckpt, plain_ckpt = tmp_path / "zero3_w4.ckpt", tmp_path / "plain.ckpt"
-    saved = launch(tmp_path_factory, "zero3", 4, [{**base, "name": "save", "steps": EPOCH, "save": str(zero3_ckpt)}])
-    plain = launch(tmp_path_factory, "auto", 1, [{**base, "name": "save", "steps": EPOCH, "save": str(plain_ckpt)}])
-    assert_same_losses(saved.losses("save"), plain.losses("save"), "zero3 world 4 before saving")
+
+    def save(path):
+        return [{**base, "name": "save", "steps": EPOCH, "save": str(path)}]
+
+    saves = Batch(tmp_path_factory, {"zero3": (4, "zero3", save(zero3_ckpt)), "plain": (1, "auto", save(plain_ckpt))})
+    assert_same_losses(saves["zero3"].losses("save"), saves["plain"].losses("save"), "zero3 world 4 before saving")
+    assert zero3_ckpt.is_dir() and (zero3_ckpt / "meta.pt").is_file()
+    one_file = consolidate(zero3_ckpt, tmp_path / "zero3_w4_consolidated.pt")
 
     def resume(ckpt):
         return [{**base, "name": "resume", "steps": EPOCH + RESUMED_STEPS, "resume": str(ckpt)}]
 
-    want = launch(tmp_path_factory, "auto", 1, resume(plain_ckpt), tag="_ref").losses("resume")
+    layouts = [("zero3", 2, zero3_ckpt), ("zero1", 2, zero3_ckpt), ("auto", 1, one_file)]
+    runs = {strategy: (world, strategy, resume(ckpt)) for strategy, world, ckpt in layouts}
+    resumed = Batch(tmp_path_factory, {**runs, "reference": (1, "auto", resume(plain_ckpt))}, tag="resume")
+    want = resumed["reference"].losses("resume")
     assert len(want) == RESUMED_STEPS
-    assert zero3_ckpt.is_dir() and (zero3_ckpt / "meta.pt").is_file()
-    one_file = consolidate(zero3_ckpt, tmp_path / "zero3_w4_consolidated.pt")
-    for strategy, world, ckpt in [("zero3", 2, zero3_ckpt), ("zero1", 2, zero3_ckpt), ("auto", 1, one_file)]:
-        got = launch(tmp_path_factory, strategy, world, resume(ckpt), tag="_resume").losses("resume")
+    for strategy, world, _ in layouts:
+        got = resumed[strategy].losses("resume")
         assert_same_losses(got, want, f"zero3 world-4 checkpoint resumed by {strategy} at world {world}")
 
 

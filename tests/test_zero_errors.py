@@ -6,11 +6,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import launch
+from conftest import Batch
 
 import lightning_parallel  # noqa: F401
 from lightning_parallel import ZeroStrategy
-from lightning_parallel.parallel.zero import check_shardable_optimizer
+from lightning_parallel.parallel.data.sharding import check_shardable_optimizer
 
 
 @pytest.fixture(autouse=True)
@@ -63,9 +63,17 @@ def test_non_elementwise_optimizer_is_refused():
     check_shardable_optimizer(torch.optim.AdamW(params), "strategy='zero2'")
 
 
+LBFGS = [{"name": "lbfgs", "optimizer": "lbfgs", "expect_error": True}]
+
+
+@pytest.fixture(scope="module")
+def lbfgs_runs(tmp_path_factory) -> Batch:
+    return Batch(tmp_path_factory, {s: (2, s, LBFGS) for s in ("zero1", "zero3")}, tag="lbfgs")
+
+
 @pytest.mark.parametrize("strategy", ["zero1", "zero3"])
-def test_non_elementwise_optimizer_is_refused_in_training(strategy, tmp_path_factory):
-    run = launch(tmp_path_factory, strategy, 2, [{"name": "lbfgs", "optimizer": "lbfgs", "expect_error": True}])
+def test_non_elementwise_optimizer_is_refused_in_training(strategy, lbfgs_runs):
+    run = lbfgs_runs[strategy]
     for rank in range(2):
         error = run.case("lbfgs", rank).get("error", "")
         assert error.startswith("TypeError"), f"rank {rank}: {error or 'trained without an error'}"

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from conftest import launch
+from conftest import Batch
 
-from lightning_parallel.parallel.memory import zero_formula_bytes
+from lightning_parallel.parallel.data.stages import zero_stage
 
 WORLD = 4
 TOLERANCE = 0.05
@@ -14,7 +14,8 @@ TOLERANCE = 0.05
 @pytest.fixture(scope="module")
 def memory_runs(tmp_path_factory):
     case = [{"name": "mem", "steps": 2, "memory": True}]
-    return {stage: launch(tmp_path_factory, f"zero{stage}", WORLD, case, tag="_mem") for stage in (1, 2, 3)}
+    batch = Batch(tmp_path_factory, {f"zero{stage}": (WORLD, f"zero{stage}", case) for stage in (1, 2, 3)}, tag="mem")
+    return {stage: batch[f"zero{stage}"] for stage in (1, 2, 3)}
 
 
 def test_model_state_bytes_match_zero_formulas(memory_runs):
@@ -23,7 +24,7 @@ def test_model_state_bytes_match_zero_formulas(memory_runs):
         for rank in range(WORLD):
             result = run.case("mem", rank)
             measured, P = result["memory"]["total"], result["num_params"]
-            expected = zero_formula_bytes(stage, P, WORLD)
+            expected = zero_stage(stage).state_bytes_exact(P, WORLD)
             rows.append((stage, rank, result["memory"], expected))
             assert abs(measured - expected) <= TOLERANCE * expected, (
                 f"zero{stage} rank {rank}: {measured} bytes of model states, formula says {expected}"

@@ -7,7 +7,7 @@ import csv
 from pathlib import Path
 
 import pytest
-from conftest import launch
+from conftest import Batch
 from parity import assert_same_losses
 
 from lightning_parallel.checkpoint import consolidated
@@ -15,14 +15,18 @@ from lightning_parallel.checkpoint import consolidated
 FEATURES = [{"name": "features", "steps": 6, "features": True}]
 
 
+LAYOUTS = [("zero2", 2), ("zero3", 2), ("hybrid3d:pp=2", 1)]
+
+
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return launch(tmp_path_factory, "auto", 1, FEATURES)
+def runs(tmp_path_factory) -> Batch:
+    runs = {strategy: (2, strategy, FEATURES) for strategy, _ in LAYOUTS}
+    return Batch(tmp_path_factory, {**runs, "single": (1, "auto", FEATURES)}, tag="features")
 
 
-@pytest.mark.parametrize(("strategy", "dp"), [("zero2", 2), ("zero3", 2), ("hybrid3d:pp=2", 1)])
-def test_trainer_features(strategy, dp, single, tmp_path_factory):
-    run = launch(tmp_path_factory, strategy, 2, FEATURES)
+@pytest.mark.parametrize(("strategy", "dp"), LAYOUTS)
+def test_trainer_features(strategy, dp, runs):
+    run, single = runs[strategy], runs["single"]
     assert_same_losses(run.losses("features", list(range(dp))), single.losses("features"), strategy)
     want = single.case("features")
     for rank in range(2):

@@ -16,13 +16,13 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_parallel.models.gpt import _layer_generator, _normal_
-from lightning_parallel.parallel.conv_tp import (
+from lightning_parallel.parallel.tensor.conv import (
     ChannelInParallel,
     ChannelNormParallel,
     ChannelOutParallel,
     check_conv_tp_plan,
 )
-from lightning_parallel.parallel.tensor import check_tp_plan
+from lightning_parallel.parallel.tensor.plan import check_tp_plan
 
 # output channels of each conv at full width (64); "M" closes the group before it with a 2x2 max-pool
 VGG_LAYOUTS: dict[str, list[int | str]] = {

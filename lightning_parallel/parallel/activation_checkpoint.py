@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -42,7 +41,9 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from lightning_parallel.parallel.pipeline import ElsewhereLayer
+from lightning_parallel._compat import disable_current_modes
+from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
+from lightning_parallel.protocol import has_pipeline_layers
 
 AC_MODES = ("none", "full", "selective")
 
@@ -104,8 +105,10 @@ def _repeated_blocks(module: nn.Module) -> list[nn.Module]:
 def checkpoint_layers(model_or_layers: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
     """The layers :func:`apply_activation_checkpointing` wraps (layers of other pipeline stages left out)."""
     if isinstance(model_or_layers, nn.Module):
-        pipeline_layers = getattr(model_or_layers, "pipeline_layers", None)
-        layers = list(pipeline_layers()) if callable(pipeline_layers) else _repeated_blocks(model_or_layers)
+        if has_pipeline_layers(model_or_layers):
+            layers = list(model_or_layers.pipeline_layers())
+        else:
+            layers = _repeated_blocks(model_or_layers)
     else:
         layers = list(model_or_layers)
     for i, layer in enumerate(layers):
@@ -199,11 +202,11 @@ _selective_contexts = functools.partial(create_selective_checkpoint_contexts, se
 def _buffers_restored(module: nn.Module) -> Generator[None, None, None]:
     buffers = list(module.buffers())
     # outside the dispatch modes of selective checkpointing: it replays the forward's ops by count
-    with _disable_current_modes(), torch.no_grad():
+    with disable_current_modes(), torch.no_grad():
         saved = [b.detach().clone() for b in buffers]
     try:
         yield
     finally:
-        with _disable_current_modes(), torch.no_grad():
+        with disable_current_modes(), torch.no_grad():
             for buffer, value in zip(buffers, saved):
                 buffer.copy_(value)

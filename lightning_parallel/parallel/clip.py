@@ -9,33 +9,14 @@ element is counted once, and the result is the norm of the full, unsplit gradien
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 # A local gradient and the names of the mesh axes it is split over ((): replicated).
 GradPart = tuple[Tensor, tuple[str, ...]]
-
-
-def dtensor_grad_parts(params: Iterable[Tensor]) -> list[GradPart]:
-    """Local gradients of (possibly DTensor) parameters, each with the mesh axes that shard it."""
-    parts: list[GradPart] = []
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        if isinstance(g, DTensor):
-            names = g.device_mesh.mesh_dim_names
-            assert names is not None, "gradients on a mesh need named axes"
-            # not is_replicate(): FSDP2 over a tensor-parallel dim uses _StridedShard, whose is_shard() is False
-            axes = tuple(names[i] for i, pl in enumerate(g.placements) if not pl.is_replicate())
-            parts.append((g.to_local(), axes))
-        else:
-            parts.append((g, ()))
-    return parts
 
 
 def total_norm(

@@ -20,11 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from lightning_parallel.parallel.dtensor import local as _local
 
 
 def unscale_and_check_(grads: Iterable[Tensor], inv_scale: float) -> Tensor:

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel.checkpoint import check_checkpoint_path
-from lightning_parallel.strategies.precision import SUPPORTED_PRECISION
+from lightning_parallel.plugins.precision import SUPPORTED_PRECISION
 
 LOGGERS = ("csv", "tensorboard", "none")
 

@@ -17,71 +17,65 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig
 
 from lightning_parallel import Hybrid3DStrategy, ZeroStrategy
+from lightning_parallel.callbacks.activation import ActivationCheckpointing, ActivationMemoryMonitor
+from lightning_parallel.callbacks.monitor import TrainingMonitor
+from lightning_parallel.callbacks.preemption import PREEMPTED_FILE, Preemption
+from lightning_parallel.callbacks.resume import ExactResume
 from lightning_parallel.parallel.activation_checkpoint import check_activation_checkpointing
-from lightning_parallel.parallel.partition import check_stage_count
-from lightning_parallel.preemption import PREEMPTED_FILE, Preemption
+from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.failure import to_timeout
+from lightning_parallel.parallel.pipeline.partition import check_stage_count
 from lightning_parallel.recipes.checks import (
     check_checkpoint_settings,
     check_known_keys,
     check_precision,
     check_trainer_settings,
 )
-from lightning_parallel.recipes.config import StrategyConf
-from lightning_parallel.resume import ExactResume
-from lightning_parallel.strategies.activation_checkpointing import ActivationCheckpointing, ActivationMemoryMonitor
-from lightning_parallel.strategies.failure import to_timeout
-from lightning_parallel.strategies.observability import TrainingMonitor
+from lightning_parallel.strategies.zero import ZERO_SETTINGS
 
 ZERO_NAMES = {"zero1": (1, False), "zero2": (2, False), "zero3": (3, False)}
 ZERO_NAMES |= {"zero2_offload": (2, True), "zero3_offload": (3, True)}
 
 
+def parallel_config(conf: DictConfig) -> ParallelConfig:
+    """The parallel settings of ``strategy=...`` (the schema's ParallelConfig fields)."""
+    return ParallelConfig.from_mapping(conf)
+
+
 def build_strategy(conf: DictConfig) -> Any:
     """The strategy object (or Lightning's name) for ``strategy=...``; settings it cannot use are refused."""
     name = conf.name
-    check_activation_checkpointing(conf.activation_checkpointing, "strategy.activation_checkpointing")
+    config = parallel_config(conf)
+    check_activation_checkpointing(config.activation_checkpointing, "strategy.activation_checkpointing")
     timeout = {} if conf.timeout_s is None else {"timeout": to_timeout(conf.timeout_s, "strategy.timeout_s")}
     if name == "hybrid3d":
-        return Hybrid3DStrategy(
-            dp=conf.dp,
-            pp=conf.pp,
-            tp=conf.tp,
-            zero_stage=conf.zero_stage,
-            pp_schedule=conf.pp_schedule,
-            microbatches=conf.microbatches,
-            pp_balance=conf.pp_balance,
-            pp_memory_budget=conf.pp_memory_budget,
-            pp_virtual_stages=conf.pp_virtual_stages,
-            sequence_parallel=conf.sequence_parallel,
-            activation_checkpointing=conf.activation_checkpointing,
-            offload=conf.offload,
-            **timeout,
-        )
-    defaults = StrategyConf()
-    hybrid_only = ["dp", "pp", "tp", "pp_schedule", "microbatches", "pp_balance", "pp_virtual_stages"]
-    hybrid_only += ["pp_memory_budget"]
-    changed = [k for k in [*hybrid_only, "sequence_parallel"] if conf[k] != getattr(defaults, k)]
+        return Hybrid3DStrategy(config, **timeout)
+    changed = [k for k in config.non_defaults() if k not in ZERO_SETTINGS]
     if changed:
         set_ = ", ".join(f"strategy.{k}={conf[k]}" for k in changed)
         raise ValueError(f"{set_} needs strategy=hybrid3d: strategy={name} only splits data, so it would ignore it.")
     if name in ZERO_NAMES:
         stage, offload = ZERO_NAMES[name]
-        if conf.zero_stage not in (0, stage) or (conf.offload and not offload):
+        if config.zero_stage not in (0, stage) or (config.offload and not offload):
             raise ValueError(
-                f"strategy={name} is ZeRO stage {stage}: pick strategy=zero{conf.zero_stage} instead of setting "
+                f"strategy={name} is ZeRO stage {stage}: pick strategy=zero{config.zero_stage} instead of setting "
                 "strategy.zero_stage, or use strategy=hybrid3d with strategy.zero_stage."
             )
         return ZeroStrategy(
-            stage=stage, offload=offload, activation_checkpointing=conf.activation_checkpointing, **timeout
+            stage=stage,
+            offload=offload,
+            reshard_after_forward=config.reshard_after_forward,
+            activation_checkpointing=config.activation_checkpointing,
+            **timeout,
         )
     if name == "ddp":  # activation checkpointing, if set, comes as a callback (build_trainer)
         if timeout:
             raise ValueError("strategy.timeout_s needs one of our strategies: use strategy=zero1..3 or hybrid3d.")
-        if conf.offload:
+        if config.offload:
             raise ValueError("strategy=ddp keeps no state on the host (strategy.offload=true): use zero2_offload.")
-        if conf.zero_stage:
+        if config.zero_stage:
             raise ValueError(
-                f"strategy=ddp does not shard (strategy.zero_stage={conf.zero_stage}): use strategy=zero1..3."
+                f"strategy=ddp does not shard (strategy.zero_stage={config.zero_stage}): use strategy=zero1..3."
             )
         return "ddp"
     raise ValueError(
@@ -95,12 +89,10 @@ def world_size(cfg: DictConfig) -> int:
 
 
 def data_parallel_size(conf: DictConfig, world: int) -> int:
-    """How many different batches one optimizer step sees: the world size minus what pp and tp take."""
+    """How many different batches one optimizer step sees: the ranks of the mesh's ``batch`` role."""
     if conf.name != "hybrid3d":
         return world
-    if conf.dp != "auto":
-        return int(conf.dp)
-    return max(1, world // (conf.pp * conf.tp))
+    return parallel_config(conf).dims(world).role_size("batch")
 
 
 def micro_batch_size(cfg: DictConfig, world: int) -> int:
@@ -132,11 +124,11 @@ def check_run_settings(cfg: DictConfig, num_layers: int) -> Any:
     check_precision(cfg, strategy)
     micro = micro_batch_size(cfg, world)
     if isinstance(strategy, Hybrid3DStrategy):
-        dims = strategy._parallel_degrees(world)
-        check_stage_count(num_layers, dims.pp * strategy.pp_virtual_stages, f"strategy.pp={dims.pp}")
-        if dims.pp > 1 and micro % strategy.microbatches:
+        config, dims = strategy.config, strategy.config.dims(world)
+        check_stage_count(num_layers, dims.pp * config.stages_per_rank, f"strategy.pp={dims.pp}")
+        if dims.pp > 1 and micro % config.microbatches:
             raise ValueError(
-                f"strategy.microbatches={strategy.microbatches} does not divide the {micro} samples each dp rank "
+                f"strategy.microbatches={config.microbatches} does not divide the {micro} samples each dp rank "
                 f"gets per step (data.global_batch_size={cfg.data.global_batch_size} over dp={dims.dp}): "
                 "pick a divisor of it or change data.global_batch_size."
             )
@@ -229,7 +221,7 @@ def all_ranks(value: Any) -> list[Any]:
 
 
 def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_step: int, unit: str) -> dict[str, Any]:
-    """The metrics.json fields of shared/DESIGN.md, from what the workers saw (collective)."""
+    """The metrics.json fields the README lists, from what the workers saw (collective)."""
     logged = trainer.callback_metrics
     steps = trainer.global_step
     dims = getattr(trainer.strategy, "parallel_dims", None)

@@ -3,7 +3,7 @@
 Every YAML file under ``conf/<group>/`` starts from a schema of its group here (``model/`` and ``data/``
 have one per recipe), so a misspelled key or a value of the wrong type fails when Hydra composes the
 config, before anything is launched. The keys are the stable CLI of the recipes (listed in
-shared/DESIGN.md): ``trainer.devices``, ``trainer.max_steps``, ``strategy.dp|pp|tp|zero_stage|pp_schedule|
+the README): ``trainer.devices``, ``trainer.max_steps``, ``strategy.dp|pp|tp|zero_stage|pp_schedule|
 microbatches``, ``precision=...``, ``data.global_batch_size``, ``seed``, ``checkpoint.dir``,
 ``checkpoint.every_n_steps``, ``ckpt_path``.
 """
@@ -11,29 +11,19 @@ microbatches``, ``precision=...``, ``data.global_batch_size``, ``seed``, ``check
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from lightning_parallel.parallel.config import ParallelConfig
+
 
 @dataclass
-class StrategyConf:
-    """One schema for every strategy, so the same keys work whichever is picked."""
+class StrategyConf(ParallelConfig):
+    """One schema for every strategy, so the same keys work whichever is picked: the parallel settings are
+    :class:`~lightning_parallel.parallel.config.ParallelConfig`'s (declared there once), plus these."""
 
     name: str = "ddp"  # ddp, zero1, zero2, zero3, zero2_offload, zero3_offload or hybrid3d
-    dp: Any = "auto"  # an int or "auto"
-    pp: int = 1
-    tp: int = 1
-    zero_stage: int = 0
-    offload: bool = False
-    pp_schedule: str = "1f1b"
-    microbatches: int | None = None
-    pp_balance: str = "uniform"  # uniform (layers), params (parameter count) or profile (timed forward+backward)
-    pp_memory_budget: int | None = None  # with pp_balance=profile: the most bytes one stage may hold (None: no limit)
-    pp_virtual_stages: int | None = None
-    sequence_parallel: bool = False
-    activation_checkpointing: str = "none"  # none, full or selective: recompute each layer's activations in backward
     # seconds a collective waits for its peers; when a rank fails the others end within it, naming the rank
     # (None: torch's default, 30 minutes)
     timeout_s: float | None = None

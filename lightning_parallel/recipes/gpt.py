@@ -1,6 +1,6 @@
 """The GPT recipe's ``train(cfg, run_dir)``, what recipes/train_gpt.py runs in each worker process: a
 LitGPT on byte-level text, trained with the strategy, precision and checkpointing the config picks; it
-writes ``metrics.json`` (the fields listed in shared/DESIGN.md) and prints a generated sample.
+writes ``metrics.json`` (the fields the README lists) and prints a generated sample.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel import Hybrid3DStrategy
+from lightning_parallel.callbacks.resume import ResumableDataLoader
 from lightning_parallel.models import GPTConfig, LitGPT
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.recipes.common import (
@@ -27,7 +28,6 @@ from lightning_parallel.recipes.common import (
     write_metrics,
 )
 from lightning_parallel.recipes.text_data import TokenWindows, load_tokens
-from lightning_parallel.resume import ResumableDataLoader
 from lightning_parallel.strategies.pipelined_step import PipelineInput
 
 
@@ -52,7 +52,7 @@ def check_config(cfg: DictConfig) -> None:
             raise ValueError(f"model.{key}={m[key]} must be a positive size: set model.{key} to 1 or more.")
     config = gpt_config(m)  # checks d_model against n_head
     if isinstance(strategy, Hybrid3DStrategy):
-        GPT.check_tensor_parallel_config(config, strategy._parallel_degrees(world_size(cfg)).tp)
+        GPT.check_tensor_parallel_config(config, strategy.config.dims(world_size(cfg)).tp)
     if cfg.trainer.sync_batchnorm:
         raise ValueError("trainer.sync_batchnorm=true: the GPT has no BatchNorm to sync (LayerNorm needs none).")
     check_text_data(cfg)

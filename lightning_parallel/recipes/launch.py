@@ -11,7 +11,7 @@ When a worker fails, torch elastic stops the others and raises ``ChildFailedErro
 failure" is the first the agent happened to see, often a rank whose collective failed because of the real
 one. The workers write the first failure into the run directory (``strategies/failure.py``), and the error
 raised here names that rank. A SIGTERM (preemption) makes the workers save ``last`` and stop
-(``lightning_parallel.preemption``); the job then ends with status 0 and a line that says what to resume.
+(``lightning_parallel.callbacks.preemption``); the job then ends with status 0 and a line that says what to resume.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_parallel.preemption import PREEMPTED_FILE
-from lightning_parallel.strategies.failure import FAILURE_DIR_ENV, FIRST_FAILURE_FILE, read_first_failure
+from lightning_parallel.callbacks.preemption import PREEMPTED_FILE
+from lightning_parallel.parallel.failure import FAILURE_DIR_ENV, FIRST_FAILURE_FILE, read_first_failure
 
 log = logging.getLogger(__name__)
 # a worker that stopped for a SIGTERM exits with 128 + 15, the shell's code for it: returning normally would

@@ -1,7 +1,7 @@
 """The VGG recipe's ``train(cfg, run_dir)``, what recipes/train_vgg.py runs in each worker process: a
 LitVGG with BatchNorm on 32x32 images (a generated 10-class set by default, or CIFAR-10 from a local
 folder), trained with the strategy, precision and checkpointing the config picks; it writes ``metrics.json``
-(the fields listed in shared/DESIGN.md) with the final validation accuracy.
+(the fields the README lists) with the final validation accuracy.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from lightning_parallel import Hybrid3DStrategy
+from lightning_parallel.callbacks.resume import ResumableDataLoader
 from lightning_parallel.models import LitVGG, VGGConfig
 from lightning_parallel.models.lit_vgg import LR_SCHEDULES, OPTIMIZERS
 from lightning_parallel.models.vgg import VGG
@@ -37,7 +38,6 @@ from lightning_parallel.recipes.image_data import (
     generated_images,
     load_cifar10,
 )
-from lightning_parallel.resume import ResumableDataLoader
 
 DATA_KINDS = ("generated", "cifar10")
 
@@ -62,7 +62,7 @@ def check_config(cfg: DictConfig) -> None:
     config = vgg_config(cfg.model)  # checks the name and image size
     strategy = check_run_settings(cfg, num_layers=len(config.conv_channels()) + 1)  # the convs, then the head
     if isinstance(strategy, Hybrid3DStrategy):
-        VGG.check_tensor_parallel_config(config, strategy._parallel_degrees(world_size(cfg)).tp)
+        VGG.check_tensor_parallel_config(config, strategy.config.dims(world_size(cfg)).tp)
     m, d = cfg.model, cfg.data
     if m.optimizer not in OPTIMIZERS:
         raise ValueError(f"model.optimizer={m.optimizer!r} is unknown: use one of {OPTIMIZERS}.")

@@ -1,41 +1,40 @@
-"""Sharded checkpoint folders for the mesh strategies: what Lightning's save and load calls become.
+"""Lightning's checkpoint hooks for the mesh strategies: sharded folders (default) or one gathered file.
 
-Lightning builds a checkpoint dict (``state_dict``, ``optimizer_states``, loops, schedulers, callbacks)
-and hands it to the strategy. Here the model and optimizer states stay sharded as each rank holds them
-and go to torch's distributed checkpoint under layout-independent names (see
-:mod:`lightning_parallel.parallel.sharded_state`); the rest goes to ``meta.pt``. Loading fills the live
-model and optimizer of whatever layout runs now, so any layout resumes any other.
-
-Failures are decided by all ranks together: a rank that cannot write (a full disk) or finds a damaged file
-or a different model tells the others, and every rank raises the same error at the same point, before any
-state is changed; a rank raising alone would leave the others waiting in the next collective.
+``checkpoint_format="sharded"``: every rank writes what it holds under single-process names
+(:mod:`.sharded_checkpoint`), and any layout loads it in place. ``"full"``: one file on rank 0 in the
+single-process format (each pipeline stage contributes its layers and their optimizer states), which plain
+Lightning reads. Both formats load under any layout.
 """
 
 from __future__ import annotations
 
-import errno
-import shutil
-import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
-from lightning_parallel.parallel import checkpoint_io
-from lightning_parallel.parallel.sharded_state import (
-    MODEL,
-    install_optimizer_state,
-    model_state,
-    optimizer_load_targets,
-    optimizer_state,
+from lightning_parallel.parallel.checkpoint import files as checkpoint_io
+from lightning_parallel.parallel.checkpoint.full import (
+    flat_full_state_dict,
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    load_flat_full_state_dict,
+    load_full_model_state_dict,
+    load_full_optimizer_state_dict,
 )
-from lightning_parallel.parallel.zero import FlatZero
+from lightning_parallel.parallel.checkpoint.pipeline import (
+    gather_pipeline_optimizer_state,
+    pipeline_local_optimizer_state,
+)
+from lightning_parallel.parallel.data.flat_zero import FlatZero
+from lightning_parallel.strategies import sharded_checkpoint
+from lightning_parallel.strategies.sharded_checkpoint import LOADED_IN_PLACE
 
 FORMATS = ("sharded", "full")
-LOADED_IN_PLACE = "lightning_parallel_loaded_in_place"  # marks a checkpoint whose states are already loaded
 
 
 def check_checkpoint_format(value: str) -> None:
@@ -46,175 +45,124 @@ def check_checkpoint_format(value: str) -> None:
         )
 
 
-def hyperparameters(optimizer: Optimizer) -> dict[str, Any]:
-    """What meta.pt keeps of an optimizer: its param groups' settings (the states go to the shards)."""
-    return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+def unwrap_optimizer(optimizer: Any) -> Optimizer:
+    """The torch optimizer inside Lightning's ``LightningOptimizer`` (or the optimizer itself)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def save(
-    strategy: Any, checkpoint: dict[str, Any], filepath: str | Path, flat_zero: list[FlatZero | None], order: list[str]
-) -> None:
-    """Write ``checkpoint`` as a sharded folder at ``filepath`` (collective; atomic; every rank raises
-    the same error when one fails, and the temporary folder is removed)."""
-    path = Path(strategy.broadcast(str(filepath)))
-    token = strategy.broadcast(uuid.uuid4().hex[:12])
-    model = strategy.model
-    tensors: dict[str, Any] = {MODEL + k: v for k, v in checkpoint.pop("state_dict").items()}
-    # save_checkpoint(weights_only=True) leaves the optimizers out of the dict: leave them out of the folder
-    optimizers = strategy.optimizers if checkpoint.pop("optimizer_states", None) is not None else []
-    for i, optimizer in enumerate(optimizers):
-        tensors.update(optimizer_state(model, optimizer, i, order, flat_zero[i]))
-    meta = None
-    if strategy.is_global_zero:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {**checkpoint}
-        if optimizers:
-            meta["optimizer_states"] = [hyperparameters(o) for o in optimizers]
-    strategy.barrier("sharded_checkpoint_prepare")
-    tmp = checkpoint_io.temporary_path(path, token)
-    rank, world = strategy.global_rank, strategy.world_size
-    # three steps, each settled by all ranks (the gathers are the barriers): write, checksum, publish
-    _, failure = _attempt(lambda: checkpoint_io.save_sharded(path, tensors, meta, token, strategy.is_global_zero))
-    _settle(strategy, path, tmp, failure, rank)
-    files, failure = _attempt(lambda: checkpoint_io.digests(tmp, checkpoint_io.data_files(tmp)[rank::world]))
-    shares = _settle(strategy, path, tmp, failure, rank, files)
-    failure = None
-    if strategy.is_global_zero:
-        manifest = {k: v for share in shares for k, v in share.items()}
-        _, failure = _attempt(lambda: _seal(tmp, manifest, path, token))
-    _settle(strategy, path, tmp, failure, rank)
+class ShardedCheckpointing:
+    """Mixed into :class:`~lightning_parallel.strategies.base.MeshStrategy` (which provides ``model``,
+    ``optimizers``, ``sharding``, ``mesh``, ``checkpoint_format`` and the parallelized model's ``_parallel``)."""
 
+    model: nn.Module | None
+    checkpoint_format: str
+    _full_param_order: list[str]
 
-def _seal(tmp: Path, manifest: dict[str, list[int]], path: Path, token: str) -> None:
-    checkpoint_io.write_manifest(tmp, manifest)
-    checkpoint_io.publish(path, token)
+    def _split(self) -> Any:
+        parallel = getattr(self, "_parallel", None)
+        return parallel.split if parallel is not None else None
 
+    def _flat_of(self, optimizer: Any) -> FlatZero | None:
+        return self.sharding.flat(unwrap_optimizer(optimizer))  # type: ignore[attr-defined]
 
-def _attempt(step: Any) -> tuple[Any, BaseException | None]:
-    try:
-        return step(), None
-    except (Exception, CheckpointException) as err:  # DCP's exception is a BaseException
-        return None, err
+    def _flat_zeros(self) -> list[FlatZero | None]:
+        return [self._flat_of(o) for o in self.optimizers]  # type: ignore[attr-defined]
 
+    def _pp_group(self) -> dist.ProcessGroup:
+        return self.mesh.group("stage")  # type: ignore[attr-defined]
 
-def _settle(strategy: Any, path: Path, tmp: Path, err: BaseException | None, rank: int, result: Any = None) -> list:
-    """Every rank's ``result`` once all ranks are past a step of a save; if one failed, every rank raises
-    the same error after rank 0 has removed the temporary folder."""
-    results = _all_gather(strategy, (_failures(err, rank) if err is not None else None, result))
-    failures = [item for f, _ in results if f is not None for item in f]
-    if failures:
-        if strategy.is_global_zero and tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        strategy.barrier("sharded_checkpoint_abandoned")
-        raise _save_error(path, failures) from err
-    return [r for _, r in results]
+    # ----- saving -----
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole model's state in the single-process format, on rank 0 (collective; every stage's layers)."""
+        assert self.model is not None
+        if self._split() is None:
+            return full_model_state_dict(self.model)
+        state = full_model_state_dict(self.model, every_rank=True)
+        everyone: list[Any] = [None] * dist.get_world_size(self._pp_group())
+        dist.all_gather_object(everyone, state, group=self._pp_group())
+        merged: dict[str, Any] = {}
+        for part in everyone:
+            for key, value in part.items():
+                merged.setdefault(key, value)
+        return merged
 
-def _failures(err: BaseException, rank: int) -> list[tuple[int, int | None, str]]:
-    """(rank, errno, text) of what went wrong: DCP hands every rank every rank's original exception."""
-    if isinstance(err, CheckpointException):
-        return [(r, getattr(e, "errno", None), f"{type(e).__name__}: {e}") for r, (e, _) in err.failures.items()]
-    return [(rank, getattr(err, "errno", None), f"{type(err).__name__}: {err}")]
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        if self.checkpoint_format == "sharded":
+            return self.model.state_dict()  # the shards as they are: save_checkpoint writes them in place
+        return self.full_state_dict()
 
-
-def _save_error(path: Path, failures: list[tuple[int, int | None, str]]) -> OSError | RuntimeError:
-    previous = _previous_checkpoint(path)
-    intact = f"the previous checkpoint {previous} is intact" if previous else f"no checkpoint was in {path.parent}"
-    full = [r for r, code, _ in failures if code == errno.ENOSPC]
-    if full:
-        return OSError(
-            errno.ENOSPC,
-            f"no space left on device while saving checkpoint {path} (rank {full[0]}): free space or change "
-            f"checkpoint.dir; {intact}",
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.checkpoint_format == "sharded":
+            return {}  # save_checkpoint takes each rank's states from the optimizers themselves
+        assert self.model is not None
+        flat = self._flat_of(optimizer)
+        local = (
+            flat_full_state_dict(flat)
+            if flat is not None
+            else full_optimizer_state_dict(self.model, unwrap_optimizer(optimizer))
         )
-    rank, _, text = failures[0]
-    return RuntimeError(f"saving checkpoint {path} failed on rank {rank} ({text}); {intact}")
-
-
-def _previous_checkpoint(path: Path) -> Path | None:
-    """The checkpoint a failed save leaves: the one at ``path``, else the newest saved beside it."""
-    if checkpoint_io.is_sharded_checkpoint(path) or path.is_file():
-        return path
-    around = [p for p in path.parent.glob("*") if not p.name.startswith(".") and checkpoint_io.is_sharded_checkpoint(p)]
-    return max(around, key=lambda p: p.stat().st_mtime, default=None)
-
-
-def _all_gather(strategy: Any, obj: Any) -> list[Any]:
-    if strategy.world_size == 1 or not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * strategy.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def load(strategy: Any, path: str | Path, flat_zero: list[FlatZero | None]) -> dict[str, Any]:
-    """Fill the live model (and optimizers, when fitting) from a sharded folder; returns the rest of the
-    checkpoint for Lightning's loops, schedulers and callbacks."""
-    path = Path(strategy.broadcast(str(path)))
-    model: nn.Module = strategy.model
-    targets: dict[str, Any] = model_state(model)
-    meta, saved = _inspect(strategy, path, targets)
-    installs = []
-    # a weights-only folder has no optimizers: Lightning itself says so if fit() needs them
-    optimizers = strategy.optimizers if "optimizer_states" in meta else []
-    saved_optimizers = meta.get("optimizer_states", [])
-    if optimizers and len(saved_optimizers) != len(optimizers):  # validate/test/predict have none
-        raise ValueError(
-            f"{path} holds {len(saved_optimizers)} optimizers but configure_optimizers returned "
-            f"{len(optimizers)}: resume with the same optimizer setup."
+        if self._split() is None:
+            return local
+        return gather_pipeline_optimizer_state(
+            local, self._local_param_names(optimizer), self._split(), self._pp_group()
         )
-    for i, optimizer in enumerate(optimizers):
-        _check_param_groups(path, i, saved_optimizers[i]["param_groups"], optimizer)
-        opt_targets, states = optimizer_load_targets(model, optimizer, i, saved, flat_zero[i])
-        targets.update(opt_targets)
-        installs.append((optimizer, states, saved_optimizers[i]["param_groups"]))
-    checkpoint_io.load_sharded(path, targets)
-    for flat in flat_zero:
-        if flat is not None and flat.offload:  # the host copy of this rank's slice is what the optimizer steps
-            for fg in flat.flat_groups:
-                start, end = fg.local_range(flat.rank)
-                fg.shard.data.copy_(fg.flat_param[start:end])
-    for optimizer, states, groups in installs:
-        install_optimizer_state(optimizer, states)
-        for group, saved_group in zip(optimizer.param_groups, groups):
-            group.update(saved_group)
-    return {**meta, "state_dict": {}, LOADED_IN_PLACE: True}
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self.checkpoint_format == "full":
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+        if storage_options is not None:
+            raise TypeError(
+                "checkpoint_format='sharded' writes with torch's distributed checkpoint: no storage_options."
+            )
+        sharded_checkpoint.save(self, checkpoint, filepath, self._flat_zeros(), self._full_param_order)
 
-def _inspect(strategy: Any, path: Path, targets: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """meta.pt and the saved tensors, once every rank agrees that the files are whole (each rank checks a
-    share of them against the manifest) and hold this model (names and shapes over all ranks' pieces)."""
-    failure, meta, saved = None, {}, {}
-    try:
-        meta = checkpoint_io.read_meta(path)
-        saved = checkpoint_io.saved_tensors(path)
-        problems = checkpoint_io.check_files(path, strategy.global_rank, strategy.world_size)
-        if problems:
-            failure = ("CorruptCheckpointError", checkpoint_io.damaged_message(path, problems), strategy.global_rank)
-    except Exception as err:  # noqa: BLE001  (the others must hear of any failure, or they wait for this rank)
-        failure = (type(err).__name__, str(err), strategy.global_rank)
-    shapes = {k: tuple(v.shape) for k, v in targets.items()}  # global shapes, also of DTensor shards
-    results = _all_gather(strategy, (failure, shapes))
-    failures = [f for f, _ in results if f is not None]
-    if failures:
-        kind, message, rank = failures[0]
-        if kind == "UnsafeCheckpointError":
-            raise checkpoint_io.UnsafeCheckpointError(message)
-        if kind != "CorruptCheckpointError":
-            message = checkpoint_io.damaged_message(path, [f"rank {rank} could not read it ({kind}: {message})"])
-        raise checkpoint_io.CorruptCheckpointError(message)
-    expected = {k[len(MODEL) :]: v for _, s in results for k, v in s.items()}  # pp: each stage has its own
-    found = {k[len(MODEL) :]: tuple(md.size) for k, md in saved.items() if k.startswith(MODEL)}
-    strict = getattr(strategy.lightning_module, "strict_loading", True)
-    mismatch = checkpoint_io.model_mismatch(path, expected, found, strict)
-    if mismatch:
-        raise ValueError(mismatch)
-    return meta, saved
+    # ----- loading -----
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if checkpoint_io.is_sharded_checkpoint(checkpoint_path):
+            return sharded_checkpoint.load(self, checkpoint_path, self._flat_zeros())
+        if Path(checkpoint_path).is_dir():
+            raise FileNotFoundError(
+                f"ckpt_path={str(checkpoint_path)!r} is a folder but not a sharded checkpoint (no .metadata and "
+                "meta.pt in it): give the folder a save wrote, or a checkpoint file."
+            )
+        return checkpoint_io.load_file(checkpoint_path)
 
-def _check_param_groups(path: Path, index: int, saved: list[dict[str, Any]], optimizer: Optimizer) -> None:
-    if len(saved) != len(optimizer.param_groups):
-        raise ValueError(
-            f"{path}: optimizer {index} had {len(saved)} param groups, configure_optimizers now returns "
-            f"{len(optimizer.param_groups)}: resume with the same optimizer setup."
-        )
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.model is not None
+        if checkpoint.get(LOADED_IN_PLACE):
+            return
+        state = dict(checkpoint["state_dict"])
+        if self._split() is not None:  # this rank's stages only
+            mine = set(self.model.state_dict())
+            state = {k: v for k, v in state.items() if k in mine}
+        load_full_model_state_dict(self.model, state, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.model is not None
+        if checkpoint.get(LOADED_IN_PLACE):
+            return
+        optimizers = self.optimizers  # type: ignore[attr-defined]
+        states = list(checkpoint["optimizer_states"])
+        if self._split() is not None:
+            states = [
+                pipeline_local_optimizer_state(full, self._local_param_names(o), self._split(), self._pp_group())
+                for o, full in zip(optimizers, states)
+            ]
+        for optimizer, state in zip(optimizers, states):
+            flat = self._flat_of(optimizer)
+            if flat is not None:
+                load_flat_full_state_dict(flat, state)
+            else:
+                load_full_optimizer_state_dict(self.model, unwrap_optimizer(optimizer), state)
+
+    def _local_param_names(self, optimizer: Any) -> list[list[str]]:
+        """The parameter names of each of ``optimizer``'s groups, as configure_optimizers built them."""
+        assert self.model is not None
+        names: dict[int, str] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+        groups = self.sharding.param_groups(unwrap_optimizer(optimizer))  # type: ignore[attr-defined]
+        return [[names[id(p)] for p in group] for group in groups]

@@ -14,6 +14,7 @@ Under pp > 1 no rank holds the whole model, so ``self(x)`` cannot return logits.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -21,8 +22,13 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
-from lightning_parallel.parallel.pipeline import Pipeline
+from lightning_parallel._compat import attached_trainer
+from lightning_parallel.parallel.pipeline.runner import Pipeline
+from lightning_parallel.parallel.pipeline.split import PipelineSplit
+from lightning_parallel.parallel.tensor.loss import full_loss
+from lightning_parallel.plugins.precision import loss_scale_of
 
 _TRAINING_USE = (
     "Under pp > 1 the training step must pass the output of self(...) straight to self.loss(output, target): "
@@ -100,7 +106,7 @@ class PipelinedStep:
             raise RuntimeError(
                 "Under pp > 1 each training step runs the pipeline once: call self.loss(self(x), y) once per step."
             )
-        trainer = self.module._trainer
+        trainer = attached_trainer(self.module)
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         earlier = [p.grad for p in self.params]
         for p in self.params:
@@ -129,3 +135,19 @@ class PipelinedStep:
             else:
                 p.grad.add_(fresh)  # in place: the gradient may be a view into a ZeRO flat buffer
         self._pending = None
+
+
+def pipelined_step(strategy: Any, module: pl.LightningModule, split: PipelineSplit, tp: bool) -> PipelinedStep:
+    """Wire ``module``'s steps to a pipeline over this rank's stages under ``strategy``'s schedule."""
+    config = strategy.config
+    # under tp the whole schedule runs in one loss_parallel context: its backward needs the rules too, and a
+    # nested context would switch them off on exit
+    loss_fn = full_loss(module.loss) if tp else module.loss
+    pipeline = Pipeline(
+        split, config.pp_schedule, config.microbatches, strategy.mesh.group("stage"), strategy.root_device, loss_fn
+    )
+    context = loss_parallel if tp else contextlib.nullcontext
+    # fp16: the schedule backpropagates the loss times the current scale (the plugin's pre_backward cannot)
+    return PipelinedStep(
+        module, pipeline, split.parameters(), context, lambda: loss_scale_of(strategy.precision_plugin)
+    )

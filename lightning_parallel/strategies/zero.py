@@ -1,36 +1,18 @@
-"""ZeRO stages 1, 2 and 3 (with offload) as a Lightning strategy over the data-parallel ranks."""
+"""ZeRO stages 1, 2 and 3 (with offload) over the data-parallel ranks: a preset of the mesh strategy."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_parallel.mesh import ParallelDims
+from lightning_parallel.parallel.config import ParallelConfig, check_flag
+from lightning_parallel.parallel.data.stages import OFFLOAD_STAGES, ZERO_STAGES, check_zero_settings
+from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.strategies.base import MeshStrategy
 
-ZERO_STAGES = (1, 2, 3)
-OFFLOAD_STAGES = (2, 3)
-
-
-def check_zero_settings(stage: object, offload: object, *, stages=ZERO_STAGES, name: str = "stage") -> None:
-    """Validate a ZeRO stage and offload flag before anything starts."""
-    if isinstance(stage, bool) or stage not in stages:
-        choices = ", ".join(str(s) for s in stages[:-1]) + f" or {stages[-1]}"
-        raise ValueError(f"{name}={stage!r} is not a ZeRO stage: set {name} to {choices}.")
-    check_flag("offload", offload)
-    if offload and stage not in OFFLOAD_STAGES:
-        raise ValueError(
-            f"offload=True needs sharded gradients, which {name}={stage} does not have (ZeRO-Offload "
-            f"builds on stage 2): set {name}=2 or {name}=3, or offload=False."
-        )
-
-
-def check_flag(name: str, value: object) -> None:
-    """A boolean setting: refuse anything else (a string such as "false" would be truthy)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be True or False: set {name}=True or {name}=False.")
+# the ParallelConfig settings a ZeRO strategy takes; the others (pp, tp, ...) need hybrid3d
+ZERO_SETTINGS = ("zero_stage", "offload", "reshard_after_forward", "activation_checkpointing")
 
 
 class ZeroStrategy(MeshStrategy):
@@ -50,7 +32,7 @@ class ZeroStrategy(MeshStrategy):
             module's ``pipeline_layers()`` if it has them, else its repeated blocks.
         **kwargs: passed to :class:`~lightning_parallel.strategies.base.MeshStrategy`
             (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``process_group_backend``,
-            ``timeout``, ...).
+            ``timeout``, ``checkpoint_format``, ...).
     """
 
     strategy_name = "zero"
@@ -62,22 +44,30 @@ class ZeroStrategy(MeshStrategy):
         reshard_after_forward: bool = True,
         activation_checkpointing: str = "none",
         **kwargs: Any,
-    ):
+    ) -> None:
+        settings, kwargs = ParallelConfig.split_kwargs(kwargs)
+        if settings:
+            raise TypeError(
+                f"ZeroStrategy does not take {', '.join(sorted(settings))}: it only shards data. Use "
+                "Hybrid3DStrategy(zero_stage=...) to combine ZeRO with pipeline or tensor parallelism."
+            )
         check_zero_settings(stage, offload)
         check_flag("reshard_after_forward", reshard_after_forward)
-        if stage != 3 and not reshard_after_forward:
-            rank_zero_warn("reshard_after_forward only applies with stage=3: ignored.")
-        super().__init__(
+        config = ParallelConfig(
             zero_stage=stage,
             offload=offload,
             reshard_after_forward=reshard_after_forward,
             activation_checkpointing=activation_checkpointing,
-            **kwargs,
         )
+        super().__init__(config, **kwargs)
 
     @property
     def stage(self) -> int:
-        return self.zero_stage
+        return self.config.zero_stage
+
+    @property
+    def offload(self) -> bool:
+        return self.config.offload
 
     @override
     def _setting(self) -> str:
@@ -91,13 +81,15 @@ class ZeroStrategy(MeshStrategy):
                 "set devices (or num_nodes) so there are at least 2 processes, "
                 "or use strategy='auto' for one."
             )
-        return ParallelDims.from_degrees(world_size, pp=1, dp=world_size, tp=1)
+        return super()._parallel_degrees(world_size)
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for stage in ZERO_STAGES:
-            description = f"ZeRO stage {stage} over the data-parallel ranks"
+        for stage, sharding in ZERO_STAGES.items():
+            if stage == 0:
+                continue
+            description = f"ZeRO stage {stage}: {sharding.summary}"
             strategy_registry.register(f"zero{stage}", cls, description=description, override=True, stage=stage)
         for stage in OFFLOAD_STAGES:
             description = f"ZeRO stage {stage} with the sharded states on the host"

@@ -15,6 +15,8 @@ rank); with a precision set, the loss scale and a checksum of this rank's parame
 
 Also: activation_memory (the training batch whose activation bytes ActivationMemoryMonitor records, 0: first).
 Strategy specs: a registered name ("zero2"), "hybrid3d:tp=2,..." or "zero3:activation_checkpointing=full".
+With --runs-file, several runs (each a strategy and its cases) share one launch: the process start-up and the
+process group are paid once (tests/conftest.py's ``Batch``).
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_parallel  # noqa: F401  (registers the strategy names)
-from lightning_parallel import DataParallelSyncBatchNorm, Hybrid3DStrategy
+from lightning_parallel import DataParallelSyncBatchNorm, Hybrid3DStrategy, MeshStrategy
+from lightning_parallel.callbacks.activation import ActivationMemoryMonitor
 from lightning_parallel.models import GPTConfig, LitGPT, SyntheticTokens
 from lightning_parallel.models.gpt import gpt_tp_plan
 from lightning_parallel.models.lit_vgg import LitVGG
 from lightning_parallel.models.vgg import VGGConfig
-from lightning_parallel.parallel.memory import model_state_bytes
-from lightning_parallel.strategies.activation_checkpointing import ActivationMemoryMonitor
+from lightning_parallel.parallel.measure.memory import model_state_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from byo_model import MLPClassifier, teacher_dataset  # noqa: E402  (the README's bring-your-own-model example)
@@ -213,10 +215,10 @@ class ShardedData(pl.LightningDataModule):
 
 
 def build_strategy(spec: str):
-    """'zero2' stays a registered name; 'hybrid3d:tp=2,zero_stage=1,sequence_parallel=1' builds the class, and
-    'zero3:activation_checkpointing=full' the registered name's class with more arguments."""
+    """'zero2' stays a registered name; 'hybrid3d:tp=2,zero_stage=1,sequence_parallel=1' builds the class from
+    ParallelConfig settings, and 'zero3:activation_checkpointing=full' the registered name's class with more."""
     if ":" not in spec:
-        return spec, None
+        return spec
     name, _, items = spec.partition(":")
     kwargs = {}
     for item in items.split(","):
@@ -224,16 +226,21 @@ def build_strategy(spec: str):
         kwargs[key] = bool(int(value)) if key == "sequence_parallel" else (value if not value.isdigit() else int(value))
     if name != "hybrid3d":
         entry = StrategyRegistry[name]
-        return entry["strategy"](**entry["init_params"], **kwargs), None
-    return Hybrid3DStrategy(**kwargs), kwargs
+        return entry["strategy"](**entry["init_params"], **kwargs)
+    return Hybrid3DStrategy(**kwargs)
+
+
+def batch_ranks(strategy, world: int) -> int:
+    """Ranks that see different samples: the mesh's batch role (under Lightning's own strategies, every rank)."""
+    return strategy.config.dims(world).role_size("batch") if isinstance(strategy, MeshStrategy) else world
 
 
 def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     pl.seed_everything(case.get("seed", 0), verbose=False)
     steps, accumulate = case.get("steps", 10), case.get("accumulate", 1)
     global_batch = case.get("global_batch", 16)
-    strategy_obj, degrees = build_strategy(strategy)
-    dp = world // ((degrees or {}).get("pp", 1) * (degrees or {}).get("tp", 1))
+    strategy_obj = build_strategy(strategy)
+    dp = batch_ranks(strategy_obj, world)
     micro = global_batch // (accumulate * dp)
     epoch_steps = case.get("epoch_steps", steps)
     if case.get("model") == "vgg":  # BatchNorm: running statistics are buffers every stage must keep right
@@ -337,16 +344,30 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", required=True)
-    parser.add_argument("--cases", required=True, help="JSON list of cases")
+    parser.add_argument("--strategy", help="one run: its strategy spec")
+    parser.add_argument("--cases", help="one run: JSON list of cases")
+    parser.add_argument(
+        "--runs-file",
+        help="several runs, one after another in this process group: a JSON file of "
+        "[{label, strategy, cases}], each writing into OUT/<label>/",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out = Path(args.out)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(1)
-    results = [run_case(case, args.strategy, world, out) for case in json.loads(args.cases)]
-    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    if args.runs_file:
+        runs = json.loads(Path(args.runs_file).read_text())
+    else:
+        runs = [{"label": "", "strategy": args.strategy, "cases": json.loads(args.cases)}]
+    for run in runs:
+        run_out = out / run["label"]
+        run_out.mkdir(parents=True, exist_ok=True)
+        results = [run_case(case, run["strategy"], world, run_out) for case in run["cases"]]
+        (run_out / f"rank{rank}.json").write_text(json.dumps(results))  # each run's results as soon as it ends
+    if args.runs_file:
+        (out / f"rank{rank}.json").write_text(json.dumps([run["label"] for run in runs]))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     # Skip interpreter finalization: gloo's worker threads can still hold tensors then, and releasing

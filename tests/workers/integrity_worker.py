@@ -20,7 +20,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
-from gpt_worker import DEEP, TINY, RecordingGPT, ShardedData, build_strategy
+from gpt_worker import DEEP, TINY, RecordingGPT, ShardedData, batch_ranks, build_strategy
 
 from lightning_parallel.models import SyntheticTokens
 
@@ -59,8 +59,8 @@ def checksum(trainer: pl.Trainer) -> float:
 def run_case(case: dict, strategy: str, world: int, rank: int, out: Path) -> dict:
     pl.seed_everything(0, verbose=False)
     config = CONFIGS[case.get("config", "tiny")]
-    strategy_obj, degrees = build_strategy(strategy)
-    dp = world // ((degrees or {}).get("pp", 1) * (degrees or {}).get("tp", 1))
+    strategy_obj = build_strategy(strategy)
+    dp = batch_ranks(strategy_obj, world)
     data = SyntheticTokens(num_samples=GLOBAL_BATCH * 8, seq_len=config.seq_len, vocab_size=config.vocab_size)
     model = RecordingGPT(config=config, lr=1e-3, eps=1e-6)
     trainer = pl.Trainer(

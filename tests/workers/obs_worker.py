@@ -16,11 +16,11 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from gpt_worker import TINY, ShardedData, build_strategy
+from gpt_worker import TINY, ShardedData, batch_ranks, build_strategy
 
 import lightning_parallel  # noqa: F401  (registers the strategy names)
+from lightning_parallel.callbacks.monitor import TrainingMonitor
 from lightning_parallel.models import LitGPT, SyntheticTokens
-from lightning_parallel.strategies.observability import TrainingMonitor
 
 GLOBAL_BATCH = 8
 
@@ -28,8 +28,8 @@ GLOBAL_BATCH = 8
 def run_case(case: dict, world: int, out: Path) -> dict:
     pl.seed_everything(0, verbose=False)
     steps = case.get("steps", 3)
-    strategy, degrees = build_strategy(case["strategy"])
-    dp = world // ((degrees or {}).get("pp", 1) * (degrees or {}).get("tp", 1))
+    strategy = build_strategy(case["strategy"])
+    dp = batch_ranks(strategy, world)
     data = SyntheticTokens(num_samples=GLOBAL_BATCH * steps, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
     model = LitGPT(config=TINY, lr=1e-3)
     timeline_dir = out / case["name"] if case.get("timeline") else None

@@ -20,7 +20,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 from hydra import compose, initialize_config_dir
 
-from lightning_parallel.parallel.memory import model_state_bytes
+from lightning_parallel.parallel.measure.memory import model_state_bytes
 from lightning_parallel.recipes.config import register_configs
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

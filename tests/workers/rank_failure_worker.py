@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 import lightning_parallel  # noqa: F401  (registers the strategy names)
 from lightning_parallel import Hybrid3DStrategy
-from lightning_parallel.preemption import Preemption
+from lightning_parallel.callbacks.preemption import Preemption
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from byo_model import MLPClassifier, teacher_dataset  # noqa: E402

@@ -29,8 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from lightning_parallel.parallel.conv_tp import ChannelNormParallel
-from lightning_parallel.parallel.sync_batchnorm import convert_sync_batchnorm
+from lightning_parallel.parallel.data.sync_batchnorm import convert_sync_batchnorm
+from lightning_parallel.parallel.tensor.conv import ChannelNormParallel
 
 _PLAIN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 _SPATIAL = {1: (5,), 2: (3, 4), 3: (2, 3, 2)}

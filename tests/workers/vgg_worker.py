@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
-from lightning_parallel.parallel.tensor import apply_tp
+from lightning_parallel.parallel.tensor.plan import apply_tp
 
 
 def full(t: Tensor) -> Tensor:

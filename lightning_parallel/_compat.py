@@ -1,0 +1,116 @@
+"""Every private torch and Lightning API this package touches, in one place.
+
+When torch or Lightning moves one of these, this module (and ``tests/test_compat.py``, which resolves every
+entry) is where it shows, not fifteen files. Public names are re-exported without the leading underscore.
+
+Torch's entries are imported at once (``lightning_parallel.parallel`` uses them and stays Lightning-free);
+Lightning's are imported the first time they are asked for (``from lightning_parallel._compat import
+SubprocessScriptLauncher`` works through the module ``__getattr__`` below).
+
+Pinned against torch 2.13 and Lightning 2.6 (pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._C._distributed_c10d import Backend as C10dBackend  # noqa: F401  (its Options carry a timeout)
+from torch.distributed.checkpoint._traverse import set_element  # noqa: F401
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (semi-public: documented, underscored)
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: F401
+from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401
+
+# ----- torch -----
+
+# ``torch.Tensor`` subclasses that must not intercept torch functions (DCP's chunked views)
+disabled_torch_function_impl = torch._C._disabled_torch_function_impl
+
+# ``PipelineStage`` runs this once after inferring shapes; pipeline/runner.py overrides it to restore buffers
+PIPELINE_STAGE_SHAPE_CLEANUP = "_post_metadata_inference_cleanup"
+
+
+def set_local_tensor(param: DTensor, local: Tensor) -> None:
+    """Make a DTensor's shard *be* ``local`` (an alias, no copy): assigning ``.data`` would copy."""
+    param._local_tensor = local
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """A DTensor's shard outside autograd (``to_local()`` records a graph node), or the tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (the TCPStore torchrun or the strategy set up)."""
+    return torch.distributed.distributed_c10d._get_default_store()
+
+
+def group_size_of(group: Any) -> int:
+    """Size of a process group given the way functional collectives name it (a name, a group or a mesh)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group).size()
+
+
+# ----- Lightning (imported on first use) -----
+
+_LIGHTNING = {
+    "init_dist_connection": ("lightning.fabric.utilities.distributed", "_init_dist_connection"),
+    "sync_ddp_if_available": ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available"),
+    "distributed_is_initialized": ("lightning.fabric.utilities.distributed", "_distributed_is_initialized"),
+    "default_process_group_backend_for_device": (
+        "lightning.fabric.utilities.distributed",
+        "_get_default_process_group_backend_for_device",
+    ),
+    "optimizers_to_device": ("lightning.fabric.utilities.optimizer", "_optimizers_to_device"),
+    "SubprocessScriptLauncher": (
+        "lightning.pytorch.strategies.launchers.subprocess_script",
+        "_SubprocessScriptLauncher",
+    ),
+    "AcceleratorConnector": ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector"),
+}
+# the one method of _AcceleratorConnector that registry.py wraps (fp16 autocast on CPU under our strategies)
+ACCELERATOR_CONNECTOR_PRECISION = "_check_and_init_precision"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LIGHTNING:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _LIGHTNING[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def lightning_entries() -> list[str]:
+    """The Lightning names above (tests resolve every one)."""
+    return list(_LIGHTNING)
+
+
+def fp16_requested_on_cpu(connector: Any) -> bool:
+    """Whether Lightning's accelerator connector is about to turn ``precision="16-mixed"`` on CPU into bf16 (no
+    precision plugin given)."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    accelerator = connector._accelerator_flag
+    on_cpu = accelerator == "cpu" or isinstance(accelerator, CPUAccelerator)
+    return connector._precision_plugin_flag is None and connector._precision_flag == "16-mixed" and on_cpu
+
+
+def validate_precision_choice(connector: Any) -> None:
+    """The accelerator connector's own checks of the precision flag (kept when we pick the plugin)."""
+    connector._validate_precision_choice()
+
+
+def attached_trainer(module: Any) -> Any:
+    """The Trainer a LightningModule is attached to, or None (``module.trainer`` raises when there is none)."""
+    return module._trainer
+
+
+def fit_combined_loader(trainer: Any) -> Any:
+    """The fit loop's combined training loader (Lightning keeps no public handle on it)."""
+    return trainer.fit_loop._combined_loader

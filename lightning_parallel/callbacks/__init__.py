@@ -1,0 +1,6 @@
+"""Lightning callbacks that work under any strategy: activation checkpointing and activation memory
+(:mod:`.activation`), throughput/MFU/memory/communication/timeline (:mod:`.monitor`), exact resume
+(:mod:`.resume`) and preemption on SIGTERM (:mod:`.preemption`).
+
+May import: Lightning and ``lightning_parallel.parallel``. Never ``lightning_parallel.strategies``.
+"""

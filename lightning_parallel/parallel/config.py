@@ -1,0 +1,191 @@
+"""Every parallel setting, declared once: :class:`ParallelConfig` and its validation. Pure Python (+ torch's
+schedule table).
+
+The strategies take it (``Hybrid3DStrategy(pp=2, tp=2)`` builds one from its keyword arguments), the recipes'
+Hydra schema extends it (``StrategyConf``), the planner validates layouts with it, and the tests build
+strategies from it. A new setting is a new field here, with its check in :meth:`ParallelConfig.validate`.
+
+May import: ``parallel.mesh``, ``parallel.pipeline.schedules``, ``parallel.data.stages``,
+``parallel.activation_checkpoint``. Never Lightning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_parallel.parallel.activation_checkpoint import check_activation_checkpointing
+from lightning_parallel.parallel.data.stages import check_zero_settings, zero_stage
+from lightning_parallel.parallel.mesh import ParallelDims, check_degree
+from lightning_parallel.parallel.pipeline.schedules import ScheduleSpec, schedule_spec
+
+PIPELINE_BALANCES = ("uniform", "params", "profile")
+
+
+def check_flag(name: str, value: object) -> None:
+    """A boolean setting: refuse anything else (a string such as "false" would be truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False: set {name}=True or {name}=False.")
+
+
+def check_degree_arg(name: str, value: object, allow_auto: bool = False) -> None:
+    if allow_auto and value == "auto":
+        return
+    try:
+        check_degree(name, value)
+    except ValueError:
+        if not allow_auto:
+            raise
+        raise ValueError(
+            f"{name}={value!r} is not a parallel degree: set {name} to a positive integer or 'auto'."
+        ) from None
+
+
+@dataclass
+class ParallelConfig:
+    """How one model is laid out over the world. Field types are ones Hydra's structured configs accept.
+
+    Attributes:
+        dp: data-parallel degree; ``"auto"`` takes the ranks the other axes leave.
+        pp: pipeline-parallel degree (stages; more per rank with ``pp_virtual_stages``).
+        tp: tensor-parallel degree.
+        zero_stage: what data parallelism shards over dp: 0 nothing (gradients averaged), 1 optimizer
+            states, 2 also gradients, 3 also parameters (FSDP2).
+        offload: keep the sharded states on the host and step there (stages 2 and 3).
+        reshard_after_forward: stage 3: free gathered parameters after each unit's forward (less memory) or
+            keep them until backward (less communication).
+        pp_schedule: a name in :data:`~lightning_parallel.parallel.pipeline.schedules.SCHEDULES`.
+        microbatches: per pipeline step; they must divide each dp rank's batch (None: 2 * pp).
+        pp_balance: ``uniform`` (layers per stage), ``params`` (parameter count) or ``profile`` (timed
+            forward+backward on the module's ``example_input_array``).
+        pp_memory_budget: with ``pp_balance="profile"``, the most bytes one stage may hold. None: no limit.
+        pp_virtual_stages: stages per rank for ``interleaved_1f1b`` (default 2).
+        sequence_parallel: also split norms and the residual stream along the sequence over tp.
+        activation_checkpointing: ``none``, ``full`` (recompute each layer in backward, keep its input) or
+            ``selective`` (keep matmul, conv and attention outputs, recompute the rest).
+    """
+
+    dp: Any = "auto"  # an int or "auto"
+    pp: int = 1
+    tp: int = 1
+    zero_stage: int = 0
+    offload: bool = False
+    reshard_after_forward: bool = True
+    pp_schedule: str = "1f1b"
+    microbatches: int | None = None
+    pp_balance: str = "uniform"
+    pp_memory_budget: int | None = None
+    pp_virtual_stages: int | None = None
+    sequence_parallel: bool = False
+    activation_checkpointing: str = "none"
+
+    # ----- building -----
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The settings' names, in declaration order."""
+        return [f.name for f in dataclasses.fields(ParallelConfig)]
+
+    @classmethod
+    def from_mapping(cls, settings: Mapping[str, Any]) -> ParallelConfig:
+        """A config from the settings in ``settings`` (other keys are ignored: a Hydra node may hold more)."""
+        return ParallelConfig(**{name: settings[name] for name in cls.names() if name in settings})
+
+    @classmethod
+    def split_kwargs(cls, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(parallel settings, everything else) of a strategy's keyword arguments."""
+        names = set(cls.names())
+        return {k: v for k, v in kwargs.items() if k in names}, {k: v for k, v in kwargs.items() if k not in names}
+
+    def non_defaults(self, names: list[str] | None = None) -> dict[str, Any]:
+        """The settings (among ``names``, default all) that differ from their defaults."""
+        default = ParallelConfig()
+        return {n: getattr(self, n) for n in names or self.names() if getattr(self, n) != getattr(default, n)}
+
+    # ----- what it means -----
+
+    @property
+    def schedule(self) -> ScheduleSpec:
+        return schedule_spec(self.pp_schedule)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.schedule.stages_per_rank(self.pp_virtual_stages) if self.pp > 1 else 1
+
+    def dims(self, world_size: int) -> ParallelDims:
+        """The degrees for ``world_size`` processes (``dp="auto"`` resolved); a ValueError with the arithmetic
+        when they do not fit."""
+        return ParallelDims.from_degrees(world_size, pp=self.pp, dp=self.dp, tp=self.tp)
+
+    def describe(self, name: str = "hybrid3d") -> str:
+        return f"strategy={name!r} (dp={self.dp!r}, pp={self.pp}, tp={self.tp}, zero_stage={self.zero_stage})"
+
+    # ----- validation -----
+
+    def validate(self, warn: Callable[[str], Any] = warnings.warn) -> ParallelConfig:
+        """Check every setting before any process group exists; returns a validated copy with the derived
+        values filled in (``microbatches`` under pp). Settings that cannot apply are warned about through
+        ``warn`` (Lightning's ``rank_zero_warn`` in the strategies).
+
+        Raises:
+            ValueError, TypeError: naming the setting and the fix.
+        """
+        check_degree_arg("dp", self.dp, allow_auto=True)
+        check_degree_arg("pp", self.pp)
+        check_degree_arg("tp", self.tp)
+        check_zero_settings(self.zero_stage, self.offload, name="zero_stage", allow_zero=True)
+        check_flag("sequence_parallel", self.sequence_parallel)
+        check_flag("reshard_after_forward", self.reshard_after_forward)
+        if self.sequence_parallel and self.tp == 1:
+            warn(
+                "sequence_parallel=True splits along the sequence over tp, and tp=1: ignored. "
+                "Set tp > 1 to use it, or sequence_parallel=False."
+            )
+        spec = schedule_spec(self.pp_schedule)
+        if self.pp_balance not in PIPELINE_BALANCES:
+            raise ValueError(
+                f"pp_balance={self.pp_balance!r} is unknown: set it to one of {', '.join(PIPELINE_BALANCES)}."
+            )
+        if self.microbatches is not None:
+            check_degree_arg("microbatches", self.microbatches)
+        self._check_memory_budget(warn)
+        spec.check_virtual_stages(self.pp_virtual_stages)
+        done = dataclasses.replace(self)
+        pipeline_set = self.non_defaults(["pp_schedule", "microbatches", "pp_balance", "pp_virtual_stages"])
+        if self.pp == 1 and pipeline_set:
+            warn("pp_schedule, microbatches, pp_balance and pp_virtual_stages only apply with pp > 1: ignored at pp=1.")
+        if self.pp > 1:
+            done.microbatches = 2 * self.pp if self.microbatches is None else self.microbatches
+            setting = f"strategy='hybrid3d' (pp={self.pp}, pp_schedule={self.pp_schedule!r})"
+            spec.check_microbatches(done.microbatches, self.pp, setting)
+        done.activation_checkpointing = check_activation_checkpointing(self.activation_checkpointing)
+        split_backward = self.pp > 1 and spec.split_backward
+        gathers_params = "params" in zero_stage(self.zero_stage).sharded  # reshard_after_forward is its setting
+        if split_backward and done.activation_checkpointing == "selective":
+            raise ValueError(
+                f"activation_checkpointing='selective' cannot run under pp_schedule={self.pp_schedule!r}: its split "
+                "backward recomputes each layer twice (input, then weight gradients) and selective checkpointing keeps "
+                "what it saved for one backward only. Use activation_checkpointing='full' or another pp_schedule."
+            )
+        if split_backward and gathers_params and self.reshard_after_forward:
+            # resharding between a split backward's two passes gives wrong weight gradients (seen: 0.6-0.7x)
+            warn(
+                f"pp_schedule={self.pp_schedule!r} with zero_stage={self.zero_stage} keeps parameters gathered "
+                "after forward."
+            )
+            done.reshard_after_forward = False
+        if not gathers_params and not self.reshard_after_forward:
+            warn("reshard_after_forward only applies with zero_stage=3: ignored.")
+        return done
+
+    def _check_memory_budget(self, warn: Callable[[str], Any]) -> None:
+        budget = self.pp_memory_budget
+        if budget is None:
+            return
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+            raise ValueError(f"pp_memory_budget={budget!r} is not a byte count: set it to a positive number or None.")
+        if self.pp_balance != "profile":
+            warn(f"pp_memory_budget only applies with pp_balance='profile': ignored with {self.pp_balance!r}.")

@@ -1,0 +1,273 @@
+"""ZeRO stages 1 and 2 on one flat buffer per optimizer parameter group. Pure torch, no Lightning.
+
+Hand-written because torch has no ZeRO-2, and its ``ZeroRedundancyOptimizer`` (ZeRO-1) assigns whole
+parameters to ranks, so per-rank optimizer state is uneven. Here every group's parameters are packed
+into one flat buffer (padded to a multiple of the data-parallel size) and each rank owns one contiguous
+slice of it, as DeepSpeed does:
+
+- the model's parameters become views into the flat buffer, replicated on every rank (4P bytes, fp32);
+- stage 1 keeps full gradients in a flat buffer too (4P) and all-reduces them;
+- stage 2 reduce-scatters gradients, keeps only its slice (4P/N) and frees the full ones;
+- the user's optimizer is kept, with each group re-pointed at the rank's slice, so its state is 8P/N
+  for Adam, LR schedulers keep working on the same object, and after each step the slices are
+  all-gathered back into the replicated parameters.
+
+Gradients are reduced once per optimizer step, after accumulation (the caller invokes
+:meth:`FlatZero.reduce_gradients` after backward and before clipping; ``step`` does it if nobody did).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_parallel._compat import set_local_tensor
+from lightning_parallel.parallel.data.sharding import DataParallelSharding, GradPiece
+from lightning_parallel.parallel.dtensor import like, local, placed_like, split_axes
+
+# State entries that are one number per parameter rather than one per element.
+SCALAR_STATE_KEYS = frozenset({"step", "eta", "mu", "mu_product"})
+
+
+@dataclass
+class FlatGroup:
+    """One optimizer group's parameters packed into one flat buffer, and this rank's slice of it."""
+
+    params: list[nn.Parameter]  # trainable model parameters, in group order
+    offsets: list[int]  # start of each parameter in the flat buffer
+    shard_numel: int  # padded numel / world size
+    flat_param: Tensor  # (shard_numel * N,) the model parameters are views into it
+    flat_grad: Tensor | None  # stage 1: (shard_numel * N,) full gradients; stage 2: None
+    shard: Tensor  # the optimizer's parameter: this rank's slice (a host copy under offload)
+
+    def local_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def views(self, flat: Tensor) -> Iterator[tuple[nn.Parameter, Tensor]]:
+        for p, off in zip(self.params, self.offsets):
+            shard = local(p)
+            yield p, flat[off : off + shard.numel()].view(shard.shape)
+
+
+def _pack(params: list[nn.Parameter], world: int) -> tuple[list[int], int, Tensor]:
+    locals_ = [local(p) for p in params]
+    devices = {t.device for t in locals_}
+    dtypes = {t.dtype for t in locals_}
+    if len(devices) > 1 or len(dtypes) > 1:
+        raise ValueError(
+            f"ZeRO packs each optimizer group into one buffer, but a group mixes devices {devices} or dtypes "
+            f"{dtypes}: put parameters of different devices or dtypes into separate param groups."
+        )
+    offsets, total = [], 0
+    for t in locals_:
+        offsets.append(total)
+        total += t.numel()
+    shard_numel = -(-total // world)
+    flat = torch.zeros(shard_numel * world, dtype=locals_[0].dtype, device=locals_[0].device)
+    for t, off in zip(locals_, offsets):
+        flat[off : off + t.numel()].copy_(t.detach().reshape(-1))
+    return offsets, shard_numel, flat
+
+
+class FlatZero:
+    """Shards an existing optimizer's state (stage 1) and gradients (stage 2) over a process group.
+
+    Args:
+        optimizer: a fresh optimizer over the model's parameters; it is modified in place.
+        group: the data-parallel process group to shard over.
+        stage: 1 or 2.
+        offload: keep this rank's slice of parameters, gradients and optimizer state on the host and
+            step there (stage 2 only, as ZeRO-Offload).
+    """
+
+    def __init__(self, optimizer: Optimizer, group: dist.ProcessGroup, stage: int, offload: bool = False) -> None:
+        assert stage in (1, 2) and not (offload and stage == 1)
+        self.optimizer = optimizer
+        self.group = group
+        self.stage = stage
+        self.offload = offload
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        # index of every parameter the optimizer held, in torch's state_dict numbering
+        self.original_params: list[list[nn.Parameter]] = [list(g["params"]) for g in optimizer.param_groups]
+        self.groups: list[FlatGroup | None] = [self._shard_group(g) for g in optimizer.param_groups]
+        self._reduced = False
+        optimizer.register_step_pre_hook(self._before_step)
+        optimizer.register_step_post_hook(lambda *_: self._after_step())
+
+    def _shard_group(self, param_group: dict) -> FlatGroup | None:
+        params = [p for p in param_group["params"] if p.requires_grad]
+        if not params:
+            param_group["params"] = []
+            return None
+        offsets, shard_numel, flat_param = _pack(params, self.world)
+        flat_grad = torch.zeros_like(flat_param) if self.stage == 1 else None
+        start, end = self.rank * shard_numel, (self.rank + 1) * shard_numel
+        shard = flat_param[start:end]
+        if self.offload:
+            shard = shard.to("cpu", copy=True)
+        fg = FlatGroup(params, offsets, shard_numel, flat_param, flat_grad, shard)
+        for p, view in fg.views(flat_param):
+            if isinstance(p, DTensor):
+                set_local_tensor(p, view)  # an alias: assigning .data would copy
+            else:
+                p.data = view
+        if flat_grad is not None:
+            # autograd accumulates into these views in place, so stage 1 needs no copy after backward;
+            # not for DTensors: a sequence-parallel gradient arrives Partial and would be added unreduced
+            for p, view in fg.views(flat_grad):
+                if not isinstance(p, DTensor):
+                    p.grad = view
+        param_group["params"] = [shard]
+        return fg
+
+    @property
+    def flat_groups(self) -> list[FlatGroup]:
+        return [g for g in self.groups if g is not None]
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple | None:
+        # The closure (forward and backward) runs inside step(), so reduce after it, not before.
+        closure = kwargs.get("closure")
+        if closure is None:
+            self.reduce_gradients()
+            return None
+
+        def closure_then_reduce():
+            result = closure()
+            self.reduce_gradients()
+            return result
+
+        return args, {**kwargs, "closure": closure_then_reduce}
+
+    def reduce_gradients(self) -> None:
+        """Average gradients over the group; each rank keeps (stage 2) or reads (stage 1) its slice."""
+        if self._reduced:
+            return
+        for fg in self.flat_groups:
+            flat = fg.flat_grad if fg.flat_grad is not None else torch.zeros_like(fg.flat_param)
+            for p, view in fg.views(flat):
+                if p.grad is not None and local(p.grad).data_ptr() != view.data_ptr():
+                    view.add_(local(placed_like(p, p.grad)))  # a gradient autograd allocated itself
+                if fg.flat_grad is not None:
+                    p.grad = like(p, view)
+                else:
+                    p.grad = None  # stage 2: the full gradient is freed once reduced
+            flat.div_(self.world)  # divide first: the sum stays in range for low-precision gradients
+            start, end = fg.local_range(self.rank)
+            if fg.flat_grad is not None:
+                dist.all_reduce(flat, group=self.group)
+                grad = flat[start:end]
+            else:
+                grad = torch.empty(fg.shard_numel, dtype=flat.dtype, device=flat.device)
+                dist.reduce_scatter_single(grad, flat, group=self.group)
+            fg.shard.grad = grad.to(fg.shard.device) if self.offload else grad
+        self._reduced = True
+
+    def shard_grad_segments(self) -> list[tuple[Tensor, nn.Parameter]]:
+        """This rank's reduced gradient slice cut at parameter boundaries: (view, parameter) pairs.
+
+        Gradient-norm code needs to know which parameter each element belongs to, because a tensor-parallel
+        shard is summed over tp ranks while a replicated parameter must be counted once.
+        """
+        self.reduce_gradients()
+        segments = []
+        for fg in self.flat_groups:
+            if fg.shard.grad is None:
+                continue
+            start, end = fg.local_range(self.rank)
+            for p, off in zip(fg.params, fg.offsets):
+                lo, hi = max(start, off), min(end, off + local(p).numel())
+                if lo < hi:
+                    segments.append((fg.shard.grad[lo - start : hi - start], p))
+        return segments
+
+    def _after_step(self) -> None:
+        for fg in self.flat_groups:
+            start, end = fg.local_range(self.rank)
+            local = fg.flat_param[start:end]
+            if self.offload:
+                local.copy_(fg.shard)
+            # the input is copied because it aliases the output buffer
+            dist.all_gather_single(fg.flat_param, local.clone(), group=self.group)
+            if fg.flat_grad is not None:
+                fg.flat_grad.zero_()
+                for p in fg.params:
+                    if isinstance(p, DTensor):
+                        p.grad = None  # autograd allocates the next one (see _shard_group)
+        self._reduced = False
+
+    def discard_unstepped(self) -> None:
+        """Drop reduced gradients that no ``step()`` consumed (an fp16 overflow skipped it, or there was no
+        backward): the next window then accumulates from zero, as after a step. A no-op after ``step()``."""
+        if not self._reduced:
+            return
+        for fg in self.flat_groups:
+            fg.shard.grad = None
+            if fg.flat_grad is not None:
+                fg.flat_grad.zero_()
+                for p in fg.params:
+                    if isinstance(p, DTensor):
+                        p.grad = None
+        self._reduced = False
+
+    def reload_offloaded(self) -> None:
+        """After the flat buffers were loaded in place: refresh the host copy of this rank's slice (offload),
+        which is what the optimizer steps."""
+        if not self.offload:
+            return
+        for fg in self.flat_groups:
+            start, end = fg.local_range(self.rank)
+            fg.shard.data.copy_(fg.flat_param[start:end])
+
+
+class FlatSharding(DataParallelSharding):
+    """Stages 1 and 2: each optimizer's groups packed into flat buffers, each rank stepping its slice."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._flat: dict[int, FlatZero] = {}  # id(optimizer) -> its flat sharding
+
+    def shard_optimizer(self, optimizer: Optimizer) -> None:
+        super().shard_optimizer(optimizer)
+        self._flat[id(optimizer)] = FlatZero(optimizer, self.group, self.stage, offload=self.offload)
+
+    def flat(self, optimizer: Optimizer) -> FlatZero | None:
+        return self._flat.get(id(optimizer))
+
+    def _of(self, optimizer: Optimizer) -> FlatZero:
+        flat = self._flat.get(id(optimizer))
+        assert flat is not None, "shard_optimizer() takes every optimizer first"
+        return flat
+
+    def reduce_gradients(self, optimizer: Optimizer) -> None:
+        self._of(optimizer).reduce_gradients()
+
+    def grad_pieces(self, optimizer: Optimizer) -> list[GradPiece]:
+        return [(g, p, (self.axis, *split_axes(p))) for g, p in self._of(optimizer).shard_grad_segments()]
+
+    def after_step(self, optimizer: Optimizer) -> None:
+        self._of(optimizer).discard_unstepped()  # fp16 skipped the update: forget the reduced gradients
+
+    def param_groups(self, optimizer: Optimizer) -> list[list[nn.Parameter]]:
+        return self._of(optimizer).original_params
+
+
+class ShardOptimizer(FlatSharding):
+    stage = 1
+    sharded = frozenset({"optimizer"})
+    comm_factor = 1.5  # gradients all-reduced (whole on every rank for hooks and clipping), slices all-gathered
+    summary = "optimizer states sharded"
+
+
+class ShardGradients(FlatSharding):
+    stage = 2
+    sharded = frozenset({"optimizer", "grads"})
+    comm_factor = 1.0  # reduce-scatter + all-gather: an all-reduce's volume
+    supports_offload = True
+    summary = "optimizer states and gradients sharded"

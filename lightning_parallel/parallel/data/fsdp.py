@@ -1,0 +1,117 @@
+"""ZeRO stage 3 with torch's FSDP2 (``fully_shard``): which modules become sharding units, and applying it.
+
+A unit all-gathers its parameters just before its forward and frees them after, so a unit must own
+every parameter its forward uses, and each parameter must belong to exactly one unit. The unit choice is
+a pure function so it can be tested without a process group.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_parallel.parallel.data.sharding import DataParallelSharding
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _block_units(module: nn.Module, prefix: str) -> list[str]:
+    """Every child of the outermost ModuleList/Sequential containers: the repeated blocks."""
+    units = []
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        if isinstance(child, _CONTAINERS):
+            units += [f"{path}.{n}" for n, c in child.named_children() if _has_params(c)]
+        else:
+            units += _block_units(child, f"{path}.")
+    return units
+
+
+def _owned_params(root: nn.Module, path: str, units: set[str]) -> set[int]:
+    """Ids of parameters under ``path`` that no nested unit owns."""
+    module = root.get_submodule(path)
+    nested = [u for u in units if u != path and (path == "" or u.startswith(path + "."))]
+    inner = {id(p) for u in nested for p in root.get_submodule(u).parameters()}
+    return {id(p) for p in module.parameters()} - inner
+
+
+def _common_ancestor(a: str, b: str) -> str:
+    parts = []
+    for x, y in zip(a.split("."), b.split(".")):
+        if x != y:
+            break
+        parts.append(x)
+    return ".".join(parts)
+
+
+def fsdp_units(root: nn.Module) -> list[str]:
+    """Module paths to shard as units, innermost first; ``""`` is the root itself.
+
+    Units are the repeated blocks, then every top-level child with parameters left over, then the root
+    when parameters remain directly on it. Two units that share a parameter (tied embedding and head)
+    are replaced by their closest common ancestor, so the shared weight is gathered once.
+    """
+    units = set(_block_units(root, ""))
+    units |= {name for name, _ in root.named_children() if _owned_params(root, name, units)}
+    changed = True
+    while changed:
+        changed = False
+        owners: dict[int, str] = {}
+        for unit in sorted(units, key=lambda u: -u.count(".")):
+            for pid in _owned_params(root, unit, units):
+                other = owners.setdefault(pid, unit)
+                if other != unit:
+                    ancestor = _common_ancestor(other, unit)
+                    units = {u for u in units if u not in (other, unit)} | {ancestor}
+                    changed = True
+                    break
+            if changed:
+                break
+    if "" not in units and _owned_params(root, "", units):
+        units.add("")
+    return sorted(units, key=lambda u: (-u.count(".") if u else 1, u))
+
+
+def apply_fsdp(
+    root: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool = True,
+    offload: bool = False,
+    units: list[str] | None = None,
+) -> list[str]:
+    """Shard ``root``'s parameters, gradients and optimizer state over ``mesh`` (ZeRO-3) in place.
+
+    Returns:
+        The unit paths, innermost first (``""`` when the root itself became a unit).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    units = fsdp_units(root) if units is None else units
+    policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
+    for path in units:
+        # the root is gathered for the whole step anyway: freeing it after forward would only regather it.
+        # None is torch's own default: every unit reshards except whichever becomes the FSDP root at the first
+        # forward (the outermost unit), which saves one all-gather of it per step
+        reshard = False if path == "" or not reshard_after_forward else None
+        fully_shard(root.get_submodule(path), mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
+    return units
+
+
+class ShardParameters(DataParallelSharding):
+    """Stage 3: parameters too, with torch's FSDP2; gradients arrive reduce-scattered as DTensors."""
+
+    stage = 3
+    sharded = frozenset({"optimizer", "grads", "params"})
+    comm_factor = 1.5  # parameters gathered for forward and again for backward, gradients reduce-scattered
+    supports_offload = True
+    summary = "optimizer states, gradients and parameters sharded (FSDP2)"
+
+    def shard_module(self, root: nn.Module, units: list[str] | None = None) -> list[str]:
+        return apply_fsdp(
+            root, self.mesh, reshard_after_forward=self.reshard_after_forward, offload=self.offload, units=units
+        )

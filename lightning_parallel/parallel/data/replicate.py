@@ -1,0 +1,53 @@
+"""ZeRO stage 0: plain data parallelism for parameters that may be tensor-parallel DTensors. Pure torch.
+
+Hand-written because torch's DDP does not take DTensor parameters: after the last backward of a step,
+the local gradients are averaged over the dp group in one flat bucket per dtype.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_parallel.parallel.data.sharding import DataParallelSharding, trainable
+from lightning_parallel.parallel.dtensor import local, placed_like
+
+
+def all_reduce_gradients(params: Iterable[Tensor], group: dist.ProcessGroup) -> None:
+    """Average every parameter's (local) gradient over ``group`` in place; missing gradients count as 0."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    by_dtype: dict[torch.dtype, list[Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is None:
+            # every rank must contribute the same buffer layout, so a missing gradient becomes zeros
+            p.grad = torch.zeros_like(p)
+        p.grad = placed_like(p, p.grad)  # e.g. Partial over tp: reduce it first
+        grad = local(p.grad)
+        by_dtype[grad.dtype].append(grad)
+    for dtype in sorted(by_dtype, key=str):
+        grads = by_dtype[dtype]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(world)
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+class Replicate(DataParallelSharding):
+    """Stage 0: every rank holds everything; gradients are averaged once per step."""
+
+    stage = 0
+    sharded = frozenset()
+    comm_factor = 1.0
+    summary = "nothing sharded, gradients averaged"
+
+    def reduce_gradients(self, optimizer: Optimizer) -> None:
+        all_reduce_gradients(trainable(optimizer), self.group)

@@ -1,0 +1,162 @@
+"""The interface every data-parallel sharding implements: one subclass per ZeRO stage. Pure torch.
+
+A sharding is told the mesh it shards over (the mesh's ``shard`` role) and is asked, in this order, to shard
+the model (ZeRO-3 wraps it in FSDP2 units; the others leave it), to shard each optimizer, to reduce the
+gradients after the last backward of a step, to hand its local gradient pieces to clipping, and to clean up
+after the step. Its class attributes are the ZeRO paper's formulas, so the planner, the profiler and the
+memory report compute one quantity one way.
+
+Adding a variant (HSDP, ZeRO++'s hpZ, ...): a subclass in a module of its own beside these, and a row in
+:mod:`lightning_parallel.parallel.data.stages`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+from lightning_parallel.parallel.dtensor import local, split_axes
+
+# A local gradient, its parameter, and the mesh axes that split the gradient (each element counted once
+# when partial norms are summed over exactly those axes).
+GradPiece = tuple[Tensor, nn.Parameter, tuple[str, ...]]
+
+MODEL_STATES = ("params", "grads", "optimizer")
+
+# Optimizers whose update is elementwise, so running them on a flat slice is the same math as
+# running them per parameter. Anything else (LBFGS, factored or matrix optimizers) would be wrong.
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+
+
+def check_shardable_optimizer(optimizer: torch.optim.Optimizer, setting: str) -> None:
+    """Refuse optimizers whose math changes when the parameters are split.
+
+    Raises:
+        TypeError: naming the optimizer, the setting and the optimizers that work.
+    """
+    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+        names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+        raise TypeError(
+            f"{setting} cannot shard {type(optimizer).__name__}: its update is not elementwise, so it would "
+            f"compute something else on a slice of the parameters. Return one of {names} from "
+            f"configure_optimizers, or use strategy='ddp'."
+        )
+    if optimizer.state:
+        raise ValueError(
+            f"{setting} got an optimizer that already has state (it was stepped before the strategy set it "
+            "up): create it fresh in configure_optimizers and load states through ckpt_path."
+        )
+
+
+def trainable(optimizer: Optimizer) -> list[nn.Parameter]:
+    return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+
+class DataParallelSharding:
+    """How model states are split over the data-parallel ranks of ``mesh``, and how gradients meet there.
+
+    Args:
+        mesh: the 1-D mesh of the ranks that shard (or replicate) the states.
+        offload: keep the sharded states on the host (stages that allow it).
+        reshard_after_forward: stage 3's FSDP2 setting.
+        setting: how the user named this layout, for error messages.
+    """
+
+    stage: ClassVar[int]
+    sharded: ClassVar[frozenset[str]]  # which of MODEL_STATES are split over the ranks
+    comm_factor: ClassVar[float]  # bytes sent per step per rank, in units of a ring all-reduce of the gradients
+    supports_offload: ClassVar[bool] = False
+    summary: ClassVar[str]
+
+    def __init__(
+        self, mesh: DeviceMesh, *, offload: bool = False, reshard_after_forward: bool = True, setting: str = ""
+    ) -> None:
+        assert mesh.ndim == 1, "a sharding takes the 1-D mesh of its ranks"
+        self.mesh = mesh
+        self.offload = offload
+        self.reshard_after_forward = reshard_after_forward
+        self.setting = setting
+
+    @property
+    def axis(self) -> str:
+        names = self.mesh.mesh_dim_names
+        assert names, "meshes here have named axes"
+        return names[0]
+
+    @property
+    def group(self) -> torch.distributed.ProcessGroup:
+        return self.mesh.get_group()
+
+    # ----- the steps -----
+
+    def shard_module(self, root: nn.Module, units: list[str] | None = None) -> list[str]:
+        """Shard ``root``'s parameters in place (ZeRO-3); returns the module paths made units."""
+        return []
+
+    def shard_optimizer(self, optimizer: Optimizer) -> None:
+        """Take a fresh optimizer from ``configure_optimizers`` (stages 1-2 re-point it at a slice)."""
+        if self.sharded:
+            check_shardable_optimizer(optimizer, self.setting)
+
+    def reduce_gradients(self, optimizer: Optimizer) -> None:
+        """Once per optimizer step, after the last backward: make the gradients the data-parallel mean."""
+
+    def grad_pieces(self, optimizer: Optimizer) -> list[GradPiece]:
+        """This rank's gradients of ``optimizer``'s parameters, each with the mesh axes that split it."""
+        params = (p for g in optimizer.param_groups for p in g["params"])
+        return [(local(p.grad), p, split_axes(p.grad)) for p in params if p.grad is not None]
+
+    def after_step(self, optimizer: Optimizer) -> None:
+        """After ``optimizer_step`` (also one that fp16 skipped)."""
+
+    def flat(self, optimizer: Optimizer) -> Any:
+        """The ZeRO-1/2 flat buffers of ``optimizer`` (checkpoints read their ranges), None for other stages."""
+        return None
+
+    def param_groups(self, optimizer: Optimizer) -> list[list[nn.Parameter]]:
+        """The model parameters of each of the optimizer's groups, as ``configure_optimizers`` built them."""
+        return [list(g["params"]) for g in optimizer.param_groups]
+
+    # ----- the formulas (Rajbhandari et al., 2020) -----
+
+    @classmethod
+    def state_bytes(cls, param_bytes: float, dp: int, optimizer_states: int = 2) -> float:
+        """Parameter, gradient and optimizer-state bytes on one rank whose (unsharded) parameters take
+        ``param_bytes``: gradients as large, ``optimizer_states`` tensors as large each (Adam: 2)."""
+        sizes = {"params": param_bytes, "grads": param_bytes, "optimizer": optimizer_states * param_bytes}
+        return sum(size / dp if state in cls.sharded else size for state, size in sizes.items())
+
+    @classmethod
+    def state_bytes_exact(cls, num_params: int, dp: int, elem: int = 4, optimizer_states: int = 2) -> int:
+        """:meth:`state_bytes` in whole bytes, the sharded part rounded up (flat buffers are padded)."""
+        sizes = {"params": elem * num_params, "grads": elem * num_params}
+        sizes["optimizer"] = elem * optimizer_states * num_params
+        whole = sum(size for state, size in sizes.items() if state not in cls.sharded)
+        return whole + math.ceil(sum(size for state, size in sizes.items() if state in cls.sharded) / dp)
+
+    @classmethod
+    def comm_bytes(cls, grad_bytes: float, dp: int) -> float:
+        """Bytes one rank sends per step: ``comm_factor`` ring all-reduces of the gradients, 2 g (w-1)/w each."""
+        return cls.comm_factor * 2 * grad_bytes * (dp - 1) / dp if dp > 1 else 0.0
+
+
+def describe_stages(stages: Sequence[type[DataParallelSharding]]) -> str:
+    return "; ".join(f"{s.stage}: {s.summary}" for s in stages)

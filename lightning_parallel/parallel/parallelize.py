@@ -1,0 +1,184 @@
+"""Applying the parallelisms to a model: the one place their order lives. Pure torch.
+
+    1. pipeline split (pp)      this rank keeps its stages' layers (materialized when built on meta)
+    2. tensor parallel (tp)     the module's plan, on what this rank holds
+    3. activation checkpointing this rank's layers, after tp (torchtitan's order), before sharding wraps them
+    4. data-parallel sharding   ZeRO-3 wraps units (each layer, and each stage under pp); stages 0-2 shard the
+                                optimizers later, when ``configure_optimizers`` has built them
+
+Each step reads the module through :mod:`lightning_parallel.protocol` and its settings from
+:class:`~lightning_parallel.parallel.config.ParallelConfig`; the meshes come from the roles of
+:class:`~lightning_parallel.parallel.mesh.ParallelMesh`. An axis added later (experts, context) gets its step
+here, in its place in the order.
+
+May import: anything under ``lightning_parallel.parallel`` and ``lightning_parallel.protocol``. Never Lightning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_parallel.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.data.sharding import DataParallelSharding
+from lightning_parallel.parallel.data.stages import zero_stage as sharding_of
+from lightning_parallel.parallel.mesh import ParallelMesh
+from lightning_parallel.parallel.pipeline.partition import balanced_partition, check_stage_count, uniform_partition
+from lightning_parallel.parallel.pipeline.profile import example_microbatch, profile_layers, profiled_partition
+from lightning_parallel.parallel.pipeline.split import PipelineSplit, layer_paths, materialize_stages, split_model
+from lightning_parallel.parallel.pipeline.tied import TiedGradients
+from lightning_parallel.parallel.tensor.plan import apply_tp, resolvable_plan
+from lightning_parallel.protocol import pipeline_layers, tensor_parallel_plan
+
+Warn = Callable[[str], Any]
+
+
+@dataclass
+class Parallelized:
+    """What :func:`parallelize` did to the model on this rank."""
+
+    split: PipelineSplit | None = None  # this rank's pipeline stages (pp > 1)
+    tied: TiedGradients | None = None  # weights tied across stages (pp > 1)
+    fsdp_units: list[str] = field(default_factory=list)  # ZeRO-3 units ("" the root itself)
+    checkpointed: list[nn.Module] = field(default_factory=list)  # layers recomputed in backward
+
+    @property
+    def route_through_root(self) -> bool:
+        """True when the root itself is a ZeRO-3 unit: its forward hooks must run every step."""
+        return "" in self.fsdp_units
+
+
+def parallelize(
+    root: nn.Module,
+    module: Any,
+    mesh: ParallelMesh,
+    config: ParallelConfig,
+    sharding: DataParallelSharding,
+    device: torch.device,
+    *,
+    warn: Warn = warnings.warn,
+    info: Warn = print,
+) -> Parallelized:
+    """Split ``root`` in place over ``mesh`` as ``config`` says, in the fixed order of this module's docstring.
+
+    Args:
+        root: the model to split (the LightningModule itself, or what wraps it).
+        module: the object with the protocol methods (usually ``root``).
+        mesh: the world's mesh.
+        config: a validated config.
+        sharding: the data-parallel sharding of ``config.zero_stage`` over ``mesh["shard"]``.
+        device: this rank's device (meta-built stages are materialized there).
+        warn: where to report a setting that found nothing to apply to; info: where to say what was chosen.
+    """
+    done = Parallelized()
+    dims = mesh.dims
+    if dims.pp > 1:
+        done.split = apply_pipeline_split(root, module, mesh, config, device, sharding.stage, info)
+    if dims.tp > 1:
+        plan = tensor_parallel_plan(module, dims.tp, config.sequence_parallel)
+        if done.split is not None:  # entries for layers other stages hold resolve to nothing here
+            plan = resolvable_plan(root, plan)
+        apply_tp(root, mesh["tensor"], plan)
+    layers = done.split.layers() if done.split is not None else module
+    done.checkpointed = apply_activation_checkpointing(layers, config.activation_checkpointing)
+    if config.activation_checkpointing != "none" and not done.checkpointed:
+        warn(
+            f"activation_checkpointing={config.activation_checkpointing!r} found no layers in "
+            f"{type(module).__name__}: give it pipeline_layers() (see the README) or keep its "
+            "repeated blocks in an nn.ModuleList; nothing is recomputed."
+        )
+    if done.split is None:
+        done.fsdp_units = sharding.shard_module(root)
+    else:
+        for index, stage in sorted(done.split.stages.items()):
+            # each layer is a unit; the stage is the root torch's schedules drive
+            made = sharding.shard_module(stage, [f"layers.{i}" for i in range(len(stage.layers))] + [""])
+            done.fsdp_units += [f"stage{index}.{u}" if u else f"stage{index}" for u in made]
+        done.tied = TiedGradients(root, done.split.tie_groups, mesh.group("stage")) if done.split.tie_groups else None
+    return done
+
+
+def apply_pipeline_split(
+    root: nn.Module,
+    module: Any,
+    mesh: ParallelMesh,
+    config: ParallelConfig,
+    device: torch.device,
+    zero_stage: int,
+    info: Warn = print,
+) -> PipelineSplit:
+    """Step 1: keep this rank's stages of ``module.pipeline_layers()`` in ``root``; materialize them if on meta."""
+    layers = pipeline_layers(module, mesh.dims.pp)
+    paths = layer_paths(root, layers)
+    dims = mesh.dims
+    partition = stage_partition(layers, module, config, dims.pp, dims.dp, dims.tp, zero_stage, device, info=info)
+    ranks = config.schedule.stage_ranks(len(partition), mesh.dims.pp)
+    split = split_model(root, paths, partition, ranks, mesh.rank("stage"))
+    materialize_stages(split, device)
+    return split
+
+
+def stage_partition(
+    layers: list[nn.Module],
+    module: Any,
+    config: ParallelConfig,
+    pp: int,
+    dp: int = 1,
+    tp: int = 1,
+    zero_stage: int = 0,
+    device: torch.device | None = None,
+    *,
+    measure: bool = True,
+    info: Warn = print,
+) -> list[range]:
+    """The layers of each stage, by ``config.pp_balance``; ``measure=False`` (before launch) checks the stage
+    count and does not time anything."""
+    num_stages = pp * config.stages_per_rank
+    setting = (
+        f"strategy='hybrid3d' with pp={pp} and pp_schedule={config.pp_schedule!r} "
+        f"({config.stages_per_rank} stage(s) per rank)"
+    )
+    check_stage_count(len(layers), num_stages, setting)
+    if config.pp_balance == "params":
+        return balanced_partition([sum(p.numel() for p in layer.parameters()) for layer in layers], num_stages)
+    if config.pp_balance == "profile" and measure:
+        stages, described = _profiled(layers, module, config, pp, dp, tp, zero_stage, device or torch.device("cpu"))
+        info(f"pp_balance='profile': {described}")
+        return stages
+    return uniform_partition(len(layers), num_stages)
+
+
+def _profiled(
+    layers: list[nn.Module],
+    module: Any,
+    config: ParallelConfig,
+    pp: int,
+    dp: int,
+    tp: int,
+    zero_stage: int,
+    device: torch.device,
+) -> tuple[list[range], str]:
+    num_stages = pp * config.stages_per_rank
+    # every rank times; the maximum over the world makes every rank choose the same split
+    group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    profile = profile_layers(layers, example_microbatch(module), device, group=group)
+    assert config.microbatches is not None, "a validated config under pp has its microbatches"
+    ranks = config.schedule.stage_ranks(num_stages, pp)
+    in_flight = [config.schedule.in_flight(pp, config.microbatches, r, config.stages_per_rank) for r in ranks]
+    sharding = sharding_of(zero_stage)
+    split = profiled_partition(
+        profile,
+        num_stages,
+        budget=config.pp_memory_budget,
+        in_flight=in_flight,
+        state_bytes=[sharding.state_bytes(b, dp) / tp for b in profile.param_bytes],
+        setting="pp_memory_budget",
+    )
+    return split.stages, split.describe()

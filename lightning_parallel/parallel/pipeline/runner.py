@@ -1,0 +1,228 @@
+"""Running this rank's pipeline stages under a ``torch.distributed.pipelining`` schedule. Pure torch.
+
+What torch leaves to us, and this module adds: one schedule per input shape and mode (torch infers stage shapes
+once per schedule); forward-only passes outside the schedules (zero-bubble schedules run backward actions even
+in eval); the pipeline loss (it exists on the last stage only) reduced to every pp rank, so logs and checkpoint
+callbacks see the same value everywhere; stage shape inference that leaves BatchNorm statistics alone; and the
+timeline hooks of :mod:`lightning_parallel.parallel.measure.timeline`. The schedule itself comes from the table in
+:mod:`lightning_parallel.parallel.pipeline.schedules`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+
+from lightning_parallel.parallel.measure.timeline import active_recorder
+from lightning_parallel.parallel.pipeline.schedules import schedule_spec
+from lightning_parallel.parallel.pipeline.split import PipelineSplit
+
+
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` whose shape inference leaves running statistics alone.
+
+    To learn shapes, torch runs each stage once in train mode on placeholder inputs (uninitialized memory
+    on every stage but the first); BatchNorm would fold that run into its running statistics (NaN seen).
+    The buffers are restored right after. While a ``pipeline_timeline.TimelineRecorder`` is active, every
+    forward and backward of a microbatch is timed.
+    """
+
+    def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(submodule, *args, **kwargs)
+        self._buffers_before = [b.detach().clone() for b in submodule.buffers()]
+
+    def _post_metadata_inference_cleanup(self) -> None:  # torch's hook: _compat.PIPELINE_STAGE_SHAPE_CLEANUP
+        super()._post_metadata_inference_cleanup()
+        with torch.no_grad():
+            for buffer, before in zip(self.submod.buffers(), self._buffers_before):
+                buffer.copy_(before)
+        self._buffers_before = []
+
+    # Timeline hook: each action is timed while a TimelineRecorder is active (one None check otherwise).
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        recorder = active_recorder()
+        if recorder is None:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        with recorder.action("F", self.stage_index, fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, **kwargs: Any) -> Any:
+        recorder = active_recorder()
+        if recorder is None:
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, **kwargs)
+        with recorder.action("B" if full_backward else "I", self.stage_index, bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        recorder = active_recorder()
+        if recorder is None:
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        with recorder.action("W", self.stage_index, bwd_chunk_id):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+
+def _signature(args: tuple, kwargs: dict, target: Any) -> tuple:
+    def sig(x: Any) -> Any:
+        return (tuple(x.shape), x.dtype) if isinstance(x, Tensor) else type(x).__name__
+
+    return tuple(sig(a) for a in args), tuple((k, sig(v)) for k, v in sorted(kwargs.items())), sig(target)
+
+
+class Pipeline:
+    """Runs this rank's stages under one schedule for whole batches: train steps, eval losses, outputs.
+
+    Args:
+        split: this rank's stages.
+        schedule: a ``pp_schedule`` name (:data:`~lightning_parallel.parallel.pipeline.schedules.SCHEDULES`).
+        microbatches: microbatches each batch is cut into.
+        group: the pp process group.
+        device: where the stages run.
+        loss_fn: ``loss_fn(output, target)`` of one microbatch, a mean over its samples.
+    """
+
+    def __init__(
+        self,
+        split: PipelineSplit,
+        schedule: str,
+        microbatches: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        loss_fn: Callable[[Any, Any], Tensor],
+    ) -> None:
+        self.split, self.spec, self.microbatches = split, schedule_spec(schedule), microbatches
+        self.group, self.device, self.loss_fn = group, device, loss_fn
+        self._schedules: dict[tuple, Any] = {}
+        self._unscaled: dict[int, Tensor] = {}  # id(scaled loss) -> the microbatch's loss
+        self._loss_scale = 1.0
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.split.num_stages - 1 in self.split.stages
+
+    def _microbatch_loss(self, output: Any, target: Any) -> Tensor:
+        loss = self.loss_fn(output, target)
+        # the schedule backpropagates each microbatch's loss: scaled, their gradients add up to the mean's
+        scaled = loss * self._loss_scale
+        self._unscaled[id(scaled)] = loss.detach()
+        return scaled
+
+    def _schedule(self, mode: str, args: tuple, kwargs: dict, target: Any) -> Any:
+        key = (mode, _signature(args, kwargs, target))
+        if key not in self._schedules:
+            stages = [
+                _Stage(module, index, self.split.num_stages, self.device, group=self.group)
+                for index, module in sorted(self.split.stages.items())
+            ]
+            loss_fn = None if mode == "forward" else self._microbatch_loss
+            # scale_grads=False: the loss is scaled instead, so gradients accumulated before survive
+            kw: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
+            sched = self.spec.build(stages, self.microbatches, **kw)
+            self._schedules[key] = sched
+        return self._schedules[key]
+
+    def _check_batch(self, args: tuple) -> None:
+        batch = next((a.shape[0] for a in args if isinstance(a, Tensor)), None)
+        if batch is not None and batch % self.microbatches:
+            raise ValueError(
+                f"A batch of {batch} samples per data-parallel rank does not split into microbatches="
+                f"{self.microbatches}: make the per-rank batch (global batch / (dp x accumulate_grad_batches)) "
+                f"a multiple of {self.microbatches}, or set microbatches to a divisor of {batch}."
+            )
+
+    def _mean_loss(self, losses: list[Tensor]) -> Tensor:
+        """The batch loss (mean of the microbatch means) on every pp rank."""
+        if self.holds_last_stage:
+            # the schedule's own list: shape inference may have called the loss once more
+            value = torch.stack([self._unscaled[id(x)].float() for x in losses]).mean()
+        else:
+            value = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._unscaled.clear()
+        dist.all_reduce(value, group=self.group)  # only the last stage adds a non-zero
+        return value
+
+    def train_step(self, args: tuple, kwargs: dict, target: Any, loss_scale: float = 1.0) -> Tensor:
+        """Forward and backward of one batch; gradients accumulate into the stage parameters."""
+        self._check_batch(args)
+        self._loss_scale = loss_scale / self.microbatches
+        losses: list[Tensor] = []
+        schedule = self._schedule("train", args, kwargs, target)
+        schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        return self._mean_loss(losses)
+
+    def eval_loss(self, args: tuple, kwargs: dict, target: Any) -> Tensor:
+        """The loss of a whole batch (no microbatches: nothing is kept for a backward), on every pp rank."""
+        output = self._forward_walk(args, kwargs)
+        if self.holds_last_stage:
+            value = self.loss_fn(output, target).detach().float()
+        else:
+            value = torch.zeros((), dtype=torch.float32, device=self.device)
+        dist.all_reduce(value, group=self.group)  # only the last stage adds a non-zero
+        return value
+
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        """The model's output for a whole batch, on every pp rank (a tensor-parallel output made whole)."""
+        output = self._forward_walk(args, kwargs)
+        if isinstance(output, DTensor):
+            output = output.full_tensor()
+        box = [output.cpu() if isinstance(output, Tensor) else output]
+        last = self.split.stage_ranks[-1]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, last), group=self.group)
+        result = box[0]
+        return result.to(self.device) if isinstance(result, Tensor) else result
+
+    def _forward_walk(self, args: tuple, kwargs: dict) -> Any:
+        """Run the stages in order for the whole batch, passing activations between ranks.
+
+        Forward-only runs do not go through torch's schedules: zero-bubble schedules run backward actions
+        even in ``eval()``, and one batch at once gives exactly the single-process numbers.
+        """
+        me = dist.get_rank(self.group)
+        ranks = self.split.stage_ranks
+        x: Any = None
+        for index, rank in enumerate(ranks):
+            if rank != me:
+                continue
+            stage = self.split.stages[index]
+            if index == 0:
+                x = stage(*args, **kwargs)
+            else:
+                if ranks[index - 1] != me:
+                    x = _recv_activation(dist.get_global_rank(self.group, ranks[index - 1]), self.group, self.device)
+                x = stage(x)
+            if index + 1 < len(ranks) and ranks[index + 1] != me:
+                _send_activation(x, dist.get_global_rank(self.group, ranks[index + 1]), self.group, index)
+        return x if self.holds_last_stage else None
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
+_HEADER = 10  # dtype, ndim, up to 8 sizes
+
+
+def _send_activation(x: Any, dst: int, group: dist.ProcessGroup, stage: int) -> None:
+    if isinstance(x, DTensor):
+        x = x.to_local()
+    if not isinstance(x, Tensor) or x.dim() > _HEADER - 2 or x.dtype not in _DTYPES:
+        raise TypeError(
+            f"Pipeline stage {stage} returned {type(x).__name__}: between stages a layer must return one tensor "
+            "(of at most 8 dimensions); pack several values into one tensor or move the cut."
+        )
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=x.device)
+    header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
+    header[2 : 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    dist.send(header, dst, group=group)
+    dist.send(x.contiguous(), dst, group=group)
+
+
+def _recv_activation(src: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+    x = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
+    dist.recv(x, src, group=group)
+    return x

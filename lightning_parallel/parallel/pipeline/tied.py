@@ -1,0 +1,79 @@
+"""Weights tied across pipeline stages (GPT's embedding and head): gradients summed over the pp axis. Pure torch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_parallel._compat import local_tensor as _local
+from lightning_parallel.parallel.dtensor import like, placed_like
+
+
+class TiedGradients:
+    """Sums the gradients of weights tied across pipeline stages over the pp axis (collective).
+
+    Every pp rank takes part in every tied group, with zeros where it holds no copy, so all ranks issue
+    the same all-reduces. The copy on the lowest pp rank is the one gradient-norm code counts.
+    """
+
+    def __init__(self, root: nn.Module, tie_groups: list[list[str]], group: dist.ProcessGroup) -> None:
+        self.root, self.group = root, group
+        self.tie_groups = tie_groups
+        self._shapes: list[tuple[torch.Size, torch.dtype]] | None = None
+        self._counted_elsewhere: set[int] = set()
+
+    def _members(self, names: list[str]) -> list[nn.Parameter]:
+        params = dict(self.root.named_parameters(remove_duplicate=False))
+        found: dict[int, nn.Parameter] = {}
+        for n in names:
+            if n in params:
+                found.setdefault(id(params[n]), params[n])
+        return list(found.values())
+
+    def _agree(self) -> None:
+        """Learn each group's local shape and which pp ranks hold it (once, after all sharding)."""
+        mine = []
+        for names in self.tie_groups:
+            members = self._members(names)
+            mine.append((tuple(_local(members[0]).shape), _local(members[0]).dtype) if members else None)
+        everyone: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, mine, group=self.group)
+        rank = dist.get_rank(self.group)
+        self._shapes = []
+        for g, names in enumerate(self.tie_groups):
+            holders = [r for r, entry in enumerate(everyone) if entry[g] is not None]
+            shape, dtype = everyone[holders[0]][g]
+            self._shapes.append((torch.Size(shape), dtype))
+            members = self._members(names)
+            # count the weight once in norms: on the lowest holding rank, its first copy
+            skip = members if rank != holders[0] else members[1:]
+            self._counted_elsewhere.update(id(p) for p in skip)
+
+    def excluded_from_norm(self) -> set[int]:
+        """Ids of this rank's tied copies whose gradient another copy already counts."""
+        if self._shapes is None:
+            self._agree()
+        return self._counted_elsewhere
+
+    def reduce(self) -> None:
+        if self._shapes is None:
+            self._agree()
+        assert self._shapes is not None
+        for names, (shape, dtype) in zip(self.tie_groups, self._shapes):
+            members = self._members(names)
+            device = _local(members[0]).device if members else torch.device("cpu")
+            total = torch.zeros(shape, dtype=dtype, device=device)
+            for p in members:
+                if p.grad is not None:
+                    total += _local(placed_like(p, p.grad))
+            dist.all_reduce(total, group=self.group)
+            for p in members:
+                grad = p.grad
+                if grad is None or (isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements)):
+                    p.grad = like(p, total.clone())
+                else:
+                    _local(grad).copy_(total)  # in place: the gradient may be a view into a flat buffer

@@ -1,0 +1,223 @@
+"""Closed-form estimates for a (pp, dp, tp, zero_stage) layout, from a measured per-layer profile. Pure Python.
+
+Everything here is arithmetic on :class:`LayerCost` records (what one pipeline layer holds and does on one tp
+rank, measured by :mod:`lightning_parallel.planning.profile`), so it is unit-tested without any process group:
+
+- model states per rank: the ZeRO formulas of the sharding table (``parallel/data/stages.py``), sharded over dp;
+  tp and pp divide them through the layer records (a stage holds its layers' tp shard);
+- activations per rank: one microbatch's saved bytes times the microbatches in flight of the schedule table
+  (``parallel/pipeline/schedules.py``), whose bubble is used too;
+- communication bytes per step per rank, and a step time under a simple cost model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lightning_parallel.parallel.data.stages import zero_stage as zero_stage_of
+from lightning_parallel.parallel.pipeline.schedules import schedule_spec
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+# optimizer states per parameter: AdamW keeps exp_avg and exp_avg_sq, SGD with momentum its momentum buffer
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "sgd_no_momentum": 0}
+
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is unknown: use one of {', '.join(PRECISIONS)}.")
+    return precision
+
+
+def element_bytes(precision: str) -> int:
+    """Bytes of one parameter, gradient or optimizer-state element: the mixed precisions keep fp32 states
+    (autocast casts in the forward), ``bf16-true`` keeps everything in bf16."""
+    return 2 if check_precision(precision) == "bf16-true" else 4
+
+
+def all_reduce_bytes(payload: float, world: int) -> float:
+    """Bytes one rank sends in a ring all-reduce of ``payload`` bytes: 2 * payload * (w-1)/w."""
+    return 2 * payload * (world - 1) / world
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One pipeline layer on one tp rank, per sample where it scales with the batch.
+
+    Attributes:
+        params: parameter key -> elements on this tp rank (tied weights share a key: one copy per stage).
+        act_fixed, act_per_sample: bytes the layer's forward leaves for backward (its output included):
+            ``act_fixed + act_per_sample * batch``.
+        loss_fixed, loss_per_sample: what computing the loss on this layer's output adds once the output itself
+            is let go (the last layer only; a log-softmax keeps a logits-sized result: about 0 in fp32).
+        in_per_sample, out_per_sample: bytes of the layer's input and output (what pipeline stages exchange).
+        flops_per_sample: forward FLOPs on this tp rank.
+        tp_payload_per_sample: bytes all-reduced over tp, forward and backward (one all-reduce each).
+    """
+
+    params: dict[str, int]
+    act_fixed: float = 0.0
+    act_per_sample: float = 0.0
+    loss_fixed: float = 0.0
+    loss_per_sample: float = 0.0
+    in_per_sample: float = 0.0
+    out_per_sample: float = 0.0
+    flops_per_sample: float = 0.0
+    tp_payload_per_sample: float = 0.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a layout is estimated for besides its degrees.
+
+    Attributes:
+        global_batch: samples per optimizer step.
+        microbatches: per pipeline step (None: 2 * pp, the strategy's default).
+        schedule, virtual_stages: the pipeline schedule and its stages per rank.
+        precision: Lightning's precision flag.
+        optimizer_states: optimizer-state tensors per parameter (:data:`OPTIMIZER_STATES`).
+        device_memory: bytes per device; margin: the fraction to keep free for what is not estimated.
+        device_flops, bandwidth: sustained FLOP/s and bytes/s per rank for the step-time model.
+    """
+
+    global_batch: int
+    microbatches: int | None = None
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    precision: str = "32-true"
+    optimizer_states: int = 2
+    device_memory: float = 80e9
+    margin: float = 0.1
+    device_flops: float = 100e12
+    bandwidth: float = 50e9
+
+
+@dataclass
+class Estimate:
+    """One layout's numbers; ``reason`` says why it is infeasible ("" when it is not). ``zero_stage`` is None
+    for a split refused before any estimate (the reason holds for every stage)."""
+
+    pp: int
+    dp: int
+    tp: int
+    zero_stage: int | None
+    reason: str = ""
+    microbatches: int = 1
+    memory_per_rank: list[float] = field(default_factory=list)  # per pp rank: model states + activations
+    model_state_per_rank: list[float] = field(default_factory=list)
+    activation_per_rank: list[float] = field(default_factory=list)
+    bubble: float = 0.0
+    comm: dict[str, float] = field(default_factory=dict)  # dp, tp, pp bytes per step, the busiest rank
+    step_time: float = math.inf
+
+    @property
+    def feasible(self) -> bool:
+        return not self.reason
+
+    @property
+    def memory(self) -> float:
+        return max(self.memory_per_rank, default=0.0)
+
+
+def rank_layers(num_layers: int, stages: Sequence[range], stage_ranks: Sequence[int], pp: int) -> list[list[int]]:
+    """Layer indices each pp rank holds, from the stage partition and the rank of each stage."""
+    held: list[list[int]] = [[] for _ in range(pp)]
+    for stage, rank in zip(stages, stage_ranks):
+        held[rank] += list(stage)
+    assert sorted(i for h in held for i in h) == list(range(num_layers))
+    return held
+
+
+def estimate_layout(
+    costs: Sequence[LayerCost],
+    stages: Sequence[range],
+    stage_ranks: Sequence[int],
+    dims: tuple[int, int, int],
+    zero_stage: int,
+    s: Settings,
+) -> Estimate:
+    """Memory, bubble, communication and step time of one feasible layout.
+
+    Activations per rank are what :class:`~lightning_parallel.callbacks.activation.
+    ActivationMemoryMonitor` measures. At pp=1 it is what waits for backward when backward starts: every layer's
+    saved tensors for the dp rank's whole batch, the loss's included. Under pp, the peak over the ends of the
+    rank's layers (the loss comes after them, so it is not included): the microbatches
+    in flight (:func:`in_flight`) through the rank's layers, plus what the pipeline holds for the whole step:
+    the dp rank's input batch (its microbatches are views of it) and one receive buffer per microbatch for each
+    stage input (activations) and stage output (gradients).
+
+    Args:
+        costs: every pipeline layer's :class:`LayerCost` at this layout's tp.
+        stages: the layers of each pipeline stage; stage_ranks: the pp rank that runs each stage.
+        dims: (pp, dp, tp); zero_stage: 0..3.
+        s: the batch, schedule, precision, device and cost-model settings.
+    """
+    pp, dp, tp = dims
+    m = 1 if pp == 1 else (s.microbatches or 2 * pp)
+    virtual = len(stages) // pp
+    batch = s.global_batch / dp / m  # samples per microbatch (the whole dp share when pp == 1)
+    elem = element_bytes(s.precision)
+    est = Estimate(pp, dp, tp, zero_stage, microbatches=m)
+    schedule, sharding = schedule_spec(s.schedule), zero_stage_of(zero_stage)
+    worst = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    flops = 0.0
+    for rank, layers in enumerate(rank_layers(len(costs), stages, stage_ranks, pp)):
+        keys: dict[str, int] = {}
+        for i in layers:
+            keys.update(costs[i].params)
+        params = sum(keys.values())
+        states = sharding.state_bytes_exact(params, dp, elem, s.optimizer_states)
+        act = sum(costs[i].act_fixed + costs[i].act_per_sample * batch for i in layers)
+        act *= schedule.in_flight(pp, m, rank, virtual)
+        if pp == 1:
+            act += costs[-1].loss_fixed + costs[-1].loss_per_sample * batch
+        else:
+            act += costs[0].in_per_sample * batch * m + _recv_buffers(costs, stages, stage_ranks, rank) * batch * m
+        est.model_state_per_rank.append(states)
+        est.activation_per_rank.append(act)
+        est.memory_per_rank.append(states + act)
+        worst["dp"] = max(worst["dp"], sharding.comm_bytes(params * elem, dp))
+        tp_payload = sum(costs[i].tp_payload_per_sample for i in layers) * batch * m
+        worst["tp"] = max(worst["tp"], all_reduce_bytes(tp_payload, tp) if tp > 1 else 0.0)
+        worst["pp"] = max(worst["pp"], _pp_sent(costs, stages, stage_ranks, rank, batch * m) if pp > 1 else 0.0)
+        flops = max(flops, 3 * m * batch * sum(costs[i].flops_per_sample for i in layers))  # fwd + 2x bwd
+    est.comm = worst
+    est.bubble = schedule.bubble(pp, m, virtual)
+    est.step_time = flops / s.device_flops / (1 - est.bubble) + sum(worst.values()) / s.bandwidth
+    return est
+
+
+def _recv_buffers(costs: Sequence[LayerCost], stages: Sequence[range], ranks: Sequence[int], rank: int) -> float:
+    """Bytes per sample of the buffers a pp rank receives into: each stage's input but the first's, each stage's
+    output gradient but the last's (torch's pipelining allocates one per microbatch for the whole step)."""
+    held = 0.0
+    for index, (stage, owner) in enumerate(zip(stages, ranks)):
+        if owner == rank:
+            held += costs[stage[0]].in_per_sample if index > 0 else 0.0
+            held += costs[stage[-1]].out_per_sample if index < len(stages) - 1 else 0.0
+    return held
+
+
+def _pp_sent(
+    costs: Sequence[LayerCost], stages: Sequence[range], ranks: Sequence[int], rank: int, samples: float
+) -> float:
+    """Bytes a pp rank sends per step: each of its stages' outputs forward and input gradients backward."""
+    sent = 0.0
+    for index, (stage, owner) in enumerate(zip(stages, ranks)):
+        if owner != rank:
+            continue
+        if index < len(stages) - 1:
+            sent += costs[stage[-1]].out_per_sample * samples
+        if index > 0:
+            sent += costs[stage[0] - 1].out_per_sample * samples
+    return sent
+
+
+def recommend(estimates: Sequence[Estimate], device_memory: float, margin: float) -> Estimate | None:
+    """The feasible layout with the smallest estimated step time among those that leave ``margin`` of the
+    device free; if none does, among those that fit at all. Ties go to the smaller memory."""
+    fits = [e for e in estimates if e.feasible]
+    roomy = [e for e in fits if e.memory <= (1 - margin) * device_memory]
+    pool = roomy or fits
+    return min(pool, key=lambda e: (e.step_time, e.memory)) if pool else None

@@ -1,0 +1,85 @@
+"""The bring-your-own-model protocol: what a module offers so a layout can split it.
+
+Each method is optional and asked for only by the axis that needs it: ``pipeline_layers()`` and ``loss()``
+under pp > 1, ``tensor_parallel_plan()`` under tp > 1, ``check_parallel_degrees()`` always when present. The
+strategies read them through the functions below, which raise the error that names what is missing; nothing
+else looks methods up by name. Pure Python + torch types; the module need not be a LightningModule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+
+@runtime_checkable
+class Pipelined(Protocol):
+    """Under pp > 1: the layers forward runs, in order (each takes the previous one's output, one tensor; the
+    first takes the step's ``self(...)`` arguments), and the loss of one microbatch (a mean over its samples)."""
+
+    def pipeline_layers(self) -> Sequence[nn.Module]: ...
+
+    def loss(self, output: Any, target: Any) -> Tensor: ...
+
+
+@runtime_checkable
+class TensorParallel(Protocol):
+    """Under tp > 1: module path (``*`` for one name) -> a torch ``ParallelStyle`` (or this package's conv styles)."""
+
+    def tensor_parallel_plan(self, sequence_parallel: bool = False) -> Mapping[str, ParallelStyle]: ...
+
+
+@runtime_checkable
+class ChecksDegrees(Protocol):
+    """Optional: refuse degrees the model cannot split, before any process starts."""
+
+    def check_parallel_degrees(self, *, pp: int, tp: int) -> None: ...
+
+
+@runtime_checkable
+class ParallelModule(Pipelined, TensorParallel, Protocol):
+    """A module that every layout can split: pipelined and tensor-parallel."""
+
+
+def pipeline_layers(module: Any, pp: int) -> list[nn.Module]:
+    """``module``'s pipeline layers, or a TypeError naming what pp > 1 needs."""
+    require_pipelined(module, pp)
+    return list(module.pipeline_layers())
+
+
+def require_pipelined(module: Any, pp: int) -> None:
+    """A TypeError naming what pp > 1 needs, unless ``module`` has ``pipeline_layers()`` and ``loss()``."""
+    missing = [m for m in ("pipeline_layers", "loss") if not callable(getattr(module, m, None))]
+    if missing:
+        raise TypeError(
+            f"pp={pp} needs {type(module).__name__}.{' and .'.join(missing)}(): pipeline_layers() returns "
+            "the layers forward runs in order, loss(output, target) the loss. Add them (see the README's "
+            "bring-your-own-model section) or set pp=1."
+        )
+
+
+def tensor_parallel_plan(module: Any, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """``module``'s tensor-parallel plan, or a TypeError naming what tp > 1 needs."""
+    if not isinstance(module, TensorParallel):
+        raise TypeError(
+            f"tp={tp} needs {type(module).__name__}.tensor_parallel_plan(sequence_parallel) returning "
+            "{module path: ParallelStyle}: add it (see the README's bring-your-own-model section) or set tp=1."
+        )
+    return dict(module.tensor_parallel_plan(sequence_parallel))
+
+
+def check_parallel_degrees(module: Any, *, pp: int, tp: int) -> None:
+    """Let the module refuse degrees it cannot split (when it has ``check_parallel_degrees``)."""
+    if isinstance(module, ChecksDegrees):
+        module.check_parallel_degrees(pp=pp, tp=tp)
+
+
+def has_pipeline_layers(module: Any) -> bool:
+    return callable(getattr(module, "pipeline_layers", None))
+
+
+def has_loss(module: Any) -> bool:
+    return callable(getattr(module, "loss", None))

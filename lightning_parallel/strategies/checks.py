@@ -1,0 +1,62 @@
+"""Checks of a model against a layout that run before any process group exists, in the process that launches
+the others: each names the setting and the fix."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.mesh import ParallelDims
+from lightning_parallel.parallel.parallelize import stage_partition
+from lightning_parallel.parallel.pipeline.profile import example_microbatch
+from lightning_parallel.parallel.pipeline.split import check_resettable
+from lightning_parallel.parallel.tensor.plan import check_tp_plan
+from lightning_parallel.protocol import check_parallel_degrees, pipeline_layers, require_pipelined, tensor_parallel_plan
+
+
+def check_model(model: Any, config: ParallelConfig, dims: ParallelDims) -> None:
+    """Refuse a model ``dims`` cannot split: no protocol method where an axis needs one, a plan that names no
+    module or splits a size tp does not divide, more stages than layers, meta layers that cannot initialize
+    themselves, degrees the model itself refuses."""
+    # what configure_model makes, on meta; None when that cannot be known here
+    built = as_built(model) if dims.pp > 1 or dims.tp > 1 else model
+    if dims.tp > 1:
+        plan = tensor_parallel_plan(model, dims.tp, config.sequence_parallel)
+        check_tp_plan(model if built is None else built, plan, dims.tp, require_match=built is not None)
+    if dims.pp > 1:
+        require_pipelined(model, dims.pp)
+        if config.pp_balance == "profile":
+            example_microbatch(model)  # a missing example fails before launch; it is timed after
+        try:
+            layers = pipeline_layers(model if built is None else built, dims.pp)
+            stage_partition(layers, model, config, dims.pp, measure=False)  # more stages than layers fails here
+        except AttributeError:
+            if not is_overridden("configure_model", model):
+                raise
+            # layers built in configure_model do not exist yet: checked when the model is split
+        if built is not None and built is not model:  # built on meta: each layer must initialize itself
+            for layer in built.pipeline_layers():
+                check_resettable(layer)
+    check_parallel_degrees(model, pp=dims.pp, tp=dims.tp)
+
+
+def as_built(model: pl.LightningModule) -> pl.LightningModule | None:
+    """``model`` with the layers its ``configure_model`` builds (a copy, built on the meta device: no memory),
+    so layer counts, plan paths and initializers are checked before any process starts. None when that
+    cannot be known: part of the model exists already, or configure_model needs the Trainer."""
+    if not is_overridden("configure_model", model):
+        return model
+    if next(model.parameters(), None) is not None:
+        return None  # copying built weights could cost gigabytes; what configure_model adds is checked later
+    probe = copy.deepcopy(model)
+    try:
+        with torch.device("meta"):
+            probe.configure_model()
+    except Exception:  # e.g. it reads self.trainer: the real build reports it, in its own context
+        return None
+    return probe

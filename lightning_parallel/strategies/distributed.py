@@ -1,0 +1,125 @@
+"""The process-level half of the mesh strategies: launching, the process group and the mesh (with the
+data-parallel sharding over its ``shard`` role), which device and rank this is, collectives over the world or a
+role of the mesh, and what happens when a rank fails (``parallel/failure.py``). Mixed into
+:class:`~lightning_parallel.strategies.base.MeshStrategy`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_parallel import _compat
+from lightning_parallel.parallel.data.stages import make_sharding
+from lightning_parallel.parallel.failure import FailureBoard, annotate, end_children, is_collective_failure
+from lightning_parallel.strategies.launcher import CheckFirstLauncher
+
+
+class DistributedMixin:
+    """Expects ``config``, ``parallel_dims``, ``parallel_devices``, ``cluster_environment``, ``_launcher``,
+    ``_timeout`` and ``_process_group_backend`` from the strategy; sets ``_mesh``, ``_sharding`` and ``_failures``."""
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A rank that fails leaves word of it; a rank whose collective failed names the rank that failed
+        first; the process that launched the others (Lightning's launcher) gives them 5 s, then kills them."""
+        if self._failures is not None and isinstance(exception, Exception):
+            if is_collective_failure(exception):
+                annotate(exception, self._failures.explain(), self.global_rank)
+            else:
+                self._failures.record(exception)
+        procs = getattr(self._launcher, "procs", None)
+        if procs and not isinstance(exception, SystemExit):  # SystemExit: a preemption stop, every rank exits
+            end_children(procs, grace_s=min(self._timeout.total_seconds(), 5.0))
+
+    # ----- collectives -----
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _compat.distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _compat.distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Reduce over the ``batch`` role by default: pipeline stages and tensor shards hold the same values."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None and self._mesh is not None:
+            group = self.mesh.group("batch")
+        return _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Every rank votes (Lightning counts the votes against the world size; ``reduce`` sums over dp only)."""
+        if not _compat.distributed_is_initialized():
+            return decision
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+        return bool(votes == self.world_size) if all else bool(votes)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._dims = self._parallel_degrees(self.world_size)  # bad degrees fail here, before any process starts
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = CheckFirstLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        dims = self.parallel_dims
+        backend = self._process_group_backend or _compat.default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
+        # torch's new groups already get its default: only a timeout set by the user needs passing on
+        mesh_timeout = None if self._timeout == default_pg_timeout else self._timeout
+        self._mesh = dims.build_mesh(self.root_device.type, timeout=mesh_timeout)
+        c = self.config
+        self._sharding = make_sharding(
+            c.zero_stage,
+            self._mesh["shard"],
+            offload=c.offload,
+            reshard_after_forward=c.reshard_after_forward,
+            setting=self._setting(),
+        )
+        self._failures = FailureBoard.for_process_group()

@@ -1,0 +1,104 @@
+"""Every private torch and Lightning API the package uses resolves on the installed versions (lightning_parallel/
+_compat.py is where they are listed), and the package's layering holds: no import circles, parallel/ free of
+Lightning, no module past the size the house style allows."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torch
+from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+from torch.distributed.pipelining import PipelineStage
+
+from lightning_parallel import _compat
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_parallel"
+MAX_LINES = 400
+
+
+def test_private_apis_resolve():
+    for name in _compat.lightning_entries():
+        assert callable(getattr(_compat, name)), name
+    assert hasattr(PipelineStage, _compat.PIPELINE_STAGE_SHAPE_CLEANUP)
+    assert hasattr(_AcceleratorConnector, _compat.ACCELERATOR_CONNECTOR_PRECISION)
+    assert "_local_tensor" in torch.distributed.tensor.DTensor.__slots__  # set_local_tensor/local_tensor alias it
+    assert callable(_compat.compute_local_shape_and_global_offset) and callable(_compat.set_element)
+    assert callable(_compat.disable_current_modes) and callable(_compat.tree_map)
+
+
+def _imports(path: Path, modules: set[str] | None = None) -> set[str]:
+    """lightning_parallel modules ``path`` imports at module level (not inside functions). ``from pkg import sub``
+    counts as importing ``sub`` when it is a module (the package's own initialization is not an edge)."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_parallel"):
+            subs = {f"{node.module}.{a.name}" for a in node.names}
+            named = {m for m in subs if modules is not None and m in modules}
+            found |= named if named == subs else named | {node.module}
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("lightning_parallel"))
+    return found
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    names = set(modules)
+    return {name: {m for m in _imports(path, names) if m in names and m != name} for name, path in modules.items()}
+
+
+def test_no_import_circle():
+    graph = _graph()
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                raise AssertionError("import circle: " + " -> ".join([*trail, node, nxt]))
+            if nxt not in state:
+                visit(nxt, [*trail, node])
+        state[node] = 2
+
+    for node in graph:
+        if node not in state:
+            visit(node, [])
+
+
+def test_parallel_imports_no_lightning_and_nothing_above_it():
+    for path in (PACKAGE / "parallel").rglob("*.py"):
+        text = path.read_text()
+        assert "import lightning" not in text and "from lightning." not in text, path
+        for module in _imports(path):
+            allowed = module.startswith(("lightning_parallel.parallel", "lightning_parallel._compat"))
+            allowed |= module.startswith("lightning_parallel.protocol")
+            assert allowed, f"{path.relative_to(PACKAGE)} imports {module}"
+
+
+def test_modules_stay_small():
+    sizes = {p.relative_to(PACKAGE): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    big = {str(p): n for p, n in sizes.items() if n > MAX_LINES}
+    assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+def test_every_package_says_what_it_owns():
+    for init in PACKAGE.rglob("__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc, f"{init.relative_to(PACKAGE)} has no docstring"
+
+
+def test_import_paths_of_earlier_releases_still_work():
+    import lightning_parallel
+    from lightning_parallel.preemption import Preemption
+    from lightning_parallel.resume import ExactResume, ResumableDataLoader
+    from lightning_parallel.strategies.observability import TrainingMonitor
+
+    assert Preemption is lightning_parallel.Preemption and ExactResume is lightning_parallel.ExactResume
+    assert ResumableDataLoader is lightning_parallel.ResumableDataLoader
+    assert TrainingMonitor is lightning_parallel.TrainingMonitor
