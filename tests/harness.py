@@ -1,14 +1,17 @@
 """Run a standalone worker script on N CPU processes (gloo), the way torchrun would, and collect results.
 
 Workers are subprocesses, never DDP inside pytest (Lightning's launcher would re-run pytest). Each gets
-torchrun's environment, so Lightning sees an external launcher. A port taken between choosing and
-binding is retried with a fresh one.
+torchrun's environment, so Lightning sees an external launcher. The ranks are forked from one process that
+imported torch and Lightning once (``workers/zygote.py``: on 2 cores that import cost each fresh rank seconds).
+A port taken between choosing and binding is retried with a fresh one.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,14 +30,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(rank: int, world_size: int, port: int) -> dict[str, str]:
+def _env(world_size: int, port: int) -> dict[str, str]:
+    """torchrun's environment for every rank (the zygote adds each rank's RANK and LOCAL_RANK)."""
     env = dict(os.environ)
     env.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         WORLD_SIZE=str(world_size),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
         GROUP_RANK="0",
         TORCHELASTIC_RUN_ID="lightning-parallel-tests",
@@ -46,33 +48,54 @@ def _env(rank: int, world_size: int, port: int) -> dict[str, str]:
     return env
 
 
-def _run_once(cmd: list[str], world_size: int, timeout: float, log_dir: Path) -> tuple[list[int], list[str], bool]:
-    port = free_port()
-    procs, logs = [], []
-    for rank in range(world_size):
-        log = open(log_dir / f"rank{rank}.log", "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen(cmd, env=_env(rank, world_size, port), stdout=log, stderr=subprocess.STDOUT))
+class _Zygote:
+    """The test session's zygote server (workers/zygote.py): forks the ranks of every launch."""
+
+    proc: subprocess.Popen | None = None
+
+    @classmethod
+    def launch(cls, world_size: int, log_dir: Path, script: list[str], port: int) -> int:
+        """Start a launch; returns the launcher's pid (its process group holds every rank)."""
+        if cls.proc is None or cls.proc.poll() is not None:
+            env = _env(world_size, port)
+            cmd = [sys.executable, str(WORKERS / "zygote.py"), "serve"]
+            cls.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            atexit.register(cls.stop)
+        assert cls.proc.stdin is not None and cls.proc.stdout is not None
+        env = {
+            k: v for k, v in _env(world_size, port).items() if k in ("MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+        }
+        request = {"world": world_size, "log_dir": str(log_dir), "script": script[0], "args": script[1:], "env": env}
+        cls.proc.stdin.write(json.dumps(request) + "\n")
+        cls.proc.stdin.flush()
+        return int(json.loads(cls.proc.stdout.readline())["pid"])
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.proc is not None and cls.proc.poll() is None:
+            assert cls.proc.stdin is not None
+            cls.proc.stdin.close()
+            cls.proc.wait(timeout=30)
+
+
+def _run_once(script: list[str], world_size: int, timeout: float, log_dir: Path) -> tuple[list[int], list[str], bool]:
+    """The ranks are forks of a process that imported torch and Lightning once (workers/zygote.py)."""
+    codes_file = log_dir / "codes.json"
+    codes_file.unlink(missing_ok=True)
+    launcher = _Zygote.launch(world_size, log_dir, script, free_port())
     deadline = time.monotonic() + timeout
-    codes: list[int | None] = [None] * world_size
     timed_out = False
-    while any(c is None for c in codes):
-        for i, p in enumerate(procs):
-            codes[i] = p.poll()
-        timed_out = time.monotonic() > deadline
-        if any(c not in (None, 0) for c in codes) or timed_out:
-            time.sleep(2)  # let peers print their side before they are stopped
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            codes = [p.wait() for p in procs]
+    while not codes_file.is_file():
+        if time.monotonic() > deadline:
+            timed_out = True
+            os.killpg(launcher, signal.SIGKILL)  # the launcher and every rank it forked
             break
         time.sleep(0.05)
+    codes = json.loads(codes_file.read_text()) if codes_file.is_file() else [-9] * world_size
     texts = []
-    for log in logs:
-        log.seek(0)
-        texts.append(log.read())
-        log.close()
+    for rank in range(world_size):
+        log = log_dir / f"rank{rank}.log"
+        texts.append(log.read_text() if log.is_file() else "")
     return [int(c) for c in codes], texts, timed_out
 
 
@@ -85,7 +108,7 @@ def run_distributed(
         AssertionError: with the output of every rank that failed.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(WORKERS / script), *args, "--out", str(out_dir)]
+    cmd = [str(WORKERS / script), *args, "--out", str(out_dir)]
     for _ in range(3):
         codes, texts, timed_out = _run_once(cmd, world_size, timeout, out_dir)
         if not (any(codes) and any(m in t for t in texts for m in _PORT_TAKEN)):
