@@ -46,6 +46,7 @@ def test_byo_model_parity(strategy, world, dp, runs):
         assert abs(run.case("byo", rank)["val_loss"] - want) <= 1e-5 * want, f"{strategy} rank {rank} val_loss"
 
 
+@pytest.mark.slow  # a real launch of 4 processes; test_byo_model_parity runs the same module under every layout
 def test_readme_command_runs(tmp_path):
     """`python examples/byo_model.py --strategy hybrid3d --pp 2 --tp 2 --devices 4`, shortened."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -172,9 +172,7 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=[] if n in ("gpt_pp2", "vgg_pp2") else [pytest.mark.slow]) for n in RUNS]
-)
+@pytest.mark.parametrize("name", list(RUNS))
 def test_memory_estimate_within_15_percent_of_measured(name, tmp_path):
     recipe, world, overrides = RUNS[name]
     model = "gpt_tiny" if recipe == "gpt" else "vgg_tiny"

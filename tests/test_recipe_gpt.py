@@ -32,8 +32,10 @@ def test_single_process_run_writes_its_metrics(single):
 @pytest.mark.parametrize(
     "overrides",
     [
-        pytest.param(["strategy=zero3", "trainer.devices=2"], marks=pytest.mark.slow),
-        ["strategy=hybrid3d", "strategy.pp=2", "strategy.tp=2", "trainer.devices=4"],
+        ["strategy=zero3", "trainer.devices=2"],
+        pytest.param(  # hybrid3d under a recipe in `make test`: test_recipe_vgg's dp=2 x tp=2
+            ["strategy=hybrid3d", "strategy.pp=2", "strategy.tp=2", "trainer.devices=4"], marks=pytest.mark.slow
+        ),
     ],
     ids=["zero3-2", "hybrid3d-pp2-tp2"],
 )
@@ -60,9 +62,9 @@ def test_same_final_loss_at_world_8(single, tmp_path):
     }
 
 
-SWEEPS = {  # pipeline degrees swept: the jobs' (world size, peak-memory entries, pp, dp)
-    "devices": ("1", [(2, 2, 1, 2), (4, 4, 1, 4)]),
-    "devices-and-pp": ("1,2", [(2, 2, 1, 2), (2, 2, 2, 1), (4, 4, 1, 4), (4, 4, 2, 2)]),
+SWEEPS = {  # devices and pipeline degrees swept: the jobs' (world size, peak-memory entries, pp, dp)
+    "devices": ("1,2", "1", [(1, 1, 1, 1), (2, 2, 1, 2)]),
+    "devices-and-pp": ("2,4", "1,2", [(2, 2, 1, 2), (2, 2, 2, 1), (4, 4, 1, 4), (4, 4, 2, 2)]),
 }
 
 
@@ -72,9 +74,10 @@ SWEEPS = {  # pipeline degrees swept: the jobs' (world size, peak-memory entries
 def test_sweep_jobs_run_with_their_own_world_size(sweep_name, tmp_path):
     """-m over device counts (and pipeline degrees): each job starts its own workers, and the world size the
     workers report (from their process group, one peak-memory entry per rank) is the job's own."""
-    pp, want = SWEEPS[sweep_name]
+    devices, pp, want = SWEEPS[sweep_name]
     sweep = tmp_path / "sweep"
-    sweep_args = ["-m", *SHORT, "trainer.max_steps=2", "strategy=hybrid3d", "trainer.devices=2,4", f"strategy.pp={pp}"]
+    sweep_args = ["-m", *SHORT, "trainer.max_steps=2", "strategy=hybrid3d", f"trainer.devices={devices}"]
+    sweep_args.append(f"strategy.pp={pp}")
     run(tmp_path, GPT, *sweep_args, f"hydra.sweep.dir={sweep}", timeout=600)
     jobs = [json.loads((sweep / str(job) / "metrics.json").read_text()) for job in range(len(want))]
     seen = [
@@ -83,7 +86,7 @@ def test_sweep_jobs_run_with_their_own_world_size(sweep_name, tmp_path):
     assert seen == want
     summary = (sweep / "summary.csv").read_text().splitlines()
     assert len(summary) == len(want) + 1 and summary[0].startswith("job,world_size")
-    assert all(row.split(",")[1] in ("2", "4") for row in summary[1:])  # every job listed with its figures
+    assert [int(row.split(",")[1]) for row in summary[1:]] == [w for w, *_ in want]  # every job with its figures
     assert (sweep / "summary.png").stat().st_size > 10_000  # the throughput and memory plot
 
 
