@@ -22,7 +22,7 @@ from lightning_parallel.planning.estimate import (
     estimate_layout,
     recommend,
 )
-from lightning_parallel.planning.profile import plan_layouts, profile_layers
+from lightning_parallel.planning.profile import layer_costs, plan_layouts
 
 # ----- formulas -----
 
@@ -112,11 +112,11 @@ def test_profile_counts_parameters_exactly_per_tp_rank():
     _, m = load_model_config("gpt_tiny")
     spec = gpt_spec(m)
     full = sum(p.numel() for p in spec.model.parameters())
-    costs = profile_layers(spec, tp=1)
+    costs = layer_costs(spec, tp=1)
     assert len({k: v for c in costs for k, v in c.params.items()}) == len(list(spec.model.parameters()))
     assert sum({k: v for c in costs for k, v in c.params.items()}.values()) == full
     # tp=2 halves what the plan splits; LayerNorms, row biases and the position embedding stay whole
-    half = profile_layers(spec, tp=2)
+    half = layer_costs(spec, tp=2)
     whole = sum(p.numel() for n, p in spec.model.named_parameters() if "ln" in n or "wpe" in n or "proj.bias" in n)
     assert sum({k: v for c in half for k, v in c.params.items()}.values()) == (full - whole) // 2 + whole
     # activations grow with the batch; tp=2 cuts the attention and MLP part

@@ -28,7 +28,9 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_parallel._compat import C10dBackend
 
 PP = "pp"
 DP = "dp"
@@ -110,10 +112,6 @@ class ParallelDims:
         """The mesh over the default process group; size-1 axes are kept so code can always name them.
         ``timeout`` bounds the axis groups' collectives (torch gives new groups its 30-minute default, not the
         world's timeout)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from lightning_parallel._compat import C10dBackend
-
         override = None
         if timeout is not None:
             override = {axis: C10dBackend.Options("", timeout) for axis in MESH_AXES}

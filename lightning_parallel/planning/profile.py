@@ -1,6 +1,6 @@
 """Every (pp, dp, tp, zero_stage) split of a world size, estimated from a model's measured layers. Pure torch.
 
-:func:`profile_layers` measures each pipeline layer as one tp rank runs it: the layer is copied from the meta
+:func:`layer_costs` measures each pipeline layer as one tp rank runs it: the layer is copied from the meta
 device with the tensors the tp plan splits cut to their local shard (Colwise/ChannelOut: output features;
 Rowwise/ChannelIn: input features; the vocabulary of a Rowwise embedding; ChannelNorm: channels), given real
 storage on the host, and run forward at micro-batch sizes 1 and 2 under
@@ -166,7 +166,7 @@ def _measure(
     }
 
 
-def profile_layers(spec: ModelSpec, tp: int, precision: str = "32-true") -> list[LayerCost]:
+def layer_costs(spec: ModelSpec, tp: int, precision: str = "32-true") -> list[LayerCost]:
     """Each pipeline layer's :class:`LayerCost` on one tp rank, measured at micro-batch sizes 1 and 2.
 
     Layers of the same shape (a GPT's blocks) are measured once. Parameters are counted exactly from the
@@ -254,7 +254,7 @@ def plan_layouts(spec: ModelSpec, world: int, settings: Settings) -> list[Estima
                 out.append(Estimate(pp, dp, tp, None, reason=reason))
                 continue
             if tp not in profiles:
-                profiles[tp] = profile_layers(spec, tp, settings.precision)
+                profiles[tp] = layer_costs(spec, tp, settings.precision)
             stages = uniform_partition(num_layers, pp * config.stages_per_rank)
             ranks = config.schedule.stage_ranks(len(stages), pp)
             for zero in [stage for stage in ZERO_STAGES if dp > 1 or stage == 0]:

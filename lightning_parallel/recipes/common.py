@@ -4,13 +4,10 @@ checks that run before any worker starts, the Trainer, and ``metrics.json``."""
 from __future__ import annotations
 
 import json
-import resource
-import sys
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -24,6 +21,7 @@ from lightning_parallel.callbacks.resume import ExactResume
 from lightning_parallel.parallel.activation_checkpoint import check_activation_checkpointing
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.failure import to_timeout
+from lightning_parallel.parallel.measure.flops import peak_memory_bytes
 from lightning_parallel.parallel.pipeline.partition import check_stage_count
 from lightning_parallel.recipes.checks import (
     check_checkpoint_settings,
@@ -202,13 +200,6 @@ def _logger(kind: str, run_dir: Path) -> Any:
 def sampler_kwargs(trainer: pl.Trainer) -> dict[str, int]:
     """``num_replicas`` and ``rank`` along the dp axis: pp and tp ranks of one dp rank read the same samples."""
     return getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)  # peak resident memory of this process
 
 
 def all_ranks(value: Any) -> list[Any]:

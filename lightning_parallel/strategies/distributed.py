@@ -111,15 +111,16 @@ class DistributedMixin:
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
-        # torch's new groups already get its default: only a timeout set by the user needs passing on
-        mesh_timeout = None if self._timeout == default_pg_timeout else self._timeout
-        self._mesh = dims.build_mesh(self.root_device.type, timeout=mesh_timeout)
-        c = self.config
-        self._sharding = make_sharding(
-            c.zero_stage,
-            self._mesh["shard"],
-            offload=c.offload,
-            reshard_after_forward=c.reshard_after_forward,
-            setting=self._setting(),
-        )
+        if self._mesh is None:  # once per strategy: validate/test after fit run on the model fit split
+            # torch's new groups already get its default: only a timeout set by the user needs passing on
+            mesh_timeout = None if self._timeout == default_pg_timeout else self._timeout
+            self._mesh = dims.build_mesh(self.root_device.type, timeout=mesh_timeout)
+            c = self.config
+            self._sharding = make_sharding(
+                c.zero_stage,
+                self._mesh,
+                offload=c.offload,
+                reshard_after_forward=c.reshard_after_forward,
+                setting=self._setting(),
+            )
         self._failures = FailureBoard.for_process_group()

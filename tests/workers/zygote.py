@@ -19,6 +19,7 @@ threads exist yet), which is what makes forking it safe; end of stdin ends it.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import runpy
@@ -35,8 +36,17 @@ import torchmetrics  # noqa: F401
 import lightning_parallel  # noqa: F401
 
 
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent ends (a killed test session leaves no rank behind)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def run_rank(rank: int, log: Path, script: str, args: list[str]) -> None:
     """In a rank's child: become rank ``rank`` and run the script; never returns."""
+    die_with_parent()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
@@ -93,6 +103,7 @@ def _launcher(request: dict) -> None:
     codes: list[int] = [-1] * int(request["world"])
     log_dir = Path(request["log_dir"])
     try:
+        die_with_parent()
         os.setsid()  # the harness kills the launch as one process group
         os.environ.update(request["env"])
         codes = launch(int(request["world"]), log_dir, request["script"], request["args"])
@@ -105,6 +116,7 @@ def _launcher(request: dict) -> None:
 
 
 def serve() -> None:
+    die_with_parent()
     for line in sys.stdin:
         while True:  # reap launchers that have ended
             try:

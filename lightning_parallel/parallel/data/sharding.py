@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_parallel.parallel.dtensor import local, split_axes
+from lightning_parallel.parallel.mesh import ParallelMesh
 
 # A local gradient, its parameter, and the mesh axes that split the gradient (each element counted once
 # when partial norms are summed over exactly those axes).
@@ -94,6 +95,11 @@ class DataParallelSharding:
         self.offload = offload
         self.reshard_after_forward = reshard_after_forward
         self.setting = setting
+
+    @classmethod
+    def from_mesh(cls, mesh: ParallelMesh, **settings: Any) -> DataParallelSharding:
+        """The sharding over the world's mesh: its ``shard`` role (a variant over other roles overrides this)."""
+        return cls(mesh["shard"], **settings)
 
     @property
     def axis(self) -> str:

@@ -4,12 +4,11 @@ picks a row here, and nothing else compares stage numbers. Pure torch.
 
 from __future__ import annotations
 
-from torch.distributed.device_mesh import DeviceMesh
-
 from lightning_parallel.parallel.data.flat_zero import ShardGradients, ShardOptimizer
 from lightning_parallel.parallel.data.fsdp import ShardParameters
 from lightning_parallel.parallel.data.replicate import Replicate
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
+from lightning_parallel.parallel.mesh import ParallelMesh
 
 ZERO_STAGES: dict[int, type[DataParallelSharding]] = {
     cls.stage: cls for cls in (Replicate, ShardOptimizer, ShardGradients, ShardParameters)
@@ -39,7 +38,8 @@ def check_zero_settings(stage: object, offload: object, *, name: str = "stage", 
 
 
 def make_sharding(
-    stage: int, mesh: DeviceMesh, *, offload: bool = False, reshard_after_forward: bool = True, setting: str = ""
+    stage: int, mesh: ParallelMesh, *, offload: bool = False, reshard_after_forward: bool = True, setting: str = ""
 ) -> DataParallelSharding:
-    """The sharding object for ``stage`` over the 1-D ``mesh``."""
-    return zero_stage(stage)(mesh, offload=offload, reshard_after_forward=reshard_after_forward, setting=setting)
+    """The sharding object for ``stage`` over the world's ``mesh`` (it picks the roles it shards over)."""
+    sharding = zero_stage(stage)
+    return sharding.from_mesh(mesh, offload=offload, reshard_after_forward=reshard_after_forward, setting=setting)
