@@ -141,9 +141,9 @@ def test_parity(layout, reference, matrix):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", WORLD8, ids=lambda lay: lay.id)
 def test_parity_world8(layout, request, tmp_path_factory):
-    # one launch per layout: a process group that ran 31 meshes' worth of layouts keeps all their gloo groups
-    # (torch compares meshes by value, so a mesh's groups cannot be destroyed while its model lives on), and
-    # their threads slowed the last layouts tenfold
+    # one launch per layout: one process group through all 31 layouts kept every mesh's gloo groups (torch caches
+    # DTensor layouts by mesh value, so an earlier equal mesh and its groups may still be used: they cannot be
+    # destroyed early), and their hundreds of threads slowed the last layouts tenfold
     reference = request.getfixturevalue("deep_reference" if layout.deep else "reference")
     run = launch(tmp_path_factory, layout.spec, layout.world, world8_cases(layout))
     check_against_reference(run, reference, layout, world8_cases(layout))
