@@ -67,6 +67,7 @@ _LIGHTNING = {
         "_get_default_process_group_backend_for_device",
     ),
     "optimizers_to_device": ("lightning.fabric.utilities.optimizer", "_optimizers_to_device"),
+    "set_num_threads_if_needed": ("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed"),
     "SubprocessScriptLauncher": (
         "lightning.pytorch.strategies.launchers.subprocess_script",
         "_SubprocessScriptLauncher",

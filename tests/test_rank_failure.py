@@ -141,3 +141,22 @@ def test_collective_failures_are_told_apart_from_the_cause():
     assert is_collective_failure(RuntimeError("... Timed out waiting 10000ms for recv operation to complete"))
     assert not is_collective_failure(ValueError("Connection closed by peer"))  # a user's error, not a collective
     assert not is_collective_failure(RuntimeError("CUDA out of memory"))
+
+
+def test_a_reported_failure_is_printed_once(monkeypatch, capsys):
+    """report_now prints through sys.excepthook at once; the interpreter's own report at exit then skips it."""
+    import sys
+
+    from lightning_parallel.parallel.failure import report_now
+
+    printed = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: printed.append(str(value)))
+    try:
+        raise ValueError("boom")
+    except ValueError as err:
+        report_now(err)
+        report_now(err)  # a second report of the same error prints nothing
+        sys.excepthook(type(err), err, err.__traceback__)  # what Python does if it ends the process
+    other = RuntimeError("another")
+    sys.excepthook(RuntimeError, other, None)  # errors never reported still print as usual
+    assert printed == ["boom", "another"]

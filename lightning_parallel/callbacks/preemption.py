@@ -77,7 +77,13 @@ class Preemption(pl.Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._restore()
+        if isinstance(exception, SystemExit):  # our own stop: Lightning's handler back until its teardown
+            self._restore()
+            return
+        # a failure: keep only noting SIGTERM (which a launcher sends once a rank has failed) until Lightning's
+        # teardown puts the handlers from before the fit back; Lightning's own would broadcast over a process
+        # group that just broke, while the strategy reports the error
+        self._previous = {}
 
     def _restore(self) -> None:
         for s, handler in self._previous.items():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -210,3 +211,32 @@ def end_children(procs: list[Any], grace_s: float) -> None:
         except Exception:  # still running at the deadline (subprocess.TimeoutExpired)
             proc.kill()
             proc.wait()
+
+
+_REPORTED = "_lightning_parallel_reported"
+
+
+def report_now(exc: BaseException) -> None:
+    """Print ``exc`` with its traceback now, through ``sys.excepthook`` (torch's adds the ``[rankN]:`` prefix),
+    and keep the interpreter from printing it a second time if it ends the process.
+
+    A failing rank's launcher often stops it with a signal before Python prints the uncaught exception at exit
+    (torchrun sends SIGTERM to every worker once one has failed): said here, the cause is never lost.
+    """
+    if getattr(exc, _REPORTED, False):
+        return
+    sys.excepthook(type(exc), exc, exc.__traceback__)
+    sys.stderr.flush()
+    try:
+        setattr(exc, _REPORTED, True)
+    except AttributeError:  # an exception type without a __dict__: printed twice rather than not at all
+        return
+    hook = sys.excepthook
+    if not getattr(hook, _REPORTED, False):
+
+        def skip_reported(kind: type, value: BaseException, tb: Any) -> None:
+            if not getattr(value, _REPORTED, False):
+                hook(kind, value, tb)
+
+        setattr(skip_reported, _REPORTED, True)
+        sys.excepthook = skip_reported

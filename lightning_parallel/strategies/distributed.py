@@ -18,7 +18,13 @@ from typing_extensions import override
 
 from lightning_parallel import _compat
 from lightning_parallel.parallel.data.stages import make_sharding
-from lightning_parallel.parallel.failure import FailureBoard, annotate, end_children, is_collective_failure
+from lightning_parallel.parallel.failure import (
+    FailureBoard,
+    annotate,
+    end_children,
+    is_collective_failure,
+    report_now,
+)
 from lightning_parallel.strategies.launcher import CheckFirstLauncher
 
 
@@ -55,6 +61,7 @@ class DistributedMixin:
                 annotate(exception, self._failures.explain(), self.global_rank)
             else:
                 self._failures.record(exception)
+            report_now(exception)  # before a launcher's signal can stop this process unheard
         procs = getattr(self._launcher, "procs", None)
         if procs and not isinstance(exception, SystemExit):  # SystemExit: a preemption stop, every rank exits
             end_children(procs, grace_s=min(self._timeout.total_seconds(), 5.0))
@@ -97,7 +104,9 @@ class DistributedMixin:
         assert self.cluster_environment is not None
         self._dims = self._parallel_degrees(self.world_size)  # bad degrees fail here, before any process starts
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = CheckFirstLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+            grace_s = min(self._timeout.total_seconds(), 10.0)  # for the launching rank to say which rank failed
+            env = self.cluster_environment
+            self._launcher = CheckFirstLauncher(self, env, self.num_processes, self.num_nodes, grace_s=grace_s)
 
     @override
     def setup_environment(self) -> None:
