@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
