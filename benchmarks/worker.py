@@ -34,6 +34,7 @@ from lightning_parallel.models import LitGPT, LitVGG  # noqa: E402
 from lightning_parallel.models.gpt import GPT  # noqa: E402
 from lightning_parallel.models.vgg import VGG  # noqa: E402
 from lightning_parallel.parallel.measure.memory import model_state_bytes  # noqa: E402
+from lightning_parallel.parallel.shutdown import release_process_groups
 from lightning_parallel.recipes.config import register_configs  # noqa: E402
 from lightning_parallel.recipes.gpt import TextData, gpt_config  # noqa: E402
 from lightning_parallel.recipes.vgg import ImageData, scaled_lr, vgg_config  # noqa: E402
@@ -168,11 +169,9 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
-    # the results are written: skip the interpreter's teardown, where a C++ destructor aborts about one run in
-    # four after a recipe's train() ("terminate called without an active exception"; the recipes' own workers
-    # end the same way, through multiprocessing)
-    sys.stdout.flush()
-    os._exit(0)
+    # Lightning's own strategies (the baselines here) leave their process groups to interpreter shutdown, where
+    # gloo aborts now and then; ours release them at exit. The same ending for both (parallel/shutdown.py):
+    release_process_groups()
 
 
 if __name__ == "__main__":

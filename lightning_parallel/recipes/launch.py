@@ -70,9 +70,7 @@ def _worker(config_yaml: str, run_dir: str, entry: str) -> Any:
     try:
         result = _call(entry, OmegaConf.create(config_yaml), Path(run_dir))
     except SIGTERMException:  # preempted: the checkpoint is saved, every rank stopped after the same step
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(PREEMPTED_EXIT)
+        sys.exit(PREEMPTED_EXIT)  # an ordinary exit: atexit releases the process groups (parallel/shutdown.py)
     return result if os.environ.get("RANK") == "0" else None
 
 

@@ -25,6 +25,7 @@ from lightning_parallel.parallel.failure import (
     is_collective_failure,
     report_now,
 )
+from lightning_parallel.parallel.shutdown import release_at_exit
 from lightning_parallel.strategies.launcher import CheckFirstLauncher
 
 
@@ -108,8 +109,22 @@ class DistributedMixin:
             env = self.cluster_environment
             self._launcher = CheckFirstLauncher(self, env, self.num_processes, self.num_nodes, grace_s=grace_s)
 
+    def _check_launched_world(self) -> None:
+        """Under torchrun or SLURM: the processes started must be the ones the Trainer was told about."""
+        env = self.cluster_environment
+        if env is None or not env.creates_processes_externally:
+            return
+        expected, launched = self.num_nodes * self.num_processes, env.world_size()
+        if launched != expected or env.local_rank() >= self.num_processes:
+            raise ValueError(
+                f"Trainer(devices={self.num_processes}, num_nodes={self.num_nodes}) expects {expected} processes, "
+                f"but the launcher started {launched} (this one has LOCAL_RANK={env.local_rank()}): set devices to "
+                "the processes per node (torchrun --nproc-per-node) and num_nodes to the number of nodes."
+            )
+
     @override
     def setup_environment(self) -> None:
+        self._check_launched_world()  # before the device is chosen and any process group exists
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -120,6 +135,7 @@ class DistributedMixin:
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
+        release_at_exit()  # the groups go before the interpreter does: a finished run exits 0
         if self._mesh is None:  # once per strategy: validate/test after fit run on the model fit split
             # torch's new groups already get its default: only a timeout set by the user needs passing on
             mesh_timeout = None if self._timeout == default_pg_timeout else self._timeout

@@ -53,6 +53,9 @@ class Model(MLPClassifier):
         self.losses.append(float(loss.detach()))
         return loss
 
+    def test_step(self, batch, batch_idx):
+        return self.validation_step(batch, batch_idx)
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -87,7 +90,7 @@ def main() -> None:
     trainer.fit(model, data, ckpt_path=str(args.preempt_dir / "last.ckpt") if ckpt else None)
     if args.test:
         trainer.test(model, data, verbose=False)
-    params = {k: v.detach().double().sum().item() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    params = {k: v.detach().double().sum().item() for k, v in trainer.strategy.full_state_dict().items()}
     if trainer.global_rank == 0:
         print("DONE " + json.dumps({"losses": model.losses, "step": trainer.global_step, "params": params}))
 

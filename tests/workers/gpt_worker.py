@@ -368,14 +368,6 @@ def main() -> None:
         (run_out / f"rank{rank}.json").write_text(json.dumps(results))  # each run's results as soon as it ends
     if args.runs_file:
         (out / f"rank{rank}.json").write_text(json.dumps([run["label"] for run in runs]))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    # Skip interpreter finalization: gloo's worker threads can still hold tensors then, and releasing
-    # them without the GIL aborts the process now and then (torch PR #179291, abandoned). All results
-    # are on disk at this point.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

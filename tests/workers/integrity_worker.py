@@ -14,7 +14,6 @@ import dataclasses
 import errno
 import json
 import os
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -109,11 +108,6 @@ def main() -> None:
     torch.set_num_threads(1)
     results = [run_case(case, args.strategy, world, rank, out) for case in json.loads(args.cases)]
     (out / f"rank{rank}.json").write_text(json.dumps(results))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as in gpt_worker: gloo threads can abort interpreter finalization
 
 
 if __name__ == "__main__":

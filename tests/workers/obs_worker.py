@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -71,11 +70,6 @@ def main() -> None:
     torch.set_num_threads(1)
     results = [run_case(case, world, out) for case in json.loads(args.cases)]
     (out / f"rank{rank}.json").write_text(json.dumps(results, default=str))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as gpt_worker.py: skip finalization while gloo's threads may still hold tensors
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import argparse
 import importlib
 import json
 import os
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -65,11 +64,6 @@ def main() -> None:
         "layout": metrics["layout"],
     }
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
-    # the results are written: skip the interpreter's teardown, where a C++ destructor aborts about one run in
-    # four after a recipe's train() ("terminate called without an active exception"; the recipes' own workers
-    # end the same way, through multiprocessing)
-    sys.stdout.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from pathlib import Path
 
 import torch
@@ -30,6 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_parallel.parallel.data.sync_batchnorm import convert_sync_batchnorm
+from lightning_parallel.parallel.shutdown import release_process_groups
 from lightning_parallel.parallel.tensor.conv import ChannelNormParallel
 
 _PLAIN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
@@ -119,11 +118,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     results = [run_case(case, rank, world) for case in json.loads(args.cases)]
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
-    # skip interpreter finalization, as gpt_worker.py does: gloo threads can abort it; results are on disk
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    release_process_groups()  # plain torch.distributed: the script releases what it made
 
 
 if __name__ == "__main__":

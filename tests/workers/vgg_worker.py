@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import sys
 from pathlib import Path
 
 import torch
@@ -26,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
+from lightning_parallel.parallel.shutdown import release_process_groups
 from lightning_parallel.parallel.tensor.plan import apply_tp
 
 
@@ -107,11 +106,7 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     results = [run_case(case, mesh) for case in json.loads(args.cases)]
     (Path(args.out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
-    # skip interpreter finalization, as gpt_worker.py does: gloo threads can abort it; results are on disk
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    release_process_groups()  # plain torch.distributed: the script releases what it made
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import runpy
 import signal
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import lightning.pytorch  # noqa: F401  (what every rank imports: paid once, before the forks)
@@ -59,8 +58,11 @@ def run_rank(rank: int, log: Path, script: str, args: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:
         code = stop.code
-    except BaseException:  # noqa: BLE001  (printed as an uncaught exception would be)
-        traceback.print_exc()
+    except BaseException as error:  # noqa: BLE001  (as the interpreter handles an uncaught exception)
+        sys.last_type, sys.last_value, sys.last_traceback = type(error), error, error.__traceback__
+        if sys.version_info >= (3, 12):
+            sys.last_exc = error
+        sys.excepthook(type(error), error, error.__traceback__)
         code = 1
     raise SystemExit(code)  # normal finalization, as a process torchrun started would end
 

@@ -1,0 +1,64 @@
+"""Release the process groups before the interpreter shuts down, so that a run that finished exits 0.
+
+Why a finished run aborted (from a core of one: ``gdb``, ``thread apply all bt``): a gloo worker thread
+(``ProcessGroupGloo::runLoop``) drops the last reference to a finished collective's work, and with it tensors
+that are Python objects; that needs the GIL. A gloo process group sits in reference cycles, so nothing frees
+it before the garbage collection inside ``Py_FinalizeEx``: its destructor then joins the worker threads, a
+worker that asks for the GIL during finalization is ended by Python (``pthread_exit``) inside C++ code that
+cannot unwind, and the process dies with "terminate called without an active exception" (SIGABRT, -6) after
+all its work is done: about one run in twenty of a two-process fit here. Under torchrun that turns a finished
+job into a failed one (with ``--max-restarts``, a restarted one); under SLURM the job is marked failed.
+
+:func:`release_at_exit` registers, once per process, an ``atexit`` handler that destroys every process group
+(the default one and all the mesh's) and collects the garbage that holds them, while the interpreter is still
+whole: their destructors join gloo's threads then, and a thread that needs the GIL gets it. ``atexit``
+handlers run after ``main`` returned or raised and after non-daemon threads were joined, before finalization.
+The exit status is untouched: 0 after a finished run, the code of a ``SystemExit``. A process that an uncaught
+exception ends is left as before (its status is non-zero either way): freeing a group joins gloo's threads,
+and one still inside a collective with a peer would hold this rank until the timeout, where ending at once
+lets the peers see the connection close and fail fast, naming this rank (``failure.py``). torch asks scripts
+to call ``destroy_process_group()`` themselves; a Lightning user never does, and Lightning's strategies leave
+the groups to interpreter shutdown. Pure torch: no Lightning here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import signal
+import sys
+import threading
+
+import torch.distributed as dist
+
+_registered = False
+
+
+def release_at_exit() -> None:
+    """Shut the process groups down when this process exits (registered once, whatever the number of calls)."""
+    global _registered
+    if not _registered:
+        atexit.register(release_process_groups)
+        _registered = True
+
+
+def release_process_groups() -> None:
+    """Destroy every process group this process holds and free them (their gloo threads end), with Ctrl+C held
+    off; a failure here is reported on stderr and does not change the exit status (the work is done by now)."""
+    if not (dist.is_available() and dist.is_initialized()) or _ending_on_an_exception():
+        return
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+    try:
+        dist.destroy_process_group()
+        gc.collect()  # the groups live in reference cycles: freed now, not inside finalization
+    except Exception as error:  # noqa: BLE001 - nothing is left to protect but the exit status
+        print(f"lightning_parallel: releasing the process groups at exit failed: {error!r}", file=sys.stderr)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _ending_on_an_exception() -> bool:
+    """Whether an uncaught exception ends the process (Python sets ``sys.last_*`` when it prints it)."""
+    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
