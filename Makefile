@@ -6,7 +6,8 @@ TORCH_VERSION ?= 2.13.0
 
 install:
 	$(PYTHON) -m pip install --quiet torch==$(TORCH_VERSION)
-	$(PYTHON) -m pip install --quiet -e ".[dev]"
+	$(PYTHON) -m pip install --quiet -e ".[dev,hf]"
+	$(PYTHON) -c "import torch; assert '+cpu' in torch.__version__ or not torch.version.cuda, torch.__version__"
 
 train: install
 	$(PYTHON) recipes/train_gpt.py

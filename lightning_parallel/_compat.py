@@ -21,6 +21,7 @@ from torch._C._distributed_c10d import Backend as C10dBackend  # noqa: F401  (it
 from torch.distributed.checkpoint._traverse import set_element  # noqa: F401
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401  (hf: fused qkv)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (semi-public: documented, underscored)
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: F401
 from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401

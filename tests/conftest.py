@@ -47,10 +47,17 @@ def launch(tmp_path_factory, strategy: str, world: int, cases: list[dict], tag: 
 class Batch:
     """Independent gpt_worker runs, ``label -> (world, strategy, cases)``, launched together: every run of one
     world size goes into one launch (one process start-up, one process group), the first time any of them is
-    asked for. A run that fails fails the runs after it in its launch, with its traceback in the error."""
+    asked for. A run that fails fails the runs after it in its launch, with its traceback in the error.
+    ``worker``: another script in tests/workers/ taking the same ``--runs-file`` (hf_worker.py)."""
 
-    def __init__(self, tmp_path_factory, runs: dict[str, tuple[int, str, list[dict]]], tag: str = "") -> None:
-        self.factory, self.runs, self.tag = tmp_path_factory, runs, tag
+    def __init__(
+        self,
+        tmp_path_factory,
+        runs: dict[str, tuple[int, str, list[dict]]],
+        tag: str = "",
+        worker: str = "gpt_worker.py",
+    ) -> None:
+        self.factory, self.runs, self.tag, self.worker = tmp_path_factory, runs, tag, worker
         self._done: dict[str, Run] = {}
 
     def __getitem__(self, label: str) -> Run:
@@ -68,7 +75,7 @@ class Batch:
         runs_file = out / "runs.json"
         runs_file.write_text(json.dumps(spec))
         steps = sum(case.get("steps", 10) for _, _, cases in mine.values() for case in cases)
-        run_distributed("gpt_worker.py", world, ["--runs-file", str(runs_file)], out, timeout=120 + 2 * world * steps)
+        run_distributed(self.worker, world, ["--runs-file", str(runs_file)], out, timeout=120 + 2 * world * steps)
         for label in mine:
             folder = out / _safe(label)
             self._done[label] = Run([json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)], folder)

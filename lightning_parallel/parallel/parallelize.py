@@ -32,7 +32,13 @@ from lightning_parallel.parallel.data.stages import zero_stage as sharding_of
 from lightning_parallel.parallel.mesh import ParallelMesh
 from lightning_parallel.parallel.pipeline.partition import balanced_partition, check_stage_count, uniform_partition
 from lightning_parallel.parallel.pipeline.profile import example_microbatch, profile_layers, profiled_partition
-from lightning_parallel.parallel.pipeline.split import PipelineSplit, layer_paths, materialize_stages, split_model
+from lightning_parallel.parallel.pipeline.split import (
+    ElsewhereLayer,
+    PipelineSplit,
+    layer_paths,
+    materialize_stages,
+    split_model,
+)
 from lightning_parallel.parallel.pipeline.tied import TiedGradients
 from lightning_parallel.parallel.tensor.plan import apply_tp, resolvable_plan
 from lightning_parallel.protocol import pipeline_layers, tensor_parallel_plan
@@ -84,7 +90,7 @@ def parallelize(
     if dims.tp > 1:
         plan = tensor_parallel_plan(module, dims.tp, config.sequence_parallel)
         if done.split is not None:  # entries for layers other stages hold resolve to nothing here
-            plan = resolvable_plan(root, plan)
+            plan = resolvable_plan(root, plan, placeholders=(ElsewhereLayer,))
         apply_tp(root, mesh["tensor"], plan)
     layers = done.split.layers() if done.split is not None else module
     done.checkpointed = apply_activation_checkpointing(layers, config.activation_checkpointing)

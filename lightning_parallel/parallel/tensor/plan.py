@@ -91,7 +91,10 @@ def _matches(path: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(path, pattern) and path.count(".") == pattern.count(".")
 
 
-def resolvable_plan(root: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:
-    """The entries of ``plan`` that name a module ``root`` still holds (a pipeline stage holds a part)."""
-    paths = [path for path, _ in root.named_modules()]
+def resolvable_plan(
+    root: nn.Module, plan: Mapping[str, ParallelStyle], placeholders: tuple[type, ...] = ()
+) -> dict[str, ParallelStyle]:
+    """The entries of ``plan`` that name a module ``root`` still holds (a pipeline stage holds a part); modules of
+    the ``placeholders`` types stand in for layers held elsewhere (a plan may name a pipeline layer itself)."""
+    paths = [path for path, m in root.named_modules() if not isinstance(m, placeholders)]
     return {pattern: style for pattern, style in plan.items() if any(_matches(p, pattern) for p in paths)}

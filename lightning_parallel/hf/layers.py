@@ -1,0 +1,135 @@
+"""Pipeline layers of a Hugging Face causal LM: the model's own modules, in forward order, each able to run on
+the previous one's output alone.
+
+HF computes positions, rotary embeddings and the causal mask once at the top of the base model and passes them
+to every decoder layer; between pipeline stages only the hidden state travels. So each layer is the HF module
+itself (parameter and state-dict names stay HF's, any layout loads any other) with a forward pre-hook that,
+when the layer is called with the hidden state alone (a pipeline stage's call; HF's own forward always passes
+more), rebuilds those inputs with HF's own code (``create_causal_mask``, the model's rotary module). GPT-2's
+learned positions are a layer of their own: ``wpe`` called on the token embeddings adds its rows to them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_parallel.hf.plan import _pp_names, is_gpt2
+
+_HOOKED = "_lightning_parallel_pipeline_hooks"
+
+
+def _positions(hidden: Tensor) -> Tensor:
+    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
+
+
+def _decoder_inputs(config: Any, rotary: nn.Module | None):
+    """Pre-hook: what the base model's forward would pass a decoder layer, rebuilt from the hidden state."""
+    from transformers.masking_utils import create_causal_mask
+
+    def hook(layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if kwargs or len(args) != 1:
+            return None  # called by HF's own forward, which passes everything itself
+        hidden = args[0]  # (B, T, C)
+        position_ids = _positions(hidden)
+        extra: dict[str, Any] = {"position_ids": position_ids}
+        extra["attention_mask"] = create_causal_mask(
+            config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
+        )
+        if rotary is not None:
+            extra["position_embeddings"] = rotary(hidden, position_ids=position_ids)
+        return args, extra
+
+    return hook
+
+
+def _refuse_extra_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    if kwargs or len(args) != 1:
+        raise TypeError(
+            "Under pp > 1 the model takes input_ids alone (no attention_mask: the pipeline passes one tensor "
+            "between stages): mark padding with labels=-100 instead, or use pp=1."
+        )
+
+
+class _AddPositions:
+    """GPT-2's ``wpe`` as a pipeline layer: called on the token embeddings (floating point, not position ids),
+    it returns ``drop(tokens + wpe(positions))``, what GPT2Model computes before its blocks."""
+
+    def __init__(self, drop: nn.Module) -> None:
+        self.drop = drop
+        self.tokens: Tensor | None = None
+
+    def before(self, wpe: nn.Module, args: tuple) -> tuple | None:
+        if len(args) != 1 or not torch.is_floating_point(args[0]):
+            return None  # position ids: HF's own forward
+        self.tokens = args[0]  # (B, T, C)
+        return (_positions(args[0]),)
+
+    def after(self, wpe: nn.Module, args: tuple, output: Tensor) -> Tensor | None:
+        if self.tokens is None:
+            return None
+        tokens, self.tokens = self.tokens, None
+        return self.drop(tokens + output)
+
+
+def _hook_once(model: nn.Module, install) -> None:
+    if not getattr(model, _HOOKED, False):
+        install()
+        setattr(model, _HOOKED, True)
+
+
+def _llama_like_layers(model: nn.Module) -> list[nn.Module]:
+    base = model.get_submodule(model.base_model_prefix)
+    embed_name, layers_name, norm_name = _pp_names(model.config)
+    head_names = list(getattr(type(model), "_pp_plan", None) or {"lm_head": None})  # the class: the head's own
+    embed, blocks, norm = (base.get_submodule(n) for n in (embed_name, layers_name, norm_name))
+    heads = [model.get_submodule(n) for n in head_names]
+
+    def install() -> None:
+        embed.register_forward_pre_hook(_refuse_extra_inputs, with_kwargs=True)
+        hook = _decoder_inputs(model.config, getattr(base, "rotary_emb", None))
+        for block in blocks:
+            block.register_forward_pre_hook(hook, with_kwargs=True)
+
+    _hook_once(model, install)
+    return [embed, *blocks, norm, *heads]
+
+
+def _gpt2_layers(model: nn.Module) -> list[nn.Module]:
+    base = model.transformer
+
+    def install() -> None:
+        base.wte.register_forward_pre_hook(_refuse_extra_inputs, with_kwargs=True)
+        positions = _AddPositions(base.drop)
+        base.wpe.register_forward_pre_hook(positions.before)
+        base.wpe.register_forward_hook(positions.after)
+        hook = _decoder_inputs(model.config, None)
+        for block in base.h:
+            block.register_forward_pre_hook(hook, with_kwargs=True)
+
+    _hook_once(model, install)
+    return [base.wte, base.wpe, *base.h, base.ln_f, model.lm_head]
+
+
+def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
+    """A Hugging Face ``*ForCausalLM`` model's layers in forward order, for ``pipeline_layers()``.
+
+    From ``config.base_model_pp_plan`` (embedding, each decoder layer, final norm) and the head class's
+    ``_pp_plan`` (``lm_head``); GPT-2's order is written here (token embedding, position embedding, blocks,
+    final norm, head). Each runs on the previous one's output alone (hooks rebuild positions and the mask);
+    under HF's own forward the hooks do nothing. Idempotent.
+
+    Args:
+        model: the HF model (its modules are returned, so they must be registered in your LightningModule).
+
+    Raises:
+        ValueError: a model without ``base_model_pp_plan`` (and not GPT-2).
+    """
+    return _gpt2_layers(model) if is_gpt2(model) else _llama_like_layers(model)
+
+
+def num_decoder_layers(model: nn.Module) -> int:
+    config = model.config
+    return int(getattr(config, "num_hidden_layers", None) or config.n_layer)

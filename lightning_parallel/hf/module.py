@@ -1,0 +1,165 @@
+"""``HFCausalLM``: a Hugging Face causal LM as a LightningModule that every layout of this package can split.
+
+The model stays HF's own object (``self.model``: parameter names, ``save_pretrained`` and HF's forward are
+untouched); the parallel protocol methods read HF's own descriptions of it (``base_model_tp_plan``, ``_tp_plan``,
+``base_model_pp_plan``), see :mod:`lightning_parallel.hf.plan` and :mod:`lightning_parallel.hf.layers`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_parallel.hf.layers import hf_pipeline_layers, num_decoder_layers
+from lightning_parallel.hf.plan import SP_WITH_PP, hf_tensor_parallel_plan
+
+IGNORE_INDEX = -100  # HF's label for "no loss here" (padding, prompts)
+
+
+def load_causal_lm(source: Any) -> nn.Module:
+    """A ``PreTrainedModel`` as it is, one loaded from a local folder (no network), or one built from a config."""
+    from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+    if isinstance(source, PreTrainedModel):
+        return source
+    if isinstance(source, PretrainedConfig):
+        return AutoModelForCausalLM.from_config(source)
+    if isinstance(source, (str, Path)):
+        if not Path(source).is_dir():
+            raise ValueError(
+                f"HFCausalLM({str(source)!r}): no such folder. Pass a local folder written by save_pretrained (this "
+                "package never downloads), a transformers config, or a PreTrainedModel."
+            )
+        return AutoModelForCausalLM.from_pretrained(source, local_files_only=True)
+    raise TypeError(
+        f"HFCausalLM takes a PreTrainedModel, a local folder or a PretrainedConfig, not {type(source).__name__}."
+    )
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """HF's causal-LM loss: labels shifted one token left here (the last position predicts nothing), token-mean
+    cross-entropy over labels that are not -100. ``logits`` (B, T, V) may be split over V (inside
+    ``loss_parallel``)."""
+    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # (B, T)
+    return F.cross_entropy(
+        logits.flatten(0, -2).float(), shifted.reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX
+    )
+
+
+class HFCausalLM(pl.LightningModule):
+    """Next-token training of a Hugging Face causal LM (Llama-style models, GPT-2) under any strategy.
+
+    Batches are a dict with ``input_ids`` (and optionally ``labels``, ``attention_mask``; labels default to the
+    input ids) or a tuple ``(input_ids, labels)``. The loss is a token mean per (micro)batch. Under pp > 1 the
+    attention mask is refused (one tensor travels between stages): mark padding with ``labels=-100``.
+
+    Args:
+        model: a ``PreTrainedModel``, a local folder written by ``save_pretrained`` or a transformers config.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay, not applied to biases and norm weights (parameters of dimension < 2).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+    ) -> None:
+        super().__init__()
+        self.model = load_causal_lm(model)
+        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
+        hf_pipeline_layers(self.model)  # installs the pipeline hooks now: inert under HF's own forward
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Logits (B, T, V) (split over V under tensor parallelism)."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        return causal_lm_loss(logits, labels)
+
+    @staticmethod
+    def unpack(batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(input_ids, labels, attention_mask) of a dict or tuple batch."""
+        if isinstance(batch, dict):
+            ids = batch["input_ids"]
+            return ids, batch.get("labels", ids), batch.get("attention_mask")
+        ids, labels = batch[0], batch[1]
+        return ids, labels, None
+
+    def _step_loss(self, batch: Any) -> Tensor:
+        ids, labels, mask = self.unpack(batch)
+        output = self(ids) if mask is None else self(ids, attention_mask=mask)
+        return self.loss(output, labels)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._step_loss(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._step_loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._step_loss(batch)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps)
+
+    # ----- the parallel protocol (lightning_parallel/protocol.py), read from HF's own plans -----
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return hf_pipeline_layers(self.model)
+
+    def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+        self._sequence_parallel = sequence_parallel  # the strategy asks for the plan before the degrees
+        plan = hf_tensor_parallel_plan(self.model, sequence_parallel)
+        return {f"model.{path}": style for path, style in plan.items()}
+
+    def check_parallel_degrees(self, pp: int, tp: int) -> None:
+        check_hf_degrees(self.model, pp=pp, tp=tp)
+        if pp > 1 and tp > 1 and getattr(self, "_sequence_parallel", False):
+            raise ValueError(SP_WITH_PP)
+
+
+def check_hf_degrees(model: nn.Module, *, pp: int, tp: int) -> None:
+    """Refuse tp that does not divide the heads, key/value heads or vocabulary, and pp beyond the decoder layers.
+
+    Raises:
+        ValueError: naming the setting and the fix.
+    """
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    sizes = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "vocab_size": config.vocab_size,
+    }
+    for name, size in sizes.items():
+        if tp > 1 and size % tp:
+            divisors = [d for d in range(1, size + 1) if size % d == 0]
+            raise ValueError(
+                f"tp={tp} does not divide the model's {name}={size}: choose tp among {divisors}"
+                + (" (or pad the vocabulary: resize_token_embeddings)." if name == "vocab_size" else ".")
+            )
+    layers = num_decoder_layers(model)
+    if pp > layers:
+        raise ValueError(
+            f"pp={pp} is more pipeline stages than the model's {layers} decoder layers: use pp <= {layers}."
+        )

@@ -1,0 +1,165 @@
+"""Tensor-parallel plans for Hugging Face causal LMs, as this package's plans: module path -> torch ParallelStyle.
+
+Models that describe themselves (Llama and its relatives) are translated from ``config.base_model_tp_plan``
+and the head class's ``_tp_plan``; GPT-2, which has neither (``Conv1D`` layers, a fused q/k/v projection), has
+its plan written here. Both add what HF's plans leave to the runtime: the vocabulary-parallel embedding, the
+head's logits left split over the vocabulary for the vocabulary-parallel loss, one input all-reduce per
+attention and MLP, and with ``sequence_parallel`` the norms and the residual stream split along the sequence.
+Pure functions of the model's classes and config: no process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+from lightning_parallel.hf.styles import Conv1DColwise, Conv1DRowwise, HiddenStatesInput
+from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
+
+# HF's names for a head whose output columns are gathered (v5.0 "colwise_rep", v5.1+ "colwise_gather_output")
+GATHERED_COLWISE = ("colwise_rep", "colwise_gather_output")
+TRANSLATED = ("colwise", "rowwise", *GATHERED_COLWISE)
+# a stage rebuilds positions from the hidden state it receives, which sequence parallelism splits
+SP_WITH_PP = (
+    "sequence_parallel=True with pp > 1 is not supported for Hugging Face models yet: set sequence_parallel=False "
+    "or pp=1."
+)
+
+
+def is_gpt2(model: nn.Module) -> bool:
+    return getattr(getattr(model, "config", None), "model_type", None) == "gpt2"
+
+
+def translate_tp_plan(
+    base_plan: Mapping[str, str], head_plan: Mapping[str, str], base_prefix: str, sequence_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """HF's style names as torch ParallelStyles, paths relative to the ``*ForCausalLM`` model.
+
+    Args:
+        base_plan: ``config.base_model_tp_plan`` (paths inside the base model).
+        head_plan: the head class's ``_tp_plan`` (paths inside the head model: ``lm_head``).
+        base_prefix: where the base model sits in the head model (``base_model_prefix`` + ".").
+        sequence_parallel: row-parallel outputs reduce-scattered along the sequence (dim 1), not all-reduced.
+    """
+    seq: Placement = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {}
+    entries = [(base_prefix + path, style, False) for path, style in base_plan.items()]
+    entries += [(path, style, True) for path, style in head_plan.items()]
+    for path, style, is_head in entries:
+        if style not in TRANSLATED:
+            raise ValueError(
+                f"tensor-parallel style {style!r} for {path!r} is not supported by hf_tensor_parallel_plan (it "
+                f"translates {', '.join(TRANSLATED)}): pass your own plan via tensor_parallel_plan(), or use tp=1."
+            )
+        if style == "colwise":
+            plan[path] = ColwiseParallel()
+        elif style == "rowwise":
+            plan[path] = RowwiseParallel(output_layouts=seq)
+        elif is_head:  # the head: logits stay split over the vocabulary for the vocabulary-parallel loss
+            plan[path] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+        else:
+            plan[path] = ColwiseParallel(output_layouts=Replicate())
+    return plan
+
+
+def _parents(plan: Mapping[str, ParallelStyle], style: type) -> list[str]:
+    return list(dict.fromkeys(path.rpartition(".")[0] for path, s in plan.items() if isinstance(s, style)))
+
+
+def llama_like_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The plan of a model that carries ``base_model_tp_plan`` (Llama, Mistral, Qwen2 ...)."""
+    config = model.config
+    base_plan = getattr(config, "base_model_tp_plan", None)
+    if not base_plan:
+        raise ValueError(
+            f"{type(model).__name__} has no config.base_model_tp_plan and no plan written here (supported: Llama-"
+            "style models with one, and GPT-2): give your module a tensor_parallel_plan(), or use tp=1."
+        )
+    prefix = model.base_model_prefix + "."
+    head_plan = dict(getattr(type(model), "_tp_plan", None) or {})  # the class: the head's own entries
+    plan = translate_tp_plan(base_plan, head_plan, prefix, sequence_parallel)
+    seq: Placement = Shard(1) if sequence_parallel else Replicate()
+    embed, layers, norm = _pp_names(config)
+    # the embedding split over the vocabulary; its output whole: HF derives positions and the mask from it
+    plan[prefix + embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    # no local head counts to fix (transformers 5.24): attention views its projections with -1 heads and repeats
+    # key/value heads by num_key_value_groups, a ratio tp keeps when it splits both head counts
+    # one input all-reduce (or all-gather) per attention and MLP, not one per projection
+    for parent in _parents(plan, ColwiseParallel):
+        if parent.startswith(prefix + layers + "."):
+            plan[parent] = HiddenStatesInput(seq, Replicate())
+    if sequence_parallel:
+        plan.update(_sequence_parallel_entries(model, prefix + layers, prefix + norm))
+    return plan
+
+
+def _sequence_parallel_entries(model: nn.Module, layers: str, final_norm: str) -> dict[str, ParallelStyle]:
+    """Norms split along the sequence; the first layer keeps its slice of the whole embeddings."""
+    first = model.get_submodule(f"{layers}.0")
+    norms = [name for name, m in first.named_children() if "norm" in type(m).__name__.lower() or "ln" in name]
+    entries: dict[str, ParallelStyle] = {
+        f"{layers}.0": HiddenStatesInput(Replicate(), Shard(1), use_local_output=True),
+        final_norm: SequenceParallel(),
+    }
+    entries.update({f"{layers}.*.{name}": SequenceParallel() for name in norms})
+    return entries
+
+
+def gpt2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """GPT-2's plan (HF ships none): Megatron's split of the ``Conv1D`` layers, c_attn per q/k/v part."""
+    seq: Placement = Shard(1) if sequence_parallel else Replicate()
+    block = "transformer.h.*"
+    plan: dict[str, ParallelStyle] = {
+        "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        f"{block}.attn.c_attn": Conv1DColwise(parts=3),
+        f"{block}.attn.c_proj": Conv1DRowwise(output_layout=seq),
+        f"{block}.mlp.c_fc": Conv1DColwise(),
+        f"{block}.mlp.c_proj": Conv1DRowwise(output_layout=seq),
+        # attention splits c_attn's output by split_size (the width of q): this rank's width after the split
+        f"{block}.attn": HiddenStatesInput(seq, Replicate(), set_attrs=("split_size",)),
+        f"{block}.mlp": HiddenStatesInput(seq, Replicate()),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sequence_parallel:
+        plan.update(
+            {
+                "transformer.h.0": HiddenStatesInput(Replicate(), Shard(1), use_local_output=True),
+                f"{block}.ln_1": SequenceParallel(),
+                f"{block}.ln_2": SequenceParallel(),
+                "transformer.ln_f": SequenceParallel(),
+            }
+        )
+    return plan
+
+
+def _pp_names(config: Any) -> tuple[str, str, str]:
+    """(embedding, decoder layers, final norm) from ``config.base_model_pp_plan``, in its order."""
+    pp_plan = getattr(config, "base_model_pp_plan", None) or {}
+    names = list(pp_plan)
+    if len(names) != 3:
+        raise ValueError(
+            f"config.base_model_pp_plan of {type(config).__name__} lists {names}, not (embedding, layers, norm): "
+            "give your module its own pipeline_layers() and tensor_parallel_plan(), or use pp=1 and tp=1."
+        )
+    return names[0], names[1], names[2]
+
+
+def hf_tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan of a Hugging Face ``*ForCausalLM`` model, paths relative to it.
+
+    Prefix the paths with where the model sits in your LightningModule (``{"model." + k: v ...}``).
+
+    Args:
+        model: a ``PreTrainedModel`` with a causal-LM head (Llama-style models, GPT-2).
+        sequence_parallel: split norms and the residual stream along the sequence as well.
+
+    Raises:
+        ValueError: a model with no plan, or a style this translation does not know.
+    """
+    if sequence_parallel and any(isinstance(m, ElsewhereLayer) for m in model.modules()):
+        raise ValueError(SP_WITH_PP)
+    return gpt2_plan(model, sequence_parallel) if is_gpt2(model) else llama_like_plan(model, sequence_parallel)

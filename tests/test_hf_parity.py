@@ -1,0 +1,137 @@
+"""HFCausalLM (Hugging Face Llama with grouped-query attention, and GPT-2) under zero3 and hybrid3d: the same
+10 AdamW steps as the plain HF model trained in one process (its own forward and loss, no Lightning)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers  # a test dependency: make install installs the hf extra
+from conftest import Batch
+from parity import assert_same_losses, assert_same_params
+from torch.utils.data import DataLoader, DistributedSampler
+
+STEPS, GLOBAL_BATCH, SEQ_LEN, LR, EPS = 10, 8, 16, 1e-3, 1e-6
+
+# tp 2 divides heads (4), key/value heads (2) and the vocabulary (128); 2 decoder layers: pp up to 2
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    ),
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    ),
+}
+
+# label -> (world, strategy spec, model, tp); every run of one world size shares one launch
+FAST = {
+    "llama zero3": (2, "zero3", "llama", 1),
+    "llama tp2": (2, "hybrid3d:tp=2", "llama", 2),
+    "llama tp2 sp": (2, "hybrid3d:tp=2,sequence_parallel=1", "llama", 2),
+    "llama pp2": (2, "hybrid3d:pp=2", "llama", 1),
+    "gpt2 zero3": (2, "zero3", "gpt2", 1),
+    "gpt2 tp2": (2, "hybrid3d:tp=2", "gpt2", 2),
+    "gpt2 pp2": (2, "hybrid3d:pp=2", "gpt2", 1),
+    "llama pp2 x tp2": (4, "hybrid3d:pp=2,tp=2", "llama", 2),
+    "gpt2 pp2 x tp2": (4, "hybrid3d:pp=2,tp=2", "gpt2", 2),
+}
+SLOW = {
+    "llama dp2 x tp2 zero3": (4, "hybrid3d:tp=2,zero_stage=3", "llama", 2),
+    "gpt2 dp2 x tp2 zero3": (4, "hybrid3d:tp=2,zero_stage=3", "gpt2", 2),
+    "gpt2 tp2 sp": (4, "hybrid3d:tp=2,dp=2,sequence_parallel=1", "gpt2", 2),
+    "llama zero1": (4, "zero1", "llama", 1),
+    "gpt2 zero2 tuple": (4, "zero2", "gpt2", 1),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    """Each tiny model written once by save_pretrained: the workers and the reference load the same weights."""
+    out = {}
+    for name, config in CONFIGS.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config())
+        folder = tmp_path_factory.mktemp(f"hf_{name}")
+        model.save_pretrained(folder)
+        out[name] = str(folder)
+    return out
+
+
+def _cases(folder: str, label: str) -> list[dict]:
+    return [{"name": "train", "path": folder, "steps": STEPS, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN,
+             "lr": LR, "tuple_batch": "tuple" in label}]  # fmt: skip
+
+
+def _batch(tmp_path_factory, folders, runs: dict, tag: str) -> Batch:
+    spec = {
+        label: (world, strategy, _cases(folders[model], label)) for label, (world, strategy, model, _) in runs.items()
+    }
+    return Batch(tmp_path_factory, spec, tag=tag, worker="hf_worker.py")
+
+
+@pytest.fixture(scope="module")
+def fast_runs(tmp_path_factory, folders) -> Batch:
+    return _batch(tmp_path_factory, folders, FAST, "hf")
+
+
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory, folders) -> Batch:
+    return _batch(tmp_path_factory, folders, SLOW, "hf_slow")
+
+
+def plain_hf_training(folder: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The reference: HF's model, forward and loss (``labels=``), torch's AdamW with the same two groups, the
+    batches in the order the workers' sampler gives the whole world."""
+    from lightning_parallel.hf import HFCausalLM  # the defaults the workers train with
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    defaults = HFCausalLM.__init__.__defaults__  # lr, weight_decay, betas, eps
+    groups = [
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": defaults[1]},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=defaults[2], eps=EPS)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.config.vocab_size, (GLOBAL_BATCH * STEPS, SEQ_LEN), generator=g)
+    sampler = DistributedSampler(range(len(tokens)), num_replicas=1, rank=0, shuffle=True, seed=0)
+    losses = []
+    for idx in DataLoader(list(range(len(tokens))), batch_size=GLOBAL_BATCH, sampler=sampler):
+        loss = model(input_ids=tokens[idx], labels=tokens[idx]).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def references(folders) -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
+    return {name: plain_hf_training(folder) for name, folder in folders.items()}
+
+
+def _check(runs: Batch, label: str, spec: tuple, references) -> None:
+    world, strategy, model, tp = spec
+    run = runs[label]
+    want_losses, want_params = references[model]
+    dp = world // tp // (2 if "pp=2" in strategy else 1)
+    leaders = [d * tp for d in range(dp)]  # one rank per dp index (tp ranks see the same batch)
+    loss_rel = assert_same_losses(run.losses("train", leaders), want_losses, label)
+    got = run.params("train")
+    param_abs = assert_same_params(got, want_params, label)
+    print(f"{label}: max loss rel diff {loss_rel:.1e}, max param abs diff {param_abs:.1e}")
+
+
+@pytest.mark.parametrize("label", list(FAST))
+def test_hf_parity(label, fast_runs, references):
+    _check(fast_runs, label, FAST[label], references)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(SLOW))
+def test_hf_parity_wider(label, slow_runs, references):
+    _check(slow_runs, label, SLOW[label], references)
