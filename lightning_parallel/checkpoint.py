@@ -2,6 +2,7 @@
 
     python -m lightning_parallel.checkpoint consolidate CKPT_DIR OUT.pt   # one file for plain Lightning
     python -m lightning_parallel.checkpoint info CKPT_DIR                 # step, tensors, bytes
+    python -m lightning_parallel.checkpoint export-hf CKPT OUT_DIR        # HFCausalLM: a save_pretrained folder
 
 The file ``consolidate`` writes is the checkpoint a single-process Lightning run would have written:
 ``state_dict`` by parameter name, ``optimizer_states`` numbered like ``Optimizer.state_dict()``, and the
@@ -122,10 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("out")
     i = commands.add_parser("info", help="what a sharded checkpoint holds")
     i.add_argument("ckpt_dir")
+    e = commands.add_parser("export-hf", help="an HFCausalLM checkpoint as a folder from_pretrained loads")
+    e.add_argument("ckpt")
+    e.add_argument("out_dir")
+    e.add_argument("--config", help="a folder with the model's config.json, for a checkpoint that holds none")
     args = parser.parse_args(argv)
     try:
         if args.command == "consolidate":
             print(f"wrote {consolidate(args.ckpt_dir, args.out)}")
+        elif args.command == "export-hf":
+            from lightning_parallel.hf.export import export_hf  # needs transformers (the hf extra)
+
+            print(f"wrote {export_hf(args.ckpt, args.out_dir, args.config)}")
         else:
             print(info(args.ckpt_dir))
     except (FileNotFoundError, ValueError, checkpoint_io.UnsafeCheckpointError) as err:

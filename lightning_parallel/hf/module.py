@@ -20,6 +20,8 @@ from lightning_parallel.hf.layers import hf_pipeline_layers, num_decoder_layers
 from lightning_parallel.hf.plan import SP_WITH_PP, hf_tensor_parallel_plan
 
 IGNORE_INDEX = -100  # HF's label for "no loss here" (padding, prompts)
+# the checkpoint key of the model's transformers config (``config.to_dict()``): what export-hf rebuilds it from
+HF_CONFIG_KEY = "hf_config"
 
 
 def load_causal_lm(source: Any) -> nn.Module:
@@ -121,6 +123,9 @@ class HFCausalLM(pl.LightningModule):
         no_decay = [p for p in self.parameters() if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[HF_CONFIG_KEY] = self.model.config.to_dict()  # plain values: read back without unpickling code
 
     # ----- the parallel protocol (lightning_parallel/protocol.py), read from HF's own plans -----
 

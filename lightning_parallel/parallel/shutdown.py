@@ -6,7 +6,7 @@ that are Python objects; that needs the GIL. A gloo process group sits in refere
 it before the garbage collection inside ``Py_FinalizeEx``: its destructor then joins the worker threads, a
 worker that asks for the GIL during finalization is ended by Python (``pthread_exit``) inside C++ code that
 cannot unwind, and the process dies with "terminate called without an active exception" (SIGABRT, -6) after
-all its work is done: about one run in twenty of a two-process fit here. Under torchrun that turns a finished
+all its work is done: 3 of 40 two-process fits under torchrun here. Under torchrun that turns a finished
 job into a failed one (with ``--max-restarts``, a restarted one); under SLURM the job is marked failed.
 
 :func:`release_at_exit` registers, once per process, an ``atexit`` handler that destroys every process group

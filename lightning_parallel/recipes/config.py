@@ -11,6 +11,7 @@ microbatches``, ``precision=...``, ``data.global_batch_size``, ``seed``, ``check
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -35,17 +36,32 @@ class PrecisionConf:
 
 
 @dataclass
-class GPTModelConf:
+class TextModelConf:
+    """What the GPT recipe reads of every model it trains (``model=gpt_*`` or ``model=hf*``)."""
+
+    seq_len: int = 64  # tokens per training window
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+
+
+@dataclass
+class GPTModelConf(TextModelConf):
     vocab_size: int = 256  # byte-level tokens
-    seq_len: int = 64
     n_layer: int = 4
     n_head: int = 4
     d_model: int = 128
     mlp_ratio: int = 4
     dropout: float = 0.0
-    lr: float = 3e-3
-    weight_decay: float = 0.1
     warmup_steps: int = 0
+
+
+@dataclass
+class HFModelConf(TextModelConf):
+    """A Hugging Face causal LM (HFCausalLM): from a local ``save_pretrained`` folder or a transformers config."""
+
+    path: str | None = None  # a save_pretrained folder: its weights, or its config.json alone (fresh weights)
+    config: dict[str, Any] = field(default_factory=dict)  # without path: model_type and the config's fields
+    vocab_size: int | None = None  # None: the config's own; the byte-level data needs 256 or more
 
 
 @dataclass
@@ -133,7 +149,7 @@ class RecipeConf:
 class GPTRecipeConf(RecipeConf):
     """The GPT recipe's root; conf/train_gpt.yaml picks each group's option."""
 
-    model: GPTModelConf = MISSING
+    model: TextModelConf = MISSING  # GPTModelConf (model=gpt_*) or HFModelConf (model=hf*)
     data: TextDataConf = MISSING
     sample_tokens: int = 200  # generated at the end of training; 0 for none
 
@@ -151,6 +167,7 @@ SCHEMAS = {
     ("strategy", "schema"): StrategyConf,
     ("precision", "schema"): PrecisionConf,
     ("model", "gpt_schema"): GPTModelConf,
+    ("model", "hf_schema"): HFModelConf,
     ("model", "vgg_schema"): VGGModelConf,
     ("data", "text_schema"): TextDataConf,
     ("data", "images_schema"): ImageDataConf,

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel import Hybrid3DStrategy
 from lightning_parallel.callbacks.resume import ResumableDataLoader
+from lightning_parallel.hf.layers import hf_pipeline_layers
 from lightning_parallel.models import GPTConfig, LitGPT
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.recipes.common import (
@@ -26,6 +27,13 @@ from lightning_parallel.recipes.common import (
     sampler_kwargs,
     world_size,
     write_metrics,
+)
+from lightning_parallel.recipes.hf import (
+    build_hf_module,
+    check_hf_layout,
+    check_hf_model,
+    is_hf_model,
+    model_vocab_size,
 )
 from lightning_parallel.recipes.text_data import TokenWindows, load_tokens
 from lightning_parallel.strategies.pipelined_step import PipelineInput
@@ -45,6 +53,8 @@ def gpt_config(m: DictConfig) -> GPTConfig:
 
 def check_config(cfg: DictConfig) -> None:
     """Everything that can be refused before a worker starts: names, degrees, sizes, batch splits."""
+    if is_hf_model(cfg.model):
+        return _check_hf_config(cfg)
     strategy = check_run_settings(cfg, num_layers=cfg.model.n_layer + 2)  # embedding, blocks, head
     m = cfg.model
     for key in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
@@ -55,6 +65,18 @@ def check_config(cfg: DictConfig) -> None:
         GPT.check_tensor_parallel_config(config, strategy.config.dims(world_size(cfg)).tp)
     if cfg.trainer.sync_batchnorm:
         raise ValueError("trainer.sync_batchnorm=true: the GPT has no BatchNorm to sync (LayerNorm needs none).")
+    check_text_data(cfg)
+
+
+def _check_hf_config(cfg: DictConfig) -> None:
+    """``model=hf*``: the same checks, on the HF model built on the meta device."""
+    meta = check_hf_model(cfg)
+    strategy = check_run_settings(cfg, num_layers=len(hf_pipeline_layers(meta)))
+    if isinstance(strategy, Hybrid3DStrategy):
+        dims = strategy.config.dims(world_size(cfg))
+        check_hf_layout(meta, pp=dims.pp, tp=dims.tp, sequence_parallel=strategy.config.sequence_parallel)
+    if cfg.trainer.sync_batchnorm:
+        raise ValueError("trainer.sync_batchnorm=true: the model has no BatchNorm to sync (its norms need none).")
     check_text_data(cfg)
 
 
@@ -97,14 +119,17 @@ class TextData(pl.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         tokens = load_tokens(self.cfg.data.kind, self.cfg.data.path, self.cache_dir)
-        if self.cfg.data.kind == "tokens" and int(tokens.max()) >= self.cfg.model.vocab_size:
+        vocab = model_vocab_size(self.cfg.model)
+        if self.cfg.data.kind == "tokens" and int(tokens.max()) >= vocab:
             raise ValueError(
-                f"data.path holds token id {int(tokens.max())} >= model.vocab_size={self.cfg.model.vocab_size}: "
+                f"data.path holds token id {int(tokens.max())} >= model.vocab_size={vocab}: "
                 "set model.vocab_size to the tokenizer's vocabulary size."
             )
         seq, frac = self.cfg.model.seq_len, self.cfg.data.val_fraction
-        self.train_set = TokenWindows(tokens, seq, "train", frac)
-        self.val_set = TokenWindows(tokens, seq, "val", frac)
+        # HF models take labels unshifted (HFCausalLM shifts them): (inputs, inputs), T - 1 targets per window
+        hf = is_hf_model(self.cfg.model)
+        self.train_set = TokenWindows(tokens, seq, "train", frac, labels_are_inputs=hf)
+        self.val_set = TokenWindows(tokens, seq, "val", frac, labels_are_inputs=hf)
 
     def _loader(self, dataset: TokenWindows, shuffle: bool) -> DataLoader:
         kwargs = sampler_kwargs(self.trainer)
@@ -122,11 +147,13 @@ class TextData(pl.LightningDataModule):
 
 
 @torch.no_grad()
-def generate(model: LitGPT, prompt: bytes, tokens: int, temperature: float = 0.8, seed: int = 0) -> bytes:
+def generate(
+    model: pl.LightningModule, prompt: bytes, tokens: int, temperature: float = 0.8, seed: int = 0, seq_len: int = 0
+) -> bytes:
     """A sampled continuation of ``prompt`` (``temperature`` 0: greedy), runnable under every layout
     (collective under pp and tp). Every rank draws the same bytes: the logits are whole on every rank and
-    the generator is seeded alike."""
-    seq_len = model.config.seq_len
+    the generator is seeded alike. Only byte ids are drawn; ``seq_len`` 0: the LitGPT's own."""
+    seq_len = seq_len or model.config.seq_len
     idx = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
     generator = torch.Generator().manual_seed(seed)
     model.eval()
@@ -134,7 +161,7 @@ def generate(model: LitGPT, prompt: bytes, tokens: int, temperature: float = 0.8
         out = model(idx[:, -seq_len:])
         logits = out.materialize() if isinstance(out, PipelineInput) else out
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
-        last = logits[:, -1].float().cpu()  # (1, vocab)
+        last = logits[:, -1, :256].float().cpu()  # (1, 256): byte ids only (a larger vocabulary has more)
         if temperature <= 0:
             token = last.argmax(-1, keepdim=True)
         else:
@@ -148,9 +175,16 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, verbose=False)
     micro = micro_batch_size(cfg, world_size(cfg))
     m = cfg.model
-    model = LitGPT(
-        gpt_config(m), lr=m.lr, weight_decay=m.weight_decay, warmup_steps=m.warmup_steps, build_in_configure_model=True
-    )
+    if is_hf_model(m):
+        model = build_hf_module(m)  # every rank builds the whole model (its weights, or fresh ones seeded alike)
+    else:
+        model = LitGPT(
+            gpt_config(m),
+            lr=m.lr,
+            weight_decay=m.weight_decay,
+            warmup_steps=m.warmup_steps,
+            build_in_configure_model=True,
+        )
     trainer = build_trainer(cfg, run_dir)
     data = TextData(cfg, micro, cache_dir=Path.cwd() / "data")  # the default corpus is written there once
     start = time.perf_counter()
@@ -158,7 +192,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     wall = time.perf_counter() - start
     metrics = run_metrics(trainer, cfg, wall, cfg.data.global_batch_size * m.seq_len, "tokens/s")
     if cfg.sample_tokens > 0:
-        metrics["sample"] = generate(model, b"The ", cfg.sample_tokens, seed=cfg.seed).decode("utf-8", errors="replace")
+        sample = generate(model, b"The ", cfg.sample_tokens, seed=cfg.seed, seq_len=m.seq_len)
+        metrics["sample"] = sample.decode("utf-8", errors="replace")
     write_metrics(trainer, metrics, run_dir)
     if trainer.global_rank == 0 and "sample" in metrics:
         print(f"\n--- sample ---\n{metrics['sample']}\n--------------")

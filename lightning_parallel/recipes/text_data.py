@@ -52,10 +52,13 @@ def _existing(path: str) -> Path:
 class TokenWindows(Dataset):
     """Non-overlapping windows of ``seq_len + 1`` tokens: inputs and the next-token targets.
 
-    ``split`` takes the first ``1 - val_fraction`` of the windows ("train") or the rest ("val").
+    ``split`` takes the first ``1 - val_fraction`` of the windows ("train") or the rest ("val"). With
+    ``labels_are_inputs`` a sample is ``(inputs, inputs)``, for models that shift the labels themselves (HF's).
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, split: str, val_fraction: float) -> None:
+    def __init__(
+        self, tokens: np.ndarray, seq_len: int, split: str, val_fraction: float, labels_are_inputs: bool = False
+    ) -> None:
         windows = (len(tokens) - 1) // seq_len
         n_val = max(1, int(windows * val_fraction))
         if windows - n_val < 1:
@@ -63,7 +66,7 @@ class TokenWindows(Dataset):
                 f"the corpus has {len(tokens)} tokens, too few for windows of model.seq_len={seq_len}: "
                 "use a longer text or a shorter seq_len."
             )
-        self.tokens, self.seq_len = tokens, seq_len
+        self.tokens, self.seq_len, self.labels_are_inputs = tokens, seq_len, labels_are_inputs
         self.first, self.count = (0, windows - n_val) if split == "train" else (windows - n_val, n_val)
 
     def __len__(self) -> int:
@@ -72,4 +75,4 @@ class TokenWindows(Dataset):
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
         start = (self.first + i) * self.seq_len
         chunk = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
-        return chunk[:-1], chunk[1:]
+        return (chunk[:-1], chunk[:-1]) if self.labels_are_inputs else (chunk[:-1], chunk[1:])

@@ -1,0 +1,128 @@
+"""A checkpoint of :class:`~lightning_parallel.hf.HFCausalLM` as a Hugging Face folder:
+
+    python -m lightning_parallel.checkpoint export-hf CKPT OUT_DIR
+
+writes what ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads (config.json, model.safetensors,
+generation_config.json), with HF's own ``save_pretrained``. CKPT is any checkpoint this package or Lightning
+wrote (a sharded folder is consolidated in this process); the model's transformers config comes from the
+checkpoint (HFCausalLM saves it under ``hf_config``), or from ``--config FOLDER`` for a checkpoint without it.
+The weights are the checkpoint's ``state_dict`` without HFCausalLM's ``model.`` prefix; tied weights (GPT-2's
+embedding and head) are checked to be equal and saved once, as HF saves them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_parallel.checkpoint import check_checkpoint_path, consolidated
+from lightning_parallel.hf.module import HF_CONFIG_KEY
+
+PREFIX = "model."  # HFCausalLM keeps the HF model as self.model
+
+
+def hf_config_of(checkpoint: dict[str, Any], config_folder: str | Path | None = None) -> Any:
+    """The transformers config saved in ``checkpoint``, or the one in ``config_folder`` (which wins).
+
+    Raises:
+        ValueError: neither holds one, naming ``--config``.
+    """
+    from transformers import AutoConfig
+
+    if config_folder is not None:
+        if not (Path(config_folder) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"--config {config_folder}: no config.json in it: give the folder save_pretrained wrote for the model."
+            )
+        return AutoConfig.from_pretrained(config_folder, local_files_only=True)
+    saved = checkpoint.get(HF_CONFIG_KEY)
+    if saved is None:
+        raise ValueError(
+            f"the checkpoint holds no Hugging Face config ({HF_CONFIG_KEY!r}): it was not saved by HFCausalLM. "
+            "Pass --config FOLDER, a folder holding the model's config.json (e.g. config.save_pretrained(FOLDER))."
+        )
+    saved = dict(saved)
+    return AutoConfig.for_model(saved.pop("model_type"), **saved)
+
+
+def hf_state_dict(checkpoint: dict[str, Any]) -> dict[str, Tensor]:
+    """The checkpoint's weights under the HF model's own names (HFCausalLM's ``model.`` prefix stripped).
+
+    Raises:
+        ValueError: no ``state_dict``, or keys outside ``model.`` (not an HFCausalLM checkpoint).
+    """
+    state = checkpoint.get("state_dict")
+    if not state:
+        raise ValueError("the checkpoint holds no state_dict (model weights): give a checkpoint a training run saved.")
+    other = [k for k in state if not k.startswith(PREFIX)]
+    if other:
+        raise ValueError(
+            f"the checkpoint's weights are not all under {PREFIX!r} (e.g. {other[0]!r}): export-hf takes checkpoints "
+            "of HFCausalLM, whose Hugging Face model is self.model."
+        )
+    return {k[len(PREFIX) :]: v for k, v in state.items()}
+
+
+def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """State-dict keys of the model that name one tensor (tied weights), grouped."""
+    groups: dict[int, list[str]] = defaultdict(list)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups[id(tensor)].append(name)
+    return list(groups.values())
+
+
+def load_into(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
+    """Load ``state`` into the HF ``model``: every key known, every tensor given once, tied copies equal.
+
+    Raises:
+        ValueError: unknown or missing keys, or tied weights that differ in the checkpoint.
+    """
+    groups = _tied_groups(model)
+    known = {name for group in groups for name in group}
+    unknown = sorted(set(state) - known)
+    if unknown:
+        raise ValueError(f"the checkpoint has weights the config's model lacks: {unknown[:5]}: is --config right?")
+    for group in groups:
+        present = [name for name in group if name in state]
+        if not present:
+            raise ValueError(f"the checkpoint lacks the weights {group}: is it a checkpoint of this model?")
+        if any(not torch.equal(state[present[0]], state[name]) for name in present[1:]):
+            raise ValueError(
+                f"the config ties {present} but the checkpoint holds different values for them: untie them in the "
+                "config (e.g. tie_word_embeddings=false) with --config, or save them tied."
+            )
+    # a tied copy the checkpoint lacks gets its partner's values (one tensor: loading it twice changes nothing)
+    full = {name: state[next(n for n in group if n in state)] for group in groups for name in group}
+    model.load_state_dict(full, strict=True)
+
+
+def export_hf(ckpt: str | Path, out: str | Path, config_folder: str | Path | None = None) -> Path:
+    """Write the HFCausalLM checkpoint ``ckpt`` as a Hugging Face folder ``out`` (see the module's docstring).
+
+    Args:
+        ckpt: a checkpoint file or sharded checkpoint folder.
+        out: a new (or empty) folder.
+        config_folder: a folder with the model's config.json, for a checkpoint that holds none.
+
+    Returns:
+        ``out``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"OUT_DIR {out} exists and is not an empty folder: give a new folder to write the model in.")
+    check_checkpoint_path(ckpt, "CKPT")
+    checkpoint = consolidated(ckpt)
+    config = hf_config_of(checkpoint, config_folder)
+    state = hf_state_dict(checkpoint)
+    floats = [t.dtype for t in state.values() if t.is_floating_point()]
+    dtype = floats[0] if floats else torch.float32  # the trained dtype (bf16-true stays bf16)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    load_into(model, state)
+    model.save_pretrained(out)
+    return out
