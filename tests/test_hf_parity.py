@@ -28,25 +28,46 @@ CONFIGS = {
     ),
 }
 
-# label -> (world, strategy spec, model, tp); every run of one world size shares one launch
+# label -> (world, strategy spec, model, tp); every run of one world size shares one launch. A label with
+# "clip" clips the gradient norm at 0.05 (below the norms these steps have), with "accum" accumulates 2
+# micro-batches per step, with "tuple" feeds (input_ids, labels) tuples.
 FAST = {
     "llama zero3": (2, "zero3", "llama", 1),
-    "llama tp2": (2, "hybrid3d:tp=2", "llama", 2),
+    "llama zero1 clip": (2, "zero1", "llama", 1),
+    "gpt2 zero2 accum": (2, "zero2", "gpt2", 1),
+    "llama tp2 clip": (2, "hybrid3d:tp=2", "llama", 2),
     "llama tp2 sp": (2, "hybrid3d:tp=2,sequence_parallel=1", "llama", 2),
-    "llama pp2": (2, "hybrid3d:pp=2", "llama", 1),
+    "llama pp2 1f1b": (2, "hybrid3d:pp=2", "llama", 1),
+    "llama pp2 gpipe": (2, "hybrid3d:pp=2,pp_schedule=gpipe", "llama", 1),
+    "llama pp2 zero_bubble": (2, "hybrid3d:pp=2,pp_schedule=zero_bubble", "llama", 1),
     "gpt2 zero3": (2, "zero3", "gpt2", 1),
     "gpt2 tp2": (2, "hybrid3d:tp=2", "gpt2", 2),
-    "gpt2 pp2": (2, "hybrid3d:pp=2", "gpt2", 1),
+    "gpt2 pp2 interleaved_1f1b": (2, "hybrid3d:pp=2,pp_schedule=interleaved_1f1b", "gpt2", 1),
     "llama pp2 x tp2": (4, "hybrid3d:pp=2,tp=2", "llama", 2),
-    "gpt2 pp2 x tp2": (4, "hybrid3d:pp=2,tp=2", "gpt2", 2),
+    "gpt2 pp2 x tp2 clip": (4, "hybrid3d:pp=2,tp=2", "gpt2", 2),
+    "llama dp2 x tp2 zero3 accum": (4, "hybrid3d:tp=2,zero_stage=3", "llama", 2),
 }
 SLOW = {
-    "llama dp2 x tp2 zero3": (4, "hybrid3d:tp=2,zero_stage=3", "llama", 2),
     "gpt2 dp2 x tp2 zero3": (4, "hybrid3d:tp=2,zero_stage=3", "gpt2", 2),
     "gpt2 tp2 sp": (4, "hybrid3d:tp=2,dp=2,sequence_parallel=1", "gpt2", 2),
-    "llama zero1": (4, "zero1", "llama", 1),
-    "gpt2 zero2 tuple": (4, "zero2", "gpt2", 1),
+    "llama zero2 tuple": (4, "zero2", "llama", 1),
+    "gpt2 pp2 gpipe": (2, "hybrid3d:pp=2,pp_schedule=gpipe", "gpt2", 1),
+    "gpt2 pp2 zero_bubble": (2, "hybrid3d:pp=2,pp_schedule=zero_bubble", "gpt2", 1),
+    "llama pp2 interleaved_1f1b": (2, "hybrid3d:pp=2,pp_schedule=interleaved_1f1b", "llama", 1),
 }
+# every (pp, dp, tp) split of world 8 the tiny Llama takes: tp 1 or 2 (2 key/value heads), pp 1 or 2 (2 layers);
+# microbatches 2: a dp rank's share of the 8 samples can be 2
+WORLD8 = {
+    f"llama w8 pp{pp} dp{8 // pp // tp} tp{tp}": (
+        8,
+        f"hybrid3d:pp={pp},tp={tp},zero_stage=3" + (",microbatches=2" if pp > 1 else ""),
+        "llama",
+        tp,
+    )
+    for pp in (1, 2)
+    for tp in (1, 2)
+}
+CLIP, ACCUMULATE = 0.05, 2
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +83,13 @@ def folders(tmp_path_factory) -> dict[str, str]:
     return out
 
 
+def _options(label: str) -> dict:
+    return {"clip": CLIP if "clip" in label else None, "accumulate": ACCUMULATE if "accum" in label else 1}
+
+
 def _cases(folder: str, label: str) -> list[dict]:
     return [{"name": "train", "path": folder, "steps": STEPS, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN,
-             "lr": LR, "tuple_batch": "tuple" in label}]  # fmt: skip
+             "lr": LR, "tuple_batch": "tuple" in label, **_options(label)}]  # fmt: skip
 
 
 def _batch(tmp_path_factory, folders, runs: dict, tag: str) -> Batch:
@@ -84,9 +109,15 @@ def slow_runs(tmp_path_factory, folders) -> Batch:
     return _batch(tmp_path_factory, folders, SLOW, "hf_slow")
 
 
-def plain_hf_training(folder: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+@pytest.fixture(scope="module")
+def world8_runs(tmp_path_factory, folders) -> Batch:
+    return _batch(tmp_path_factory, folders, WORLD8, "hf_w8")
+
+
+def plain_hf_training(folder: str, clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The reference: HF's model, forward and loss (``labels=``), torch's AdamW with the same two groups, the
-    batches in the order the workers' sampler gives the whole world."""
+    batches in the order the workers' sampler gives the whole world; ``clip``: torch's norm clipping. (The
+    workers' accumulated micro-batches make up the same global batch, with equal token counts: one batch here.)"""
     from lightning_parallel.hf import HFCausalLM  # the defaults the workers train with
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
@@ -103,6 +134,8 @@ def plain_hf_training(folder: str) -> tuple[list[float], dict[str, torch.Tensor]
     for idx in DataLoader(list(range(len(tokens))), batch_size=GLOBAL_BATCH, sampler=sampler):
         loss = model(input_ids=tokens[idx], labels=tokens[idx]).loss
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -110,14 +143,14 @@ def plain_hf_training(folder: str) -> tuple[list[float], dict[str, torch.Tensor]
 
 
 @pytest.fixture(scope="module")
-def references(folders) -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
-    return {name: plain_hf_training(folder) for name, folder in folders.items()}
+def references(folders) -> dict[tuple[str, float | None], tuple[list[float], dict[str, torch.Tensor]]]:
+    return {(name, clip): plain_hf_training(folder, clip) for name, folder in folders.items() for clip in (None, CLIP)}
 
 
 def _check(runs: Batch, label: str, spec: tuple, references) -> None:
     world, strategy, model, tp = spec
     run = runs[label]
-    want_losses, want_params = references[model]
+    want_losses, want_params = references[model, _options(label)["clip"]]
     dp = world // tp // (2 if "pp=2" in strategy else 1)
     leaders = [d * tp for d in range(dp)]  # one rank per dp index (tp ranks see the same batch)
     loss_rel = assert_same_losses(run.losses("train", leaders), want_losses, label)
@@ -135,3 +168,16 @@ def test_hf_parity(label, fast_runs, references):
 @pytest.mark.parametrize("label", list(SLOW))
 def test_hf_parity_wider(label, slow_runs, references):
     _check(slow_runs, label, SLOW[label], references)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(WORLD8))
+def test_hf_parity_every_world8_split(label, world8_runs, references):
+    _check(world8_runs, label, WORLD8[label], references)
+
+
+@pytest.mark.parametrize("model", list(CONFIGS))
+def test_clipping_is_active_in_the_reference(model, references):
+    """The "clip" cases test something: clipping at CLIP changes where the reference ends."""
+    plain, clipped = references[model, None][1], references[model, CLIP][1]
+    assert max((plain[k] - clipped[k]).abs().max().item() for k in plain) > 1e-3

@@ -3,7 +3,7 @@ strategy for a list of cases; writes rank<N>.json (+ params), as gpt_worker.py d
 so tests/conftest.py's ``Batch`` can launch it).
 
 Case keys: name, path (the model folder), steps, global_batch, seq_len, lr, tuple_batch (batches as
-(input_ids, labels) instead of dicts).
+(input_ids, labels) instead of dicts), accumulate (micro-batches per optimizer step), clip (gradient norm).
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ class RecordingHF(HFCausalLM):
 
 def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     pl.seed_everything(0, verbose=False)
-    steps, global_batch = case.get("steps", 10), case.get("global_batch", 8)
+    steps, global_batch, accumulate = case.get("steps", 10), case.get("global_batch", 8), case.get("accumulate", 1)
     strategy_obj = build_strategy(strategy)
-    micro = global_batch // batch_ranks(strategy_obj, world)
+    micro = global_batch // (accumulate * batch_ranks(strategy_obj, world))
     model = RecordingHF(case["path"], lr=case.get("lr", 1e-3), eps=1e-6)
     data = RandomTokens(global_batch * steps, case.get("seq_len", 16), model.model.config.vocab_size)
     data.as_tuple = bool(case.get("tuple_batch"))
@@ -61,6 +61,8 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         devices=world,
         strategy=strategy_obj,
         max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=case.get("clip"),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -73,7 +75,9 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     state = trainer.strategy.full_state_dict() if hasattr(trainer.strategy, "full_state_dict") else model.state_dict()
     if trainer.global_rank == 0:
         torch.save({k: v.detach().cpu() for k, v in state.items()}, out / f"{case['name']}_params.pt")
-    return {"name": case["name"], "losses": model.losses}
+    # one loss per optimizer step: the mean of its micro-batches' (equal token counts: the global batch's loss)
+    losses = [sum(model.losses[i : i + accumulate]) / accumulate for i in range(0, len(model.losses), accumulate)]
+    return {"name": case["name"], "losses": losses}
 
 
 def main() -> None:
