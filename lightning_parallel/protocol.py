@@ -1,7 +1,8 @@
 """The bring-your-own-model protocol: what a module offers so a layout can split it.
 
 Each method is optional and asked for only by the axis that needs it: ``pipeline_layers()`` and ``loss()``
-under pp > 1, ``tensor_parallel_plan()`` under tp > 1, ``check_parallel_degrees()`` always when present. The
+under pp > 1, ``tensor_parallel_plan()`` under tp > 1, ``check_parallel_degrees()`` always when present,
+``materialize(device)`` once the model is split, when parameters are still on the meta device. The
 strategies read them through the functions below, which raise the error that names what is missing; nothing
 else looks methods up by name. Pure Python + torch types; the module need not be a LightningModule.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -37,6 +39,16 @@ class ChecksDegrees(Protocol):
     """Optional: refuse degrees the model cannot split, before any process starts."""
 
     def check_parallel_degrees(self, *, pp: int, tp: int) -> None: ...
+
+
+@runtime_checkable
+class Materializes(Protocol):
+    """Optional: a module built with its parameters on the meta device gives them storage and values itself,
+    once the model is split over the layout (pipeline stages kept, tensor and ZeRO-3 shards made), so each rank
+    fills only what it holds (HFCausalLM reads its slices of a pretrained folder). Without it, layers built on
+    meta under pp are initialized by their ``reset_parameters()``."""
+
+    def materialize(self, device: torch.device) -> None: ...
 
 
 @runtime_checkable
@@ -83,3 +95,20 @@ def has_pipeline_layers(module: Any) -> bool:
 
 def has_loss(module: Any) -> bool:
     return callable(getattr(module, "loss", None))
+
+
+def materializes_itself(module: Any) -> bool:
+    return isinstance(module, Materializes)
+
+
+def materialize(module: Any, root: nn.Module, device: torch.device) -> None:
+    """Once the model is split: let ``module`` fill the meta parameters ``root`` still has; a TypeError naming
+    what is missing when some stay on meta."""
+    if isinstance(module, Materializes) and any(p.is_meta for p in root.parameters()):
+        module.materialize(device)
+    left = [name for name, p in root.named_parameters() if p.is_meta]
+    if left:
+        raise TypeError(
+            f"{type(module).__name__}'s parameters {left[:3]} are still on the meta device once the model is split: "
+            "give the module a materialize(device) that fills them, or build them on a real device."
+        )

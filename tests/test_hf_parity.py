@@ -181,3 +181,18 @@ def test_clipping_is_active_in_the_reference(model, references):
     """The "clip" cases test something: clipping at CLIP changes where the reference ends."""
     plain, clipped = references[model, None][1], references[model, CLIP][1]
     assert max((plain[k] - clipped[k]).abs().max().item() for k in plain) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("label", "most"), [("llama pp2 x tp2", 0.45), ("gpt2 pp2 x tp2 clip", 0.45), ("llama zero3", 0.55)]
+)
+def test_each_rank_reads_only_its_part_of_the_folder(label, most, fast_runs, folders):
+    """Weights are read after the split: under pp2 x tp2 a rank reads its stages' tensor-parallel slices (the
+    tiny models' stages are uneven: 3 and 2 layers of 5; GPT-2's fused q/k/v, a strided shard, is read whole),
+    under ZeRO-3 its dp shard of each tensor (plus the small ones it holds whole)."""
+    from safetensors.torch import load_file
+
+    full = sum(t.numel() * t.element_size() for t in load_file(f"{folders[FAST[label][2]]}/model.safetensors").values())
+    read = [fast_runs[label].case("train", r)["bytes_read"] for r in range(FAST[label][0])]
+    print(f"{label}: bytes read per rank {read} of {full} ({max(read) / full:.0%} at most)")
+    assert all(0 < r <= most * full for r in read), (read, full)

@@ -4,6 +4,7 @@ with the setting and the fix."""
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import transformers  # a test dependency: make install installs the hf extra
@@ -106,7 +107,14 @@ def test_sources_and_optimizer_groups(tmp_path):
     model = llama()
     model.save_pretrained(tmp_path)
     from_folder = HFCausalLM(str(tmp_path))
+    assert from_folder.model.lm_head.weight.is_meta  # read once the strategy split the model
+    with pytest.raises(RuntimeError, match=r"not read yet: .* call .materialize\(\) first"):
+        from_folder(torch.zeros(1, 4, dtype=torch.long))
+    from_folder.materialize()
     assert torch.equal(from_folder.model.lm_head.weight, model.lm_head.weight)
+    assert from_folder.weight_bytes_read == sum(p.numel() * p.element_size() for p in model.parameters())
+    eager = HFCausalLM(str(tmp_path), lazy_load=False)
+    assert torch.equal(eager.model.lm_head.weight, model.lm_head.weight) and eager.weight_bytes_read == 0
     assert HFCausalLM(model.config).model.config.num_key_value_heads == 2
     groups = HFCausalLM(model, weight_decay=0.05).configure_optimizers().param_groups
     assert [g["weight_decay"] for g in groups] == [0.05, 0.0]
@@ -174,3 +182,18 @@ def test_sequence_parallel_with_pipeline_refused_before_launch():
     strategy = Hybrid3DStrategy(pp=2, tp=2, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"sequence_parallel=True with pp > 1 .*set sequence_parallel=False or pp=1"):
         check_model(module, strategy.config, strategy.config.dims(4))
+
+
+def test_lightning_strategies_read_the_whole_folder_in_configure_model(tmp_path):
+    """Outside this package's strategies (here Lightning's single-device one) configure_model reads the folder."""
+    model = llama()
+    model.save_pretrained(tmp_path)
+    module = HFCausalLM(str(tmp_path))
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, torch.utils.data.DataLoader([{"input_ids": row} for row in ids], batch_size=4))
+    assert module.weight_bytes_read == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert not torch.equal(module.model.lm_head.weight, model.lm_head.weight)  # read, then trained a step

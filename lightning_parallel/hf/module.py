@@ -17,11 +17,25 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.hf.layers import hf_pipeline_layers, num_decoder_layers
+from lightning_parallel.hf.loading import load_local_weights, parameters_on_meta, safetensors_files, tied_aliases
 from lightning_parallel.hf.plan import SP_WITH_PP, hf_tensor_parallel_plan
 
 IGNORE_INDEX = -100  # HF's label for "no loss here" (padding, prompts)
 # the checkpoint key of the model's transformers config (``config.to_dict()``): what export-hf rebuilds it from
 HF_CONFIG_KEY = "hf_config"
+
+
+def lazy_causal_lm(source: Any) -> nn.Module | None:
+    """For a local folder with safetensors weights: its model with the parameters on the meta device (buffers
+    real, dtype the folder's, as ``from_pretrained`` gives), to be filled by :func:`load_local_weights`; else
+    None."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not isinstance(source, (str, Path)) or not Path(source).is_dir() or safetensors_files(source) is None:
+        return None
+    config = AutoConfig.from_pretrained(source, local_files_only=True)
+    with parameters_on_meta():
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
 
 
 def load_causal_lm(source: Any) -> nn.Module:
@@ -61,8 +75,14 @@ class HFCausalLM(pl.LightningModule):
     input ids) or a tuple ``(input_ids, labels)``. The loss is a token mean per (micro)batch. Under pp > 1 the
     attention mask is refused (one tensor travels between stages): mark padding with ``labels=-100``.
 
+    A folder with safetensors weights is not read here: the parameters are built on the meta device and each
+    rank reads only what it holds once the strategy split the model (its stages, its tensor-parallel and ZeRO-3
+    slices; :mod:`lightning_parallel.hf.loading`). Under Lightning's own strategies the whole folder is read in
+    ``configure_model``; outside a Trainer call :meth:`materialize` first.
+
     Args:
         model: a ``PreTrainedModel``, a local folder written by ``save_pretrained`` or a transformers config.
+        lazy_load: False reads a folder's weights whole in every process, now (``from_pretrained``).
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay, not applied to biases and norm weights (parameters of dimension < 2).
         betas: AdamW betas.
@@ -76,14 +96,40 @@ class HFCausalLM(pl.LightningModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
+        lazy_load: bool = True,
     ) -> None:
         super().__init__()
-        self.model = load_causal_lm(model)
+        lazy = lazy_causal_lm(model) if lazy_load else None
+        self.model = lazy if lazy is not None else load_causal_lm(model)
+        # the folder still to read (None once read), the tied names as built, and what this rank read (bytes)
+        self._weights_folder = Path(model) if lazy is not None else None
+        self._tied_aliases = tied_aliases(self.model) if lazy is not None else {}
+        self.weight_bytes_read = 0
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         hf_pipeline_layers(self.model)  # installs the pipeline hooks now: inert under HF's own forward
 
+    def materialize(self, device: torch.device | str = "cpu") -> None:
+        """Read the weights of the folder this module was built from into the parameters it holds, on ``device``
+        (the strategies call it once the model is split; nothing to do when they are read already)."""
+        if self._weights_folder is None:
+            return
+        device = torch.device(device)
+        self.weight_bytes_read = load_local_weights(self.model, self._weights_folder, device, self._tied_aliases)
+        self._weights_folder = None
+
+    def configure_model(self) -> None:
+        from lightning_parallel.strategies.base import MeshStrategy
+
+        if self._weights_folder is not None and not isinstance(self.trainer.strategy, MeshStrategy):
+            self.materialize(self.trainer.strategy.root_device)  # Lightning's own strategies: the whole folder
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Logits (B, T, V) (split over V under tensor parallelism)."""
+        if self._weights_folder is not None:
+            raise RuntimeError(
+                f"HFCausalLM's weights from {self._weights_folder} are not read yet: train or test it with a Trainer, "
+                "or call .materialize() first (or build it with lazy_load=False)."
+            )
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
     def loss(self, logits: Tensor, labels: Tensor) -> Tensor:

@@ -5,6 +5,8 @@
     3. activation checkpointing this rank's layers, after tp (torchtitan's order), before sharding wraps them
     4. data-parallel sharding   ZeRO-3 wraps units (each layer, and each stage under pp); stages 0-2 shard the
                                 optimizers later, when ``configure_optimizers`` has built them
+    5. materialization          parameters still on meta (a module that loads its own weights) get storage and
+                                values, each rank only what it holds (``materialize(device)`` of the protocol)
 
 Each step reads the module through :mod:`lightning_parallel.protocol` and its settings from
 :class:`~lightning_parallel.parallel.config.ParallelConfig`; the meshes come from the roles of
@@ -41,7 +43,7 @@ from lightning_parallel.parallel.pipeline.split import (
 )
 from lightning_parallel.parallel.pipeline.tied import TiedGradients
 from lightning_parallel.parallel.tensor.plan import apply_tp, resolvable_plan
-from lightning_parallel.protocol import pipeline_layers, tensor_parallel_plan
+from lightning_parallel.protocol import materialize, materializes_itself, pipeline_layers, tensor_parallel_plan
 
 Warn = Callable[[str], Any]
 
@@ -107,6 +109,8 @@ def parallelize(
             # each layer is a unit; the stage is the root torch's schedules drive
             made = sharding.shard_module(stage, [f"layers.{i}" for i in range(len(stage.layers))] + [""])
             done.fsdp_units += [f"stage{index}.{u}" if u else f"stage{index}" for u in made]
+    materialize(module, root, device)
+    if done.split is not None:
         done.tied = TiedGradients(root, done.split.tie_groups, mesh.group("stage")) if done.split.tie_groups else None
     return done
 
@@ -127,7 +131,8 @@ def apply_pipeline_split(
     partition = stage_partition(layers, module, config, dims.pp, dims.dp, dims.tp, zero_stage, device, info=info)
     ranks = config.schedule.stage_ranks(len(partition), mesh.dims.pp)
     split = split_model(root, paths, partition, ranks, mesh.rank("stage"))
-    materialize_stages(split, device)
+    if not materializes_itself(module):  # else step 5, once tp and ZeRO-3 made the shards
+        materialize_stages(split, device)
     return split
 
 

@@ -77,7 +77,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         torch.save({k: v.detach().cpu() for k, v in state.items()}, out / f"{case['name']}_params.pt")
     # one loss per optimizer step: the mean of its micro-batches' (equal token counts: the global batch's loss)
     losses = [sum(model.losses[i : i + accumulate]) / accumulate for i in range(0, len(model.losses), accumulate)]
-    return {"name": case["name"], "losses": losses}
+    return {"name": case["name"], "losses": losses, "bytes_read": model.weight_bytes_read}
 
 
 def main() -> None:
