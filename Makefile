@@ -1,12 +1,15 @@
 # The README names these targets. `install` pins the CPU torch wheel before anything else can pull a CUDA build.
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
+# pyproject's litgpt extra, installed without its dependencies (they conflict with transformers')
+LITGPT_VERSION ?= 0.5.13
 
 .PHONY: install train test test-full lint soak bench
 
 install:
 	$(PYTHON) -m pip install --quiet torch==$(TORCH_VERSION)
 	$(PYTHON) -m pip install --quiet -e ".[dev,hf]"
+	$(PYTHON) -m pip install --quiet --no-deps litgpt==$(LITGPT_VERSION) psutil==7.2.2  # see the litgpt extra
 	$(PYTHON) -c "import torch; assert '+cpu' in torch.__version__ or not torch.version.cuda, torch.__version__"
 
 train: install

@@ -1,0 +1,221 @@
+"""``LitGPTCausalLM``: LitGPT's ``GPT`` as a LightningModule that every layout of this package can split.
+
+The model stays LitGPT's own object (``self.model``: parameter names, ``lit_model.pth`` state dicts and
+``GPT.forward`` are untouched); the parallel protocol methods describe it from outside, see
+:mod:`lightning_parallel.litgpt.plan` and :mod:`lightning_parallel.litgpt.layers`. The loss is the one
+:class:`~lightning_parallel.hf.HFCausalLM` trains with (labels shifted inside, -100 ignored, token mean).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_parallel.hf.module import causal_lm_loss  # pure torch: does not import transformers
+from lightning_parallel.litgpt.layers import litgpt_pipeline_layers
+from lightning_parallel.litgpt.plan import SP_WITH_PP, litgpt_tensor_parallel_plan
+
+# the checkpoint key of the model's LitGPT config (``dataclasses.asdict``): ``Config(**checkpoint[key])``
+LITGPT_CONFIG_KEY = "litgpt_config"
+# litgpt's own file names in a checkpoint folder (``litgpt download`` / ``convert_hf_checkpoint`` write them)
+CONFIG_FILE, WEIGHTS_FILE = "model_config.yaml", "lit_model.pth"
+
+
+def load_gpt(source: Any, **overrides: Any) -> nn.Module:
+    """A litgpt ``GPT`` as it is, or one built from a ``Config``, a config name or a local checkpoint folder.
+
+    A folder holds ``model_config.yaml`` (and ``lit_model.pth``, loaded when present): what litgpt writes. A
+    GPT built from a config or a name has ``GPT(config)``'s own initialization. ``overrides`` change fields of
+    a named or folder config (``n_layer=2``), as ``Config.from_name(name, **overrides)`` does.
+    """
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    if isinstance(source, GPT) or isinstance(source, Config):
+        if overrides:
+            raise ValueError(
+                f"LitGPTCausalLM: config overrides {sorted(overrides)} apply to a config name or folder, not to a "
+                f"{type(source).__name__}: change the Config before passing it."
+            )
+        return source if isinstance(source, GPT) else GPT(source)
+    if isinstance(source, (str, Path)):
+        folder = Path(source)
+        if folder.is_dir():
+            if not (folder / CONFIG_FILE).is_file():
+                raise ValueError(
+                    f"LitGPTCausalLM({str(source)!r}): the folder has no {CONFIG_FILE}. Pass a litgpt checkpoint "
+                    "folder (this package never downloads), a config name such as 'pythia-14m', a Config or a GPT."
+                )
+            model = GPT(Config.from_file(folder / CONFIG_FILE, **overrides))
+            if (folder / WEIGHTS_FILE).is_file():
+                state = torch.load(folder / WEIGHTS_FILE, map_location="cpu", weights_only=True, mmap=True)
+                model.load_state_dict(state.get("model", state))  # litgpt's training checkpoints nest it
+            return model
+        try:
+            return GPT(Config.from_name(str(source), **overrides))
+        except ValueError as error:
+            if "not a supported config name" not in str(error):
+                raise
+            raise ValueError(
+                f"LitGPTCausalLM({str(source)!r}): neither a local folder nor a litgpt config name. Pass a name "
+                "litgpt.config.name_to_config lists (e.g. 'pythia-14m'), a checkpoint folder, a Config or a GPT."
+            ) from None
+    raise TypeError(
+        "LitGPTCausalLM takes a litgpt GPT, a Config, a config name or a checkpoint folder, not "
+        f"{type(source).__name__}."
+    )
+
+
+class LitGPTCausalLM(pl.LightningModule):
+    """Next-token training of LitGPT's ``GPT`` under any strategy of this package.
+
+    Batches are a tuple ``(input_ids, labels)`` or a dict with ``input_ids`` (and optionally ``labels``; labels
+    default to the input ids), as for :class:`~lightning_parallel.hf.HFCausalLM`: labels are shifted inside,
+    -100 is ignored, the loss is a token mean per (micro)batch. ``GPT`` takes no attention mask (attention is
+    causal): mark padding with ``labels=-100``.
+
+    Args:
+        model: a ``litgpt.model.GPT``, a ``litgpt.config.Config``, a litgpt config name (``"pythia-14m"``) or a
+            local litgpt checkpoint folder (``model_config.yaml``, optionally ``lit_model.pth``).
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay, not applied to biases and norm weights (parameters of dimension < 2).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        **config_overrides: fields of a named or folder config to change (``n_layer=2``, ``block_size=256``).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        **config_overrides: Any,
+    ) -> None:
+        super().__init__()
+        self.model = load_gpt(model, **config_overrides)
+        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
+        litgpt_pipeline_layers(self.model)  # installs the pipeline hooks now: inert under GPT.forward
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """Logits (B, T, padded_vocab_size) (split over the vocabulary under tensor parallelism)."""
+        return self.model(input_ids)
+
+    def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        return causal_lm_loss(logits, labels)
+
+    @staticmethod
+    def unpack(batch: Any) -> tuple[Tensor, Tensor]:
+        """(input_ids, labels) of a dict or tuple batch."""
+        if isinstance(batch, dict):
+            if batch.get("attention_mask") is not None:
+                raise ValueError(
+                    "LitGPT's GPT takes no attention_mask (its attention is causal): drop it from the batch and mark "
+                    "padding with labels=-100."
+                )
+            ids = batch["input_ids"]
+            return ids, batch.get("labels", ids)
+        return batch[0], batch[1]
+
+    def _step_loss(self, batch: Any) -> Tensor:
+        ids, labels = self.unpack(batch)
+        return self.loss(self(ids), labels)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._step_loss(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._step_loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._step_loss(batch)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[LITGPT_CONFIG_KEY] = asdict(self.model.config)  # plain values: read back without unpickling
+
+    # ----- the parallel protocol (lightning_parallel/protocol.py) -----
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return litgpt_pipeline_layers(self.model)
+
+    def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+        self._sequence_parallel = sequence_parallel  # the strategy asks for the plan before the degrees
+        plan = litgpt_tensor_parallel_plan(self.model, sequence_parallel)
+        return {f"model.{path}": style for path, style in plan.items()}
+
+    def check_parallel_degrees(self, pp: int, tp: int) -> None:
+        check_litgpt_degrees(self.model, pp=pp, tp=tp)
+        if pp > 1 and tp > 1 and getattr(self, "_sequence_parallel", False):
+            raise ValueError(SP_WITH_PP)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_litgpt_degrees(model: nn.Module, *, pp: int, tp: int) -> None:
+    """Refuse a tp that does not divide the heads, key/value groups or padded vocabulary, a pp beyond the
+    blocks, and what the pipeline layers or the plan cannot express (see :func:`litgpt_pipeline_layers`).
+
+    Args:
+        model: a litgpt ``GPT``.
+        pp: pipeline stages.
+        tp: tensor-parallel degree.
+
+    Raises:
+        ValueError: naming the setting and the fix.
+    """
+    config = model.config
+    if tp > 1:
+        if config.latent_attention is not None:
+            raise ValueError(
+                "tp > 1 does not split LitGPT's multi-head latent attention (config.latent_attention): use tp=1."
+            )
+        if config.norm_qk and config.norm_qk_type == "olmo2":
+            raise ValueError(
+                "tp > 1 does not split the q/k norms over all heads of norm_qk_type='olmo2' (each rank holds some "
+                "heads): use tp=1."
+            )
+        sizes = {
+            "n_head": config.n_head,
+            "n_query_groups": config.n_query_groups,
+            "padded_vocab_size": config.padded_vocab_size,
+        }
+        for name, size in sizes.items():
+            if size % tp:
+                raise ValueError(
+                    f"tp={tp} does not divide the model's {name}={size}: choose tp among {_divisors(size)}"
+                    + (" (or set padded_vocab_size / padding_multiple)." if name == "padded_vocab_size" else ".")
+                )
+    if pp > config.n_layer:
+        raise ValueError(
+            f"pp={pp} is more pipeline stages than the model's {config.n_layer} blocks (n_layer): use pp <= "
+            f"{config.n_layer}."
+        )
+    if pp > 1:
+        # GPT.forward scales the embeddings and caps the logits between layers: no pipeline layer does that
+        for name in ("scale_embeddings", "final_logit_softcapping"):
+            if getattr(config, name):
+                raise ValueError(
+                    f"pp={pp} cannot split a LitGPT model with config.{name}={getattr(config, name)!r} (GPT.forward "
+                    "applies it outside every layer): use pp=1."
+                )

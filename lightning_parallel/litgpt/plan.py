@@ -1,0 +1,153 @@
+"""The tensor-parallel plan of LitGPT's ``GPT``, as this package's plans: module path -> torch ParallelStyle.
+
+Megatron's split: each attention keeps whole heads, each MLP whole columns of its first projections and rows of
+its last; the embedding is split over the vocabulary and the head's logits stay split over it for the
+vocabulary-parallel loss. LitGPT fuses q, k and v into one ``attn.qkv`` Linear whose rows are laid out
+``[q (n_head * head_size) | k (n_query_groups * head_size) | v (same)]`` (litgpt 0.5.13). With grouped-query
+attention the three parts differ in size, so no one (strided) shard of the rows gives a rank its heads' q, k and v:
+:class:`GroupedQKVColwise` shards the rows evenly (memory and matmul split) and all-gathers the q/k/v output, of
+which each rank keeps its heads' columns. The attention module's ``config`` is swapped for a copy with this rank's
+head counts (LitGPT views q/k/v with them); the class, the parameters and their names stay LitGPT's.
+Pure functions of the model: no process group.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+from lightning_parallel.hf.styles import HiddenStatesInput
+from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
+
+SP_WITH_PP = "sequence_parallel=True with pp > 1 is not supported for LitGPT models yet: set one of them off."
+# the MLP classes of litgpt.model this plan knows: (column-split projections, row-split projection)
+MLP_SPLITS = {
+    "GptNeoxMLP": (("fc",), "proj"),
+    "LLaMAMLP": (("fc_1", "fc_2"), "proj"),
+    "GemmaMLP": (("fc_1", "fc_2"), "proj"),
+}
+
+
+def qkv_columns(n_head: int, n_query_groups: int, head_size: int, tp: int, rank: int) -> torch.Tensor:
+    """Indices of rank ``rank``'s columns of the fused q/k/v output: its q heads, then its k and v groups.
+
+    LitGPT repeats key/value group ``j`` for query heads ``j * q_per_kv ...``: splitting heads and groups into
+    ``tp`` contiguous blocks keeps each rank's query heads with their own group.
+    """
+    q_heads, groups = n_head // tp, n_query_groups // tp
+    q = torch.arange(rank * q_heads * head_size, (rank + 1) * q_heads * head_size)
+    k = n_head * head_size + torch.arange(rank * groups * head_size, (rank + 1) * groups * head_size)
+    v = k + n_query_groups * head_size
+    return torch.cat([q, k, v])
+
+
+class GroupedQKVColwise(ParallelStyle):
+    """LitGPT's fused ``attn.qkv`` Linear split for tensor parallelism with grouped-query attention.
+
+    The weight and bias are sharded evenly by rows (``Shard(0)``: any layout loads any other); the output
+    (B, T, (n_head + 2 * n_query_groups) * head_size) is all-gathered and each rank keeps its heads' columns
+    (:func:`qkv_columns`), a plain tensor. Backward: the kept columns' gradient is a partial sum over the tensor
+    ranks, reduce-scattered back onto the row shards.
+
+    Args:
+        n_head, n_query_groups, head_size: the model's (``config``), before the split.
+    """
+
+    def __init__(self, n_head: int, n_query_groups: int, head_size: int) -> None:
+        super().__init__()
+        self.sizes = (n_head, n_query_groups, head_size)
+
+    @staticmethod
+    def _partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        columns = qkv_columns(*self.sizes, device_mesh.size(), device_mesh.get_local_rank())
+
+        def prepare_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+            return (x.redistribute(placements=(Replicate(),)), *inputs[1:])
+
+        def prepare_output(mod: nn.Module, output: DTensor, mesh: DeviceMesh) -> Any:
+            whole = output.redistribute(placements=(Replicate(),)).to_local(grad_placements=(Partial(),))
+            return whole.index_select(-1, columns.to(whole.device))  # (B, T, local q + k + v)
+
+        return distribute_module(module, device_mesh, self._partition, prepare_input, prepare_output)
+
+
+class LocalHeadsAttention(HiddenStatesInput):
+    """An attention module's input re-laid (as :class:`HiddenStatesInput`) and its ``config`` replaced by a copy
+    with this rank's ``n_head`` and ``n_query_groups`` (the model's shared config is left as it is)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        local = copy.copy(module.config)
+        local.n_head //= device_mesh.size()
+        local.n_query_groups //= device_mesh.size()
+        module.config = local
+        return super()._apply(module, device_mesh)
+
+
+def _mlp_split(config: Any) -> tuple[tuple[str, ...], str]:
+    # from the config, not a module: under pp a stage holds placeholders for the blocks of other stages
+    name = config.mlp_class_name
+    if name not in MLP_SPLITS:
+        raise ValueError(
+            f"litgpt_tensor_parallel_plan does not know the MLP {name} (it splits {', '.join(MLP_SPLITS)}): give "
+            "your module its own tensor_parallel_plan(), or use tp=1."
+        )
+    return MLP_SPLITS[name]
+
+
+def _norm_names(config: Any) -> list[str]:
+    """The norms of every block (``Block.__init__``: those the config turns on; a shared norm_2 is None)."""
+    norm_2 = config.norm_2 and not config.shared_attention_norm
+    flags = {"norm_1": config.norm_1, "norm_2": norm_2, "post_attention_norm": config.post_attention_norm}
+    flags["post_mlp_norm"] = config.post_mlp_norm
+    return [name for name, on in flags.items() if on]
+
+
+def litgpt_tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan of a LitGPT ``GPT``, paths relative to it.
+
+    Prefix the paths with where the model sits in your LightningModule (``{"model." + k: v ...}``).
+
+    Args:
+        model: a ``litgpt.model.GPT`` (``CausalSelfAttention``; MLP ``GptNeoxMLP``, ``LLaMAMLP`` or ``GemmaMLP``).
+        sequence_parallel: norms and the residual stream split along the sequence as well.
+
+    Raises:
+        ValueError: an MLP class the plan does not know, or sequence parallelism with a pipeline split.
+    """
+    if sequence_parallel and any(isinstance(m, ElsewhereLayer) for m in model.modules()):
+        raise ValueError(SP_WITH_PP)
+    config = model.config
+    seq: Placement = Shard(1) if sequence_parallel else Replicate()
+    block = "transformer.h.*"
+    columns, rows = _mlp_split(config)
+    plan: dict[str, ParallelStyle] = {
+        # the embedding split over the vocabulary, its output whole (the first block slices it under SP)
+        "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        # one input all-reduce (or all-gather) per attention and MLP, not one per projection
+        f"{block}.attn": LocalHeadsAttention(seq, Replicate()),
+        f"{block}.attn.qkv": GroupedQKVColwise(config.n_head, config.n_query_groups, config.head_size),
+        f"{block}.attn.proj": RowwiseParallel(output_layouts=seq),
+        f"{block}.mlp": HiddenStatesInput(seq, Replicate()),
+        **{f"{block}.mlp.{name}": ColwiseParallel() for name in columns},
+        f"{block}.mlp.{rows}": RowwiseParallel(output_layouts=seq),
+        # logits stay split over the vocabulary for the vocabulary-parallel loss
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sequence_parallel:
+        plan["transformer.h.0"] = HiddenStatesInput(Replicate(), Shard(1), use_local_output=True)
+        plan.update({f"{block}.{name}": SequenceParallel() for name in _norm_names(config)})
+        plan["transformer.ln_f"] = SequenceParallel()
+    return plan
