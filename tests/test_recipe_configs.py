@@ -15,6 +15,7 @@ from lightning_parallel.models import GPTConfig, LitVGG
 from lightning_parallel.recipes.common import build_strategy, micro_batch_size
 from lightning_parallel.recipes.config import register_configs
 from lightning_parallel.recipes.hf import check_hf_model, is_hf_model
+from lightning_parallel.recipes.litgpt import check_litgpt_model, is_litgpt_model
 from lightning_parallel.recipes.vgg import scaled_lr, vgg_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -50,6 +51,8 @@ def build_model(cfg) -> None:
     if is_hf_model(cfg.model):  # on the meta device; model=hf names no model until model.path (test_hf_recipe)
         if cfg.model.path is not None or cfg.model.config:
             check_hf_model(cfg)
+    elif is_litgpt_model(cfg.model):
+        check_litgpt_model(cfg)  # on the meta device
     elif "vocab_size" in cfg.model:
         GPTConfig(**{k: cfg.model[k] for k in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "dropout")})
     else:

@@ -65,6 +65,16 @@ class HFModelConf(TextModelConf):
 
 
 @dataclass
+class LitGPTModelConf(TextModelConf):
+    """LitGPT's GPT (LitGPTCausalLM): a litgpt config name or a local litgpt checkpoint folder."""
+
+    name: str | None = None  # a litgpt config name (litgpt.config.name_to_config), e.g. pythia-14m
+    path: str | None = None  # or a litgpt checkpoint folder (model_config.yaml, lit_model.pth)
+    config: dict[str, Any] = field(default_factory=dict)  # fields of that config to change (n_layer, block_size)
+    vocab_size: int | None = 256  # vocab_size and padded_vocab_size; None: the config's own
+
+
+@dataclass
 class VGGModelConf:
     name: str = "vgg11"  # vgg11 (8 convs) or vgg16 (13 convs); pipeline layers are the convs plus the head
     width: int = 64  # channels of the first convs (the paper's 64); tp must divide it
@@ -149,7 +159,7 @@ class RecipeConf:
 class GPTRecipeConf(RecipeConf):
     """The GPT recipe's root; conf/train_gpt.yaml picks each group's option."""
 
-    model: TextModelConf = MISSING  # GPTModelConf (model=gpt_*) or HFModelConf (model=hf*)
+    model: TextModelConf = MISSING  # GPTModelConf (model=gpt_*), HFModelConf (model=hf*), LitGPTModelConf
     data: TextDataConf = MISSING
     sample_tokens: int = 200  # generated at the end of training; 0 for none
 
@@ -168,6 +178,7 @@ SCHEMAS = {
     ("precision", "schema"): PrecisionConf,
     ("model", "gpt_schema"): GPTModelConf,
     ("model", "hf_schema"): HFModelConf,
+    ("model", "litgpt_schema"): LitGPTModelConf,
     ("model", "vgg_schema"): VGGModelConf,
     ("data", "text_schema"): TextDataConf,
     ("data", "images_schema"): ImageDataConf,

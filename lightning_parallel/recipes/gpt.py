@@ -35,6 +35,7 @@ from lightning_parallel.recipes.hf import (
     is_hf_model,
     model_vocab_size,
 )
+from lightning_parallel.recipes.litgpt import build_litgpt_module, check_litgpt_model, is_litgpt_model
 from lightning_parallel.recipes.text_data import TokenWindows, load_tokens
 from lightning_parallel.strategies.pipelined_step import PipelineInput
 
@@ -55,6 +56,8 @@ def check_config(cfg: DictConfig) -> None:
     """Everything that can be refused before a worker starts: names, degrees, sizes, batch splits."""
     if is_hf_model(cfg.model):
         return _check_hf_config(cfg)
+    if is_litgpt_model(cfg.model):
+        return _check_litgpt_config(cfg)
     strategy = check_run_settings(cfg, num_layers=cfg.model.n_layer + 2)  # embedding, blocks, head
     m = cfg.model
     for key in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
@@ -75,6 +78,24 @@ def _check_hf_config(cfg: DictConfig) -> None:
     if isinstance(strategy, Hybrid3DStrategy):
         dims = strategy.config.dims(world_size(cfg))
         check_hf_layout(meta, pp=dims.pp, tp=dims.tp, sequence_parallel=strategy.config.sequence_parallel)
+    if cfg.trainer.sync_batchnorm:
+        raise ValueError("trainer.sync_batchnorm=true: the model has no BatchNorm to sync (its norms need none).")
+    check_text_data(cfg)
+
+
+def _check_litgpt_config(cfg: DictConfig) -> None:
+    """``model=litgpt``: the same checks, on LitGPT's GPT built on the meta device."""
+    from lightning_parallel.litgpt import check_litgpt_degrees, litgpt_pipeline_layers
+
+    meta = check_litgpt_model(cfg)
+    strategy = check_run_settings(cfg, num_layers=len(litgpt_pipeline_layers(meta)))
+    if isinstance(strategy, Hybrid3DStrategy):
+        dims = strategy.config.dims(world_size(cfg))
+        check_litgpt_degrees(meta, pp=dims.pp, tp=dims.tp)
+        if dims.pp > 1 and dims.tp > 1 and strategy.config.sequence_parallel:
+            from lightning_parallel.litgpt.plan import SP_WITH_PP
+
+            raise ValueError(SP_WITH_PP)
     if cfg.trainer.sync_batchnorm:
         raise ValueError("trainer.sync_batchnorm=true: the model has no BatchNorm to sync (its norms need none).")
     check_text_data(cfg)
@@ -126,8 +147,8 @@ class TextData(pl.LightningDataModule):
                 "set model.vocab_size to the tokenizer's vocabulary size."
             )
         seq, frac = self.cfg.model.seq_len, self.cfg.data.val_fraction
-        # HF models take labels unshifted (HFCausalLM shifts them): (inputs, inputs), T - 1 targets per window
-        hf = is_hf_model(self.cfg.model)
+        # HF and LitGPT modules take labels unshifted (they shift them): (inputs, inputs), T - 1 targets a window
+        hf = is_hf_model(self.cfg.model) or is_litgpt_model(self.cfg.model)
         self.train_set = TokenWindows(tokens, seq, "train", frac, labels_are_inputs=hf)
         self.val_set = TokenWindows(tokens, seq, "val", frac, labels_are_inputs=hf)
 
@@ -176,7 +197,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     micro = micro_batch_size(cfg, world_size(cfg))
     m = cfg.model
     if is_hf_model(m):
-        model = build_hf_module(m)  # every rank builds the whole model (its weights, or fresh ones seeded alike)
+        model = build_hf_module(m)  # a folder's weights are read after the split; fresh ones seeded alike
+    elif is_litgpt_model(m):
+        model = build_litgpt_module(m)
     else:
         model = LitGPT(
             gpt_config(m),

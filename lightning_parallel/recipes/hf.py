@@ -21,7 +21,7 @@ BYTE_VOCAB = 256  # the text data's tokens are UTF-8 bytes
 
 def is_hf_model(m: DictConfig) -> bool:
     """``model=hf*`` (HFModelConf's keys; the workers get the config without its schema)."""
-    return "path" in m and "config" in m
+    return "path" in m and "config" in m and "name" not in m  # LitGPT's settings have a name too
 
 
 def _weights_in(folder: Path) -> bool:
@@ -128,4 +128,8 @@ def build_hf_module(m: DictConfig) -> Any:
 
 
 def model_vocab_size(m: DictConfig) -> int:
+    if "name" in m and "config" in m:  # model=litgpt
+        from lightning_parallel.recipes.litgpt import litgpt_config
+
+        return litgpt_config(m).padded_vocab_size
     return hf_config(m).vocab_size if is_hf_model(m) else m.vocab_size
