@@ -13,6 +13,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 STEPS, GLOBAL_BATCH, SEQ_LEN, LR, EPS = 10, 8, 16, 1e-3, 1e-6
 
 # tp 2 divides heads (4), key/value heads (2) and the vocabulary (128); 2 decoder layers: pp up to 2
+SMALL = {
+    "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 64,
+}  # fmt: skip
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(
         vocab_size=128,
@@ -23,6 +27,12 @@ CONFIGS = {
         num_key_value_heads=2,
         max_position_embeddings=64,
     ),
+    # other families (tests/test_hf_families.py checks more of them in one process): sliding windows of 4 tokens
+    # on 16-token rows, Phi-3's fused projections with gathered outputs, OLMo 2's norms over all heads
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=4),
+    "phi3": lambda: transformers.Phi3Config(**SMALL, pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    "olmo2": lambda: transformers.Olmo2Config(**SMALL, pad_token_id=None, bos_token_id=None, eos_token_id=None),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
     ),
@@ -54,6 +64,12 @@ SLOW = {
     "gpt2 pp2 gpipe": (2, "hybrid3d:pp=2,pp_schedule=gpipe", "gpt2", 1),
     "gpt2 pp2 zero_bubble": (2, "hybrid3d:pp=2,pp_schedule=zero_bubble", "gpt2", 1),
     "llama pp2 interleaved_1f1b": (2, "hybrid3d:pp=2,pp_schedule=interleaved_1f1b", "llama", 1),
+    "qwen2 pp2 x tp2": (4, "hybrid3d:pp=2,tp=2", "qwen2", 2),
+    "mistral pp2": (2, "hybrid3d:pp=2", "mistral", 1),
+    "mistral tp2 sp": (2, "hybrid3d:tp=2,sequence_parallel=1", "mistral", 2),
+    "phi3 tp2": (2, "hybrid3d:tp=2", "phi3", 2),
+    "phi3 pp2 x tp2": (4, "hybrid3d:pp=2,tp=2", "phi3", 2),
+    "olmo2 tp2 sp": (2, "hybrid3d:tp=2,sequence_parallel=1", "olmo2", 2),
 }
 # every (pp, dp, tp) split of world 8 the tiny Llama takes: tp 1 or 2 (2 key/value heads), pp 1 or 2 (2 layers);
 # microbatches 2: a dp rank's share of the 8 samples can be 2

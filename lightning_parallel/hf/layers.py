@@ -11,6 +11,7 @@ learned positions are a layer of their own: ``wpe`` called on the token embeddin
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -25,9 +26,27 @@ def _positions(hidden: Tensor) -> Tensor:
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
 
 
-def _decoder_inputs(config: Any, rotary: nn.Module | None):
-    """Pre-hook: what the base model's forward would pass a decoder layer, rebuilt from the hidden state."""
-    from transformers.masking_utils import create_causal_mask
+ATTENTION_TYPES = ("full_attention", "sliding_attention")  # what a stage can rebuild the mask of
+
+
+def attention_type(config: Any, index: int) -> str:
+    """Decoder layer ``index``'s attention, as the base model's forward picks its mask: ``config.layer_types``
+    when the config has them (Qwen2, Gemma 2/3), else a sliding window for every layer when
+    ``config.sliding_window`` is set (Mistral), else full causal attention."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[index]
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
+def _decoder_inputs(config: Any, rotary: nn.Module | None, index: int):
+    """Pre-hook: what the base model's forward would pass decoder layer ``index``, rebuilt from the hidden state."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    kind = attention_type(config, index)
+    make_mask = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+    # rotary tables per attention type (Gemma 3) take the type
+    per_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
 
     def hook(layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if kwargs or len(args) != 1:
@@ -35,11 +54,12 @@ def _decoder_inputs(config: Any, rotary: nn.Module | None):
         hidden = args[0]  # (B, T, C)
         position_ids = _positions(hidden)
         extra: dict[str, Any] = {"position_ids": position_ids}
-        extra["attention_mask"] = create_causal_mask(
+        extra["attention_mask"] = make_mask(
             config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
         )
         if rotary is not None:
-            extra["position_embeddings"] = rotary(hidden, position_ids=position_ids)
+            rope_kwargs = {"layer_type": kind} if per_type else {}
+            extra["position_embeddings"] = rotary(hidden, position_ids=position_ids, **rope_kwargs)
         return args, extra
 
     return hook
@@ -89,9 +109,9 @@ def _llama_like_layers(model: nn.Module) -> list[nn.Module]:
 
     def install() -> None:
         embed.register_forward_pre_hook(_refuse_extra_inputs, with_kwargs=True)
-        hook = _decoder_inputs(model.config, getattr(base, "rotary_emb", None))
-        for block in blocks:
-            block.register_forward_pre_hook(hook, with_kwargs=True)
+        rotary = getattr(base, "rotary_emb", None)
+        for index, block in enumerate(blocks):
+            block.register_forward_pre_hook(_decoder_inputs(model.config, rotary, index), with_kwargs=True)
 
     _hook_once(model, install)
     return [embed, *blocks, norm, *heads]
@@ -105,9 +125,8 @@ def _gpt2_layers(model: nn.Module) -> list[nn.Module]:
         positions = _AddPositions(base.drop)
         base.wpe.register_forward_pre_hook(positions.before)
         base.wpe.register_forward_hook(positions.after)
-        hook = _decoder_inputs(model.config, None)
-        for block in base.h:
-            block.register_forward_pre_hook(hook, with_kwargs=True)
+        for index, block in enumerate(base.h):
+            block.register_forward_pre_hook(_decoder_inputs(model.config, None, index), with_kwargs=True)
 
     _hook_once(model, install)
     return [base.wte, base.wpe, *base.h, base.ln_f, model.lm_head]

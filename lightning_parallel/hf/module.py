@@ -16,10 +16,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_parallel.hf.layers import hf_pipeline_layers, num_decoder_layers
+from lightning_parallel.hf.layers import ATTENTION_TYPES, attention_type, hf_pipeline_layers, num_decoder_layers
 from lightning_parallel.hf.loading import load_local_weights, parameters_on_meta, safetensors_files, tied_aliases
 from lightning_parallel.hf.plan import SP_WITH_PP, hf_tensor_parallel_plan
 
+# config fields whose effect HF's forward applies between the modules of base_model_pp_plan (final logits
+# softcapping: Gemma 2/3; logit_scale: Cohere; logits_scaling and embedding_multiplier: Granite), with their
+# neutral values: under pp a model must have those
+FORWARD_EXTRAS = {
+    "final_logit_softcapping": None,
+    "logit_scale": 1.0,
+    "logits_scaling": 1.0,
+    "embedding_multiplier": 1.0,
+}
 IGNORE_INDEX = -100  # HF's label for "no loss here" (padding, prompts)
 # the checkpoint key of the model's transformers config (``config.to_dict()``): what export-hf rebuilds it from
 HF_CONFIG_KEY = "hf_config"
@@ -209,7 +218,23 @@ def check_hf_degrees(model: nn.Module, *, pp: int, tp: int) -> None:
                 f"tp={tp} does not divide the model's {name}={size}: choose tp among {divisors}"
                 + (" (or pad the vocabulary: resize_token_embeddings)." if name == "vocab_size" else ".")
             )
+    if pp > 1:
+        for name, neutral in FORWARD_EXTRAS.items():
+            value = getattr(config, name, neutral)
+            if value is not None and value != neutral:
+                raise ValueError(
+                    f"pp={pp} cannot split a model whose config.{name}={value!r}: its forward applies it outside the "
+                    "modules base_model_pp_plan lists, so no pipeline stage would. Use pp=1 (tp and ZeRO run HF's own "
+                    f"forward), or {name}={neutral!r} if the model was trained without it."
+                )
     layers = num_decoder_layers(model)
+    if pp > 1:
+        kinds = {attention_type(config, i) for i in range(layers)} - set(ATTENTION_TYPES)
+        if kinds:
+            raise ValueError(
+                f"pp={pp} cannot rebuild the attention mask of {sorted(kinds)} layers (config.layer_types) at a stage "
+                f"start (it can: {', '.join(ATTENTION_TYPES)}): use pp=1."
+            )
     if pp > layers:
         raise ValueError(
             f"pp={pp} is more pipeline stages than the model's {layers} decoder layers: use pp <= {layers}."

@@ -22,7 +22,9 @@ from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
 
 # HF's names for a head whose output columns are gathered (v5.0 "colwise_rep", v5.1+ "colwise_gather_output")
 GATHERED_COLWISE = ("colwise_rep", "colwise_gather_output")
-TRANSLATED = ("colwise", "rowwise", *GATHERED_COLWISE)
+# "rowwise_split_input" (Phi-3, OLMo 2): a row split whose input arrives whole (after a gathered colwise) and is
+# sliced locally, no communication
+TRANSLATED = ("colwise", "rowwise", "rowwise_split_input", *GATHERED_COLWISE)
 # a stage rebuilds positions from the hidden state it receives, which sequence parallelism splits
 SP_WITH_PP = (
     "sequence_parallel=True with pp > 1 is not supported for Hugging Face models yet: set sequence_parallel=False "
@@ -59,6 +61,8 @@ def translate_tp_plan(
             plan[path] = ColwiseParallel()
         elif style == "rowwise":
             plan[path] = RowwiseParallel(output_layouts=seq)
+        elif style == "rowwise_split_input":
+            plan[path] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
         elif is_head:  # the head: logits stay split over the vocabulary for the vocabulary-parallel loss
             plan[path] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
         else:
@@ -98,14 +102,15 @@ def llama_like_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Para
 
 
 def _sequence_parallel_entries(model: nn.Module, layers: str, final_norm: str) -> dict[str, ParallelStyle]:
-    """Norms split along the sequence; the first layer keeps its slice of the whole embeddings."""
+    """Norms split along the sequence; the first layer keeps its slice of the whole embeddings. A norm's output
+    is this rank's plain slice, like the residual stream it may be added to (OLMo 2 norms the sublayers' outputs)."""
     first = model.get_submodule(f"{layers}.0")
     norms = [name for name, m in first.named_children() if "norm" in type(m).__name__.lower() or "ln" in name]
     entries: dict[str, ParallelStyle] = {
         f"{layers}.0": HiddenStatesInput(Replicate(), Shard(1), use_local_output=True),
-        final_norm: SequenceParallel(),
+        final_norm: SequenceParallel(use_local_output=True),
     }
-    entries.update({f"{layers}.*.{name}": SequenceParallel() for name in norms})
+    entries.update({f"{layers}.*.{name}": SequenceParallel(use_local_output=True) for name in norms})
     return entries
 
 
