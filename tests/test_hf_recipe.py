@@ -54,6 +54,10 @@ def test_a_save_pretrained_folder_trains_from_its_weights(tmp_path):
         (["model=hf_gpt2_tiny", "model.seq_len=128"], r"model.seq_len=128 is longer than the model's 64 positions"),
         (["model=hf_llama_tiny", "model.config.model_type=lama"], r"model.config is not a valid transformers config"),
         (
+            ["model=hf_llama_tiny", "+model.config.attn_implementation=flash_attention_2"],
+            r"attn_implementation=flash_attention_2 runs on CUDA GPUs only, and this run is on CPU",
+        ),
+        (
             ["model=hf_llama_tiny", "strategy=hybrid3d", "strategy.tp=4", "trainer.devices=4"],
             r"tp=4 does not divide the model's num_key_value_heads=2",
         ),
@@ -62,7 +66,7 @@ def test_a_save_pretrained_folder_trains_from_its_weights(tmp_path):
             r"strategy.pp=8",  # 6 pipeline layers (2 blocks)
         ),
     ],
-    ids=["vocab", "no-source", "no-folder", "positions", "model-type", "tp-kv-heads", "pp-layers"],
+    ids=["vocab", "no-source", "no-folder", "positions", "model-type", "flash-on-cpu", "tp-kv-heads", "pp-layers"],
 )
 def test_bad_hf_settings_are_refused_before_workers(overrides, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):

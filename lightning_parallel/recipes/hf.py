@@ -104,8 +104,23 @@ def check_hf_model(cfg: DictConfig) -> Any:
             f"model.seq_len={m.seq_len} is longer than the model's {positions} positions: set model.seq_len <= "
             f"{positions}."
         )
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    _check_attention(config, cfg.trainer.accelerator)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except ImportError as err:  # an attention implementation whose package is missing
+        raise ValueError(f"{err} Set model.config.attn_implementation=sdpa (or eager).") from None
+
+
+def _check_attention(config: Any, accelerator: str) -> None:
+    """FlashAttention kernels run on CUDA GPUs only: refuse them for a CPU run before any worker starts."""
+    impl = getattr(config, "_attn_implementation", None) or ""
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if impl.startswith("flash_attention") and on_cpu:
+        raise ValueError(
+            f"model.config.attn_implementation={impl} runs on CUDA GPUs only, and this run is on CPU "
+            f"(trainer.accelerator={accelerator}): set model.config.attn_implementation=sdpa (or eager)."
+        )
 
 
 def check_hf_layout(model: Any, pp: int, tp: int, sequence_parallel: bool) -> None:
