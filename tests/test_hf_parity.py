@@ -56,10 +56,10 @@ FAST = {
     "llama pp2 x tp2": (4, "hybrid3d:pp=2,tp=2", "llama", 2),
     "gpt2 pp2 x tp2 clip": (4, "hybrid3d:pp=2,tp=2", "gpt2", 2),
     "llama dp2 x tp2 zero3 accum": (4, "hybrid3d:tp=2,zero_stage=3", "llama", 2),
-}
-SLOW = {
     "gpt2 dp2 x tp2 zero3": (4, "hybrid3d:tp=2,zero_stage=3", "gpt2", 2),
     "gpt2 tp2 sp": (4, "hybrid3d:tp=2,dp=2,sequence_parallel=1", "gpt2", 2),
+}
+SLOW = {
     "llama zero2 tuple": (4, "zero2", "llama", 1),
     "gpt2 pp2 gpipe": (2, "hybrid3d:pp=2,pp_schedule=gpipe", "gpt2", 1),
     "gpt2 pp2 zero_bubble": (2, "hybrid3d:pp=2,pp_schedule=zero_bubble", "gpt2", 1),
