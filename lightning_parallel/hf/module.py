@@ -10,12 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_parallel.causal_lm import IGNORE_INDEX, CausalLM, causal_lm_loss  # noqa: F401  (re-exported)
 from lightning_parallel.hf.layers import ATTENTION_TYPES, attention_type, hf_pipeline_layers, num_decoder_layers
 from lightning_parallel.hf.loading import load_local_weights, parameters_on_meta, safetensors_files, tied_aliases
 from lightning_parallel.hf.plan import SP_WITH_PP, hf_tensor_parallel_plan
@@ -29,7 +28,6 @@ FORWARD_EXTRAS = {
     "logits_scaling": 1.0,
     "embedding_multiplier": 1.0,
 }
-IGNORE_INDEX = -100  # HF's label for "no loss here" (padding, prompts)
 # the checkpoint key of the model's transformers config (``config.to_dict()``): what export-hf rebuilds it from
 HF_CONFIG_KEY = "hf_config"
 
@@ -67,17 +65,7 @@ def load_causal_lm(source: Any) -> nn.Module:
     )
 
 
-def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """HF's causal-LM loss: labels shifted one token left here (the last position predicts nothing), token-mean
-    cross-entropy over labels that are not -100. ``logits`` (B, T, V) may be split over V (inside
-    ``loss_parallel``)."""
-    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # (B, T)
-    return F.cross_entropy(
-        logits.flatten(0, -2).float(), shifted.reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX
-    )
-
-
-class HFCausalLM(pl.LightningModule):
+class HFCausalLM(CausalLM):
     """Next-token training of a Hugging Face causal LM (Llama-style models, GPT-2) under any strategy.
 
     Batches are a dict with ``input_ids`` (and optionally ``labels``, ``attention_mask``; labels default to the
@@ -107,14 +95,13 @@ class HFCausalLM(pl.LightningModule):
         eps: float = 1e-8,
         lazy_load: bool = True,
     ) -> None:
-        super().__init__()
+        super().__init__(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
         lazy = lazy_causal_lm(model) if lazy_load else None
         self.model = lazy if lazy is not None else load_causal_lm(model)
         # the folder still to read (None once read), the tied names as built, and what this rank read (bytes)
         self._weights_folder = Path(model) if lazy is not None else None
         self._tied_aliases = tied_aliases(self.model) if lazy is not None else {}
         self.weight_bytes_read = 0
-        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         hf_pipeline_layers(self.model)  # installs the pipeline hooks now: inert under HF's own forward
 
     def materialize(self, device: torch.device | str = "cpu") -> None:
@@ -141,43 +128,13 @@ class HFCausalLM(pl.LightningModule):
             )
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
-    def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        return causal_lm_loss(logits, labels)
-
-    @staticmethod
-    def unpack(batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
+    def unpack(self, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
         """(input_ids, labels, attention_mask) of a dict or tuple batch."""
         if isinstance(batch, dict):
             ids = batch["input_ids"]
             return ids, batch.get("labels", ids), batch.get("attention_mask")
         ids, labels = batch[0], batch[1]
         return ids, labels, None
-
-    def _step_loss(self, batch: Any) -> Tensor:
-        ids, labels, mask = self.unpack(batch)
-        output = self(ids) if mask is None else self(ids, attention_mask=mask)
-        return self.loss(output, labels)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self._step_loss(batch)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self._step_loss(batch)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    def test_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self._step_loss(batch)
-        self.log("test_loss", loss, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[HF_CONFIG_KEY] = self.model.config.to_dict()  # plain values: read back without unpickling code

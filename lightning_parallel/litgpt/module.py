@@ -12,12 +12,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_parallel.hf.module import causal_lm_loss  # pure torch: does not import transformers
+from lightning_parallel.causal_lm import CausalLM
 from lightning_parallel.litgpt.layers import litgpt_pipeline_layers
 from lightning_parallel.litgpt.plan import SP_WITH_PP, litgpt_tensor_parallel_plan
 
@@ -72,7 +71,7 @@ def load_gpt(source: Any, **overrides: Any) -> nn.Module:
     )
 
 
-class LitGPTCausalLM(pl.LightningModule):
+class LitGPTCausalLM(CausalLM):
     """Next-token training of LitGPT's ``GPT`` under any strategy of this package.
 
     Batches are a tuple ``(input_ids, labels)`` or a dict with ``input_ids`` (and optionally ``labels``; labels
@@ -99,21 +98,16 @@ class LitGPTCausalLM(pl.LightningModule):
         eps: float = 1e-8,
         **config_overrides: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
         self.model = load_gpt(model, **config_overrides)
-        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         litgpt_pipeline_layers(self.model)  # installs the pipeline hooks now: inert under GPT.forward
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """Logits (B, T, padded_vocab_size) (split over the vocabulary under tensor parallelism)."""
         return self.model(input_ids)
 
-    def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        return causal_lm_loss(logits, labels)
-
-    @staticmethod
-    def unpack(batch: Any) -> tuple[Tensor, Tensor]:
-        """(input_ids, labels) of a dict or tuple batch."""
+    def unpack(self, batch: Any) -> tuple[Tensor, Tensor, None]:
+        """(input_ids, labels, None) of a dict or tuple batch."""
         if isinstance(batch, dict):
             if batch.get("attention_mask") is not None:
                 raise ValueError(
@@ -121,33 +115,8 @@ class LitGPTCausalLM(pl.LightningModule):
                     "padding with labels=-100."
                 )
             ids = batch["input_ids"]
-            return ids, batch.get("labels", ids)
-        return batch[0], batch[1]
-
-    def _step_loss(self, batch: Any) -> Tensor:
-        ids, labels = self.unpack(batch)
-        return self.loss(self(ids), labels)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self._step_loss(batch)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self._step_loss(batch)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    def test_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self._step_loss(batch)
-        self.log("test_loss", loss, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps)
+            return ids, batch.get("labels", ids), None
+        return batch[0], batch[1], None
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[LITGPT_CONFIG_KEY] = asdict(self.model.config)  # plain values: read back without unpickling
