@@ -6,11 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers  # a test dependency: make install installs the hf extra
+from causal_lm_parity import CLIP, assert_clipping_active, check, launch, train_reference
 from conftest import Batch
-from parity import assert_same_losses, assert_same_params
-from torch.utils.data import DataLoader, DistributedSampler
-
-STEPS, GLOBAL_BATCH, SEQ_LEN, LR, EPS = 10, 8, 16, 1e-3, 1e-6
 
 # tp 2 divides heads (4), key/value heads (2) and the vocabulary (128); 2 decoder layers: pp up to 2
 SMALL = {
@@ -83,7 +80,6 @@ WORLD8 = {
     for pp in (1, 2)
     for tp in (1, 2)
 }
-CLIP, ACCUMULATE = 0.05, 2
 
 
 @pytest.fixture(scope="module")
@@ -99,63 +95,30 @@ def folders(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def _options(label: str) -> dict:
-    return {"clip": CLIP if "clip" in label else None, "accumulate": ACCUMULATE if "accum" in label else 1}
-
-
-def _cases(folder: str, label: str) -> list[dict]:
-    return [{"name": "train", "path": folder, "steps": STEPS, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN,
-             "lr": LR, "tuple_batch": "tuple" in label, **_options(label)}]  # fmt: skip
-
-
-def _batch(tmp_path_factory, folders, runs: dict, tag: str) -> Batch:
-    spec = {
-        label: (world, strategy, _cases(folders[model], label)) for label, (world, strategy, model, _) in runs.items()
-    }
-    return Batch(tmp_path_factory, spec, tag=tag, worker="hf_worker.py")
-
-
 @pytest.fixture(scope="module")
 def fast_runs(tmp_path_factory, folders) -> Batch:
-    return _batch(tmp_path_factory, folders, FAST, "hf")
+    return launch(tmp_path_factory, folders, FAST, "hf", "hf")
 
 
 @pytest.fixture(scope="module")
 def slow_runs(tmp_path_factory, folders) -> Batch:
-    return _batch(tmp_path_factory, folders, SLOW, "hf_slow")
+    return launch(tmp_path_factory, folders, SLOW, "hf_slow", "hf")
 
 
 @pytest.fixture(scope="module")
 def world8_runs(tmp_path_factory, folders) -> Batch:
-    return _batch(tmp_path_factory, folders, WORLD8, "hf_w8")
+    return launch(tmp_path_factory, folders, WORLD8, "hf_w8", "hf")
 
 
 def plain_hf_training(folder: str, clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The reference: HF's model, forward and loss (``labels=``), torch's AdamW with the same two groups, the
-    batches in the order the workers' sampler gives the whole world; ``clip``: torch's norm clipping. (The
-    workers' accumulated micro-batches make up the same global batch, with equal token counts: one batch here.)"""
+    """The reference: HF's model, forward and loss (``labels=``), trained in this process."""
     from lightning_parallel.hf import HFCausalLM  # the defaults the workers train with
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
-    defaults = HFCausalLM.__init__.__defaults__  # lr, weight_decay, betas, eps
-    groups = [
-        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": defaults[1]},
-        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=LR, betas=defaults[2], eps=EPS)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.config.vocab_size, (GLOBAL_BATCH * STEPS, SEQ_LEN), generator=g)
-    sampler = DistributedSampler(range(len(tokens)), num_replicas=1, rank=0, shuffle=True, seed=0)
-    losses = []
-    for idx in DataLoader(list(range(len(tokens))), batch_size=GLOBAL_BATCH, sampler=sampler):
-        loss = model(input_ids=tokens[idx], labels=tokens[idx]).loss
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
+    return train_reference(
+        model, model.config.vocab_size, lambda m, ids: m(input_ids=ids, labels=ids).loss,
+        HFCausalLM.__init__.__defaults__, clip,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -163,40 +126,26 @@ def references(folders) -> dict[tuple[str, float | None], tuple[list[float], dic
     return {(name, clip): plain_hf_training(folder, clip) for name, folder in folders.items() for clip in (None, CLIP)}
 
 
-def _check(runs: Batch, label: str, spec: tuple, references) -> None:
-    world, strategy, model, tp = spec
-    run = runs[label]
-    want_losses, want_params = references[model, _options(label)["clip"]]
-    dp = world // tp // (2 if "pp=2" in strategy else 1)
-    leaders = [d * tp for d in range(dp)]  # one rank per dp index (tp ranks see the same batch)
-    loss_rel = assert_same_losses(run.losses("train", leaders), want_losses, label)
-    got = run.params("train")
-    param_abs = assert_same_params(got, want_params, label)
-    print(f"{label}: max loss rel diff {loss_rel:.1e}, max param abs diff {param_abs:.1e}")
-
-
 @pytest.mark.parametrize("label", list(FAST))
 def test_hf_parity(label, fast_runs, references):
-    _check(fast_runs, label, FAST[label], references)
+    check(fast_runs, label, FAST[label], references)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("label", list(SLOW))
 def test_hf_parity_wider(label, slow_runs, references):
-    _check(slow_runs, label, SLOW[label], references)
+    check(slow_runs, label, SLOW[label], references)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("label", list(WORLD8))
 def test_hf_parity_every_world8_split(label, world8_runs, references):
-    _check(world8_runs, label, WORLD8[label], references)
+    check(world8_runs, label, WORLD8[label], references)
 
 
 @pytest.mark.parametrize("model", list(CONFIGS))
 def test_clipping_is_active_in_the_reference(model, references):
-    """The "clip" cases test something: clipping at CLIP changes where the reference ends."""
-    plain, clipped = references[model, None][1], references[model, CLIP][1]
-    assert max((plain[k] - clipped[k]).abs().max().item() for k in plain) > 1e-3
+    assert_clipping_active(references, model)
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""Worker: trains a Hugging Face causal LM (``HFCausalLM`` loaded from a save_pretrained folder) under one
-strategy for a list of cases; writes rank<N>.json (+ params), as gpt_worker.py does (same ``--runs-file`` batching,
+"""Worker: trains a Hugging Face causal LM (``HFCausalLM`` loaded from a save_pretrained folder) or, with case key
+``library: litgpt``, LitGPT's GPT (``LitGPTCausalLM`` from a litgpt checkpoint folder) under one strategy for a
+list of cases; writes rank<N>.json (+ params), as gpt_worker.py does (same ``--runs-file`` batching,
 so tests/conftest.py's ``Batch`` can launch it).
 
 Case keys: name, path (the model folder), steps, global_batch, seq_len, lr, tuple_batch (batches as
@@ -37,15 +38,28 @@ class RandomTokens(Dataset):
         return (row, row) if self.as_tuple else {"input_ids": row, "labels": row}
 
 
-class RecordingHF(HFCausalLM):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.losses: list[float] = []
+def recording(module_class: type) -> type:
+    """``module_class`` that keeps each training step's loss (``self.losses``)."""
 
-    def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
-        self.losses.append(loss.item())
-        return loss
+    class Recording(module_class):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.losses.append(loss.item())
+            return loss
+
+    return Recording
+
+
+def module_class(library: str) -> type:
+    if library == "litgpt":
+        from lightning_parallel.litgpt import LitGPTCausalLM
+
+        return LitGPTCausalLM
+    return HFCausalLM
 
 
 def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
@@ -53,7 +67,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     steps, global_batch, accumulate = case.get("steps", 10), case.get("global_batch", 8), case.get("accumulate", 1)
     strategy_obj = build_strategy(strategy)
     micro = global_batch // (accumulate * batch_ranks(strategy_obj, world))
-    model = RecordingHF(case["path"], lr=case.get("lr", 1e-3), eps=1e-6)
+    model = recording(module_class(case.get("library", "hf")))(case["path"], lr=case.get("lr", 1e-3), eps=1e-6)
     data = RandomTokens(global_batch * steps, case.get("seq_len", 16), model.model.config.vocab_size)
     data.as_tuple = bool(case.get("tuple_batch"))
     trainer = pl.Trainer(
@@ -77,7 +91,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         torch.save({k: v.detach().cpu() for k, v in state.items()}, out / f"{case['name']}_params.pt")
     # one loss per optimizer step: the mean of its micro-batches' (equal token counts: the global batch's loss)
     losses = [sum(model.losses[i : i + accumulate]) / accumulate for i in range(0, len(model.losses), accumulate)]
-    return {"name": case["name"], "losses": losses, "bytes_read": model.weight_bytes_read}
+    return {"name": case["name"], "losses": losses, "bytes_read": getattr(model, "weight_bytes_read", 0)}
 
 
 def main() -> None:

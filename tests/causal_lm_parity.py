@@ -1,0 +1,79 @@
+"""Shared by tests/test_hf_parity.py and tests/test_litgpt_parity.py: the cases hf_worker.py trains (labels say
+"clip", "accum", "tuple"), the single-process reference loop, and the check of a run against it.
+
+Runs are ``label -> (world, strategy spec, model name, tp)``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from conftest import Batch
+from parity import assert_same_losses, assert_same_params
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+STEPS, GLOBAL_BATCH, SEQ_LEN, LR, EPS = 10, 8, 16, 1e-3, 1e-6
+# "clip" clips the gradient norm at 0.05 (below the norms these steps have), "accum" accumulates 2 micro-batches
+CLIP, ACCUMULATE = 0.05, 2
+
+
+def options(label: str) -> dict:
+    return {"clip": CLIP if "clip" in label else None, "accumulate": ACCUMULATE if "accum" in label else 1}
+
+
+def launch(tmp_path_factory, folders: dict[str, str], runs: dict, tag: str, library: str) -> Batch:
+    """Every run of one world size in one hf_worker.py launch; ``library`` "hf" or "litgpt"."""
+    case = {"name": "train", "steps": STEPS, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN, "lr": LR}
+    spec = {
+        label: (world, strategy, [{**case, "path": folders[model], "library": library, "tuple_batch": "tuple" in label,
+                                   **options(label)}])
+        for label, (world, strategy, model, _) in runs.items()
+    }  # fmt: skip
+    return Batch(tmp_path_factory, spec, tag=tag, worker="hf_worker.py")
+
+
+def train_reference(
+    model: nn.Module, vocab_size: int, loss_of: Callable[[nn.Module, Tensor], Tensor], defaults: tuple, clip=None
+) -> tuple[list[float], dict[str, Tensor]]:
+    """``STEPS`` AdamW steps of ``model`` in this process: torch's AdamW with the workers' two groups (``defaults``:
+    the module class's lr, weight_decay, betas), the batches in the order the workers' sampler gives the whole
+    world, ``clip`` with torch's norm clipping. (Accumulated micro-batches make up the same global batch, with
+    equal token counts: one batch here.)"""
+    groups = [
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": defaults[1]},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=defaults[2], eps=EPS)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab_size, (GLOBAL_BATCH * STEPS, SEQ_LEN), generator=g)
+    sampler = DistributedSampler(range(len(tokens)), num_replicas=1, rank=0, shuffle=True, seed=0)
+    losses = []
+    for idx in DataLoader(list(range(len(tokens))), batch_size=GLOBAL_BATCH, sampler=sampler):
+        loss = loss_of(model, tokens[idx])
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
+
+
+def check(runs: Batch, label: str, spec: tuple, references: dict) -> None:
+    """The run ``label`` against ``references[(model, clip)]``: losses per step (one rank per dp index: tp ranks
+    see the same batch) and the final parameters."""
+    world, strategy, model, tp = spec
+    run = runs[label]
+    want_losses, want_params = references[model, options(label)["clip"]]
+    dp = world // tp // (2 if "pp=2" in strategy else 1)
+    leaders = [d * tp for d in range(dp)]
+    loss_rel = assert_same_losses(run.losses("train", leaders), want_losses, label)
+    param_abs = assert_same_params(run.params("train"), want_params, label)
+    print(f"{label}: max loss rel diff {loss_rel:.1e}, max param abs diff {param_abs:.1e}")
+
+
+def assert_clipping_active(references: dict, model: str) -> None:
+    """The "clip" cases test something: clipping at CLIP changes where the reference ends."""
+    plain, clipped = references[model, None][1], references[model, CLIP][1]
+    assert max((plain[k] - clipped[k]).abs().max().item() for k in plain) > 1e-3
