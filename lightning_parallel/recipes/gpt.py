@@ -35,7 +35,13 @@ from lightning_parallel.recipes.hf import (
     is_hf_model,
     model_vocab_size,
 )
-from lightning_parallel.recipes.litgpt import build_litgpt_module, check_litgpt_model, is_litgpt_model
+from lightning_parallel.recipes.litgpt import (
+    build_litgpt_module,
+    check_litgpt_layout,
+    check_litgpt_model,
+    is_litgpt_model,
+    litgpt_config,
+)
 from lightning_parallel.recipes.text_data import TokenWindows, load_tokens
 from lightning_parallel.strategies.pipelined_step import PipelineInput
 
@@ -55,9 +61,13 @@ def gpt_config(m: DictConfig) -> GPTConfig:
 def check_config(cfg: DictConfig) -> None:
     """Everything that can be refused before a worker starts: names, degrees, sizes, batch splits."""
     if is_hf_model(cfg.model):
-        return _check_hf_config(cfg)
+        meta = check_hf_model(cfg)
+        return _check_library_model(cfg, meta, len(hf_pipeline_layers(meta)), check_hf_layout)
     if is_litgpt_model(cfg.model):
-        return _check_litgpt_config(cfg)
+        from lightning_parallel.litgpt import litgpt_pipeline_layers
+
+        meta = check_litgpt_model(cfg)
+        return _check_library_model(cfg, meta, len(litgpt_pipeline_layers(meta)), check_litgpt_layout)
     strategy = check_run_settings(cfg, num_layers=cfg.model.n_layer + 2)  # embedding, blocks, head
     m = cfg.model
     for key in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
@@ -71,31 +81,13 @@ def check_config(cfg: DictConfig) -> None:
     check_text_data(cfg)
 
 
-def _check_hf_config(cfg: DictConfig) -> None:
-    """``model=hf*``: the same checks, on the HF model built on the meta device."""
-    meta = check_hf_model(cfg)
-    strategy = check_run_settings(cfg, num_layers=len(hf_pipeline_layers(meta)))
+def _check_library_model(cfg: DictConfig, meta: Any, num_layers: int, check_layout: Any) -> None:
+    """``model=hf*`` / ``model=litgpt``: the same checks, on the model built on the meta device;
+    ``check_layout(meta, pp=, tp=, sequence_parallel=)`` the checks its module runs in the workers."""
+    strategy = check_run_settings(cfg, num_layers=num_layers)
     if isinstance(strategy, Hybrid3DStrategy):
         dims = strategy.config.dims(world_size(cfg))
-        check_hf_layout(meta, pp=dims.pp, tp=dims.tp, sequence_parallel=strategy.config.sequence_parallel)
-    if cfg.trainer.sync_batchnorm:
-        raise ValueError("trainer.sync_batchnorm=true: the model has no BatchNorm to sync (its norms need none).")
-    check_text_data(cfg)
-
-
-def _check_litgpt_config(cfg: DictConfig) -> None:
-    """``model=litgpt``: the same checks, on LitGPT's GPT built on the meta device."""
-    from lightning_parallel.litgpt import check_litgpt_degrees, litgpt_pipeline_layers
-
-    meta = check_litgpt_model(cfg)
-    strategy = check_run_settings(cfg, num_layers=len(litgpt_pipeline_layers(meta)))
-    if isinstance(strategy, Hybrid3DStrategy):
-        dims = strategy.config.dims(world_size(cfg))
-        check_litgpt_degrees(meta, pp=dims.pp, tp=dims.tp)
-        if dims.pp > 1 and dims.tp > 1 and strategy.config.sequence_parallel:
-            from lightning_parallel.litgpt.plan import SP_WITH_PP
-
-            raise ValueError(SP_WITH_PP)
+        check_layout(meta, pp=dims.pp, tp=dims.tp, sequence_parallel=strategy.config.sequence_parallel)
     if cfg.trainer.sync_batchnorm:
         raise ValueError("trainer.sync_batchnorm=true: the model has no BatchNorm to sync (its norms need none).")
     check_text_data(cfg)
@@ -140,7 +132,8 @@ class TextData(pl.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         tokens = load_tokens(self.cfg.data.kind, self.cfg.data.path, self.cache_dir)
-        vocab = model_vocab_size(self.cfg.model)
+        m = self.cfg.model
+        vocab = litgpt_config(m).padded_vocab_size if is_litgpt_model(m) else model_vocab_size(m)
         if self.cfg.data.kind == "tokens" and int(tokens.max()) >= vocab:
             raise ValueError(
                 f"data.path holds token id {int(tokens.max())} >= model.vocab_size={vocab}: "

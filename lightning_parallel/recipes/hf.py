@@ -143,8 +143,4 @@ def build_hf_module(m: DictConfig) -> Any:
 
 
 def model_vocab_size(m: DictConfig) -> int:
-    if "name" in m and "config" in m:  # model=litgpt
-        from lightning_parallel.recipes.litgpt import litgpt_config
-
-        return litgpt_config(m).padded_vocab_size
     return hf_config(m).vocab_size if is_hf_model(m) else m.vocab_size
