@@ -73,27 +73,15 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _shared_parameters(model: nn.Module) -> list[list[str]]:
-    """Groups of names under which one parameter object sits in more than one module (tied weights)."""
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
+def _tie_again(model: nn.Module, aliases: dict[str, str]) -> None:
+    """``to_empty`` makes a new parameter per module: put each tied parameter back in its aliases' places."""
+    for alias, first in aliases.items():
+        owner, _, attr = alias.rpartition(".")
+        model.get_submodule(owner)._parameters[attr] = model.get_parameter(first)
 
 
-def _tie_again(model: nn.Module, shared: list[list[str]]) -> None:
-    """``to_empty`` makes a new parameter per module: put the first of each group back in the others' places."""
-    for first, *others in shared:
-        param = model.get_parameter(first)
-        for name in others:
-            owner, _, attr = name.rpartition(".")
-            model.get_submodule(owner)._parameters[attr] = param
-
-
-def local_box(param: Tensor) -> tuple[slice, ...] | None:
+def local_box(param: DTensor) -> tuple[slice, ...] | None:
     """The slice of the whole tensor this rank holds of ``param``, or None when it is not one box."""
-    if not isinstance(param, DTensor):
-        return tuple(slice(0, n) for n in param.shape)
     if not all(isinstance(p, (Shard, Replicate)) and not isinstance(p, StridedShard) for p in param.placements):
         return None
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
@@ -123,10 +111,9 @@ class WeightReader:
         return self._open[path]
 
     def read(self, name: str, box: tuple[slice, ...] | None = None) -> Tensor:
+        """The tensor ``name``, or its ``box`` (no box, or the empty one of a 0-d tensor: all of it)."""
         f = self._file(name)
-        value = f.get_tensor(name) if box is None else f.get_slice(name)[box]
-        if value.dim() == 0 and box:  # a 0-d tensor has no slices
-            value = f.get_tensor(name)
+        value = f.get_slice(name)[box] if box else f.get_tensor(name)
         self.bytes_read += value.numel() * value.element_size()
         return value
 
@@ -150,9 +137,9 @@ def load_local_weights(model: nn.Module, folder: str | Path, device: torch.devic
     if files is None:
         raise FileNotFoundError(f"{folder}: no {SAFE_WEIGHTS} or {SAFE_INDEX}: save the model with safetensors.")
     buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
-    shared = _shared_parameters(model)
+    tied = tied_aliases(model)  # the ties as they are now (a pipeline split may have cut some)
     model.to_empty(device=device)
-    _tie_again(model, shared)
+    _tie_again(model, tied)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name in buffers:
@@ -167,8 +154,8 @@ def load_local_weights(model: nn.Module, folder: str | Path, device: torch.devic
             target = param.to_local() if isinstance(param, DTensor) else param
             if target.numel() == 0:
                 continue
-            box = local_box(param)
-            if box is not None:
+            box = local_box(param) if isinstance(param, DTensor) else None
+            if not isinstance(param, DTensor) or box is not None:
                 value = reader.read(key, box)
             else:  # not one box: the whole tensor, then this rank's part of it
                 whole = reader.read(key).to(device)
