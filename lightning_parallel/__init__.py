@@ -9,9 +9,11 @@ The layout of the package is described in ARCHITECTURE.md at the repository root
 
 from lightning_parallel.callbacks.activation import ActivationCheckpointing, ActivationMemoryMonitor
 from lightning_parallel.callbacks.monitor import TrainingMonitor
+from lightning_parallel.callbacks.moe import MoEAuxLossScale, MoEMonitor
 from lightning_parallel.callbacks.preemption import Preemption
 from lightning_parallel.callbacks.resume import ExactResume, ResumableDataLoader
 from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.expert import MoE
 from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.plugins.layer_sync import DataParallelSyncBatchNorm
 from lightning_parallel.protocol import ParallelModule
@@ -26,6 +28,9 @@ __all__ = [
     "ExactResume",
     "Hybrid3DStrategy",
     "MeshStrategy",
+    "MoE",
+    "MoEAuxLossScale",
+    "MoEMonitor",
     "ParallelConfig",
     "ParallelDims",
     "ParallelModule",

@@ -45,6 +45,16 @@ def local_tensor(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward (a checkpointed layer recomputing its forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """A multi-dimensional slice of a DeviceMesh as one dimension named ``name`` (torchtitan's ``dp_shard_cp``)."""
+    return mesh._flatten(name)
+
+
 def default_store() -> Any:
     """The default process group's key-value store (the TCPStore torchrun or the strategy set up)."""
     return torch.distributed.distributed_c10d._get_default_store()

@@ -14,9 +14,12 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
+
+from lightning_parallel.parallel.expert.moe import GroupedExperts, MoE, check_moe_settings
 
 
 @dataclass
@@ -29,12 +32,33 @@ class GPTConfig:
     mlp_ratio: int = 4  # hidden width of the MLP relative to d_model
     dropout: float = 0.0  # 0 keeps runs comparable across layouts
     tie_weights: bool = True  # the head reuses the token embedding (GPT-2 does)
+    # Mixture-of-Experts: 0 keeps every FFN dense; E > 0 makes every moe_every-th block's FFN a MoE of E experts
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 2  # blocks moe_every-1, 2*moe_every-1, ... (every other block by default)
+    moe_hidden: int | None = None  # each expert's hidden width (None: mlp_ratio * d_model)
+    moe_capacity_factor: float | None = None  # None: dropless
+    moe_shared_hidden: int = 0  # a shared expert's hidden width (0: none)
+    moe_aux_loss_coeff: float = 0.01
+    moe_z_loss_coeff: float = 0.0
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head != 0:
             raise ValueError(
                 f"d_model({self.d_model}) must be a multiple of n_head({self.n_head}): change one of them."
             )
+        if self.moe_experts:
+            check_moe_settings(self.moe_experts, self.moe_top_k, self.moe_capacity_factor, "gelu")
+            if isinstance(self.moe_every, bool) or not isinstance(self.moe_every, int) or self.moe_every < 1:
+                raise ValueError(f"moe_every={self.moe_every!r}: set it to a positive integer (2: every other block).")
+
+    def is_moe_block(self, i: int) -> bool:
+        """Whether block ``i`` (0-based) has a MoE FFN."""
+        return bool(self.moe_experts) and i % self.moe_every == self.moe_every - 1
+
+    @property
+    def moe_blocks(self) -> list[int]:
+        return [i for i in range(self.n_layer) if self.is_moe_block(i)]
 
 
 class CausalSelfAttention(nn.Module):
@@ -86,12 +110,27 @@ def _normal_(tensor: Tensor, std: float, generator: torch.Generator) -> None:
 def _reset_linears_and_norms(module: nn.Module, generator: torch.Generator, residual_std: float) -> None:
     """GPT-2's init: weights N(0, 0.02) (residual projections scaled down), biases 0, norms 1 and 0."""
     for name, sub in module.named_modules():
-        if isinstance(sub, nn.Linear):
+        if isinstance(sub, GroupedExperts):
+            sub.reset_parameters(generator, std=0.02, out_std=residual_std)
+        elif isinstance(sub, nn.Linear):
             _normal_(sub.weight, residual_std if name.endswith("proj") else 0.02, generator)
             if sub.bias is not None:
                 nn.init.zeros_(sub.bias)
         elif isinstance(sub, nn.LayerNorm):
             sub.reset_parameters()
+
+
+def moe_ffn(cfg: GPTConfig) -> MoE:
+    return MoE(
+        cfg.d_model,
+        cfg.moe_hidden or cfg.mlp_ratio * cfg.d_model,
+        cfg.moe_experts,
+        cfg.moe_top_k,
+        capacity_factor=cfg.moe_capacity_factor,
+        shared_hidden=cfg.moe_shared_hidden,
+        aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        z_loss_coeff=cfg.moe_z_loss_coeff,
+    )
 
 
 class Block(nn.Module):
@@ -102,7 +141,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = moe_ffn(cfg) if cfg.is_moe_block(index - 1) else MLP(cfg)
 
     def reset_parameters(self) -> None:
         _reset_linears_and_norms(self, _layer_generator(self.index), self.residual_std)
@@ -195,12 +234,17 @@ class GPT(nn.Module):
                 raise ValueError(f"tp={tp} does not divide GPTConfig.{name}={size}: choose tp among its divisors.")
 
 
-def gpt_tp_plan(prefix: str = "", sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+def gpt_tp_plan(
+    prefix: str = "", sequence_parallel: bool = False, moe_blocks: list[int] | None = None, n_layer: int = 0
+) -> dict[str, ParallelStyle]:
     """Megatron's plan for :class:`GPT`: heads and MLP split column-then-row, the vocabulary split in the
     embedding (row-wise) and the head (column-wise, logits left sharded for a vocabulary-parallel loss).
 
     With ``sequence_parallel`` the layer norms and the residual stream between blocks are split along the
     sequence (dim 1) as well, and the tp all-reduces become reduce-scatter / all-gather pairs.
+
+    MoE blocks (``moe_blocks`` of ``n_layer``) keep their experts replicated over tp: each tp rank routes the same
+    tokens (under sequence parallelism the sequence is gathered before the MoE and split again after it).
     """
     seq = Shard(1) if sequence_parallel else Replicate()
     block = f"{prefix}blocks.*"
@@ -211,8 +255,6 @@ def gpt_tp_plan(prefix: str = "", sequence_parallel: bool = False) -> dict[str, 
         f"{block}.attn.k": ColwiseParallel(),
         f"{block}.attn.v": ColwiseParallel(),
         f"{block}.attn.proj": RowwiseParallel(output_layouts=seq),
-        f"{block}.mlp.fc": ColwiseParallel(),
-        f"{block}.mlp.proj": RowwiseParallel(output_layouts=seq),
         f"{prefix}head.lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
         # q, k and v read one replicated DTensor: their input gradients add up as partial sums and are
         # all-reduced once in backward (Megatron's f), not once per projection
@@ -228,8 +270,23 @@ def gpt_tp_plan(prefix: str = "", sequence_parallel: bool = False) -> dict[str, 
                 f"{block}.ln_1": SequenceParallel(),
                 f"{block}.ln_2": SequenceParallel(),
                 f"{block}.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                f"{block}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
                 f"{prefix}head.ln_f": SequenceParallel(),
             }
         )
+    moe = set(moe_blocks or ())
+    dense = [f"{prefix}blocks.{i}" for i in range(n_layer) if i not in moe] if moe else [block]
+    for b in dense:
+        plan[f"{b}.mlp.fc"] = ColwiseParallel()
+        plan[f"{b}.mlp.proj"] = RowwiseParallel(output_layouts=seq)
+        if sequence_parallel:
+            plan[f"{b}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    for i in sorted(moe):
+        if sequence_parallel:
+            plan[f"{prefix}blocks.{i}.mlp"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),),
+            )
     return plan

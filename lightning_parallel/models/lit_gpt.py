@@ -97,7 +97,7 @@ class LitGPT(pl.LightningModule):
 
     def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
         """Module path -> torch ParallelStyle, applied on the tp axis."""
-        return gpt_tp_plan("model.", sequence_parallel)
+        return gpt_tp_plan("model.", sequence_parallel, self.config.moe_blocks, self.config.n_layer)
 
     def check_parallel_degrees(self, pp: int, tp: int) -> None:
         """Refuse degrees this model cannot split into, before any process group exists."""

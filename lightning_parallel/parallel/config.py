@@ -52,6 +52,7 @@ class ParallelConfig:
         dp: data-parallel degree; ``"auto"`` takes the ranks the other axes leave.
         pp: pipeline-parallel degree (stages; more per rank with ``pp_virtual_stages``).
         tp: tensor-parallel degree.
+        ep: expert-parallel degree: the experts of every MoE layer split over ep of the dp ranks (ep divides dp).
         zero_stage: what data parallelism shards over dp: 0 nothing (gradients averaged), 1 optimizer
             states, 2 also gradients, 3 also parameters (FSDP2).
         offload: keep the sharded states on the host and step there (stages 2 and 3).
@@ -71,6 +72,7 @@ class ParallelConfig:
     dp: Any = "auto"  # an int or "auto"
     pp: int = 1
     tp: int = 1
+    ep: int = 1
     zero_stage: int = 0
     offload: bool = False
     reshard_after_forward: bool = True
@@ -118,10 +120,11 @@ class ParallelConfig:
     def dims(self, world_size: int) -> ParallelDims:
         """The degrees for ``world_size`` processes (``dp="auto"`` resolved); a ValueError with the arithmetic
         when they do not fit."""
-        return ParallelDims.from_degrees(world_size, pp=self.pp, dp=self.dp, tp=self.tp)
+        return ParallelDims.from_degrees(world_size, pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep)
 
     def describe(self, name: str = "hybrid3d") -> str:
-        return f"strategy={name!r} (dp={self.dp!r}, pp={self.pp}, tp={self.tp}, zero_stage={self.zero_stage})"
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
+        return f"strategy={name!r} (dp={self.dp!r}, pp={self.pp}, tp={self.tp}{ep}, zero_stage={self.zero_stage})"
 
     # ----- validation -----
 
@@ -136,6 +139,12 @@ class ParallelConfig:
         check_degree_arg("dp", self.dp, allow_auto=True)
         check_degree_arg("pp", self.pp)
         check_degree_arg("tp", self.tp)
+        check_degree_arg("ep", self.ep)
+        if isinstance(self.dp, int) and self.dp % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide dp={self.dp} (expert parallelism is carved out of the data-parallel "
+                f"ranks): choose ep among the divisors of {self.dp}."
+            )
         check_zero_settings(self.zero_stage, self.offload, name="zero_stage", allow_zero=True)
         check_flag("sequence_parallel", self.sequence_parallel)
         check_flag("reshard_after_forward", self.reshard_after_forward)

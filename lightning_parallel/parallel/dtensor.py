@@ -34,9 +34,12 @@ def split_axes(t: Tensor) -> tuple[str, ...]:
     """Names of the mesh axes a DTensor is split over (not replicated); () for a plain tensor.
 
     Not ``is_shard()``: FSDP2 over a tensor-parallel dim uses ``_StridedShard``, whose ``is_shard()`` is False.
+    A flattened dimension (``"dp_ep"``) names the axes it joins.
     """
     if not isinstance(t, DTensor):
         return ()
     names = t.device_mesh.mesh_dim_names
     assert names is not None, "meshes here have named axes"
-    return tuple(names[i] for i, placement in enumerate(t.placements) if not placement.is_replicate())
+    return tuple(
+        axis for i, placement in enumerate(t.placements) if not placement.is_replicate() for axis in names[i].split("_")
+    )

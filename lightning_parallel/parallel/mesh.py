@@ -1,21 +1,26 @@
 """One named device mesh for every parallelism, and the meshes each part of the code asks for by role.
 
-The axes are ``pp``, ``dp``, ``tp``, outermost first: tensor parallelism on neighbouring ranks (the fastest
-links on a node), pipeline stages on the outermost axis, as Megatron and torchtitan do. Code never names an
-axis to find its ranks; it asks for a role (torchtitan's ``get_mesh("loss")``):
+The axes are ``pp``, ``dp``, ``ep``, ``tp``, outermost first: tensor parallelism on neighbouring ranks (the
+fastest links on a node), pipeline stages on the outermost axis, as Megatron and torchtitan do. Expert parallelism
+is carved out of the data-parallel ranks (torchtitan, Megatron-Core): with ``dp=D`` and ``ep=E`` the mesh's ``dp``
+axis has D/E ranks (those that hold the same experts) and its ``ep`` axis E; data parallelism spans both. Code
+never names an axis to find its ranks; it asks for a role (torchtitan's ``get_mesh("loss")``):
 
-=========  ===========================================================================
-role       what it is for
-=========  ===========================================================================
-batch      ranks that see different samples: the sampler, ``sync_dist``, metrics, BatchNorm
-loss       ranks whose losses average into the global loss
-shard      ranks a data-parallel sharding (ZeRO 0-3) spreads model states over
-stage      pipeline stages: activations sent point to point, tied weights summed
-tensor     tensor parallelism
-=========  ===========================================================================
+============  ===========================================================================
+role          what it is for
+============  ===========================================================================
+batch         ranks that see different samples: the sampler, ``sync_dist``, metrics, BatchNorm
+loss          ranks whose losses average into the global loss
+shard         ranks a data-parallel sharding (ZeRO 0-3) spreads model states over
+expert        expert parallelism: ranks holding different experts, exchanging tokens by all-to-all
+expert_shard  ranks holding the same experts: their gradients meet and ZeRO shards them there
+stage         pipeline stages: activations sent point to point, tied weights summed
+tensor        tensor parallelism
+============  ===========================================================================
 
 Adding an axis: a field of :class:`ParallelDims`, its place in :data:`MESH_AXES`, and the roles it joins in
-:data:`ROLES` (a role over several axes of size > 1 is flattened into one mesh). Pure torch.
+:data:`ROLES` (a role over several axes of size > 1 is flattened into one mesh named ``"dp_ep"``, its axes joined
+by ``_``). Pure torch.
 
 May import: torch and ``lightning_parallel._compat``.
 """
@@ -30,17 +35,20 @@ from typing import Any, Literal
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_parallel._compat import C10dBackend
+from lightning_parallel._compat import C10dBackend, flatten_mesh
 
 PP = "pp"
 DP = "dp"
+EP = "ep"
 TP = "tp"
-MESH_AXES = (PP, DP, TP)  # outermost first
+MESH_AXES = (PP, DP, EP, TP)  # outermost first
 
 ROLES: dict[str, tuple[str, ...]] = {
-    "batch": (DP,),
-    "loss": (DP,),
-    "shard": (DP,),
+    "batch": (DP, EP),
+    "loss": (DP, EP),
+    "shard": (DP, EP),
+    "expert": (EP,),
+    "expert_shard": (DP,),
     "stage": (PP,),
     "tensor": (TP,),
 }
@@ -54,16 +62,17 @@ def check_degree(name: str, value: object) -> int:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Validated parallel degrees whose product is the world size.
+    """Validated parallel degrees whose product (with ``dp`` counting the expert-parallel ranks too) is the world size.
 
     Build it with :meth:`from_degrees`, which resolves ``dp="auto"`` and checks the arithmetic before any
-    process group exists.
+    process group exists. ``dp`` is the data-parallel degree; ``ep`` divides it (the mesh's ``dp`` axis is dp/ep).
     """
 
     pp: int
     dp: int
     tp: int
     world_size: int
+    ep: int = 1
 
     @classmethod
     def from_degrees(
@@ -73,6 +82,7 @@ class ParallelDims:
         pp: int = 1,
         dp: int | Literal["auto"] = "auto",
         tp: int = 1,
+        ep: int = 1,
     ) -> ParallelDims:
         """Validate ``pp * dp * tp == world_size``; ``dp="auto"`` takes the ranks the other axes leave.
 
@@ -98,15 +108,21 @@ class ParallelDims:
                 f"{terms} = {_product(degrees.values())} != world_size({world_size}): "
                 f"set the degrees so their product is {world_size}, or use dp='auto'."
             )
-        return cls(world_size=world_size, **degrees)
+        ep = check_degree("ep", ep)
+        if dp % ep:
+            raise ValueError(
+                f"ep={ep} must divide the data-parallel degree dp={dp} (expert parallelism is carved out of the "
+                f"data-parallel ranks): choose ep among the divisors of {dp}, or change pp, tp or the devices."
+            )
+        return cls(world_size=world_size, ep=ep, **degrees)
 
     @property
     def degrees(self) -> dict[str, int]:
-        """Every axis and its degree, outermost first."""
-        return {axis: getattr(self, axis) for axis in MESH_AXES}
+        """Every mesh axis and its size, outermost first (``dp``: the ranks holding the same experts, dp/ep)."""
+        return {PP: self.pp, DP: self.dp // self.ep, EP: self.ep, TP: self.tp}
 
     def role_size(self, role: str) -> int:
-        return _product(getattr(self, axis) for axis in ROLES[role])
+        return _product(self.degrees[axis] for axis in ROLES[role])
 
     def build_mesh(self, device_type: str, timeout: timedelta | None = None) -> ParallelMesh:
         """The mesh over the default process group; size-1 axes are kept so code can always name them.
@@ -121,7 +137,8 @@ class ParallelDims:
         )
 
     def __str__(self) -> str:
-        return " ".join(f"{axis}={d}" for axis, d in self.degrees.items()) + f" (world_size={self.world_size})"
+        shown = {PP: self.pp, DP: self.dp, TP: self.tp} | ({EP: self.ep} if self.ep > 1 else {})
+        return " ".join(f"{axis}={d}" for axis, d in shown.items()) + f" (world_size={self.world_size})"
 
 
 class ParallelMesh:
@@ -135,15 +152,25 @@ class ParallelMesh:
     def __init__(self, dims: ParallelDims, device_mesh: DeviceMesh) -> None:
         self.dims = dims
         self.device_mesh = device_mesh
+        self._flat: dict[str, DeviceMesh] = {}
 
     def __getitem__(self, name: str) -> DeviceMesh:
         """The 1-D mesh of a role (``"batch"``, ``"shard"``, ...) or of an axis (``"pp"``, ``"dp"``, ``"tp"``)."""
+        axes = self.role_axes(name)
+        if len(axes) == 1:
+            return self.device_mesh[axes[0]]
+        flat = "_".join(axes)
+        if flat not in self._flat:
+            self._flat[flat] = flatten_mesh(self.device_mesh[axes], flat)
+        return self._flat[flat]
+
+    def role_axes(self, name: str) -> tuple[str, ...]:
+        """The axes a role spans, size-1 axes left out (at least one kept)."""
         axes = ROLES.get(name, (name,))
         if any(axis not in MESH_AXES for axis in axes):
             raise KeyError(f"{name!r} is neither a mesh role ({', '.join(ROLES)}) nor an axis ({', '.join(MESH_AXES)})")
-        if len(axes) == 1:
-            return self.device_mesh[axes[0]]
-        raise NotImplementedError(f"role {name!r} spans {axes}: flatten them with DeviceMesh._flatten in _compat")
+        sized = tuple(a for a in axes if self.dims.degrees[a] > 1)
+        return sized or axes[:1]
 
     def group(self, name: str) -> dist.ProcessGroup:
         return self[name].get_group()
@@ -172,4 +199,4 @@ def _product(values: Any) -> int:
     return out
 
 
-assert [f.name for f in fields(ParallelDims)][:-1] == list(MESH_AXES), "one field per axis, in mesh order"
+assert {f.name for f in fields(ParallelDims)} == {*MESH_AXES, "world_size"}, "one field per axis"

@@ -1,11 +1,13 @@
 """Applying the parallelisms to a model: the one place their order lives. Pure torch.
 
     1. pipeline split (pp)      this rank keeps its stages' layers (materialized when built on meta)
-    2. tensor parallel (tp)     the module's plan, on what this rank holds
-    3. activation checkpointing this rank's layers, after tp (torchtitan's order), before sharding wraps them
-    4. data-parallel sharding   ZeRO-3 wraps units (each layer, and each stage under pp); stages 0-2 shard the
-                                optimizers later, when ``configure_optimizers`` has built them
-    5. materialization          parameters still on meta (a module that loads its own weights) get storage and
+    2. expert parallel (ep)     each MoE layer keeps E/ep experts, tokens travel by all-to-all
+    3. tensor parallel (tp)     the module's plan, on what this rank holds (experts replicated over tp)
+    4. activation checkpointing this rank's layers, after tp (torchtitan's order), before sharding wraps them
+    5. data-parallel sharding   ZeRO-3 wraps units (each layer, and each stage under pp; experts over the ranks
+                                holding the same experts); stages 0-2 shard the optimizers later, when
+                                ``configure_optimizers`` has built them
+    6. materialization          parameters still on meta (a module that loads its own weights) get storage and
                                 values, each rank only what it holds (``materialize(device)`` of the protocol)
 
 Each step reads the module through :mod:`lightning_parallel.protocol` and its settings from
@@ -31,6 +33,7 @@ from lightning_parallel.parallel.activation_checkpoint import apply_activation_c
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.data.stages import zero_stage as sharding_of
+from lightning_parallel.parallel.expert.apply import apply_expert_parallel
 from lightning_parallel.parallel.mesh import ParallelMesh
 from lightning_parallel.parallel.pipeline.partition import balanced_partition, check_stage_count, uniform_partition
 from lightning_parallel.parallel.pipeline.profile import example_microbatch, profile_layers, profiled_partition
@@ -55,6 +58,7 @@ class Parallelized:
     split: PipelineSplit | None = None  # this rank's pipeline stages (pp > 1)
     tied: TiedGradients | None = None  # weights tied across stages (pp > 1)
     fsdp_units: list[str] = field(default_factory=list)  # ZeRO-3 units ("" the root itself)
+    moe_layers: list[str] = field(default_factory=list)  # MoE layers whose experts are split over ep
     checkpointed: list[nn.Module] = field(default_factory=list)  # layers recomputed in backward
 
     @property
@@ -89,6 +93,8 @@ def parallelize(
     dims = mesh.dims
     if dims.pp > 1:
         done.split = apply_pipeline_split(root, module, mesh, config, device, sharding.stage, info)
+    if dims.ep > 1:
+        done.moe_layers = apply_expert_parallel(root, mesh["expert"])
     if dims.tp > 1:
         plan = tensor_parallel_plan(module, dims.tp, config.sequence_parallel)
         if done.split is not None:  # entries for layers other stages hold resolve to nothing here

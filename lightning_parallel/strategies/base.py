@@ -39,12 +39,13 @@ from lightning_parallel.parallel.clip import clip_grad_norm_
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.data.sync_batchnorm import convert_sync_batchnorm
+from lightning_parallel.parallel.expert.aux import aux_loss_scale
 from lightning_parallel.parallel.failure import FailureBoard, to_timeout
 from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh, axis_combinations
 from lightning_parallel.parallel.parallelize import Parallelized, parallelize
 from lightning_parallel.parallel.tensor.loss import vocab_parallel_loss
 from lightning_parallel.plugins.layer_sync import DataParallelSyncBatchNorm
-from lightning_parallel.plugins.precision import to_mesh_precision
+from lightning_parallel.plugins.precision import loss_scale_of, to_mesh_precision
 from lightning_parallel.protocol import has_loss
 from lightning_parallel.strategies.checkpointing import ShardedCheckpointing, check_checkpoint_format, unwrap_optimizer
 from lightning_parallel.strategies.checks import check_model
@@ -340,9 +341,12 @@ class MeshStrategy(DistributedMixin, ShardedCheckpointing, ParallelStrategy):
             closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
             self.post_backward(closure_loss)
             return closure_loss
-        if self.parallel_dims.tp == 1:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        with loss_parallel():  # the vocabulary-parallel loss needs its own backward rules too
+        # MoE auxiliary losses get the gradient the main loss has: fp16 scale, divided by the accumulation steps
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        context = loss_parallel() if self.parallel_dims.tp > 1 else contextlib.nullcontext()
+        with aux_loss_scale(loss_scale_of(self.precision_plugin) / accumulate), context:
+            # under tp the vocabulary-parallel loss needs its own backward rules too
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     # ----- steps -----

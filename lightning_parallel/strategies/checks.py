@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.expert.apply import check_expert_layout
 from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.parallel.parallelize import stage_partition
 from lightning_parallel.parallel.pipeline.profile import example_microbatch
@@ -24,7 +25,9 @@ def check_model(model: Any, config: ParallelConfig, dims: ParallelDims) -> None:
     module or splits a size tp does not divide, more stages than layers, meta layers that cannot initialize
     themselves, degrees the model itself refuses."""
     # what configure_model makes, on meta; None when that cannot be known here
-    built = as_built(model) if dims.pp > 1 or dims.tp > 1 else model
+    built = as_built(model) if dims.pp > 1 or dims.tp > 1 or dims.ep > 1 else model
+    if dims.ep > 1 and built is not None:
+        check_expert_layout(built, dims.ep)
     if dims.tp > 1:
         plan = tensor_parallel_plan(model, dims.tp, config.sequence_parallel)
         check_tp_plan(model if built is None else built, plan, dims.tp, require_match=built is not None)

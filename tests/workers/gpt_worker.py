@@ -22,6 +22,7 @@ process group are paid once (tests/conftest.py's ``Batch``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -40,10 +41,12 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import lightning_parallel  # noqa: F401  (registers the strategy names)
 from lightning_parallel import DataParallelSyncBatchNorm, Hybrid3DStrategy, MeshStrategy
 from lightning_parallel.callbacks.activation import ActivationMemoryMonitor
+from lightning_parallel.callbacks.moe import MoEAuxLossScale, MoEMonitor
 from lightning_parallel.models import GPTConfig, LitGPT, SyntheticTokens
 from lightning_parallel.models.gpt import gpt_tp_plan
 from lightning_parallel.models.lit_vgg import LitVGG
 from lightning_parallel.models.vgg import VGGConfig
+from lightning_parallel.parallel.expert import MoE
 from lightning_parallel.parallel.measure.memory import model_state_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -76,6 +79,53 @@ class RecordingBYO(RecordLosses, MLPClassifier):
         super().__init__(**kwargs)
         self.losses = []
         self.val_samples = torchmetrics.SumMetric()
+
+
+class MoEClassifier(pl.LightningModule):
+    """A model that is not the recipe GPT: token features -> linear -> one MoE layer -> mean over tokens -> classes.
+    Its MoE layer comes from lightning_parallel as anyone would use it; nothing else is parallel-aware."""
+
+    def __init__(self, lr: float = 1e-3, **moe: object) -> None:
+        super().__init__()
+        self.lr = lr
+        self.inp = torch.nn.Linear(12, 16)
+        self.moe = MoE(16, 32, **{"num_experts": 4, "top_k": 2, **moe})
+        self.out = torch.nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = h + self.moe(torch.nn.functional.gelu(h))
+        return self.out(h.mean(1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=1e-6)
+
+
+class RecordingMoEClassifier(RecordLosses, MoEClassifier):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.losses = []
+        self.val_samples = torchmetrics.SumMetric()
+
+
+def token_classes(num_samples: int) -> TensorDataset:
+    """Sequences of 6 feature vectors; the class is the argmax of a fixed projection of their mean."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(num_samples, 6, 12, generator=g)
+    teacher = torch.randn(12, 5, generator=g)
+    return TensorDataset(x, (x.mean(1) @ teacher).argmax(-1))
 
 
 class RecordingVGG(RecordLosses, LitVGG):
@@ -250,6 +300,9 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
             lr=case.get("lr", 0.01),
             build_in_configure_model=bool(case.get("meta")),
         )
+    elif case.get("model") == "moe_classifier":  # not the recipe GPT: a classifier with one MoE layer
+        data = token_classes(global_batch * epoch_steps)
+        model = RecordingMoEClassifier(lr=case.get("lr", 1e-3), **case.get("moe", {}))
     elif case.get("model") == "byo":
         data = teacher_dataset(global_batch * epoch_steps)
         model = RecordingBYO(lr=case.get("lr", 1e-3))
@@ -260,9 +313,12 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         # update of pure rounding noise (one element of 4096 in blocks.4.mlp.proj ended 1.4e-5 apart under
         # pp=2 x tp=2 and 5.4e-6 under Lightning's own ddp at world 4, every other element within 6e-7); that
         # says nothing about a strategy, and a larger eps keeps such coordinates still
+        config = DEEP if case.get("deep") else TINY
+        if case.get("moe"):  # GPTConfig overrides: moe_experts, moe_top_k, moe_capacity_factor, ...
+            config = dataclasses.replace(config, **case["moe"])
         model = model_cls(
             optimizer=case.get("optimizer", "adamw"),
-            config=DEEP if case.get("deep") else TINY,
+            config=config,
             lr=case.get("lr", 1e-3),
             eps=1e-6,
             build_in_configure_model=bool(case.get("meta")),
@@ -270,7 +326,8 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     datamodule = ShardedData(data, micro)
     num_params = sum(p.numel() for p in model.parameters())
     probe = MemoryProbe(steps)
-    callbacks: list[pl.Callback] = [probe]
+    moe_monitor = MoEMonitor()
+    callbacks: list[pl.Callback] = [probe, MoEAuxLossScale(), moe_monitor]
     measure = case.get("activation_memory")
     activation_monitor = ActivationMemoryMonitor(batch=measure) if measure is not None else None
     callbacks += [activation_monitor] if activation_monitor else []
@@ -318,6 +375,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         result["traceback"] = traceback.format_exc()
         return result
     result["losses"] = model.losses
+    result["moe"] = moe_monitor.summary()
     result["built_on"] = getattr(model, "built_on", None)
     result["memory"] = probe.bytes
     result["activation_bytes"] = activation_monitor.bytes if activation_monitor else None

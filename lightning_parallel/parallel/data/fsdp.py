@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
+from lightning_parallel.parallel.expert.apply import is_expert_param
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 
@@ -112,6 +113,27 @@ class ShardParameters(DataParallelSharding):
     summary = "optimizer states, gradients and parameters sharded (FSDP2)"
 
     def shard_module(self, root: nn.Module, units: list[str] | None = None) -> list[str]:
-        return apply_fsdp(
+        # experts split over ep first, as units of their own over the ranks holding the same experts (torchtitan's
+        # dp_mod_ep); the enclosing units then leave their parameters alone
+        experts = expert_units(root)
+        for path in experts:
+            settings = {"reshard_after_forward": self.reshard_after_forward, "offload": self.offload}
+            apply_fsdp(root, self.expert_mesh, units=[path], **settings)
+            unit = root.get_submodule(path)
+            unit.set_gradient_divide_factor(float(self.data_parallel_size))  # type: ignore[operator]
+            # gloo has no PREMUL_SUM: sum, then divide. Not on a group of one, where torch 2.13 would divide twice
+            # (its copy for a single rank divides, then the post-divide runs as well)
+            if self.expert_mesh.device_type == "cpu" and self.expert_mesh.size() > 1:
+                unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+        return experts + apply_fsdp(
             root, self.mesh, reshard_after_forward=self.reshard_after_forward, offload=self.offload, units=units
         )
+
+
+def expert_units(root: nn.Module) -> list[str]:
+    """Paths of the modules whose parameters are split over the expert-parallel axis."""
+    return [
+        name
+        for name, module in root.named_modules()
+        if name and any(is_expert_param(p) for p in module.parameters(recurse=False))
+    ]

@@ -16,12 +16,15 @@ from torch.optim import Optimizer
 
 from lightning_parallel.parallel.data.sharding import DataParallelSharding, trainable
 from lightning_parallel.parallel.dtensor import local, placed_like
+from lightning_parallel.parallel.expert.apply import is_expert_param
 
 
-def all_reduce_gradients(params: Iterable[Tensor], group: dist.ProcessGroup) -> None:
-    """Average every parameter's (local) gradient over ``group`` in place; missing gradients count as 0."""
+def all_reduce_gradients(params: Iterable[Tensor], group: dist.ProcessGroup, divide_by: int | None = None) -> None:
+    """Average every parameter's (local) gradient over ``group`` in place; missing gradients count as 0.
+    ``divide_by``: the sum's divisor when it is not the group's size (expert parameters: every data-parallel rank)."""
     world = dist.get_world_size(group)
-    if world == 1:
+    divisor = world if divide_by is None else divide_by
+    if world == 1 and divisor == 1:
         return
     by_dtype: dict[torch.dtype, list[Tensor]] = defaultdict(list)
     for p in params:
@@ -33,8 +36,9 @@ def all_reduce_gradients(params: Iterable[Tensor], group: dist.ProcessGroup) -> 
         by_dtype[grad.dtype].append(grad)
     for dtype in sorted(by_dtype, key=str):
         grads = by_dtype[dtype]
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(world)
-        dist.all_reduce(flat, group=group)
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(divisor)
+        if world > 1:
+            dist.all_reduce(flat, group=group)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -50,4 +54,8 @@ class Replicate(DataParallelSharding):
     summary = "nothing sharded, gradients averaged"
 
     def reduce_gradients(self, optimizer: Optimizer) -> None:
-        all_reduce_gradients(trainable(optimizer), self.group)
+        params = trainable(optimizer)
+        all_reduce_gradients([p for p in params if not is_expert_param(p)], self.group)
+        experts = [p for p in params if is_expert_param(p)]
+        if experts:
+            all_reduce_gradients(experts, self.expert_group, divide_by=self.data_parallel_size)

@@ -88,28 +88,54 @@ class DataParallelSharding:
     summary: ClassVar[str]
 
     def __init__(
-        self, mesh: DeviceMesh, *, offload: bool = False, reshard_after_forward: bool = True, setting: str = ""
+        self,
+        mesh: DeviceMesh,
+        *,
+        expert_mesh: DeviceMesh | None = None,
+        offload: bool = False,
+        reshard_after_forward: bool = True,
+        setting: str = "",
     ) -> None:
         assert mesh.ndim == 1, "a sharding takes the 1-D mesh of its ranks"
         self.mesh = mesh
+        # expert parameters (split over ep) meet over the ranks holding the same experts; their gradient is
+        # divided by the whole data-parallel degree all the same (each expert saw the tokens of its ep group)
+        self.expert_mesh = expert_mesh if expert_mesh is not None else mesh
         self.offload = offload
         self.reshard_after_forward = reshard_after_forward
         self.setting = setting
 
     @classmethod
     def from_mesh(cls, mesh: ParallelMesh, **settings: Any) -> DataParallelSharding:
-        """The sharding over the world's mesh: its ``shard`` role (a variant over other roles overrides this)."""
-        return cls(mesh["shard"], **settings)
+        """The sharding over the world's mesh: its ``shard`` role, and ``expert_shard`` for expert parameters (a
+        variant over other roles overrides this)."""
+        return cls(mesh["shard"], expert_mesh=mesh["expert_shard"], **settings)
 
     @property
-    def axis(self) -> str:
+    def axes(self) -> tuple[str, ...]:
+        """The mesh axes the sharding spans (a flattened ``dp_ep`` is both)."""
         names = self.mesh.mesh_dim_names
         assert names, "meshes here have named axes"
-        return names[0]
+        return tuple(names[0].split("_"))
+
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        names = self.expert_mesh.mesh_dim_names
+        assert names, "meshes here have named axes"
+        return tuple(names[0].split("_"))
 
     @property
     def group(self) -> torch.distributed.ProcessGroup:
         return self.mesh.get_group()
+
+    @property
+    def expert_group(self) -> torch.distributed.ProcessGroup:
+        return self.expert_mesh.get_group()
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Every data-parallel rank: what every gradient, expert or not, is divided by."""
+        return self.mesh.size()
 
     # ----- the steps -----
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from lightning_parallel.parallel.expert.aux import aux_loss_scale
 from lightning_parallel.parallel.measure.timeline import active_recorder
 from lightning_parallel.parallel.pipeline.schedules import schedule_spec
 from lightning_parallel.parallel.pipeline.split import PipelineSplit
@@ -152,7 +153,8 @@ class Pipeline:
         self._loss_scale = loss_scale / self.microbatches
         losses: list[Tensor] = []
         schedule = self._schedule("train", args, kwargs, target)
-        schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        with aux_loss_scale(self._loss_scale):  # MoE auxiliary losses: the factor each microbatch's loss carries
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         return self._mean_loss(losses)
 
     def eval_loss(self, args: tuple, kwargs: dict, target: Any) -> Tensor:

@@ -1,0 +1,93 @@
+"""Tokens to their experts and back: the permutation by expert, and the all-to-all over the expert-parallel ranks.
+Pure torch.
+
+Every (token, choice) pair the router kept is sorted by expert; with expert parallelism the rows for the experts of
+rank r go to rank r with one ``all_to_all_single`` (uneven splits: the per-expert counts are exchanged first), are
+grouped there by local expert for one grouped matmul, and come back the same way. The all-to-all's backward is the
+all-to-all with the splits swapped, so each expert's gradient sums the contributions of every rank's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+Compute = Callable[[Tensor, Tensor], Tensor]  # (rows grouped by local expert, rows per local expert) -> outputs
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits whose backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> Tensor:
+    """Rows ``in_splits[r]`` of ``x`` to rank r; returns the rows every rank sent here (``out_splits[r]`` from r)."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+@dataclass
+class Routed:
+    """The kept (token, choice) pairs of one forward, sorted by expert."""
+
+    token: Tensor  # (M,) the token of each pair
+    weight: Tensor  # (M,) its combine weight (differentiable)
+    expert: Tensor  # (M,) its expert, ascending
+
+
+def sort_by_expert(expert_ids: Tensor, weights: Tensor, keep: Tensor) -> Routed:
+    """``expert_ids``, ``weights``, ``keep``: (N, k). Pairs in expert order, tokens in order within an expert."""
+    k = expert_ids.shape[1]
+    flat_ids = expert_ids.reshape(-1)
+    kept = keep.reshape(-1).nonzero().squeeze(1)
+    order = torch.argsort(flat_ids[kept], stable=True)
+    pairs = kept[order]
+    return Routed(pairs // k, weights.reshape(-1)[pairs], flat_ids[pairs])
+
+
+def expert_counts(routed_experts: Tensor, num_experts: int) -> Tensor:
+    return torch.bincount(routed_experts, minlength=num_experts)
+
+
+def grouped_by_local_expert(recv_counts: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows received from P ranks, each block in local-expert order (``recv_counts``: (P, E_local)): the
+    permutation that groups them by local expert (sources in rank order within an expert), and the counts."""
+    sources, local_experts = recv_counts.shape
+    expert_of_row = torch.arange(local_experts, device=recv_counts.device).repeat(sources)
+    expert_of_row = torch.repeat_interleave(expert_of_row, recv_counts.reshape(-1))
+    return torch.argsort(expert_of_row, stable=True), recv_counts.sum(0)
+
+
+def exchange(x: Tensor, counts: Tensor, group: dist.ProcessGroup, compute: Compute) -> Tensor:
+    """Send the rows of ``x`` (sorted by global expert, ``counts`` per expert) to the ranks holding their experts,
+    run ``compute(rows, local_counts)`` there on rows grouped by local expert, and bring the results back in the
+    order of ``x``."""
+    ranks = dist.get_world_size(group)
+    local_experts = counts.numel() // ranks
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)  # how many rows of each local expert come from each rank
+    send_splits = counts.view(ranks, local_experts).sum(1).tolist()
+    recv_matrix = recv_counts.view(ranks, local_experts)
+    recv_splits = recv_matrix.sum(1).tolist()
+    received = all_to_all(x, recv_splits, send_splits, group)
+    perm, local_counts = grouped_by_local_expert(recv_matrix)
+    out = compute(received[perm], local_counts)
+    back = out[torch.argsort(perm)]
+    return all_to_all(back, send_splits, recv_splits, group)
