@@ -115,24 +115,25 @@ def flat_full_state_dict(flat: FlatZero) -> dict:
     state: dict[int, dict] = {}
     param_groups = []
     index = 0
-    for param_group, originals, fg in zip(flat.optimizer.param_groups, flat.original_params, flat.groups):
+    for param_group, originals, fgs in zip(flat.optimizer.param_groups, flat.original_params, flat.groups):
         ids = list(range(index, index + len(originals)))
         index += len(originals)
         param_groups.append({**{k: v for k, v in param_group.items() if k != "params"}, "params": ids})
-        if fg is None or not flat.optimizer.state.get(fg.shard):
-            continue
         by_param = {id(p): i for p, i in zip(originals, ids)}
-        per_param: dict[int, dict] = {by_param[id(p)]: {} for p in fg.params}
-        for key, value in flat.optimizer.state[fg.shard].items():
-            if key in SCALAR_STATE_KEYS or not torch.is_tensor(value):
-                for entry in per_param.values():
-                    entry[key] = value.clone() if torch.is_tensor(value) else value
+        for fg in fgs:
+            if not flat.optimizer.state.get(fg.shard):
                 continue
-            full = torch.empty_like(fg.flat_param)
-            dist.all_gather_single(full, value.to(full.device), group=flat.group)
-            for p, view in fg.views(full):
-                per_param[by_param[id(p)]][key] = _to_full(p, view)
-        state.update(per_param)
+            per_param: dict[int, dict] = {by_param[id(p)]: {} for p in fg.params}
+            for key, value in flat.optimizer.state[fg.shard].items():
+                if key in SCALAR_STATE_KEYS or not torch.is_tensor(value):
+                    for entry in per_param.values():
+                        entry[key] = value.clone() if torch.is_tensor(value) else value
+                    continue
+                full = torch.empty_like(fg.flat_param)
+                dist.all_gather_single(full, value.to(full.device), group=fg.group)
+                for p, view in fg.views(full):
+                    per_param[by_param[id(p)]][key] = _to_full(p, view)
+            state.update(per_param)
     return {"state": state, "param_groups": param_groups}
 
 
@@ -144,7 +145,7 @@ def load_flat_full_state_dict(flat: FlatZero, state_dict: dict) -> None:
             f"The checkpoint's optimizer has {len(saved_groups)} param groups but configure_optimizers "
             f"returned one with {len(flat.optimizer.param_groups)}: resume with the same optimizer setup."
         )
-    for param_group, saved, originals, fg in zip(
+    for param_group, saved, originals, fgs in zip(
         flat.optimizer.param_groups, saved_groups, flat.original_params, flat.groups
     ):
         if len(saved["params"]) != len(originals):
@@ -153,20 +154,19 @@ def load_flat_full_state_dict(flat: FlatZero, state_dict: dict) -> None:
                 f"{len(originals)}: the checkpoint is from a different model or optimizer setup."
             )
         param_group.update({k: v for k, v in saved.items() if k != "params"})
-        if fg is None:
-            continue
         saved_state = {id(p): state_dict["state"].get(i) for p, i in zip(originals, saved["params"])}
-        entries = [saved_state[id(p)] for p in fg.params]
-        if any(e is None for e in entries):
-            continue
-        shard_state = {}
-        start, end = fg.local_range(flat.rank)
-        for key, value in entries[0].items():
-            if key in SCALAR_STATE_KEYS or not torch.is_tensor(value):
-                shard_state[key] = value.clone() if torch.is_tensor(value) else value
+        for fg in fgs:
+            entries = [saved_state[id(p)] for p in fg.params]
+            if any(e is None for e in entries):
                 continue
-            full = torch.zeros_like(fg.flat_param)
-            for (p, view), entry in zip(fg.views(full), entries):
-                view.copy_(_to_local(p, entry[key]).reshape(view.shape))
-            shard_state[key] = full[start:end].clone().to(fg.shard.device)
-        flat.optimizer.state[fg.shard] = shard_state
+            shard_state = {}
+            start, end = fg.local_range()
+            for key, value in entries[0].items():
+                if key in SCALAR_STATE_KEYS or not torch.is_tensor(value):
+                    shard_state[key] = value.clone() if torch.is_tensor(value) else value
+                    continue
+                full = torch.zeros_like(fg.flat_param)
+                for (p, view), entry in zip(fg.views(full), entries):
+                    view.copy_(_to_local(p, entry[key]).reshape(view.shape))
+                shard_state[key] = full[start:end].clone().to(fg.shard.device)
+            flat.optimizer.state[fg.shard] = shard_state

@@ -62,7 +62,7 @@ def _local_shape(p: Tensor) -> tuple[int, ...]:
 
 def _flat_pieces(flat_zero: FlatZero, fg: FlatGroup, buffer: Tensor) -> Iterable[tuple[nn.Parameter, Tensor]]:
     """(parameter, its elements in this rank's slice ``buffer`` of a flat group, as a ChunkedTensor)."""
-    start, end = fg.local_range(flat_zero.rank)
+    start, end = fg.local_range()
     for p, off in zip(fg.params, fg.offsets):
         lo, hi = max(start, off), min(end, off + _local(p).numel())
         if lo < hi:

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from lightning_parallel._compat import set_local_tensor
 from lightning_parallel.parallel.data.sharding import DataParallelSharding, GradPiece
 from lightning_parallel.parallel.dtensor import like, local, placed_like, split_axes
+from lightning_parallel.parallel.expert.apply import is_expert_param
 
 # State entries that are one number per parameter rather than one per element.
 SCALAR_STATE_KEYS = frozenset({"step", "eta", "mu", "mu_product"})
@@ -37,7 +38,9 @@ SCALAR_STATE_KEYS = frozenset({"step", "eta", "mu", "mu_product"})
 
 @dataclass
 class FlatGroup:
-    """One optimizer group's parameters packed into one flat buffer, and this rank's slice of it."""
+    """One optimizer group's parameters packed into one flat buffer, and this rank's slice of it. A group with
+    expert parameters (split over ep) has a second flat group for them, sharded over the ranks holding the same
+    experts."""
 
     params: list[nn.Parameter]  # trainable model parameters, in group order
     offsets: list[int]  # start of each parameter in the flat buffer
@@ -45,8 +48,13 @@ class FlatGroup:
     flat_param: Tensor  # (shard_numel * N,) the model parameters are views into it
     flat_grad: Tensor | None  # stage 1: (shard_numel * N,) full gradients; stage 2: None
     shard: Tensor  # the optimizer's parameter: this rank's slice (a host copy under offload)
+    group: dist.ProcessGroup | None = None  # the ranks the buffer is sharded over
+    rank: int = 0  # this rank's index in it
+    divisor: int = 1  # what the summed gradients are divided by (every data-parallel rank)
+    expert: bool = False
 
-    def local_range(self, rank: int) -> tuple[int, int]:
+    def local_range(self, rank: int | None = None) -> tuple[int, int]:
+        rank = self.rank if rank is None else rank
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
     def views(self, flat: Tensor) -> Iterator[tuple[nn.Parameter, Tensor]]:
@@ -86,33 +94,47 @@ class FlatZero:
             step there (stage 2 only, as ZeRO-Offload).
     """
 
-    def __init__(self, optimizer: Optimizer, group: dist.ProcessGroup, stage: int, offload: bool = False) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        group: dist.ProcessGroup,
+        stage: int,
+        offload: bool = False,
+        expert_group: dist.ProcessGroup | None = None,
+    ) -> None:
         assert stage in (1, 2) and not (offload and stage == 1)
         self.optimizer = optimizer
         self.group = group
+        self.expert_group = expert_group if expert_group is not None else group
         self.stage = stage
         self.offload = offload
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         # index of every parameter the optimizer held, in torch's state_dict numbering
         self.original_params: list[list[nn.Parameter]] = [list(g["params"]) for g in optimizer.param_groups]
-        self.groups: list[FlatGroup | None] = [self._shard_group(g) for g in optimizer.param_groups]
+        # per optimizer group: its flat groups (the data-parallel one, then the experts' one when it has experts)
+        self.groups: list[list[FlatGroup]] = [self._shard_group(g) for g in optimizer.param_groups]
         self._reduced = False
         optimizer.register_step_pre_hook(self._before_step)
         optimizer.register_step_post_hook(lambda *_: self._after_step())
 
-    def _shard_group(self, param_group: dict) -> FlatGroup | None:
+    def _shard_group(self, param_group: dict) -> list[FlatGroup]:
         params = [p for p in param_group["params"] if p.requires_grad]
-        if not params:
-            param_group["params"] = []
-            return None
-        offsets, shard_numel, flat_param = _pack(params, self.world)
+        kinds = [[p for p in params if not is_expert_param(p)], [p for p in params if is_expert_param(p)]]
+        made = [self._flat_group(members, expert) for expert, members in enumerate(kinds) if members]
+        param_group["params"] = [fg.shard for fg in made]
+        return made
+
+    def _flat_group(self, params: list[nn.Parameter], expert: int) -> FlatGroup:
+        group = self.expert_group if expert else self.group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        offsets, shard_numel, flat_param = _pack(params, world)
         flat_grad = torch.zeros_like(flat_param) if self.stage == 1 else None
-        start, end = self.rank * shard_numel, (self.rank + 1) * shard_numel
+        start, end = rank * shard_numel, (rank + 1) * shard_numel
         shard = flat_param[start:end]
         if self.offload:
             shard = shard.to("cpu", copy=True)
-        fg = FlatGroup(params, offsets, shard_numel, flat_param, flat_grad, shard)
+        fg = FlatGroup(params, offsets, shard_numel, flat_param, flat_grad, shard, group, rank, self.world, bool(expert))
         for p, view in fg.views(flat_param):
             if isinstance(p, DTensor):
                 set_local_tensor(p, view)  # an alias: assigning .data would copy
@@ -124,12 +146,11 @@ class FlatZero:
             for p, view in fg.views(flat_grad):
                 if not isinstance(p, DTensor):
                     p.grad = view
-        param_group["params"] = [shard]
         return fg
 
     @property
     def flat_groups(self) -> list[FlatGroup]:
-        return [g for g in self.groups if g is not None]
+        return [fg for fgs in self.groups for fg in fgs]
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple | None:
         # The closure (forward and backward) runs inside step(), so reduce after it, not before.
@@ -158,19 +179,19 @@ class FlatZero:
                     p.grad = like(p, view)
                 else:
                     p.grad = None  # stage 2: the full gradient is freed once reduced
-            flat.div_(self.world)  # divide first: the sum stays in range for low-precision gradients
-            start, end = fg.local_range(self.rank)
+            flat.div_(fg.divisor)  # divide first: the sum stays in range for low-precision gradients
+            start, end = fg.local_range()
             if fg.flat_grad is not None:
-                dist.all_reduce(flat, group=self.group)
+                dist.all_reduce(flat, group=fg.group)
                 grad = flat[start:end]
             else:
                 grad = torch.empty(fg.shard_numel, dtype=flat.dtype, device=flat.device)
-                dist.reduce_scatter_single(grad, flat, group=self.group)
+                dist.reduce_scatter_single(grad, flat, group=fg.group)
             fg.shard.grad = grad.to(fg.shard.device) if self.offload else grad
         self._reduced = True
 
-    def shard_grad_segments(self) -> list[tuple[Tensor, nn.Parameter]]:
-        """This rank's reduced gradient slice cut at parameter boundaries: (view, parameter) pairs.
+    def shard_grad_segments(self) -> list[tuple[Tensor, nn.Parameter, FlatGroup]]:
+        """This rank's reduced gradient slice cut at parameter boundaries: (view, parameter, its flat group).
 
         Gradient-norm code needs to know which parameter each element belongs to, because a tensor-parallel
         shard is summed over tp ranks while a replicated parameter must be counted once.
@@ -180,21 +201,21 @@ class FlatZero:
         for fg in self.flat_groups:
             if fg.shard.grad is None:
                 continue
-            start, end = fg.local_range(self.rank)
+            start, end = fg.local_range()
             for p, off in zip(fg.params, fg.offsets):
                 lo, hi = max(start, off), min(end, off + local(p).numel())
                 if lo < hi:
-                    segments.append((fg.shard.grad[lo - start : hi - start], p))
+                    segments.append((fg.shard.grad[lo - start : hi - start], p, fg))
         return segments
 
     def _after_step(self) -> None:
         for fg in self.flat_groups:
-            start, end = fg.local_range(self.rank)
+            start, end = fg.local_range()
             local = fg.flat_param[start:end]
             if self.offload:
                 local.copy_(fg.shard)
             # the input is copied because it aliases the output buffer
-            dist.all_gather_single(fg.flat_param, local.clone(), group=self.group)
+            dist.all_gather_single(fg.flat_param, local.clone(), group=fg.group)
             if fg.flat_grad is not None:
                 fg.flat_grad.zero_()
                 for p in fg.params:
@@ -222,7 +243,7 @@ class FlatZero:
         if not self.offload:
             return
         for fg in self.flat_groups:
-            start, end = fg.local_range(self.rank)
+            start, end = fg.local_range()
             fg.shard.data.copy_(fg.flat_param[start:end])
 
 
@@ -235,7 +256,9 @@ class FlatSharding(DataParallelSharding):
 
     def shard_optimizer(self, optimizer: Optimizer) -> None:
         super().shard_optimizer(optimizer)
-        self._flat[id(optimizer)] = FlatZero(optimizer, self.group, self.stage, offload=self.offload)
+        self._flat[id(optimizer)] = FlatZero(
+            optimizer, self.group, self.stage, offload=self.offload, expert_group=self.expert_group
+        )
 
     def flat(self, optimizer: Optimizer) -> FlatZero | None:
         return self._flat.get(id(optimizer))
@@ -249,7 +272,10 @@ class FlatSharding(DataParallelSharding):
         self._of(optimizer).reduce_gradients()
 
     def grad_pieces(self, optimizer: Optimizer) -> list[GradPiece]:
-        return [(g, p, (self.axis, *split_axes(p))) for g, p in self._of(optimizer).shard_grad_segments()]
+        return [
+            (g, p, (*(self.expert_axes if fg.expert else self.axes), *split_axes(p)))
+            for g, p, fg in self._of(optimizer).shard_grad_segments()
+        ]
 
     def after_step(self, optimizer: Optimizer) -> None:
         self._of(optimizer).discard_unstepped()  # fp16 skipped the update: forget the reduced gradients
