@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -19,6 +20,10 @@ from lightning_parallel.parallel.expert.moe import moe_layers
 def _precision_scale(trainer: pl.Trainer) -> float:
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     return float(scaler.get_scale()) if scaler is not None and hasattr(scaler, "get_scale") else 1.0
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 class MoEAuxLossScale(pl.Callback):
@@ -56,20 +61,31 @@ class MoEMonitor(pl.Callback):
                 pl_module.log(f"moe/{short}/max_tokens", float(max(stats["tokens_per_expert"])), rank_zero_only=True)
                 pl_module.log(f"moe/{short}/min_tokens", float(min(stats["tokens_per_expert"])), rank_zero_only=True)
 
-    def summary(self) -> dict[str, dict[str, Any]]:
-        """Per layer (this rank's tokens): tokens per expert over the run, their min and max, the mean auxiliary
-        loss and dropped fraction. Layers other pipeline stages hold are gathered when a process group exists."""
-        mine = {
-            name: {
-                "tokens_per_expert": run["tokens"],
-                "min_tokens": min(run["tokens"]),
-                "max_tokens": max(run["tokens"]),
-                "aux_loss": sum(run["aux"]) / len(run["aux"]) if run["aux"] else 0.0,
-                "dropped_fraction": sum(run["dropped"]) / len(run["dropped"]) if run["dropped"] else 0.0,
+    def summary(self, trainer: pl.Trainer | None = None) -> dict[str, dict[str, Any]]:
+        """Per layer: tokens per expert over the run, their min and max, the mean auxiliary loss and dropped
+        fraction. With ``trainer`` under a process group (every rank calls): token counts summed over the ranks
+        that saw different samples (the mesh's ``batch`` role under this package's strategies, else the world),
+        and the layers other pipeline stages hold gathered in."""
+        distributed = trainer is not None and dist.is_available() and dist.is_initialized()
+        if distributed:
+            mesh = getattr(trainer.strategy, "mesh", None)
+            group = mesh.group("batch") if mesh is not None else None
+        mine = {}
+        for name, run in self._run.items():
+            tokens = torch.tensor(run["tokens"], dtype=torch.long)
+            means = torch.tensor([_mean(run["aux"]), _mean(run["dropped"])], dtype=torch.float64)
+            if distributed:
+                dist.all_reduce(tokens, group=group)
+                dist.all_reduce(means, group=group)
+                means /= dist.get_world_size(group)  # each rank's mean over equally many samples
+            mine[name] = {
+                "tokens_per_expert": tokens.tolist(),
+                "min_tokens": int(tokens.min()),
+                "max_tokens": int(tokens.max()),
+                "aux_loss": float(means[0]),
+                "dropped_fraction": float(means[1]),
             }
-            for name, run in self._run.items()
-        }
-        if not (dist.is_available() and dist.is_initialized()):
+        if not distributed:
             return mine
         everyone: list[dict] = [{}] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)

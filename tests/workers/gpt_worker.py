@@ -375,7 +375,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         result["traceback"] = traceback.format_exc()
         return result
     result["losses"] = model.losses
-    result["moe"] = moe_monitor.summary()
+    result["moe"] = moe_monitor.summary(trainer)
     result["built_on"] = getattr(model, "built_on", None)
     result["memory"] = probe.bytes
     result["activation_bytes"] = activation_monitor.bytes if activation_monitor else None

@@ -18,8 +18,8 @@ GShard, Switch Transformer, Mixtral).
   on each rank (the stacked weights become DTensors sharded on dim 0) and gives the layer the ep group; tokens
   then travel by all-to-all (:mod:`.dispatch`).
 
-``stats()`` gives tokens per expert, the dropped fraction and the auxiliary losses of the forwards since the last
-``reset_stats()``.
+``stats()`` gives tokens per expert, the dropped fraction and the auxiliary losses of the training forwards (with
+gradients) since the last ``reset_stats()``.
 """
 
 from __future__ import annotations
@@ -162,6 +162,7 @@ class MoE(nn.Module):
         self._choices = 0
         self._aux: list[float] = []
         self._z: list[float] = []
+        self._last_record: tuple[Tensor, int, int] | None = None
 
     def stats(self) -> dict[str, Any]:
         """Since the last reset: tokens routed to each expert (kept choices, this rank's tokens), the fraction of
@@ -169,8 +170,8 @@ class MoE(nn.Module):
         return {
             "tokens_per_expert": self._tokens.tolist(),
             "dropped_fraction": self._dropped / self._choices if self._choices else 0.0,
-            "aux_loss": sum(self._aux) / len(self._aux) if self._aux else 0.0,
-            "z_loss": sum(self._z) / len(self._z) if self._z else 0.0,
+            "aux_loss": _mean(self._aux),
+            "z_loss": _mean(self._z),
         }
 
     # ----- forward -----
@@ -199,7 +200,8 @@ class MoE(nn.Module):
         aux = self._aux_loss(logits, probs, top_i, samples, per_sample)
         if aux is not None and torch.is_grad_enabled():
             out = AttachAuxLoss.apply(out, aux)
-        if not in_backward():  # a checkpointed layer recomputing its forward is not a new forward
+        if torch.is_grad_enabled() and not in_backward():
+            # training forwards only: not evaluation, a pipeline's shape inference, or a checkpointed layer's recompute
             self._record(counts, keep, aux)
         return out.view(shape)
 
@@ -233,13 +235,29 @@ class MoE(nn.Module):
         return total
 
     def _record(self, counts: Tensor, keep: Tensor, aux: Tensor | None) -> None:
-        self._tokens += counts.detach().cpu()
-        self._dropped += int((~keep).sum().item())
-        self._choices += keep.numel()
-        if self._last_aux is not None:
-            self._aux.append(float(self._last_aux))
-        if self._last_z is not None:
-            self._z.append(float(self._last_z))
+        self._last_record = (counts.detach().cpu(), int((~keep).sum().item()), keep.numel())
+        self._tokens += self._last_record[0]
+        self._dropped += self._last_record[1]
+        self._choices += self._last_record[2]
+        self._aux.append(float(self._last_aux) if self._last_aux is not None else float("nan"))
+        self._z.append(float(self._last_z) if self._last_z is not None else float("nan"))
+
+    def forget_last(self) -> None:
+        """Undo the statistics of the last forward (a pipeline's shape inference on placeholder inputs)."""
+        if self._last_record is None:
+            return
+        counts, dropped, choices = self._last_record
+        self._tokens -= counts
+        self._dropped -= dropped
+        self._choices -= choices
+        self._aux.pop()
+        self._z.pop()
+        self._last_record = None
+
+
+def _mean(values: list[float]) -> float:
+    kept = [v for v in values if v == v]  # nan: the loss is off
+    return sum(kept) / len(kept) if kept else 0.0
 
 
 def moe_layers(module: nn.Module) -> dict[str, MoE]:

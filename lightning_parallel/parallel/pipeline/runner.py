@@ -20,6 +20,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.parallel.expert.aux import aux_loss_scale
+from lightning_parallel.parallel.expert.moe import moe_layers
 from lightning_parallel.parallel.measure.timeline import active_recorder
 from lightning_parallel.parallel.pipeline.schedules import schedule_spec
 from lightning_parallel.parallel.pipeline.split import PipelineSplit
@@ -30,7 +31,7 @@ class _Stage(PipelineStage):
 
     To learn shapes, torch runs each stage once in train mode on placeholder inputs (uninitialized memory
     on every stage but the first); BatchNorm would fold that run into its running statistics (NaN seen).
-    The buffers are restored right after. While a ``pipeline_timeline.TimelineRecorder`` is active, every
+    The buffers are restored right after, and MoE layers forget the tokens they counted. While a ``pipeline_timeline.TimelineRecorder`` is active, every
     forward and backward of a microbatch is timed.
     """
 
@@ -44,6 +45,8 @@ class _Stage(PipelineStage):
             for buffer, before in zip(self.submod.buffers(), self._buffers_before):
                 buffer.copy_(before)
         self._buffers_before = []
+        for layer in moe_layers(self.submod).values():  # nor the experts' token counts
+            layer.forget_last()
 
     # Timeline hook: each action is timed while a TimelineRecorder is active (one None check otherwise).
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
