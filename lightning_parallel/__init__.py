@@ -8,8 +8,8 @@ The layout of the package is described in ARCHITECTURE.md at the repository root
 """
 
 from lightning_parallel.callbacks.activation import ActivationCheckpointing, ActivationMemoryMonitor
-from lightning_parallel.callbacks.monitor import TrainingMonitor
 from lightning_parallel.callbacks.moe import MoEAuxLossScale, MoEMonitor
+from lightning_parallel.callbacks.monitor import TrainingMonitor
 from lightning_parallel.callbacks.preemption import Preemption
 from lightning_parallel.callbacks.resume import ExactResume, ResumableDataLoader
 from lightning_parallel.parallel.config import ParallelConfig

@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import lightning_parallel  # noqa: F401  (registers the strategy names)
-from lightning_parallel import Hybrid3DStrategy, ZeroStrategy
+from lightning_parallel import Hybrid3DStrategy, MoE, ZeroStrategy
 from lightning_parallel import checkpoint as checkpoint_cli
 from lightning_parallel.models import GPTConfig, LitGPT
 from lightning_parallel.recipes import gpt, vgg
@@ -120,6 +120,22 @@ STRATEGY_CASES = [
         "h3d-zero-stage-4", hybrid(zero_stage=4), "zero_stage=4 is not a ZeRO stage", "set zero_stage to 0, 1, 2 or 3"
     ),
     Case("h3d-offload-stage-1", hybrid(zero_stage=1, offload=True), "offload=True needs sharded", "or offload=False"),
+    Case("h3d-ep-not-dividing-dp", hybrid(dp=4, ep=3), "ep=3 must divide dp=4", "divisors of 4"),
+    Case(
+        "h3d-ep-not-dividing-auto-dp",
+        on_devices(4, tp=2, ep=4),
+        "ep=4 must divide the data-parallel degree dp=2",
+        "divisors of 2",
+    ),
+    Case("h3d-ep-zero", hybrid(ep=0), "ep=0 is not a parallel degree", "set ep to a positive integer"),
+    Case("moe-top-k-above-experts", lambda ctx: raised(lambda: MoE(8, 16, 4, top_k=5)), "top_k=5", "k <= the experts"),
+    Case(
+        "moe-capacity-zero",
+        lambda ctx: raised(lambda: MoE(8, 16, 4, capacity_factor=0)),
+        "capacity_factor=0",
+        "(1.25 is common) or None",
+    ),
+    Case("moe-gpt-top-k", lambda ctx: raised(lambda: GPTConfig(moe_experts=2, moe_top_k=3)), "top_k=3", "k <= the"),
     Case(
         "h3d-schedule-unknown", hybrid(pp=2, pp_schedule="fast"), "pp_schedule='fast' is unknown", "one of gpipe, 1f1b"
     ),
@@ -276,6 +292,18 @@ MODEL_CASES = [
         "lower pp",
     ),
     Case("meta-layer-without-reset", checked(MetaBuilt, 2, pp=2), "Scale is built on the meta", "a reset_parameters()"),
+    Case(
+        "ep-without-moe",
+        checked(lambda: LitGPT(GPTConfig(), build_in_configure_model=True), 2, ep=2),
+        "ep=2 splits the experts of MoE layers",
+        "or set ep=1",
+    ),
+    Case(
+        "ep-not-dividing-experts",
+        checked(lambda: LitGPT(GPTConfig(moe_experts=6), build_in_configure_model=True), 4, dp=4, ep=4),
+        "ep=4 does not divide the 6 experts of model.blocks.1.mlp",
+        "divisors of 6",
+    ),
 ]
 
 
@@ -322,6 +350,24 @@ RECIPE_CASES = [
         "one of 32-true, bf16-mixed, 16-mixed, bf16-true",
     ),
     Case("gpt-tp-not-dividing-heads", G(H3D, "strategy.tp=3", "trainer.devices=6"), "GPTConfig.n_head=8", "divisors"),
+    Case(
+        "gpt-ep-dense-model",
+        G(H3D, "strategy.ep=2", "trainer.devices=2"),
+        "strategy.ep=2 splits the experts",
+        "use model=gpt_moe_tiny",
+    ),
+    Case(
+        "gpt-ep-not-dividing-experts",
+        G(H3D, "model=gpt_moe_tiny", "model.moe_experts=6", "strategy.ep=4", "trainer.devices=4"),
+        "strategy.ep=4 does not divide model.moe_experts=6",
+        "divisors of 6",
+    ),
+    Case(
+        "gpt-moe-capacity-negative",
+        G("model=gpt_moe_tiny", "model.moe_capacity_factor=-1"),
+        "capacity_factor=-1",
+        "or None (dropless)",
+    ),
     Case(
         "vgg-tp-not-dividing-channels",
         V(H3D, "strategy.tp=2", "trainer.devices=2", "model.width=3"),

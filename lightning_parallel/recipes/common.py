@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from lightning_parallel import Hybrid3DStrategy, ZeroStrategy
 from lightning_parallel.callbacks.activation import ActivationCheckpointing, ActivationMemoryMonitor
+from lightning_parallel.callbacks.moe import MoEAuxLossScale, MoEMonitor
 from lightning_parallel.callbacks.monitor import TrainingMonitor
 from lightning_parallel.callbacks.preemption import PREEMPTED_FILE, Preemption
 from lightning_parallel.callbacks.resume import ExactResume
@@ -145,6 +146,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
         t.log_every_n_steps, measure_step=o.measure_step, timeline_dir=run_dir if o.timeline else None
     )
     callbacks: list[pl.Callback] = [*kwargs.pop("callbacks", []), monitor, ActivationMemoryMonitor(), ExactResume()]
+    callbacks += [MoEAuxLossScale(), MoEMonitor()]  # nothing to do for a model without MoE layers
     callbacks.append(Preemption(cfg.checkpoint.dir, marker=run_dir / PREEMPTED_FILE))  # SIGTERM: save last, stop
     strategy = build_strategy(cfg.strategy)
     if strategy == "ddp" and cfg.strategy.activation_checkpointing != "none":
@@ -220,6 +222,7 @@ def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_ste
         "dp": dims.dp if dims else trainer.world_size,
         "pp": dims.pp if dims else 1,
         "tp": dims.tp if dims else 1,
+        "ep": dims.ep if dims else 1,
         "zero_stage": getattr(trainer.strategy, "zero_stage", 0),
         "precision": cfg.precision.value,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,  # as the workers saw it
@@ -235,6 +238,9 @@ def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_ste
         "activation_memory_bytes": all_ranks(_activation_bytes(trainer)),
         "activation_checkpointing": cfg.strategy.activation_checkpointing,
         "layout": layout,
+        # per MoE layer: tokens per expert over the run (summed over the data-parallel ranks), their min and max,
+        # the mean load-balancing loss and dropped fraction; {} for a dense model
+        "moe": _moe_metrics(trainer),
         "steps": steps,
         "wall_seconds": wall,
     }
@@ -258,6 +264,11 @@ def _monitor_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_pe
     if "pipeline_bubble" in summary:  # rank 0's: the idle fraction of each pp rank, from the timeline
         out["pipeline_bubble"] = summary["pipeline_bubble"]
     return out
+
+
+def _moe_metrics(trainer: pl.Trainer) -> dict[str, Any]:
+    monitor = next((c for c in trainer.callbacks if isinstance(c, MoEMonitor)), None)
+    return monitor.summary(trainer) if monitor is not None else {}
 
 
 def _activation_bytes(trainer: pl.Trainer) -> int | None:

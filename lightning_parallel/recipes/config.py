@@ -53,6 +53,15 @@ class GPTModelConf(TextModelConf):
     mlp_ratio: int = 4
     dropout: float = 0.0
     warmup_steps: int = 0
+    # Mixture-of-Experts (0: dense): moe_experts experts, top-k, in every moe_every-th block (strategy.ep splits them)
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 2
+    moe_hidden: int | None = None  # each expert's hidden width (null: mlp_ratio * d_model)
+    moe_capacity_factor: float | None = None  # null: dropless
+    moe_shared_hidden: int = 0  # a shared expert's hidden width (0: none)
+    moe_aux_loss_coeff: float = 0.01  # load-balancing loss weight
+    moe_z_loss_coeff: float = 0.0  # router z-loss weight
 
 
 @dataclass

@@ -55,7 +55,20 @@ def gpt_config(m: DictConfig) -> GPTConfig:
         d_model=m.d_model,
         mlp_ratio=m.mlp_ratio,
         dropout=m.dropout,
+        **{key: m[key] for key in MOE_KEYS},
     )
+
+
+MOE_KEYS = (
+    "moe_experts",
+    "moe_top_k",
+    "moe_every",
+    "moe_hidden",
+    "moe_capacity_factor",
+    "moe_shared_hidden",
+    "moe_aux_loss_coeff",
+    "moe_z_loss_coeff",
+)
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -73,9 +86,20 @@ def check_config(cfg: DictConfig) -> None:
     for key in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
         if m[key] < 1:
             raise ValueError(f"model.{key}={m[key]} must be a positive size: set model.{key} to 1 or more.")
-    config = gpt_config(m)  # checks d_model against n_head
+    config = gpt_config(m)  # checks d_model against n_head, and the MoE settings
     if isinstance(strategy, Hybrid3DStrategy):
-        GPT.check_tensor_parallel_config(config, strategy.config.dims(world_size(cfg)).tp)
+        dims = strategy.config.dims(world_size(cfg))
+        GPT.check_tensor_parallel_config(config, dims.tp)
+        if dims.ep > 1 and not config.moe_blocks:
+            raise ValueError(
+                f"strategy.ep={dims.ep} splits the experts of MoE blocks, and model={cfg.model.get('name', 'gpt')} "
+                "has none: use model=gpt_moe_tiny (or set model.moe_experts), or set strategy.ep=1."
+            )
+        if dims.ep > 1 and config.moe_experts % dims.ep:
+            raise ValueError(
+                f"strategy.ep={dims.ep} does not divide model.moe_experts={config.moe_experts}: choose ep among the "
+                f"divisors of {config.moe_experts}."
+            )
     if cfg.trainer.sync_batchnorm:
         raise ValueError("trainer.sync_batchnorm=true: the GPT has no BatchNorm to sync (LayerNorm needs none).")
     check_text_data(cfg)

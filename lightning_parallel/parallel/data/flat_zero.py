@@ -134,7 +134,9 @@ class FlatZero:
         shard = flat_param[start:end]
         if self.offload:
             shard = shard.to("cpu", copy=True)
-        fg = FlatGroup(params, offsets, shard_numel, flat_param, flat_grad, shard, group, rank, self.world, bool(expert))
+        fg = FlatGroup(
+            params, offsets, shard_numel, flat_param, flat_grad, shard, group, rank, self.world, bool(expert)
+        )
         for p, view in fg.views(flat_param):
             if isinstance(p, DTensor):
                 set_local_tensor(p, view)  # an alias: assigning .data would copy

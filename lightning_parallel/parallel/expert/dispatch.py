@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-
 Compute = Callable[[Tensor, Tensor], Tensor]  # (rows grouped by local expert, rows per local expert) -> outputs
 
 

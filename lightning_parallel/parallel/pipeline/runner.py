@@ -31,7 +31,8 @@ class _Stage(PipelineStage):
 
     To learn shapes, torch runs each stage once in train mode on placeholder inputs (uninitialized memory
     on every stage but the first); BatchNorm would fold that run into its running statistics (NaN seen).
-    The buffers are restored right after, and MoE layers forget the tokens they counted. While a ``pipeline_timeline.TimelineRecorder`` is active, every
+    The buffers are restored right after, and MoE layers forget the tokens they counted. While a
+    ``pipeline_timeline.TimelineRecorder`` is active, every
     forward and backward of a microbatch is timed.
     """
 
