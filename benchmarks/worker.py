@@ -33,6 +33,8 @@ from lightning_parallel.callbacks.monitor import TrainingMonitor  # noqa: E402
 from lightning_parallel.models import LitGPT, LitVGG  # noqa: E402
 from lightning_parallel.models.gpt import GPT  # noqa: E402
 from lightning_parallel.models.vgg import VGG  # noqa: E402
+from lightning_parallel.parallel.dtensor import local  # noqa: E402
+from lightning_parallel.parallel.expert.moe import moe_layers  # noqa: E402
 from lightning_parallel.parallel.measure.memory import model_state_bytes  # noqa: E402
 from lightning_parallel.parallel.shutdown import release_process_groups
 from lightning_parallel.recipes.config import register_configs  # noqa: E402
@@ -40,6 +42,7 @@ from lightning_parallel.recipes.gpt import TextData, gpt_config  # noqa: E402
 from lightning_parallel.recipes.vgg import ImageData, scaled_lr, vgg_config  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
+MODEL_KEYS = ("seq_len", "d_model", "n_layer", "vocab_size", "moe_experts", "moe_top_k", "moe_hidden", "moe_every")
 
 
 def parse_spec(spec: str, world: int) -> tuple[Any, dict[str, int]]:
@@ -61,8 +64,8 @@ def parse_spec(spec: str, world: int) -> tuple[Any, dict[str, int]]:
     if name.startswith("zero"):
         return ZeroStrategy(stage=int(name[4]), **kwargs), {"dp": world, "pp": 1, "tp": 1}
     if name == "hybrid3d":
-        pp, tp = kwargs.get("pp", 1), kwargs.get("tp", 1)
-        return Hybrid3DStrategy(**kwargs), {"dp": world // (pp * tp), "pp": pp, "tp": tp}
+        pp, tp, ep = kwargs.get("pp", 1), kwargs.get("tp", 1), kwargs.get("ep", 1)
+        return Hybrid3DStrategy(**kwargs), {"dp": world // (pp * tp), "pp": pp, "tp": tp, "ep": ep}
     raise ValueError(f"unknown benchmark strategy spec {spec!r}")
 
 
@@ -98,6 +101,13 @@ def build_model(recipe: str, cfg: Any, lightning_2d: bool) -> pl.LightningModule
     cls = ModelParallelVGG if lightning_2d else LitVGG
     return cls(
         vgg_config(m), optimizer=m.optimizer, lr=scaled_lr(cfg), momentum=m.momentum, build_in_configure_model=True
+    )
+
+
+def expert_param_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the expert weights this rank holds (its E/ep experts of every MoE layer; 0 without MoE)."""
+    return sum(
+        local(p).numel() * local(p).element_size() for m in moe_layers(module).values() for p in m.experts.parameters()
     )
 
 
@@ -162,7 +172,15 @@ def main() -> None:
         "model_state_bytes": states.bytes,
         "num_params": num_params(args.recipe, cfg),
         "micro_batch": micro,
-        "model": {k: cfg.model[k] for k in cfg.model if k in ("seq_len", "d_model", "n_layer", "vocab_size")},
+        "model": {k: cfg.model[k] for k in cfg.model if k in MODEL_KEYS},
+        "moe_layers": list(moe_layers(trainer.strategy.model)),  # by path, in forward order
+        "expert_param_bytes": expert_param_bytes(trainer.strategy.model),
+        # the measured step's all-to-alls in issue order (MoE: per-expert counts, dispatch, combine; backward)
+        "all_to_all_events": [
+            {"payload_bytes": e.payload_bytes, "group_size": e.group_size, "dtype": e.dtype}
+            for e in monitor.comm_events
+            if e.kind == "all_to_all"
+        ],
         "comm_bytes_per_step": monitor.summary.get("comm_bytes_per_step"),
         "comm_sent_bytes_per_step": monitor.summary.get("comm_sent_bytes_per_step"),
         "pipeline_bubble": monitor.summary.get("pipeline_bubble"),

@@ -1,4 +1,4 @@
-"""Which (pp, dp, tp, zero_stage) layout to train a recipe model with: ``python -m lightning_parallel.plan``.
+"""Which (pp, dp, tp, ep, zero_stage) layout to train a recipe model with: ``python -m lightning_parallel.plan``.
 
     python -m lightning_parallel.plan gpt_small --world-size 8 --device-memory 80GB
     python -m lightning_parallel.plan conf/model/vgg16.yaml --world-size 4 --device-memory 16GB --json
@@ -29,6 +29,7 @@ from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, schedule_s
 from lightning_parallel.planning.estimate import OPTIMIZER_STATES, PRECISIONS, Estimate, Settings, recommend
 from lightning_parallel.planning.profile import ModelSpec, plan_layouts
 from lightning_parallel.recipes.config import GPTModelConf, ImageDataConf, TextDataConf, VGGModelConf
+from lightning_parallel.recipes.gpt import MOE_KEYS
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -59,7 +60,8 @@ def load_model_config(model: str) -> tuple[str, DictConfig]:
 
 
 def gpt_spec(m: DictConfig) -> ModelSpec:
-    config = GPTConfig(m.vocab_size, m.seq_len, m.n_layer, m.n_head, m.d_model, m.mlp_ratio, m.dropout)
+    moe = {key: m[key] for key in MOE_KEYS}
+    config = GPTConfig(m.vocab_size, m.seq_len, m.n_layer, m.n_head, m.d_model, m.mlp_ratio, m.dropout, **moe)
     with torch.device("meta"):
         model = GPT(config)
 
@@ -70,11 +72,12 @@ def gpt_spec(m: DictConfig) -> ModelSpec:
     return ModelSpec(
         model=model,
         layers=model.layers(),
-        plan=gpt_tp_plan(),
+        plan=gpt_tp_plan("", False, config.moe_blocks, config.n_layer),
         make_input=lambda b: torch.zeros(b, config.seq_len, dtype=torch.long),
         loss=loss,
         check_tp=lambda tp: GPT.check_tensor_parallel_config(config, tp),
         optimizer_states=OPTIMIZER_STATES["adamw"],
+        num_experts=config.moe_experts,
     )
 
 
@@ -167,8 +170,9 @@ def format_table(plan: dict[str, Any]) -> str:
         f"{plan['model']}: {plan['num_params'] / 1e6:.2f}M parameters, world size {plan['world_size']}, "
         f"device memory {_size(s['device_memory'])}, global batch {s['global_batch']}, {s['precision']}, "
         f"pp schedule {s['schedule']}",
-        f"{'pp':>3} {'dp':>3} {'tp':>3} {'zero':>4} {'m':>3} {'mem/rank':>10} {'states':>10} {'activ.':>10} "
-        f"{'bubble':>6} {'dp comm':>10} {'tp comm':>10} {'pp comm':>10} {'step ms':>8}  note",
+        f"{'pp':>3} {'dp':>3} {'tp':>3} {'zero':>4} {'ep':>3} {'m':>3} {'mem/rank':>10} {'states':>10} "
+        f"{'experts':>10} {'activ.':>10} {'bubble':>6} {'dp comm':>10} {'tp comm':>10} {'pp comm':>10} "
+        f"{'ep comm':>10} {'step ms':>8}  note",
     ]
     best = plan["recommended"]
     for r in plan["layouts"]:
@@ -179,12 +183,13 @@ def format_table(plan: dict[str, Any]) -> str:
         i = max(range(len(r["memory_per_rank"])), key=r["memory_per_rank"].__getitem__)
         c = r["comm"]
         note = "infeasible: " + r["reason"] if r["reason"] else ""
-        if best and all(r[k] == best[k] for k in ("pp", "dp", "tp", "zero_stage")):
+        if best and all(r[k] == best[k] for k in ("pp", "dp", "tp", "ep", "zero_stage")):
             note = "<- recommended"
         lines.append(
-            f"{head} {r['microbatches']:>3} {_size(r['memory']):>10} {_size(r['model_state_per_rank'][i]):>10} "
+            f"{head} {r['ep']:>3} {r['microbatches']:>3} {_size(r['memory']):>10} "
+            f"{_size(r['model_state_per_rank'][i]):>10} {_size(r['expert_state_per_rank'][i]):>10} "
             f"{_size(r['activation_per_rank'][i]):>10} {r['bubble']:>6.3f} {_size(c['dp']):>10} {_size(c['tp']):>10} "
-            f"{_size(c['pp']):>10} {r['step_time'] * 1e3:>8.2f}  {note}"
+            f"{_size(c['pp']):>10} {_size(c['ep']):>10} {r['step_time'] * 1e3:>8.2f}  {note}"
         )
     if best is None:
         lines.append("no layout fits: add devices, lower the batch or use a larger --device-memory")
@@ -192,6 +197,7 @@ def format_table(plan: dict[str, Any]) -> str:
         lines.append(
             f"recommended: strategy=hybrid3d strategy.pp={best['pp']} strategy.dp={best['dp']} "
             f"strategy.tp={best['tp']} strategy.zero_stage={best['zero_stage']}"
+            + (f" strategy.ep={best['ep']}" if best["ep"] > 1 else "")
         )
     return "\n".join(lines)
 

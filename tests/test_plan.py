@@ -84,7 +84,7 @@ def test_estimate_layout_by_hand():
     est = estimate_layout(costs, [range(4)], [0], (1, 2, 1), 0, s)
     assert est.model_state_per_rank == [16 * 4500]
     assert est.activation_per_rank == [4 * (10 + 100 * 8) + 5 + 50 * 8]
-    assert est.comm == {"dp": pytest.approx(all_reduce_bytes(4500 * 4, 2)), "tp": 0.0, "pp": 0.0}
+    assert est.comm == {"dp": pytest.approx(all_reduce_bytes(4500 * 4, 2)), "tp": 0.0, "pp": 0.0, "ep": 0.0}
     # pp=2 (1F1B, m=4), dp=2: each stage keeps its own copy of the tied weight; 2 samples per microbatch,
     # stage 0 holds 2 microbatches in flight, stage 1 one (its loss comes after the peak at its last layer's
     # end); both hold the dp rank's 8 input samples, and one
@@ -124,6 +124,28 @@ def test_profile_counts_parameters_exactly_per_tp_rank():
     assert half[1].act_per_sample < costs[1].act_per_sample
     # fp32: the log-softmax result replaces the logits, the loss adds next to nothing per sample
     assert abs(costs[-1].loss_per_sample) < 0.01 * costs[-1].act_per_sample and costs[0].loss_per_sample == 0
+
+
+def test_moe_layouts_split_expert_states_over_ep_and_count_the_all_to_all():
+    """gpt_moe_tiny: 3 MoE blocks of 8 experts (64 x 128 and 128 x 64 each); every ep dividing dp is listed, each
+    rank holds E/ep experts whose ZeRO states shard over dp/ep, and the all-to-all sends 4 x rows x (ep-1)/ep."""
+    _, m = load_model_config("gpt_moe_tiny")
+    spec = gpt_spec(m)
+    assert spec.num_experts == 8
+    s = Settings(global_batch=32, device_memory=1e12)
+    rows = {(e.pp, e.dp, e.tp, e.ep, e.zero_stage): e for e in plan_layouts(spec, 4, s)}
+    assert {ep for (pp, dp, tp, ep, z) in rows if (pp, dp, tp) == (1, 4, 1)} == {1, 2, 4}
+    per_layer = 8 * 2 * 64 * 128  # expert elements of one MoE layer
+    for ep in (1, 2, 4):
+        for zero in range(4):
+            got = rows[(1, 4, 1, ep, zero)].expert_state_per_rank[0]
+            assert got == zero_stage(zero).state_bytes_exact(3 * per_layer // ep, 4 // ep, 4, 2)
+    rows_per_rank = 32 // 4 * 64 * 2  # samples per dp rank x tokens x top-2
+    want = 4 * 3 * rows_per_rank * 64 * 4 * (2 - 1) / 2  # 4 all-to-alls per layer, 3 layers, fp32 rows of d=64
+    assert rows[(1, 4, 1, 2, 0)].comm["ep"] == pytest.approx(want)
+    assert rows[(1, 4, 1, 1, 0)].comm["ep"] == 0.0
+    dense = plan_layouts(gpt_spec(load_model_config("gpt_tiny")[1]), 4, s)
+    assert {e.ep for e in dense} == {1}
 
 
 def test_infeasible_layouts_say_why():

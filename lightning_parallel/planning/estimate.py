@@ -1,4 +1,4 @@
-"""Closed-form estimates for a (pp, dp, tp, zero_stage) layout, from a measured per-layer profile. Pure Python.
+"""Closed-form estimates for a (pp, dp, tp, ep, zero_stage) layout, from a measured per-layer profile. Pure Python.
 
 Everything here is arithmetic on :class:`LayerCost` records (what one pipeline layer holds and does on one tp
 rank, measured by :mod:`lightning_parallel.planning.profile`), so it is unit-tested without any process group:
@@ -7,6 +7,9 @@ rank, measured by :mod:`lightning_parallel.planning.profile`), so it is unit-tes
   tp and pp divide them through the layer records (a stage holds its layers' tp shard);
 - activations per rank: one microbatch's saved bytes times the microbatches in flight of the schedule table
   (``parallel/pipeline/schedules.py``), whose bubble is used too;
+- expert parameters (MoE): split over ep, their ZeRO states sharded over the dp/ep ranks holding the same experts;
+  the all-to-all of tokens: each MoE layer's rows (tokens x k x d) sent 4 times a step (dispatch and combine,
+  forward and backward), (ep-1)/ep of them leaving the rank;
 - communication bytes per step per rank, and a step time under a simple cost model.
 """
 
@@ -54,6 +57,9 @@ class LayerCost:
         in_per_sample, out_per_sample: bytes of the layer's input and output (what pipeline stages exchange).
         flops_per_sample: forward FLOPs on this tp rank.
         tp_payload_per_sample: bytes all-reduced over tp, forward and backward (one all-reduce each).
+        expert_params: the keys of ``params`` that are MoE expert weights (split over ep).
+        a2a_per_sample: bytes of the token rows the layer's MoE layers send to their experts (tokens x k x d),
+            one all-to-all's payload.
     """
 
     params: dict[str, int]
@@ -65,6 +71,8 @@ class LayerCost:
     out_per_sample: float = 0.0
     flops_per_sample: float = 0.0
     tp_payload_per_sample: float = 0.0
+    expert_params: frozenset[str] = frozenset()
+    a2a_per_sample: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -103,12 +111,14 @@ class Estimate:
     tp: int
     zero_stage: int | None
     reason: str = ""
+    ep: int = 1
     microbatches: int = 1
     memory_per_rank: list[float] = field(default_factory=list)  # per pp rank: model states + activations
     model_state_per_rank: list[float] = field(default_factory=list)
     activation_per_rank: list[float] = field(default_factory=list)
     bubble: float = 0.0
-    comm: dict[str, float] = field(default_factory=dict)  # dp, tp, pp bytes per step, the busiest rank
+    comm: dict[str, float] = field(default_factory=dict)  # dp, tp, pp, ep bytes per step, the busiest rank
+    expert_state_per_rank: list[float] = field(default_factory=list)  # the experts' part of model_state_per_rank
     step_time: float = math.inf
 
     @property
@@ -136,6 +146,7 @@ def estimate_layout(
     dims: tuple[int, int, int],
     zero_stage: int,
     s: Settings,
+    ep: int = 1,
 ) -> Estimate:
     """Memory, bubble, communication and step time of one feasible layout.
 
@@ -152,22 +163,28 @@ def estimate_layout(
         stages: the layers of each pipeline stage; stage_ranks: the pp rank that runs each stage.
         dims: (pp, dp, tp); zero_stage: 0..3.
         s: the batch, schedule, precision, device and cost-model settings.
+        ep: expert-parallel degree (divides dp).
     """
     pp, dp, tp = dims
     m = 1 if pp == 1 else (s.microbatches or 2 * pp)
     virtual = len(stages) // pp
     batch = s.global_batch / dp / m  # samples per microbatch (the whole dp share when pp == 1)
     elem = element_bytes(s.precision)
-    est = Estimate(pp, dp, tp, zero_stage, microbatches=m)
+    est = Estimate(pp, dp, tp, zero_stage, ep=ep, microbatches=m)
     schedule, sharding = schedule_spec(s.schedule), zero_stage_of(zero_stage)
-    worst = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    worst = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "ep": 0.0}
     flops = 0.0
     for rank, layers in enumerate(rank_layers(len(costs), stages, stage_ranks, pp)):
         keys: dict[str, int] = {}
+        expert_keys: set[str] = set()
         for i in layers:
             keys.update(costs[i].params)
-        params = sum(keys.values())
-        states = sharding.state_bytes_exact(params, dp, elem, s.optimizer_states)
+            expert_keys |= costs[i].expert_params
+        experts = sum(n for k, n in keys.items() if k in expert_keys) // ep  # E/ep experts on this rank
+        params = sum(n for k, n in keys.items() if k not in expert_keys)
+        expert_states = sharding.state_bytes_exact(experts, dp // ep, elem, s.optimizer_states) if experts else 0
+        states = sharding.state_bytes_exact(params, dp, elem, s.optimizer_states) + expert_states
+        est.expert_state_per_rank.append(expert_states)
         act = sum(costs[i].act_fixed + costs[i].act_per_sample * batch for i in layers)
         act *= schedule.in_flight(pp, m, rank, virtual)
         if pp == 1:
@@ -177,7 +194,10 @@ def estimate_layout(
         est.model_state_per_rank.append(states)
         est.activation_per_rank.append(act)
         est.memory_per_rank.append(states + act)
-        worst["dp"] = max(worst["dp"], sharding.comm_bytes(params * elem, dp))
+        dp_sent = sharding.comm_bytes(params * elem, dp) + sharding.comm_bytes(experts * elem, dp // ep)
+        worst["dp"] = max(worst["dp"], dp_sent)
+        a2a = sum(costs[i].a2a_per_sample for i in layers) * batch * m
+        worst["ep"] = max(worst["ep"], 4 * a2a * (ep - 1) / ep)
         tp_payload = sum(costs[i].tp_payload_per_sample for i in layers) * batch * m
         worst["tp"] = max(worst["tp"], all_reduce_bytes(tp_payload, tp) if tp > 1 else 0.0)
         worst["pp"] = max(worst["pp"], _pp_sent(costs, stages, stage_ranks, rank, batch * m) if pp > 1 else 0.0)

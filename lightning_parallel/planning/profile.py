@@ -1,4 +1,4 @@
-"""Every (pp, dp, tp, zero_stage) split of a world size, estimated from a model's measured layers. Pure torch.
+"""Every (pp, dp, tp, ep, zero_stage) split of a world size, estimated from a model's measured layers. Pure torch.
 
 :func:`layer_costs` measures each pipeline layer as one tp rank runs it: the layer is copied from the meta
 device with the tensors the tp plan splits cut to their local shard (Colwise/ChannelOut: output features;
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import fnmatch
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.stages import ZERO_STAGES
+from lightning_parallel.parallel.expert.moe import GroupedExperts, MoE
 from lightning_parallel.parallel.measure.memory import ActivationMemory
 from lightning_parallel.parallel.pipeline.partition import uniform_partition
 from lightning_parallel.parallel.tensor.conv import ChannelInParallel, ChannelNormParallel, ChannelOutParallel
@@ -44,6 +46,7 @@ class ModelSpec:
         loss: (output, batch) -> the training loss, as the LightningModule computes it.
         check_tp: raises ValueError when the model cannot split over that tp.
         optimizer_states: optimizer-state tensors per parameter (2 for Adam, 1 for SGD with momentum).
+        num_experts: experts of each MoE layer (0: a dense model); ep runs over the divisors of dp that divide it.
     """
 
     model: nn.Module
@@ -53,6 +56,7 @@ class ModelSpec:
     loss: Callable[[Tensor, int], Tensor]
     check_tp: Callable[[int], None]
     optimizer_states: int = 2
+    num_experts: int = 0
 
 
 def _matches(path: str, pattern: str) -> bool:
@@ -137,6 +141,12 @@ def _measure(
     the bytes tp all-reduces, and the output's shape and dtype."""
     sink: dict[str, Any] = {"bytes": 0, "inputs": set()}
     handles = tp_hooks(layer, sink)
+    routed = [0]
+
+    def count_rows(mod: nn.Module, args: tuple, out: Tensor) -> None:  # one all-to-all's payload: tokens x k x d
+        routed[0] += args[0].numel() * mod.top_k * args[0].element_size()
+
+    handles += [m.register_forward_hook(count_rows) for m in layer.modules() if isinstance(m, MoE)]
     try:
         with ActivationMemory(exclude=layer) as meter, _precision_context(precision):
             out = layer(x)
@@ -163,6 +173,7 @@ def _measure(
         "dtype": dtype,
         "flops": counter.get_total_flops(),
         "tp": sink["bytes"],
+        "a2a": routed[0],
     }
 
 
@@ -185,6 +196,12 @@ def layer_costs(spec: ModelSpec, tp: int, precision: str = "32-true") -> list[La
         if precision == "bf16-true":
             local = local.to(torch.bfloat16)
         params = {names[id(p)]: local.get_parameter(n).numel() for n, p in layer.named_parameters()}
+        experts = frozenset(
+            names[id(p)]
+            for path, sub in layer.named_modules()
+            if isinstance(sub, GroupedExperts)
+            for p in sub.parameters()
+        )
         loss = spec.loss if i == len(spec.layers) - 1 else None
         runs = {}
         for b in (1, 2):
@@ -198,7 +215,7 @@ def layer_costs(spec: ModelSpec, tp: int, precision: str = "32-true") -> list[La
             run, shape, dtype = cache[key]
             runs[b] = {**run, "in": x.nbytes}
             inputs[b] = torch.zeros(shape, dtype=dtype, requires_grad=dtype.is_floating_point)  # the next input
-        costs.append(_layer_cost(params, runs, inputs))
+        costs.append(dataclasses.replace(_layer_cost(params, runs, inputs), expert_params=experts))
     return costs
 
 
@@ -232,6 +249,7 @@ def _layer_cost(params: dict[str, int], runs: dict[int, dict], outputs: dict[int
         out_per_sample=outputs[2].nbytes - outputs[1].nbytes,
         flops_per_sample=runs[2]["flops"] - runs[1]["flops"],
         tp_payload_per_sample=runs[2]["tp"] - runs[1]["tp"],
+        a2a_per_sample=runs[2]["a2a"] - runs[1]["a2a"],
     )
 
 
@@ -257,11 +275,14 @@ def plan_layouts(spec: ModelSpec, world: int, settings: Settings) -> list[Estima
                 profiles[tp] = layer_costs(spec, tp, settings.precision)
             stages = uniform_partition(num_layers, pp * config.stages_per_rank)
             ranks = config.schedule.stage_ranks(len(stages), pp)
-            for zero in [stage for stage in ZERO_STAGES if dp > 1 or stage == 0]:
-                est = estimate_layout(profiles[tp], stages, ranks, (pp, dp, tp), zero, settings)
-                if est.memory > settings.device_memory:
-                    est.reason = f"out of memory: {est.memory / 1e9:.2f} GB > {settings.device_memory / 1e9:.2f} GB"
-                out.append(est)
+            expert_degrees = [ep for ep in divisors(dp) if spec.num_experts % ep == 0] if spec.num_experts else [1]
+            for ep in expert_degrees:
+                for zero in [stage for stage in ZERO_STAGES if dp > 1 or stage == 0]:
+                    est = estimate_layout(profiles[tp], stages, ranks, (pp, dp, tp), zero, settings, ep=ep)
+                    if est.memory > settings.device_memory:
+                        memory, device = est.memory / 1e9, settings.device_memory / 1e9
+                        est.reason = f"out of memory: {memory:.2f} GB > {device:.2f} GB"
+                    out.append(est)
     return out
 
 
