@@ -4,6 +4,7 @@ benchmarks/results.json.
 
     python benchmarks/bench.py                 # the whole suite (about 6 minutes on 2 CPU cores)
     python benchmarks/bench.py --repeats 1     # one pass: quicker, noisier
+    python benchmarks/bench.py --only moe      # one section, merged into the last results.json (and report)
 
 Throughput pairs run interleaved (A, B, A, B, ...) so drifting machine load hits both alike; each figure is
 the median step time over the timed steps of a launch (the first two steps are warm-up), then the median
@@ -28,10 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import run_distributed  # noqa: E402
+from moe import run_moe  # noqa: E402
 from pipeline_split import run_pipeline_split  # noqa: E402
 from report import write_report  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
+RESULTS = Path(__file__).resolve().parent / "results.json"
 GPT = ["model=gpt_bench", "data.global_batch_size=16"]
 VGG = ["model=vgg_tiny", "model.width=32", "data.global_batch_size=32", "data.num_train=2000"]
 DEEP_GPT = [*GPT, "model.n_layer=6"]  # 8 pipeline layers: 2 virtual stages on each of 4 pp ranks
@@ -157,27 +160,48 @@ def describe_machine() -> str:
     )
 
 
+def run_sections(args: argparse.Namespace) -> dict[str, Any]:
+    """Each section's figures by its results.json key, the sections of ``--only`` (default: all) in order."""
+    sections = {
+        "throughput": ("throughput", lambda: run_throughput(args.out, args.repeats, args.steps)),
+        "memory": ("memory and communication", lambda: run_memory_and_comm(args.out)),
+        "bubble": ("pipeline bubble", lambda: run_bubble(args.out, args.steps, args.repeats)),
+        "pipeline_split": ("profile-guided pipeline split", run_pipeline_split),
+        "moe": ("mixture-of-experts", lambda: run_moe(args.out, args.repeats, args.steps, launch, step_time)),
+    }
+    results = {}
+    for key, (title, run) in sections.items():
+        if not args.only or key in args.only:
+            print(title, flush=True)
+            results[key] = run()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="launches per configuration")
     parser.add_argument("--steps", type=int, default=10, help="steps per launch: 2 warm-up, then timed, 2 measured")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench")
     parser.add_argument("--report", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=["throughput", "memory", "bubble", "pipeline_split", "moe"],
+        help="run these sections alone; the others' figures are kept from the last results.json",
+    )
     args = parser.parse_args()
     start = time.perf_counter()
-    machine = describe_machine()
-    print("throughput", flush=True)
-    results = {"machine": machine, "throughput": run_throughput(args.out, args.repeats, args.steps)}
-    print("memory and communication", flush=True)
-    results["memory"] = run_memory_and_comm(args.out)
-    print("pipeline bubble", flush=True)
-    results["bubble"] = run_bubble(args.out, args.steps, args.repeats)
-    print("profile-guided pipeline split", flush=True)
-    results["pipeline_split"] = run_pipeline_split()
-    results["wall_seconds"] = time.perf_counter() - start
-    (Path(__file__).resolve().parent / "results.json").write_text(json.dumps(results, indent=1))
+    if args.only:
+        results = json.loads(RESULTS.read_text())
+        results.update(run_sections(args))
+        earlier = results.get("rerun", {}).get("sections", [])  # sections rerun since the last full run
+        results["rerun"] = {"sections": sorted({*earlier, *args.only}), "seconds": time.perf_counter() - start}
+    else:
+        results = {"machine": describe_machine(), **run_sections(args)}
+        results["wall_seconds"] = time.perf_counter() - start
+    RESULTS.write_text(json.dumps(results, indent=1))
     write_report(results, args.report)
-    print(f"wrote {args.report} in {results['wall_seconds']:.0f} s")
+    print(f"wrote {args.report} in {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

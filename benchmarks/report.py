@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from moe import moe_lines
+
 from lightning_parallel.parallel.data.stages import zero_stage
 
 FINDINGS = Path(__file__).resolve().parent / "findings.md"
@@ -135,6 +137,17 @@ def split_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _rerun_note(results: dict[str, Any]) -> list[str]:
+    """Sections run again apart (``bench.py --only``) since the full run."""
+    if "rerun" not in results:
+        return []
+    sections = ", ".join(results["rerun"]["sections"])
+    return [
+        f"Sections rerun since then with `--only` (the last rerun: {results['rerun']['seconds']:.0f} s): {sections}.",
+        "",
+    ]
+
+
 def write_report(results: dict[str, Any], path: Path) -> None:
     num_params = results["memory"][0]["ranks"][0]["num_params"]
     lines = [
@@ -143,6 +156,7 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         f"Written by `make bench` (benchmarks/bench.py) in one run of {results['wall_seconds'] / 60:.1f} minutes on "
         f"{results['machine']}. Raw figures: benchmarks/results.json.",
         "",
+        *_rerun_note(results),
         "## Throughput against Lightning's own strategies",
         "",
         "Same model, same global batch, same data; pairs interleaved, medians of the per-launch median step "
@@ -188,6 +202,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         *split_lines(results["pipeline_split"]),
         "",
     ]
+    if "moe" in results:
+        lines += moe_lines(results["moe"])
     if FINDINGS.exists():
         lines += ["## Findings", "", FINDINGS.read_text().strip(), ""]
     path.write_text("\n".join(lines))

@@ -23,6 +23,20 @@ CASES = [  # as PARITY_CASES, on the MoE GPT
     {"name": "clip", "steps": 10, "clip": 0.05, "moe": MOE},
     {"name": "accumulate", "steps": 10, "accumulate": 2, "moe": MOE},
 ]
+# precision (as tests/test_precision.py, on the MoE GPT): fp16 with AdamW and clipping, fp16 with SGD and accumulation
+# (linear in the gradient: a wrong auxiliary-loss scale shows), bf16-mixed; bars as there. Seen at ep=2 (w2) and
+# ep=2 x tp=2 (w4): 3e-6, 4e-5, 1.7e-4 (a router in bf16 instead of fp32: 4e-4 in fp16, 6e-4 in bf16)
+PRECISION = [
+    {"name": "fp16", "steps": 10, "precision": "16-mixed", "clip": 0.05, "moe": MOE},
+    {"name": "fp16_sgd", "steps": 6, "precision": "16-mixed", "optimizer": "sgd", "clip": 1.0, "accumulate": 2,
+     "moe": MOE},
+    {"name": "bf16", "steps": 10, "precision": "bf16-mixed", "moe": MOE},
+]  # fmt: skip
+PRECISION_BAR = {"fp16": 5e-5, "fp16_sgd": 5e-4, "bf16": 5e-4}
+PRECISION_LAYOUTS = {
+    "ep2-zero1-w2": (2, "hybrid3d:ep=2,zero_stage=1", 2, 1),
+    "ep2-tp2-w4": (4, "hybrid3d:ep=2,tp=2", 2, 2),
+}
 CLASSIFIER = [{"name": "plain", "steps": 10, "model": "moe_classifier", "accumulate": 2, "clip": 0.5}]
 
 
@@ -92,6 +106,8 @@ def runs(tmp_path_factory) -> Batch:
         "ref-gpt": (1, "auto", CASES),
         "ref-classifier": (1, "auto", CLASSIFIER),
         "ref-gpt-no-aux": (1, "auto", [{**CASES[0], "moe": {**MOE, "moe_aux_loss_coeff": 0.0}}]),
+        "ref-precision": (1, "auto", PRECISION),
+        **{label: (world, spec, PRECISION) for label, (world, spec, _, _) in PRECISION_LAYOUTS.items()},
     }
     return Batch(tmp_path_factory, {**layouts, **references}, tag="moe")
 
@@ -108,6 +124,20 @@ def check(run, reference, layout: Layout) -> None:
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.label)
 def test_moe_layout_matches_one_process(runs, layout):
     check(runs[layout.label], runs[f"ref-{layout.model}"], layout)
+
+
+@pytest.mark.parametrize("label", list(PRECISION_LAYOUTS))
+def test_moe_precision_matches_one_process(runs, label):
+    world, _, dp, tp = PRECISION_LAYOUTS[label]
+    reference, run = runs["ref-precision"], runs[label]
+    for case in PRECISION:
+        name = case["name"]
+        got, want = run.losses(name, [d * tp for d in range(dp)]), reference.losses(name)
+        worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+        print(f"{label} {name}: max loss rel diff {worst:.1e}")
+        assert worst <= PRECISION_BAR[name], f"{label} {name}: {got} vs {want}"
+        for rank in range(world):  # fp16: the same loss scales (the same steps skipped) as torch's GradScaler
+            assert run.case(name, rank)["scales"] == reference.case(name)["scales"], f"{label} {name} rank {rank}"
 
 
 def test_moe_expert_load_is_recorded_and_the_aux_loss_counts(runs):

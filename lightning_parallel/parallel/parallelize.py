@@ -33,7 +33,7 @@ from lightning_parallel.parallel.activation_checkpoint import apply_activation_c
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.data.stages import zero_stage as sharding_of
-from lightning_parallel.parallel.expert.apply import apply_expert_parallel
+from lightning_parallel.parallel.expert.apply import apply_expert_parallel, require_moe_layers
 from lightning_parallel.parallel.mesh import ParallelMesh
 from lightning_parallel.parallel.pipeline.partition import balanced_partition, check_stage_count, uniform_partition
 from lightning_parallel.parallel.pipeline.profile import example_microbatch, profile_layers, profiled_partition
@@ -95,6 +95,7 @@ def parallelize(
         done.split = apply_pipeline_split(root, module, mesh, config, device, sharding.stage, info)
     if dims.ep > 1:
         done.moe_layers = apply_expert_parallel(root, mesh["expert"])
+        require_moe_layers(len(done.moe_layers), dims.ep, type(module).__name__)
     if dims.tp > 1:
         plan = tensor_parallel_plan(module, dims.tp, config.sequence_parallel)
         if done.split is not None:  # entries for layers other stages hold resolve to nothing here

@@ -10,6 +10,7 @@ of its own tp index.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -52,6 +53,19 @@ def apply_expert_parallel(root: nn.Module, mesh: DeviceMesh) -> list[str]:
         _shard_experts(layer.experts, mesh)
         layer.ep_group = mesh.get_group()
     return list(layers)
+
+
+def require_moe_layers(found: int, ep: int, model_name: str) -> None:
+    """After the split, on every rank (collective over the world): some rank holds a MoE layer. Catches what
+    :func:`check_expert_layout` could not see before launch (a model built partly in ``configure_model``)."""
+    total = torch.tensor([found])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total)
+    if int(total.item()) == 0:
+        raise ValueError(
+            f"ep={ep} splits the experts of MoE layers, and {model_name} has none: use lightning_parallel.MoE "
+            "for its FFNs (see the README's MoE section), or set ep=1."
+        )
 
 
 def _shard_experts(experts: GroupedExperts, mesh: DeviceMesh) -> None:

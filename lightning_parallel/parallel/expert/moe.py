@@ -1,7 +1,8 @@
 """A Mixture-of-Experts layer in pure torch: a drop-in replacement for a transformer FFN (Shazeer et al. 2017,
 GShard, Switch Transformer, Mixtral).
 
-- Router: a linear gate, softmax in fp32, top-k (k >= 1; the k weights renormalized to sum to 1 when k > 1).
+- Router: a linear gate computed in fp32 also under autocast (Switch's selective precision: a bf16 router flips
+  near-tied choices between layouts), softmax, top-k (k >= 1; the k weights renormalized to sum to 1 when k > 1).
 - Experts: stacked weights (E x d x f, E x f x d) computed as one batched matmul over the experts, each expert's
   tokens padded to the largest count (no Python loop over experts); ``gelu`` or ``swiglu``; optional shared
   expert (an FFN every token goes through, DeepSeek-MoE).
@@ -181,7 +182,8 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         per_sample = shape[-2] if x.dim() >= 3 else 1
         samples = tokens.shape[0] // per_sample
-        logits = self.router(tokens).float()
+        with torch.autocast(tokens.device.type, enabled=False):  # the router in fp32 (Switch's selective precision)
+            logits = F.linear(tokens.float(), self.router.weight.float())
         probs = logits.softmax(-1)
         top_p, top_i = probs.topk(self.top_k, dim=-1)
         weights = top_p / top_p.sum(-1, keepdim=True) if self.top_k > 1 else top_p
