@@ -120,6 +120,7 @@ def comm_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "world": layout["world"],
                 "ep": layout["ep"],
                 "layers": layers,
+                "step": len(ranks[0]["step_times"]) - 2,  # the counted step (0-based; worker.py's measure_step)
                 "pass_formula": formula,
                 "measured": measured,
                 "formula": total_formula,
@@ -185,12 +186,13 @@ def moe_lines(results: dict[str, Any]) -> list[str]:
         "ranks. Per MoE layer and direction the formula is tokens x k x d x 4 bytes x (ep-1)/ep, tokens = the "
         "batch's tokens on the ep group: the dispatch inputs of the group's ranks hold every token's k rows, the "
         "combine inputs the rows coming back, and all_to_all counts input bytes x (w-1)/w as sent. Four passes per "
-        "layer (dispatch and combine forward, their gradients backward). Rows per ep rank: the expert rows each rank "
-        "computed in forward (its combine input), which shows the router's balance at that step.",
+        "layer (dispatch and combine forward, their gradients backward). Step: the training step counted (0-based). "
+        "Rows per ep rank: the expert rows each rank computed in that forward (its combine input): the router's "
+        "balance at that step, which moves each rank's share but not the sum.",
         "",
-        "| ep | world | MoE layer | measured KiB (dispatch fwd, combine fwd, combine bwd, dispatch bwd) | "
+        "| ep | world | step | MoE layer | measured KiB (dispatch fwd, combine fwd, combine bwd, dispatch bwd) | "
         "formula KiB each | ratio | rows per ep rank |",
-        "|---:|---:|---|---|---:|---:|---|",
+        "|---:|---:|---:|---|---|---:|---:|---|",
     ]
     comm = comm_rows(results)
     for c in comm:
@@ -198,7 +200,7 @@ def moe_lines(results: dict[str, Any]) -> list[str]:
             sent = [row["sent"][p] for p in PASSES]
             rows = [b // (m["d_model"] * 4) for b in row["payload"]["combine fwd"]]
             lines.append(
-                f"| {c['ep']} | {c['world']} | `{row['layer']}` | {', '.join(_kib(s) for s in sent)} | "
+                f"| {c['ep']} | {c['world']} | {c['step']} | `{row['layer']}` | {', '.join(_kib(s) for s in sent)} | "
                 f"{_kib(c['pass_formula'])} | {_span([x / c['pass_formula'] for x in sent])} | "
                 f"{', '.join(str(r) for r in rows)} |"
             )

@@ -47,6 +47,24 @@ def test_same_final_loss_in_other_layouts(overrides, single, tmp_path):
     assert len(got["peak_memory_bytes"]) == got["layout"]["world_size"]
 
 
+def test_moe_recipe_at_ep2_matches_one_process_and_reports_expert_load(tmp_path):
+    """model=gpt_moe_tiny: strategy.ep=2 at world 2 ends with the single-process loss; metrics.json has each MoE
+    block's load (every routed token: steps x batch x seq x top-2) and balance loss, and the layout's ep."""
+    moe = [*SHORT, "model=gpt_moe_tiny", "sample_tokens=0"]
+    (tmp_path / "one").mkdir()
+    (tmp_path / "ep2").mkdir()
+    one = run_recipe(tmp_path / "one", *moe)
+    got = run_recipe(tmp_path / "ep2", *moe, "strategy=hybrid3d", "strategy.ep=2", "trainer.devices=2")
+    want = one["final_train_loss"]
+    assert abs(got["final_train_loss"] - want) <= 1e-5 * want, (got["final_train_loss"], want)
+    assert got["layout"]["ep"] == 2 and one["layout"]["ep"] == 1
+    assert list(got["moe"]) == ["model.blocks.1.mlp", "model.blocks.3.mlp", "model.blocks.5.mlp"]
+    for name, stats in got["moe"].items():
+        assert stats["tokens_per_expert"] == one["moe"][name]["tokens_per_expert"]
+        assert sum(stats["tokens_per_expert"]) == 6 * 32 * 64 * 2  # trainer=debug's batch of 32 sequences of 64
+        assert stats["min_tokens"] <= stats["max_tokens"] and stats["aux_loss"] > 0.9
+
+
 @pytest.mark.slow
 def test_same_final_loss_at_world_8(single, tmp_path):
     overrides = ["strategy=hybrid3d", "strategy.pp=2", "strategy.dp=2", "strategy.tp=2", "trainer.devices=8"]

@@ -37,9 +37,12 @@ class MoEAuxLossScale(pl.Callback):
 
 
 class MoEMonitor(pl.Callback):
-    """Logs, per MoE layer and every ``log_every_n_steps``: the auxiliary (load-balancing) loss, the fewest and
-    most tokens any expert got, and the fraction of choices dropped for capacity, summed over the data-parallel
-    ranks' tokens. ``summary()`` gives the same over the whole run (the recipes write it to metrics.json)."""
+    """Per MoE layer and training batch: the tokens each expert got over the data-parallel ranks (one small
+    all-reduce per layer over the mesh's ``batch`` role, or the world under Lightning's own strategies), logged
+    every ``log_every_n_steps`` as ``moe/<layer>/{aux_loss,min_tokens,max_tokens,max_over_mean}``. ``max_over_mean``
+    (the busiest expert's load over the mean; 1 is perfect balance, E/k every token on the same k experts) is the
+    figure to watch: a run's summed counts can look balanced while each step sends everything to a few experts.
+    ``summary()`` gives the run's figures (the recipes write them to metrics.json)."""
 
     def __init__(self) -> None:
         self._run: dict[str, dict[str, Any]] = {}
@@ -48,44 +51,51 @@ class MoEMonitor(pl.Callback):
         layers = moe_layers(pl_module)
         if not layers:
             return
+        group = _batch_group(trainer)
         for name, layer in layers.items():
             stats = layer.stats()
             layer.reset_stats()
-            run = self._run.setdefault(name, {"tokens": [0] * layer.num_experts, "aux": [], "dropped": []})
-            run["tokens"] = [a + b for a, b in zip(run["tokens"], stats["tokens_per_expert"])]
+            counts = torch.tensor(stats["tokens_per_expert"], dtype=torch.long)
+            if group is not False:
+                dist.all_reduce(counts, group=group)
+            run = self._run.setdefault(
+                name, {"tokens": [0] * layer.num_experts, "aux": [], "dropped": [], "imbalance": []}
+            )
+            run["tokens"] = [a + b for a, b in zip(run["tokens"], counts.tolist())]
             run["aux"].append(stats["aux_loss"])
             run["dropped"].append(stats["dropped_fraction"])
+            imbalance = float(counts.max()) / max(float(counts.float().mean()), 1e-12)
+            run["imbalance"].append(imbalance)
             if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
                 short = name.replace(".", "/")
                 pl_module.log(f"moe/{short}/aux_loss", stats["aux_loss"], rank_zero_only=True)
-                pl_module.log(f"moe/{short}/max_tokens", float(max(stats["tokens_per_expert"])), rank_zero_only=True)
-                pl_module.log(f"moe/{short}/min_tokens", float(min(stats["tokens_per_expert"])), rank_zero_only=True)
+                pl_module.log(f"moe/{short}/max_tokens", float(counts.max()), rank_zero_only=True)
+                pl_module.log(f"moe/{short}/min_tokens", float(counts.min()), rank_zero_only=True)
+                pl_module.log(f"moe/{short}/max_over_mean", imbalance, rank_zero_only=True)
 
     def summary(self, trainer: pl.Trainer | None = None) -> dict[str, dict[str, Any]]:
-        """Per layer: tokens per expert over the run, their min and max, the mean auxiliary loss and dropped
-        fraction. With ``trainer`` under a process group (every rank calls): token counts summed over the ranks
-        that saw different samples (the mesh's ``batch`` role under this package's strategies, else the world),
-        and the layers other pipeline stages hold gathered in."""
-        distributed = trainer is not None and dist.is_available() and dist.is_initialized()
-        if distributed:
-            mesh = getattr(trainer.strategy, "mesh", None)
-            group = mesh.group("batch") if mesh is not None else None
+        """Per layer: tokens per expert over the run (summed over the data-parallel ranks), their min and max, the
+        mean and worst per-batch ``max_over_mean``, the mean auxiliary loss and dropped fraction (averaged over the
+        data-parallel ranks). With ``trainer`` under a process group every rank calls it: the layers other
+        pipeline stages hold are gathered in."""
+        group = _batch_group(trainer) if trainer is not None else False
         mine = {}
         for name, run in self._run.items():
             tokens = torch.tensor(run["tokens"], dtype=torch.long)
             means = torch.tensor([_mean(run["aux"]), _mean(run["dropped"])], dtype=torch.float64)
-            if distributed:
-                dist.all_reduce(tokens, group=group)
+            if group is not False:
                 dist.all_reduce(means, group=group)
                 means /= dist.get_world_size(group)  # each rank's mean over equally many samples
             mine[name] = {
                 "tokens_per_expert": tokens.tolist(),
                 "min_tokens": int(tokens.min()),
                 "max_tokens": int(tokens.max()),
+                "max_over_mean_per_batch": _mean(run["imbalance"]),
+                "worst_max_over_mean": max(run["imbalance"], default=0.0),
                 "aux_loss": float(means[0]),
                 "dropped_fraction": float(means[1]),
             }
-        if not distributed:
+        if group is False:
             return mine
         everyone: list[dict] = [{}] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
@@ -94,3 +104,12 @@ class MoEMonitor(pl.Callback):
             for name, stats in part.items():
                 merged.setdefault(name, stats)
         return dict(sorted(merged.items()))
+
+
+def _batch_group(trainer: pl.Trainer) -> Any:
+    """The ranks that see different samples (the mesh's ``batch`` role; None: the world), False without a
+    process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    mesh = getattr(trainer.strategy, "mesh", None)
+    return mesh.group("batch") if mesh is not None else None
