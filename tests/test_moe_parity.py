@@ -87,7 +87,8 @@ def world8_layouts() -> list[Layout]:
         for ep in (2, 4, 8):
             if ep <= dp and dp % ep == 0:
                 z = next(zero)
-                out.append(Layout(8, f"pp={pp},dp={dp},ep={ep},tp={tp},zero_stage={z}", dp, tp=tp, deep=True))
+                mb = f",microbatches={pp}" if pp > 1 else ""  # the accumulated micro-batch of 16 / (dp x 2) splits
+                out.append(Layout(8, f"pp={pp},dp={dp},ep={ep},tp={tp},zero_stage={z}{mb}", dp, tp=tp, deep=True))
     return out
 
 
