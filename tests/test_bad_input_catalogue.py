@@ -128,6 +128,7 @@ STRATEGY_CASES = [
         "divisors of 2",
     ),
     Case("h3d-ep-zero", hybrid(ep=0), "ep=0 is not a parallel degree", "set ep to a positive integer"),
+    Case("grad-compression-unknown", zero(stage=2, grad_compression="int8"), "grad_compression='int8'", "'bf16'"),
     Case("moe-top-k-above-experts", lambda ctx: raised(lambda: MoE(8, 16, 4, top_k=5)), "top_k=5", "k <= the experts"),
     Case(
         "moe-capacity-zero",

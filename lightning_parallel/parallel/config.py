@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_parallel.parallel.activation_checkpoint import check_activation_checkpointing
+from lightning_parallel.parallel.data.compression import check_grad_compression
 from lightning_parallel.parallel.data.stages import check_zero_settings, zero_stage
 from lightning_parallel.parallel.mesh import ParallelDims, check_degree
 from lightning_parallel.parallel.pipeline.schedules import ScheduleSpec, schedule_spec
@@ -65,6 +66,7 @@ class ParallelConfig:
         pp_memory_budget: with ``pp_balance="profile"``, the most bytes one stage may hold. None: no limit.
         pp_virtual_stages: stages per rank for ``interleaved_1f1b`` (default 2).
         sequence_parallel: also split norms and the residual stream along the sequence over tp.
+        grad_compression: the dtype the data-parallel gradient reduction travels in: ``none``, ``bf16``, ``fp16``.
         activation_checkpointing: ``none``, ``full`` (recompute each layer in backward, keep its input) or
             ``selective`` (keep matmul, conv and attention outputs, recompute the rest).
     """
@@ -83,6 +85,7 @@ class ParallelConfig:
     pp_virtual_stages: int | None = None
     sequence_parallel: bool = False
     activation_checkpointing: str = "none"
+    grad_compression: str = "none"
 
     # ----- building -----
 
@@ -148,6 +151,7 @@ class ParallelConfig:
         check_zero_settings(self.zero_stage, self.offload, name="zero_stage", allow_zero=True)
         check_flag("sequence_parallel", self.sequence_parallel)
         check_flag("reshard_after_forward", self.reshard_after_forward)
+        check_grad_compression(self.grad_compression)
         if self.sequence_parallel and self.tp == 1:
             warn(
                 "sequence_parallel=True splits along the sequence over tp, and tp=1: ignored. "

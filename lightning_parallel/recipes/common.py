@@ -65,6 +65,7 @@ def build_strategy(conf: DictConfig) -> Any:
             offload=offload,
             reshard_after_forward=config.reshard_after_forward,
             activation_checkpointing=config.activation_checkpointing,
+            grad_compression=config.grad_compression,
             **timeout,
         )
     if name == "ddp":  # activation checkpointing, if set, comes as a callback (build_trainer)

@@ -146,6 +146,7 @@ class DistributedMixin:
                 self._mesh,
                 offload=c.offload,
                 reshard_after_forward=c.reshard_after_forward,
+                grad_compression=c.grad_compression,
                 setting=self._setting(),
             )
         self._failures = FailureBoard.for_process_group()

@@ -12,7 +12,7 @@ from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.strategies.base import MeshStrategy
 
 # the ParallelConfig settings a ZeRO strategy takes; the others (pp, tp, ...) need hybrid3d
-ZERO_SETTINGS = ("zero_stage", "offload", "reshard_after_forward", "activation_checkpointing")
+ZERO_SETTINGS = ("zero_stage", "offload", "reshard_after_forward", "activation_checkpointing", "grad_compression")
 
 
 class ZeroStrategy(MeshStrategy):
@@ -30,6 +30,7 @@ class ZeroStrategy(MeshStrategy):
         activation_checkpointing: ``"none"``, ``"full"`` (recompute each layer in backward, keep only its input)
             or ``"selective"`` (keep matmul, conv and attention outputs, recompute the rest). The layers are the
             module's ``pipeline_layers()`` if it has them, else its repeated blocks.
+        grad_compression: ``"none"``, ``"bf16"`` or ``"fp16"``: the dtype the gradient reduction travels in.
         **kwargs: passed to :class:`~lightning_parallel.strategies.base.MeshStrategy`
             (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``process_group_backend``,
             ``timeout``, ``checkpoint_format``, ...).
@@ -43,6 +44,7 @@ class ZeroStrategy(MeshStrategy):
         offload: bool = False,
         reshard_after_forward: bool = True,
         activation_checkpointing: str = "none",
+        grad_compression: str = "none",
         **kwargs: Any,
     ) -> None:
         settings, kwargs = ParallelConfig.split_kwargs(kwargs)
@@ -58,6 +60,7 @@ class ZeroStrategy(MeshStrategy):
             offload=offload,
             reshard_after_forward=reshard_after_forward,
             activation_checkpointing=activation_checkpointing,
+            grad_compression=grad_compression,
         )
         super().__init__(config, **kwargs)
 

@@ -101,6 +101,7 @@ class FlatZero:
         stage: int,
         offload: bool = False,
         expert_group: dist.ProcessGroup | None = None,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         assert stage in (1, 2) and not (offload and stage == 1)
         self.optimizer = optimizer
@@ -108,6 +109,7 @@ class FlatZero:
         self.expert_group = expert_group if expert_group is not None else group
         self.stage = stage
         self.offload = offload
+        self.wire_dtype = wire_dtype  # gradient compression: the dtype of the reduction (None: the gradients' own)
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         # index of every parameter the optimizer held, in torch's state_dict numbering
@@ -183,12 +185,17 @@ class FlatZero:
                     p.grad = None  # stage 2: the full gradient is freed once reduced
             flat.div_(fg.divisor)  # divide first: the sum stays in range for low-precision gradients
             start, end = fg.local_range()
+            wire = self.wire_dtype if self.wire_dtype not in (None, flat.dtype) else None
+            sent = flat.to(wire) if wire is not None else flat
             if fg.flat_grad is not None:
-                dist.all_reduce(flat, group=fg.group)
+                dist.all_reduce(sent, group=fg.group)
+                if wire is not None:
+                    flat.copy_(sent)
                 grad = flat[start:end]
             else:
-                grad = torch.empty(fg.shard_numel, dtype=flat.dtype, device=flat.device)
-                dist.reduce_scatter_single(grad, flat, group=fg.group)
+                grad = torch.empty(fg.shard_numel, dtype=sent.dtype, device=flat.device)
+                dist.reduce_scatter_single(grad, sent, group=fg.group)
+                grad = grad.to(flat.dtype)
             fg.shard.grad = grad.to(fg.shard.device) if self.offload else grad
         self._reduced = True
 
@@ -259,7 +266,12 @@ class FlatSharding(DataParallelSharding):
     def shard_optimizer(self, optimizer: Optimizer) -> None:
         super().shard_optimizer(optimizer)
         self._flat[id(optimizer)] = FlatZero(
-            optimizer, self.group, self.stage, offload=self.offload, expert_group=self.expert_group
+            optimizer,
+            self.group,
+            self.stage,
+            offload=self.offload,
+            expert_group=self.expert_group,
+            wire_dtype=self.wire_dtype,
         )
 
     def flat(self, optimizer: Optimizer) -> FlatZero | None:

@@ -7,6 +7,7 @@ a pure function so it can be tested without a process group.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -84,13 +85,14 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     offload: bool = False,
     units: list[str] | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> list[str]:
     """Shard ``root``'s parameters, gradients and optimizer state over ``mesh`` (ZeRO-3) in place.
 
     Returns:
         The unit paths, innermost first (``""`` when the root itself became a unit).
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     units = fsdp_units(root) if units is None else units
     policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
@@ -99,7 +101,13 @@ def apply_fsdp(
         # None is torch's own default: every unit reshards except whichever becomes the FSDP root at the first
         # forward (the outermost unit), which saves one all-gather of it per step
         reshard = False if path == "" or not reshard_after_forward else None
-        fully_shard(root.get_submodule(path), mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
+        fully_shard(
+            root.get_submodule(path),
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            offload_policy=policy,
+            mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype),  # gradient compression: the reduction's dtype
+        )
     return units
 
 
@@ -117,7 +125,11 @@ class ShardParameters(DataParallelSharding):
         # dp_mod_ep); the enclosing units then leave their parameters alone
         experts = expert_units(root)
         for path in experts:
-            settings = {"reshard_after_forward": self.reshard_after_forward, "offload": self.offload}
+            settings = {
+                "reshard_after_forward": self.reshard_after_forward,
+                "offload": self.offload,
+                "reduce_dtype": self.wire_dtype,
+            }
             apply_fsdp(root, self.expert_mesh, units=[path], **settings)
             unit = root.get_submodule(path)
             unit.set_gradient_divide_factor(float(self.data_parallel_size))  # type: ignore[operator]
@@ -126,7 +138,12 @@ class ShardParameters(DataParallelSharding):
             if self.expert_mesh.device_type == "cpu" and self.expert_mesh.size() > 1:
                 unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         return experts + apply_fsdp(
-            root, self.mesh, reshard_after_forward=self.reshard_after_forward, offload=self.offload, units=units
+            root,
+            self.mesh,
+            reshard_after_forward=self.reshard_after_forward,
+            offload=self.offload,
+            units=units,
+            reduce_dtype=self.wire_dtype,
         )
 
 

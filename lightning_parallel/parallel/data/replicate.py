@@ -19,9 +19,15 @@ from lightning_parallel.parallel.dtensor import local, placed_like
 from lightning_parallel.parallel.expert.apply import is_expert_param
 
 
-def all_reduce_gradients(params: Iterable[Tensor], group: dist.ProcessGroup, divide_by: int | None = None) -> None:
+def all_reduce_gradients(
+    params: Iterable[Tensor],
+    group: dist.ProcessGroup,
+    divide_by: int | None = None,
+    wire: torch.dtype | None = None,
+) -> None:
     """Average every parameter's (local) gradient over ``group`` in place; missing gradients count as 0.
-    ``divide_by``: the sum's divisor when it is not the group's size (expert parameters: every data-parallel rank)."""
+    ``divide_by``: the sum's divisor when it is not the group's size (expert parameters: every data-parallel rank);
+    ``wire``: the dtype the sum travels in (gradient compression)."""
     world = dist.get_world_size(group)
     divisor = world if divide_by is None else divide_by
     if world == 1 and divisor == 1:
@@ -38,7 +44,12 @@ def all_reduce_gradients(params: Iterable[Tensor], group: dist.ProcessGroup, div
         grads = by_dtype[dtype]
         flat = torch.cat([g.reshape(-1) for g in grads]).div_(divisor)
         if world > 1:
-            dist.all_reduce(flat, group=group)
+            if wire is not None and wire != flat.dtype:
+                low = flat.to(wire)
+                dist.all_reduce(low, group=group)
+                flat.copy_(low)
+            else:
+                dist.all_reduce(flat, group=group)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -55,7 +66,8 @@ class Replicate(DataParallelSharding):
 
     def reduce_gradients(self, optimizer: Optimizer) -> None:
         params = trainable(optimizer)
-        all_reduce_gradients([p for p in params if not is_expert_param(p)], self.group)
+        all_reduce_gradients([p for p in params if not is_expert_param(p)], self.group, wire=self.wire_dtype)
         experts = [p for p in params if is_expert_param(p)]
         if experts:
-            all_reduce_gradients(experts, self.expert_group, divide_by=self.data_parallel_size)
+            divisor = self.data_parallel_size
+            all_reduce_gradients(experts, self.expert_group, divide_by=divisor, wire=self.wire_dtype)

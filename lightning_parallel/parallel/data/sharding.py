@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
+from lightning_parallel.parallel.data.compression import wire_dtype
 from lightning_parallel.parallel.dtensor import local, split_axes
 from lightning_parallel.parallel.mesh import ParallelMesh
 
@@ -78,6 +79,8 @@ class DataParallelSharding:
         mesh: the 1-D mesh of the ranks that shard (or replicate) the states.
         offload: keep the sharded states on the host (stages that allow it).
         reshard_after_forward: stage 3's FSDP2 setting.
+        grad_compression: ``none``, ``bf16`` or ``fp16``: the dtype of the gradient reduction
+            (:mod:`~lightning_parallel.parallel.data.compression`).
         setting: how the user named this layout, for error messages.
     """
 
@@ -94,9 +97,12 @@ class DataParallelSharding:
         expert_mesh: DeviceMesh | None = None,
         offload: bool = False,
         reshard_after_forward: bool = True,
+        grad_compression: str = "none",
         setting: str = "",
     ) -> None:
         assert mesh.ndim == 1, "a sharding takes the 1-D mesh of its ranks"
+        self.grad_compression = grad_compression
+        self.wire_dtype = wire_dtype(grad_compression)  # the dtype gradients are reduced in (None: their own)
         self.mesh = mesh
         # expert parameters (split over ep) meet over the ranks holding the same experts; their gradient is
         # divided by the whole data-parallel degree all the same (each expert saw the tokens of its ep group)

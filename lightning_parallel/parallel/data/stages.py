@@ -38,8 +38,20 @@ def check_zero_settings(stage: object, offload: object, *, name: str = "stage", 
 
 
 def make_sharding(
-    stage: int, mesh: ParallelMesh, *, offload: bool = False, reshard_after_forward: bool = True, setting: str = ""
+    stage: int,
+    mesh: ParallelMesh,
+    *,
+    offload: bool = False,
+    reshard_after_forward: bool = True,
+    grad_compression: str = "none",
+    setting: str = "",
 ) -> DataParallelSharding:
     """The sharding object for ``stage`` over the world's ``mesh`` (it picks the roles it shards over)."""
     sharding = zero_stage(stage)
-    return sharding.from_mesh(mesh, offload=offload, reshard_after_forward=reshard_after_forward, setting=setting)
+    return sharding.from_mesh(
+        mesh,
+        offload=offload,
+        reshard_after_forward=reshard_after_forward,
+        grad_compression=grad_compression,
+        setting=setting,
+    )
