@@ -67,6 +67,9 @@ class ParallelConfig:
         pp_virtual_stages: stages per rank for ``interleaved_1f1b`` (default 2).
         sequence_parallel: also split norms and the residual stream along the sequence over tp.
         grad_compression: the dtype the data-parallel gradient reduction travels in: ``none``, ``bf16``, ``fp16``.
+        overlap_grad_reduce: ZeRO 0 and 1 reduce gradients bucket by bucket during the last backward of each step
+            instead of once after it (ZeRO-3's FSDP2 overlaps by itself; ZeRO-2 and pipelines reduce after).
+        bucket_mb: the buckets' size in MB for ``overlap_grad_reduce``.
         activation_checkpointing: ``none``, ``full`` (recompute each layer in backward, keep its input) or
             ``selective`` (keep matmul, conv and attention outputs, recompute the rest).
     """
@@ -86,6 +89,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     activation_checkpointing: str = "none"
     grad_compression: str = "none"
+    overlap_grad_reduce: bool = False
+    bucket_mb: float = 25.0
 
     # ----- building -----
 
@@ -152,6 +157,15 @@ class ParallelConfig:
         check_flag("sequence_parallel", self.sequence_parallel)
         check_flag("reshard_after_forward", self.reshard_after_forward)
         check_grad_compression(self.grad_compression)
+        check_flag("overlap_grad_reduce", self.overlap_grad_reduce)
+        bucket = self.bucket_mb
+        if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or bucket <= 0:
+            raise ValueError(f"bucket_mb={bucket!r} is not a size: set it to a positive number of megabytes (25).")
+        if self.overlap_grad_reduce and (self.zero_stage >= 2 or self.pp > 1):
+            warn(
+                f"overlap_grad_reduce=True overlaps ZeRO 0 and 1 without pipelines; with zero_stage={self.zero_stage} "
+                f"and pp={self.pp} gradients are reduced after backward (ZeRO-3's FSDP2 overlaps by itself)."
+            )
         if self.sequence_parallel and self.tp == 1:
             warn(
                 "sequence_parallel=True splits along the sequence over tp, and tp=1: ignored. "

@@ -66,6 +66,8 @@ def build_strategy(conf: DictConfig) -> Any:
             reshard_after_forward=config.reshard_after_forward,
             activation_checkpointing=config.activation_checkpointing,
             grad_compression=config.grad_compression,
+            overlap_grad_reduce=config.overlap_grad_reduce,
+            bucket_mb=config.bucket_mb,
             **timeout,
         )
     if name == "ddp":  # activation checkpointing, if set, comes as a callback (build_trainer)

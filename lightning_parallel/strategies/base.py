@@ -322,6 +322,8 @@ class MeshStrategy(DistributedMixin, ShardedCheckpointing, ParallelStrategy):
         raw = unwrap_optimizer(optimizer)
 
         def closure_then_reduce() -> Any:
+            if self._pipelined is None:  # this closure's backward is the step's last: reduce as it goes
+                self.sharding.before_last_backward(raw)
             result = closure()
             self._after_backward(raw)
             return result

@@ -147,6 +147,8 @@ class DistributedMixin:
                 offload=c.offload,
                 reshard_after_forward=c.reshard_after_forward,
                 grad_compression=c.grad_compression,
+                overlap_grad_reduce=c.overlap_grad_reduce and c.pp == 1,
+                bucket_mb=c.bucket_mb,
                 setting=self._setting(),
             )
         self._failures = FailureBoard.for_process_group()

@@ -12,7 +12,15 @@ from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.strategies.base import MeshStrategy
 
 # the ParallelConfig settings a ZeRO strategy takes; the others (pp, tp, ...) need hybrid3d
-ZERO_SETTINGS = ("zero_stage", "offload", "reshard_after_forward", "activation_checkpointing", "grad_compression")
+ZERO_SETTINGS = (
+    "zero_stage",
+    "offload",
+    "reshard_after_forward",
+    "activation_checkpointing",
+    "grad_compression",
+    "overlap_grad_reduce",
+    "bucket_mb",
+)
 
 
 class ZeroStrategy(MeshStrategy):
@@ -31,6 +39,7 @@ class ZeroStrategy(MeshStrategy):
             or ``"selective"`` (keep matmul, conv and attention outputs, recompute the rest). The layers are the
             module's ``pipeline_layers()`` if it has them, else its repeated blocks.
         grad_compression: ``"none"``, ``"bf16"`` or ``"fp16"``: the dtype the gradient reduction travels in.
+        overlap_grad_reduce, bucket_mb: stage 1 reduces gradients in buckets during backward.
         **kwargs: passed to :class:`~lightning_parallel.strategies.base.MeshStrategy`
             (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``process_group_backend``,
             ``timeout``, ``checkpoint_format``, ...).
@@ -45,6 +54,8 @@ class ZeroStrategy(MeshStrategy):
         reshard_after_forward: bool = True,
         activation_checkpointing: str = "none",
         grad_compression: str = "none",
+        overlap_grad_reduce: bool = False,
+        bucket_mb: float = 25.0,
         **kwargs: Any,
     ) -> None:
         settings, kwargs = ParallelConfig.split_kwargs(kwargs)
@@ -61,6 +72,8 @@ class ZeroStrategy(MeshStrategy):
             reshard_after_forward=reshard_after_forward,
             activation_checkpointing=activation_checkpointing,
             grad_compression=grad_compression,
+            overlap_grad_reduce=overlap_grad_reduce,
+            bucket_mb=bucket_mb,
         )
         super().__init__(config, **kwargs)
 

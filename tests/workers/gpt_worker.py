@@ -273,11 +273,22 @@ def build_strategy(spec: str):
     kwargs = {}
     for item in items.split(","):
         key, value = item.split("=")
-        kwargs[key] = bool(int(value)) if key == "sequence_parallel" else (value if not value.isdigit() else int(value))
+        kwargs[key] = _value(key, value)
     if name != "hybrid3d":
         entry = StrategyRegistry[name]
         return entry["strategy"](**entry["init_params"], **kwargs)
     return Hybrid3DStrategy(**kwargs)
+
+
+def _value(key: str, value: str):
+    if key in ("sequence_parallel", "overlap_grad_reduce"):
+        return bool(int(value))
+    if value.isdigit():
+        return int(value)
+    try:
+        return float(value)
+    except ValueError:
+        return value
 
 
 def batch_ranks(strategy, world: int) -> int:
@@ -376,6 +387,8 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         return result
     result["losses"] = model.losses
     result["moe"] = moe_monitor.summary(trainer)
+    sharding = getattr(trainer.strategy, "_sharding", None)
+    result["overlap"] = sharding.overlap_stats() if sharding is not None else {}
     result["built_on"] = getattr(model, "built_on", None)
     result["memory"] = probe.bytes
     result["activation_bytes"] = activation_monitor.bytes if activation_monitor else None

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_parallel._compat import set_local_tensor
+from lightning_parallel.parallel.data.overlap import BucketedReduction, overlap_summary
 from lightning_parallel.parallel.data.sharding import DataParallelSharding, GradPiece
 from lightning_parallel.parallel.dtensor import like, local, placed_like, split_axes
 from lightning_parallel.parallel.expert.apply import is_expert_param
@@ -102,6 +103,7 @@ class FlatZero:
         offload: bool = False,
         expert_group: dist.ProcessGroup | None = None,
         wire_dtype: torch.dtype | None = None,
+        overlap_bucket_mb: float | None = None,
     ) -> None:
         assert stage in (1, 2) and not (offload and stage == 1)
         self.optimizer = optimizer
@@ -116,6 +118,16 @@ class FlatZero:
         self.original_params: list[list[nn.Parameter]] = [list(g["params"]) for g in optimizer.param_groups]
         # per optimizer group: its flat groups (the data-parallel one, then the experts' one when it has experts)
         self.groups: list[list[FlatGroup]] = [self._shard_group(g) for g in optimizer.param_groups]
+        # stage 1 with overlap_grad_reduce: each flat group of plain tensors reduced bucket by bucket in backward
+        # (its gradients are views into the flat buffer, so the averages land there); DTensor groups and stage 2
+        # reduce after backward
+        self._overlap: dict[int, BucketedReduction] = {}
+        if overlap_bucket_mb is not None and stage == 1:
+            for fg in self.flat_groups:
+                if not any(isinstance(p, DTensor) for p in fg.params):
+                    self._overlap[id(fg)] = BucketedReduction(
+                        fg.params, fg.group, fg.divisor, wire_dtype, overlap_bucket_mb
+                    )
         self._reduced = False
         optimizer.register_step_pre_hook(self._before_step)
         optimizer.register_step_post_hook(lambda *_: self._after_step())
@@ -170,11 +182,25 @@ class FlatZero:
 
         return args, {**kwargs, "closure": closure_then_reduce}
 
+    def arm_overlap(self) -> None:
+        for reduction in self._overlap.values():
+            reduction.arm()
+
     def reduce_gradients(self) -> None:
         """Average gradients over the group; each rank keeps (stage 2) or reads (stage 1) its slice."""
         if self._reduced:
             return
         for fg in self.flat_groups:
+            reduction = self._overlap.get(id(fg))
+            if reduction is not None and reduction.finish():
+                assert fg.flat_grad is not None
+                for p, view in fg.views(fg.flat_grad):  # a gradient autograd allocated itself: into the buffer
+                    if local(p.grad).data_ptr() != view.data_ptr():
+                        view.copy_(local(p.grad))
+                        p.grad = like(p, view)
+                start, end = fg.local_range()
+                fg.shard.grad = fg.flat_grad[start:end]  # the views were averaged in place, bucket by bucket
+                continue
             flat = fg.flat_grad if fg.flat_grad is not None else torch.zeros_like(fg.flat_param)
             for p, view in fg.views(flat):
                 if p.grad is not None and local(p.grad).data_ptr() != view.data_ptr():
@@ -272,7 +298,14 @@ class FlatSharding(DataParallelSharding):
             offload=self.offload,
             expert_group=self.expert_group,
             wire_dtype=self.wire_dtype,
+            overlap_bucket_mb=self.bucket_mb if self.overlap_grad_reduce else None,
         )
+
+    def before_last_backward(self, optimizer: Optimizer) -> None:
+        self._of(optimizer).arm_overlap()
+
+    def overlap_stats(self) -> dict[str, int]:
+        return overlap_summary([r for flat in self._flat.values() for r in flat._overlap.values()])
 
     def flat(self, optimizer: Optimizer) -> FlatZero | None:
         return self._flat.get(id(optimizer))

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_parallel.parallel.data.overlap import BucketedReduction, overlap_summary
 from lightning_parallel.parallel.data.sharding import DataParallelSharding, trainable
 from lightning_parallel.parallel.dtensor import local, placed_like
 from lightning_parallel.parallel.expert.apply import is_expert_param
@@ -64,7 +65,37 @@ class Replicate(DataParallelSharding):
     comm_factor = 1.0
     summary = "nothing sharded, gradients averaged"
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._overlap: dict[int, list[BucketedReduction]] = {}  # id(optimizer) -> its reductions
+
+    def shard_optimizer(self, optimizer: Optimizer) -> None:
+        super().shard_optimizer(optimizer)
+        if not self.overlap_grad_reduce:
+            return
+        params = trainable(optimizer)
+        kinds = [
+            ([p for p in params if not is_expert_param(p)], self.group),
+            ([p for p in params if is_expert_param(p)], self.expert_group),
+        ]
+        self._overlap[id(optimizer)] = [
+            BucketedReduction(members, group, self.data_parallel_size, self.wire_dtype, self.bucket_mb)
+            for members, group in kinds
+            if members
+        ]
+
+    def overlap_stats(self) -> dict[str, int]:
+        reductions = [r for rs in self._overlap.values() for r in rs]
+        return overlap_summary(reductions)
+
+    def before_last_backward(self, optimizer: Optimizer) -> None:
+        for reduction in self._overlap.get(id(optimizer), []):
+            reduction.arm()
+
     def reduce_gradients(self, optimizer: Optimizer) -> None:
+        overlapped = [r.finish() for r in self._overlap.get(id(optimizer), [])]
+        if overlapped and all(overlapped):
+            return  # reduced bucket by bucket during backward
         params = trainable(optimizer)
         all_reduce_gradients([p for p in params if not is_expert_param(p)], self.group, wire=self.wire_dtype)
         experts = [p for p in params if is_expert_param(p)]

@@ -81,6 +81,8 @@ class DataParallelSharding:
         reshard_after_forward: stage 3's FSDP2 setting.
         grad_compression: ``none``, ``bf16`` or ``fp16``: the dtype of the gradient reduction
             (:mod:`~lightning_parallel.parallel.data.compression`).
+        overlap_grad_reduce, bucket_mb: reduce gradients in buckets of ``bucket_mb`` MB during backward
+            (:mod:`~lightning_parallel.parallel.data.overlap`; stages 0 and 1).
         setting: how the user named this layout, for error messages.
     """
 
@@ -98,9 +100,12 @@ class DataParallelSharding:
         offload: bool = False,
         reshard_after_forward: bool = True,
         grad_compression: str = "none",
+        overlap_grad_reduce: bool = False,
+        bucket_mb: float = 25.0,
         setting: str = "",
     ) -> None:
         assert mesh.ndim == 1, "a sharding takes the 1-D mesh of its ranks"
+        self.overlap_grad_reduce, self.bucket_mb = overlap_grad_reduce, bucket_mb
         self.grad_compression = grad_compression
         self.wire_dtype = wire_dtype(grad_compression)  # the dtype gradients are reduced in (None: their own)
         self.mesh = mesh
@@ -153,6 +158,14 @@ class DataParallelSharding:
         """Take a fresh optimizer from ``configure_optimizers`` (stages 1-2 re-point it at a slice)."""
         if self.sharded:
             check_shardable_optimizer(optimizer, self.setting)
+
+    def before_last_backward(self, optimizer: Optimizer) -> None:
+        """The next backward is the last of an optimizer step (not a micro-step of gradient accumulation, not a
+        pipeline's): a sharding that overlaps its reduction with backward arms its hooks here."""
+
+    def overlap_stats(self) -> dict[str, int]:
+        """With ``overlap_grad_reduce``: the buckets, and how many of them the last step launched during backward."""
+        return {}
 
     def reduce_gradients(self, optimizer: Optimizer) -> None:
         """Once per optimizer step, after the last backward: make the gradients the data-parallel mean."""

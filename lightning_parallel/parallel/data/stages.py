@@ -44,6 +44,8 @@ def make_sharding(
     offload: bool = False,
     reshard_after_forward: bool = True,
     grad_compression: str = "none",
+    overlap_grad_reduce: bool = False,
+    bucket_mb: float = 25.0,
     setting: str = "",
 ) -> DataParallelSharding:
     """The sharding object for ``stage`` over the world's ``mesh`` (it picks the roles it shards over)."""
@@ -53,5 +55,7 @@ def make_sharding(
         offload=offload,
         reshard_after_forward=reshard_after_forward,
         grad_compression=grad_compression,
+        overlap_grad_reduce=overlap_grad_reduce,
+        bucket_mb=bucket_mb,
         setting=setting,
     )
