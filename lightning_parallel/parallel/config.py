@@ -70,6 +70,8 @@ class ParallelConfig:
         overlap_grad_reduce: ZeRO 0 and 1 reduce gradients bucket by bucket during the last backward of each step
             instead of once after it (ZeRO-3's FSDP2 overlaps by itself; ZeRO-2 and pipelines reduce after).
         bucket_mb: the buckets' size in MB for ``overlap_grad_reduce``.
+        compile: ``torch.compile`` each layer (the pipeline layers, else the repeated blocks) after tensor
+            parallelism and activation checkpointing, before data-parallel sharding (torchtitan's per-block way).
         activation_checkpointing: ``none``, ``full`` (recompute each layer in backward, keep its input) or
             ``selective`` (keep matmul, conv and attention outputs, recompute the rest).
     """
@@ -91,6 +93,7 @@ class ParallelConfig:
     grad_compression: str = "none"
     overlap_grad_reduce: bool = False
     bucket_mb: float = 25.0
+    compile: bool = False
 
     # ----- building -----
 
@@ -158,6 +161,7 @@ class ParallelConfig:
         check_flag("reshard_after_forward", self.reshard_after_forward)
         check_grad_compression(self.grad_compression)
         check_flag("overlap_grad_reduce", self.overlap_grad_reduce)
+        check_flag("compile", self.compile)
         bucket = self.bucket_mb
         if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or bucket <= 0:
             raise ValueError(f"bucket_mb={bucket!r} is not a size: set it to a positive number of megabytes (25).")

@@ -3,7 +3,9 @@
     1. pipeline split (pp)      this rank keeps its stages' layers (materialized when built on meta)
     2. expert parallel (ep)     each MoE layer keeps E/ep experts, tokens travel by all-to-all
     3. tensor parallel (tp)     the module's plan, on what this rank holds (experts replicated over tp)
-    4. activation checkpointing this rank's layers, after tp (torchtitan's order), before sharding wraps them
+    4. activation checkpointing this rank's layers, after tp (torchtitan's order), before sharding wraps them;
+                                with ``compile`` each layer's forward is ``torch.compile``d first (checkpointing then
+                                recomputes the compiled forward)
     5. data-parallel sharding   ZeRO-3 wraps units (each layer, and each stage under pp; experts over the ranks
                                 holding the same experts); stages 0-2 shard the optimizers later, when
                                 ``configure_optimizers`` has built them
@@ -29,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_parallel.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_parallel.parallel.activation_checkpoint import apply_activation_checkpointing, checkpoint_layers
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.data.stages import zero_stage as sharding_of
@@ -60,6 +62,7 @@ class Parallelized:
     fsdp_units: list[str] = field(default_factory=list)  # ZeRO-3 units ("" the root itself)
     moe_layers: list[str] = field(default_factory=list)  # MoE layers whose experts are split over ep
     checkpointed: list[nn.Module] = field(default_factory=list)  # layers recomputed in backward
+    compiled: list[nn.Module] = field(default_factory=list)  # layers run through torch.compile
 
     @property
     def route_through_root(self) -> bool:
@@ -102,6 +105,8 @@ def parallelize(
             plan = resolvable_plan(root, plan, placeholders=(ElsewhereLayer,))
         apply_tp(root, mesh["tensor"], plan)
     layers = done.split.layers() if done.split is not None else module
+    if config.compile:  # before activation checkpointing, which then recomputes the compiled forward
+        done.compiled = compile_layers(layers)
     done.checkpointed = apply_activation_checkpointing(layers, config.activation_checkpointing)
     if config.activation_checkpointing != "none" and not done.checkpointed:
         warn(
@@ -120,6 +125,17 @@ def parallelize(
     if done.split is not None:
         done.tied = TiedGradients(root, done.split.tie_groups, mesh.group("stage")) if done.split.tie_groups else None
     return done
+
+
+def compile_layers(layers: Any) -> list[nn.Module]:
+    """``torch.compile`` each layer's forward in place (names and state_dict keys unchanged; the module's hooks, such
+    as FSDP2's, stay outside the compiled region): the pipeline layers of this rank, else the module's repeated
+    blocks, as activation checkpointing picks them. Layers of the same code share their compiled graphs."""
+    chosen = checkpoint_layers(layers)
+    for layer in chosen:
+        forward = layer.__dict__.get("forward") or type(layer).forward.__get__(layer)
+        layer.forward = torch.compile(forward)
+    return chosen
 
 
 def apply_pipeline_split(

@@ -68,6 +68,7 @@ def build_strategy(conf: DictConfig) -> Any:
             grad_compression=config.grad_compression,
             overlap_grad_reduce=config.overlap_grad_reduce,
             bucket_mb=config.bucket_mb,
+            compile=config.compile,
             **timeout,
         )
     if name == "ddp":  # activation checkpointing, if set, comes as a callback (build_trainer)

@@ -20,6 +20,7 @@ ZERO_SETTINGS = (
     "grad_compression",
     "overlap_grad_reduce",
     "bucket_mb",
+    "compile",
 )
 
 
@@ -40,6 +41,7 @@ class ZeroStrategy(MeshStrategy):
             module's ``pipeline_layers()`` if it has them, else its repeated blocks.
         grad_compression: ``"none"``, ``"bf16"`` or ``"fp16"``: the dtype the gradient reduction travels in.
         overlap_grad_reduce, bucket_mb: stage 1 reduces gradients in buckets during backward.
+        compile: ``torch.compile`` each block before sharding.
         **kwargs: passed to :class:`~lightning_parallel.strategies.base.MeshStrategy`
             (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``process_group_backend``,
             ``timeout``, ``checkpoint_format``, ...).
@@ -56,6 +58,7 @@ class ZeroStrategy(MeshStrategy):
         grad_compression: str = "none",
         overlap_grad_reduce: bool = False,
         bucket_mb: float = 25.0,
+        compile: bool = False,
         **kwargs: Any,
     ) -> None:
         settings, kwargs = ParallelConfig.split_kwargs(kwargs)
@@ -74,6 +77,7 @@ class ZeroStrategy(MeshStrategy):
             grad_compression=grad_compression,
             overlap_grad_reduce=overlap_grad_reduce,
             bucket_mb=bucket_mb,
+            compile=compile,
         )
         super().__init__(config, **kwargs)
 

@@ -281,7 +281,7 @@ def build_strategy(spec: str):
 
 
 def _value(key: str, value: str):
-    if key in ("sequence_parallel", "overlap_grad_reduce"):
+    if key in ("sequence_parallel", "overlap_grad_reduce", "compile"):
         return bool(int(value))
     if value.isdigit():
         return int(value)
@@ -387,6 +387,9 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         return result
     result["losses"] = model.losses
     result["moe"] = moe_monitor.summary(trainer)
+    from torch._dynamo.utils import counters  # how many graphs torch.compile made (compile=True)
+
+    result["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
     sharding = getattr(trainer.strategy, "_sharding", None)
     result["overlap"] = sharding.overlap_stats() if sharding is not None else {}
     result["built_on"] = getattr(model, "built_on", None)
