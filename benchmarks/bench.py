@@ -68,9 +68,17 @@ def _tag(recipe: str, spec: str, world: int) -> str:
 
 
 def launch(
-    recipe: str, overrides: list[str], world: int, spec: str, out: Path, steps: int, timeline: bool = False
+    recipe: str,
+    overrides: list[str],
+    world: int,
+    spec: str,
+    out: Path,
+    steps: int,
+    timeline: bool = False,
+    warmup: int = 2,
 ) -> list[dict[str, Any]]:
     args = ["--recipe", recipe, "--overrides", json.dumps(overrides), "--strategy", spec, "--steps", str(steps)]
+    args += ["--warmup", str(warmup)]
     return run_distributed(
         str(WORKER), world, args + ["--timeline"] * timeline, out / _tag(recipe, spec, world), timeout=600
     )

@@ -6,7 +6,9 @@ Started by benchmarks/bench.py on N processes with torchrun's environment (Light
 
 Strategy specs: ``ddp`` (Lightning's), ``model_parallel`` / ``model_parallel:tp=2`` (Lightning's
 ModelParallelStrategy, the models parallelized in configure_model as benchmarks/baselines.py shows),
-``zero1``..``zero3`` and ``hybrid3d:dp=2,tp=2,pp_schedule=gpipe,...`` (ours).
+``zero1``..``zero3`` and ``hybrid3d:dp=2,tp=2,pp_schedule=gpipe,...`` (ours); ``true``/``false`` are booleans
+(``zero1:overlap_grad_reduce=true``, ``hybrid3d:compile=true``). ``ddp:compile=true`` is Lightning's DDP with
+the same layers compiled as our ``compile=True`` compiles (each pipeline layer's forward, in configure_model).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from lightning_parallel.models.vgg import VGG  # noqa: E402
 from lightning_parallel.parallel.dtensor import local  # noqa: E402
 from lightning_parallel.parallel.expert.moe import moe_layers  # noqa: E402
 from lightning_parallel.parallel.measure.memory import model_state_bytes  # noqa: E402
+from lightning_parallel.parallel.parallelize import compile_layers  # noqa: E402
 from lightning_parallel.parallel.shutdown import release_process_groups
 from lightning_parallel.recipes.config import register_configs  # noqa: E402
 from lightning_parallel.recipes.gpt import TextData, gpt_config  # noqa: E402
@@ -45,15 +48,27 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 MODEL_KEYS = ("seq_len", "d_model", "n_layer", "vocab_size", "moe_experts", "moe_top_k", "moe_hidden", "moe_every")
 
 
+def _value(text: str) -> Any:
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
 def parse_spec(spec: str, world: int) -> tuple[Any, dict[str, int]]:
     """The strategy for ``spec`` and its (dp, pp, tp) degrees."""
     name, _, args = spec.partition(":")
     kwargs: dict[str, Any] = {}
     for item in filter(None, args.split(",")):
         key, value = item.split("=")
-        kwargs[key] = int(value) if value.lstrip("-").isdigit() else value
+        kwargs[key] = _value(value)
     if name == "ddp":
-        return "ddp", {"dp": world, "pp": 1, "tp": 1}
+        return "ddp", {"dp": world, "pp": 1, "tp": 1, "compile": kwargs.get("compile", False)}
     if name == "model_parallel":
         tp = kwargs.get("tp", 1)
         return ModelParallelStrategy(data_parallel_size=world // tp, tensor_parallel_size=tp), {
@@ -93,10 +108,19 @@ class ModelStates(pl.Callback):
         self.bytes = model_state_bytes(trainer.strategy.model, opts)
 
 
-def build_model(recipe: str, cfg: Any, lightning_2d: bool) -> pl.LightningModule:
+class CompiledGPT(LitGPT):
+    """LitGPT whose pipeline layers run their forward through ``torch.compile``, as ``compile=True`` does under
+    our strategies (the same function): the compiled baseline for Lightning's ``ddp``."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        compile_layers(self)
+
+
+def build_model(recipe: str, cfg: Any, lightning_2d: bool, compiled: bool = False) -> pl.LightningModule:
     m = cfg.model
     if recipe == "gpt":
-        cls = ModelParallelGPT if lightning_2d else LitGPT
+        cls = ModelParallelGPT if lightning_2d else CompiledGPT if compiled else LitGPT
         return cls(gpt_config(m), lr=m.lr, weight_decay=m.weight_decay, build_in_configure_model=True)
     cls = ModelParallelVGG if lightning_2d else LitVGG
     return cls(
@@ -124,6 +148,7 @@ def main() -> None:
     parser.add_argument("--overrides", default="[]", help="JSON list of recipe overrides (model=..., data....)")
     parser.add_argument("--strategy", required=True)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the median (compilation)")
     parser.add_argument("--timeline", action="store_true", help="record the last step's pipeline timeline")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -134,7 +159,7 @@ def main() -> None:
     pl.seed_everything(cfg.seed, verbose=False)
     strategy, degrees = parse_spec(args.strategy, world)
     micro = cfg.data.global_batch_size // degrees["dp"]
-    model = build_model(args.recipe, cfg, isinstance(strategy, ModelParallelStrategy))
+    model = build_model(args.recipe, cfg, isinstance(strategy, ModelParallelStrategy), degrees.pop("compile", False))
     data = TextData(cfg, micro, cache_dir=args.out.parent / "data") if args.recipe == "gpt" else ImageData(cfg, micro)
     timer, states = StepTimer(), ModelStates()
     # the last two steps run under the communication and FLOP counters, then the timeline recorder: not timed
@@ -168,7 +193,8 @@ def main() -> None:
         "world": world,
         "degrees": degrees,
         "step_times": timer.times,
-        "median_step_s": median(timer.times[2:-2] or timer.times),  # after 2 warm-up steps, before the measured
+        # after the warm-up steps (2; more where compiling), before the 2 measured
+        "median_step_s": median(timer.times[args.warmup : -2] or timer.times),
         "model_state_bytes": states.bytes,
         "num_params": num_params(args.recipe, cfg),
         "micro_batch": micro,
