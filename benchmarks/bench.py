@@ -2,13 +2,14 @@
 strategies against Lightning's own, in one run, on the GPT and VGG recipes; writes BENCHMARKS.md and
 benchmarks/results.json.
 
-    python benchmarks/bench.py                 # the whole suite (about 6 minutes on 2 CPU cores)
+    python benchmarks/bench.py                 # the whole suite (about 9 minutes on 2 CPU cores)
     python benchmarks/bench.py --repeats 1     # one pass: quicker, noisier
     python benchmarks/bench.py --only moe      # one section, merged into the last results.json (and report)
+    python benchmarks/bench.py --only speed    # overlap, gradient compression, compile (about 4 minutes)
 
 Throughput pairs run interleaved (A, B, A, B, ...) so drifting machine load hits both alike; each figure is
-the median step time over the timed steps of a launch (the first two steps are warm-up), then the median
-over repeats.
+the median step time over the timed steps of a launch (the first two steps are warm-up, four where layers are
+compiled: benchmarks/speed.py), then the median over repeats.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from harness import run_distributed  # noqa: E402
 from moe import run_moe  # noqa: E402
 from pipeline_split import run_pipeline_split  # noqa: E402
 from report import write_report  # noqa: E402
+from speed import run_speed  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
 RESULTS = Path(__file__).resolve().parent / "results.json"
@@ -176,6 +178,7 @@ def run_sections(args: argparse.Namespace) -> dict[str, Any]:
         "bubble": ("pipeline bubble", lambda: run_bubble(args.out, args.steps, args.repeats)),
         "pipeline_split": ("profile-guided pipeline split", run_pipeline_split),
         "moe": ("mixture-of-experts", lambda: run_moe(args.out, args.repeats, args.steps, launch, step_time)),
+        "speed": ("speed settings", lambda: run_speed(args.out, args.repeats, args.steps, GPT, launch, step_time)),
     }
     results = {}
     for key, (title, run) in sections.items():
@@ -194,7 +197,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=["throughput", "memory", "bubble", "pipeline_split", "moe"],
+        choices=["throughput", "memory", "bubble", "pipeline_split", "moe", "speed"],
         help="run these sections alone; the others' figures are kept from the last results.json",
     )
     args = parser.parse_args()

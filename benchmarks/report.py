@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from moe import moe_lines
+from speed import speed_lines
 
 from lightning_parallel.parallel.data.stages import zero_stage
 
@@ -204,6 +205,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
     ]
     if "moe" in results:
         lines += moe_lines(results["moe"])
+    if "speed" in results:
+        lines += speed_lines(results["speed"])
     if FINDINGS.exists():
         lines += ["## Findings", "", FINDINGS.read_text().strip(), ""]
     path.write_text("\n".join(lines))

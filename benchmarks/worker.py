@@ -193,6 +193,7 @@ def main() -> None:
         "world": world,
         "degrees": degrees,
         "step_times": timer.times,
+        "warmup": args.warmup,
         # after the warm-up steps (2; more where compiling), before the 2 measured
         "median_step_s": median(timer.times[args.warmup : -2] or timer.times),
         "model_state_bytes": states.bytes,
@@ -210,6 +211,8 @@ def main() -> None:
         "comm_bytes_per_step": monitor.summary.get("comm_bytes_per_step"),
         "comm_sent_bytes_per_step": monitor.summary.get("comm_sent_bytes_per_step"),
         "pipeline_bubble": monitor.summary.get("pipeline_bubble"),
+        # overlap_grad_reduce: buckets, and how many the last step launched during backward ({} otherwise)
+        "overlap": trainer.strategy.sharding.overlap_stats() if hasattr(trainer.strategy, "sharding") else {},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
