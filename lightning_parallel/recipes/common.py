@@ -60,17 +60,8 @@ def build_strategy(conf: DictConfig) -> Any:
                 f"strategy={name} is ZeRO stage {stage}: pick strategy=zero{config.zero_stage} instead of setting "
                 "strategy.zero_stage, or use strategy=hybrid3d with strategy.zero_stage."
             )
-        return ZeroStrategy(
-            stage=stage,
-            offload=offload,
-            reshard_after_forward=config.reshard_after_forward,
-            activation_checkpointing=config.activation_checkpointing,
-            grad_compression=config.grad_compression,
-            overlap_grad_reduce=config.overlap_grad_reduce,
-            bucket_mb=config.bucket_mb,
-            compile=config.compile,
-            **timeout,
-        )
+        shared = {k: getattr(config, k) for k in ZERO_SETTINGS if k not in ("zero_stage", "offload")}
+        return ZeroStrategy(stage=stage, offload=offload, **shared, **timeout)
     if name == "ddp":  # activation checkpointing, if set, comes as a callback (build_trainer)
         if timeout:
             raise ValueError("strategy.timeout_s needs one of our strategies: use strategy=zero1..3 or hybrid3d.")

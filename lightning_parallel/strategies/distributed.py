@@ -140,15 +140,5 @@ class DistributedMixin:
             # torch's new groups already get its default: only a timeout set by the user needs passing on
             mesh_timeout = None if self._timeout == default_pg_timeout else self._timeout
             self._mesh = dims.build_mesh(self.root_device.type, timeout=mesh_timeout)
-            c = self.config
-            self._sharding = make_sharding(
-                c.zero_stage,
-                self._mesh,
-                offload=c.offload,
-                reshard_after_forward=c.reshard_after_forward,
-                grad_compression=c.grad_compression,
-                overlap_grad_reduce=c.overlap_grad_reduce and c.pp == 1,
-                bucket_mb=c.bucket_mb,
-                setting=self._setting(),
-            )
+            self._sharding = make_sharding(self.config, self._mesh, setting=self._setting())
         self._failures = FailureBoard.for_process_group()

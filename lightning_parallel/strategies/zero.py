@@ -39,10 +39,10 @@ class ZeroStrategy(MeshStrategy):
         activation_checkpointing: ``"none"``, ``"full"`` (recompute each layer in backward, keep only its input)
             or ``"selective"`` (keep matmul, conv and attention outputs, recompute the rest). The layers are the
             module's ``pipeline_layers()`` if it has them, else its repeated blocks.
-        grad_compression: ``"none"``, ``"bf16"`` or ``"fp16"``: the dtype the gradient reduction travels in.
-        overlap_grad_reduce, bucket_mb: stage 1 reduces gradients in buckets during backward.
-        compile: ``torch.compile`` each block before sharding.
-        **kwargs: passed to :class:`~lightning_parallel.strategies.base.MeshStrategy`
+        **settings: the other ParallelConfig settings a ZeRO layout has (:data:`ZERO_SETTINGS`:
+            ``grad_compression``, ``overlap_grad_reduce``, ``bucket_mb``, ``compile``); any other setting
+            (pp, tp, ...) is refused with the fix.
+        Lightning's arguments are passed to :class:`~lightning_parallel.strategies.base.MeshStrategy`
             (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``process_group_backend``,
             ``timeout``, ``checkpoint_format``, ...).
     """
@@ -55,17 +55,14 @@ class ZeroStrategy(MeshStrategy):
         offload: bool = False,
         reshard_after_forward: bool = True,
         activation_checkpointing: str = "none",
-        grad_compression: str = "none",
-        overlap_grad_reduce: bool = False,
-        bucket_mb: float = 25.0,
-        compile: bool = False,
         **kwargs: Any,
     ) -> None:
         settings, kwargs = ParallelConfig.split_kwargs(kwargs)
-        if settings:
+        refused = sorted(set(settings) - set(ZERO_SETTINGS))
+        if refused or "zero_stage" in settings:
             raise TypeError(
-                f"ZeroStrategy does not take {', '.join(sorted(settings))}: it only shards data. Use "
-                "Hybrid3DStrategy(zero_stage=...) to combine ZeRO with pipeline or tensor parallelism."
+                f"ZeroStrategy does not take {', '.join(refused or ['zero_stage'])}: it only shards data (its stage "
+                "is `stage`). Use Hybrid3DStrategy(zero_stage=...) to combine ZeRO with pipeline or tensor parallelism."
             )
         check_zero_settings(stage, offload)
         check_flag("reshard_after_forward", reshard_after_forward)
@@ -74,10 +71,7 @@ class ZeroStrategy(MeshStrategy):
             offload=offload,
             reshard_after_forward=reshard_after_forward,
             activation_checkpointing=activation_checkpointing,
-            grad_compression=grad_compression,
-            overlap_grad_reduce=overlap_grad_reduce,
-            bucket_mb=bucket_mb,
-            compile=compile,
+            **settings,
         )
         super().__init__(config, **kwargs)
 

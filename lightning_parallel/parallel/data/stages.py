@@ -4,11 +4,16 @@ picks a row here, and nothing else compares stage numbers. Pure torch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lightning_parallel.parallel.data.flat_zero import ShardGradients, ShardOptimizer
 from lightning_parallel.parallel.data.fsdp import ShardParameters
 from lightning_parallel.parallel.data.replicate import Replicate
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.mesh import ParallelMesh
+
+if TYPE_CHECKING:  # config.py imports this module's checks
+    from lightning_parallel.parallel.config import ParallelConfig
 
 ZERO_STAGES: dict[int, type[DataParallelSharding]] = {
     cls.stage: cls for cls in (Replicate, ShardOptimizer, ShardGradients, ShardParameters)
@@ -37,25 +42,15 @@ def check_zero_settings(stage: object, offload: object, *, name: str = "stage", 
         )
 
 
-def make_sharding(
-    stage: int,
-    mesh: ParallelMesh,
-    *,
-    offload: bool = False,
-    reshard_after_forward: bool = True,
-    grad_compression: str = "none",
-    overlap_grad_reduce: bool = False,
-    bucket_mb: float = 25.0,
-    setting: str = "",
-) -> DataParallelSharding:
-    """The sharding object for ``stage`` over the world's ``mesh`` (it picks the roles it shards over)."""
-    sharding = zero_stage(stage)
-    return sharding.from_mesh(
+def make_sharding(config: ParallelConfig, mesh: ParallelMesh, setting: str = "") -> DataParallelSharding:
+    """The sharding of ``config.zero_stage`` over the world's ``mesh`` (it picks the roles it shards over), with the
+    config's data-parallel settings. Overlap applies without pipelines only (their schedule runs the backward)."""
+    return zero_stage(config.zero_stage).from_mesh(
         mesh,
-        offload=offload,
-        reshard_after_forward=reshard_after_forward,
-        grad_compression=grad_compression,
-        overlap_grad_reduce=overlap_grad_reduce,
-        bucket_mb=bucket_mb,
+        offload=config.offload,
+        reshard_after_forward=config.reshard_after_forward,
+        grad_compression=config.grad_compression,
+        overlap_grad_reduce=config.overlap_grad_reduce and config.pp == 1,
+        bucket_mb=config.bucket_mb,
         setting=setting,
     )
