@@ -61,10 +61,6 @@ def sort_by_expert(expert_ids: Tensor, weights: Tensor, keep: Tensor) -> Routed:
     return Routed(pairs // k, weights.reshape(-1)[pairs], flat_ids[pairs])
 
 
-def expert_counts(routed_experts: Tensor, num_experts: int) -> Tensor:
-    return torch.bincount(routed_experts, minlength=num_experts)
-
-
 def grouped_by_local_expert(recv_counts: Tensor) -> tuple[Tensor, Tensor]:
     """Rows received from P ranks, each block in local-expert order (``recv_counts``: (P, E_local)): the
     permutation that groups them by local expert (sources in rank order within an expert), and the counts."""

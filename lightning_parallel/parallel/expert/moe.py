@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_parallel._compat import in_backward
 from lightning_parallel.parallel.dtensor import local
@@ -108,8 +109,6 @@ def _local_rows(full: Tensor, param: Tensor) -> Tensor:
     shard = local(param)
     if shard.shape[0] == full.shape[0]:
         return full
-    from torch.distributed.tensor import DTensor
-
     assert isinstance(param, DTensor)
     index = param.device_mesh.get_local_rank()
     return full[index * shard.shape[0] : (index + 1) * shard.shape[0]]
