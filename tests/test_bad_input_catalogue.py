@@ -128,6 +128,13 @@ STRATEGY_CASES = [
         "divisors of 2",
     ),
     Case("h3d-ep-zero", hybrid(ep=0), "ep=0 is not a parallel degree", "set ep to a positive integer"),
+    Case("zero-refuses-tp", zero(stage=2, tp=2), "ZeroStrategy does not take tp", "Hybrid3DStrategy(zero_stage=...)"),
+    Case(
+        "bucket-without-overlap",
+        lambda ctx: warned(lambda: Hybrid3DStrategy(bucket_mb=1)),
+        "bucket_mb only applies",
+        "overlap_grad_reduce=True",
+    ),
     Case("grad-compression-unknown", zero(stage=2, grad_compression="int8"), "grad_compression='int8'", "'bf16'"),
     Case("moe-top-k-above-experts", lambda ctx: raised(lambda: MoE(8, 16, 4, top_k=5)), "top_k=5", "k <= the experts"),
     Case(

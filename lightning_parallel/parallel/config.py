@@ -165,6 +165,8 @@ class ParallelConfig:
         bucket = self.bucket_mb
         if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or bucket <= 0:
             raise ValueError(f"bucket_mb={bucket!r} is not a size: set it to a positive number of megabytes (25).")
+        if not self.overlap_grad_reduce and self.bucket_mb != ParallelConfig.bucket_mb:
+            warn("bucket_mb only applies with overlap_grad_reduce=True: ignored.")
         if self.overlap_grad_reduce and (self.zero_stage >= 2 or self.pp > 1):
             warn(
                 f"overlap_grad_reduce=True overlaps ZeRO 0 and 1 without pipelines; with zero_stage={self.zero_stage} "

@@ -107,6 +107,11 @@ def parallelize(
     layers = done.split.layers() if done.split is not None else module
     if config.compile:  # before activation checkpointing, which then recomputes the compiled forward
         done.compiled = compile_layers(layers)
+        if not done.compiled:
+            warn(
+                f"compile=True found no layers in {type(module).__name__}: give it pipeline_layers() or keep its "
+                "repeated blocks in an nn.ModuleList; nothing is compiled."
+            )
     done.checkpointed = apply_activation_checkpointing(layers, config.activation_checkpointing)
     if config.activation_checkpointing != "none" and not done.checkpointed:
         warn(

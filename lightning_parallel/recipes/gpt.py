@@ -28,6 +28,7 @@ from lightning_parallel.recipes.common import (
     world_size,
     write_metrics,
 )
+from lightning_parallel.recipes.config import GPTModelConf
 from lightning_parallel.recipes.hf import (
     build_hf_module,
     check_hf_layout,
@@ -86,6 +87,14 @@ def check_config(cfg: DictConfig) -> None:
     for key in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
         if m[key] < 1:
             raise ValueError(f"model.{key}={m[key]} must be a positive size: set model.{key} to 1 or more.")
+    if not m.moe_experts:
+        defaults = GPTModelConf()
+        moe_set = [k for k in MOE_KEYS if k != "moe_experts" and m[k] != getattr(defaults, k)]
+        if moe_set:
+            raise ValueError(
+                f"model.{moe_set[0]}={m[moe_set[0]]} only applies to MoE blocks, and model.moe_experts=0 makes every "
+                "block dense: set model.moe_experts (or model=gpt_moe_tiny), or drop the override."
+            )
     config = gpt_config(m)  # checks d_model against n_head, and the MoE settings
     if isinstance(strategy, Hybrid3DStrategy):
         dims = strategy.config.dims(world_size(cfg))
