@@ -16,7 +16,7 @@ train: install
 	$(PYTHON) recipes/train_gpt.py
 
 test: install
-	$(PYTHON) -m pytest -m "not slow and not gpu" -q
+	$(PYTHON) -m pytest -m "not slow and not gpu" -q --durations=25
 
 test-full: install
 	$(PYTHON) -m pytest -m "not gpu" -q
