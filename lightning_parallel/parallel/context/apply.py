@@ -1,0 +1,121 @@
+"""A model's attention and positions switched to context parallelism, and the batch split along the sequence.
+Pure torch.
+
+The model is not rewritten: a module whose attention may be context-parallel keeps its attention core in an
+attribute, ``attention_core(q, k, v, dropout_p=0.0)`` on (B, H, T, D) tensors, and a module that makes position
+ids keeps ``position_ids(T, device)``. :func:`apply_context_parallel` points those attributes at the cp group's
+attention (ring or Ulysses) and at this rank's true positions; the strategy splits every batch with
+:meth:`ContextParallel.shard_batch`. Losses need nothing: every cp rank holds the same number of tokens, so the mean
+of their token means is the mean over the whole sequence, and gradients are averaged over dp x cp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_parallel._compat import tree_map
+from lightning_parallel.parallel.context.ring import ring_attention
+from lightning_parallel.parallel.context.split import check_sequence, positions, shard_sequence
+from lightning_parallel.parallel.context.ulysses import check_heads, ulysses_attention
+
+ATTENTION_HOOK = "attention_core"  # (q, k, v, dropout_p=0.0) -> out, on (B, H, T, D)
+POSITION_HOOK = "position_ids"  # (T, device) -> (T,) positions
+ATTENTION: dict[str, Callable[..., Tensor]] = {"ring": ring_attention, "ulysses": ulysses_attention}
+
+
+@dataclass
+class ContextParallel:
+    """This rank's part of the context-parallel group: its attention, positions and batch split.
+
+    Args:
+        group: the cp ranks (the mesh's ``context`` role), in the order the sequence is split.
+        mode: ``"ring"`` or ``"ulysses"``.
+    """
+
+    group: dist.ProcessGroup
+    mode: str
+
+    @property
+    def cp(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
+        if dropout_p:
+            raise ValueError(
+                f"attention dropout ({dropout_p}) under cp={self.cp}: context-parallel attention has no dropout. "
+                "Set the model's attention dropout to 0, or cp=1."
+            )
+        return ATTENTION[self.mode](q, k, v, self.group)
+
+    def position_ids(self, local_len: int, device: torch.device) -> Tensor:
+        return positions(local_len, self.cp, self.rank, device)
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's two chunks of every tensor of two or more dims in ``batch``, split along dim 1 (the
+        sequence); other values unchanged."""
+        cp, rank = self.cp, self.rank
+        return tree_map(lambda t: shard_sequence(t, cp, rank, dim=1) if _is_sequence(t) else t, batch)
+
+
+def _is_sequence(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.dim() >= 2
+
+
+def hooked_modules(root: nn.Module, hook: str) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in root.named_modules() if callable(getattr(m, hook, None))]
+
+
+def apply_context_parallel(root: nn.Module, mesh: DeviceMesh, mode: str) -> tuple[ContextParallel, list[str]]:
+    """Point every ``attention_core`` and ``position_ids`` in ``root`` at the context-parallel ones of ``mesh``.
+
+    Returns:
+        the :class:`ContextParallel` (the strategy splits batches with it) and the attention modules switched.
+
+    Raises:
+        TypeError: when ``root`` has no module with an ``attention_core``: nothing would attend across ranks.
+    """
+    context = ContextParallel(mesh.get_group(), mode)
+    attention = hooked_modules(root, ATTENTION_HOOK)
+    if not attention:
+        raise TypeError(
+            f"cp={mesh.size()} needs attention modules with an {ATTENTION_HOOK}(q, k, v, dropout_p) attribute (the "
+            "recipe GPT's CausalSelfAttention has one) to attend across the split sequence: add it, or set cp=1."
+        )
+    for _, module in attention:
+        setattr(module, ATTENTION_HOOK, context.attention)
+    for _, module in hooked_modules(root, POSITION_HOOK):
+        setattr(module, POSITION_HOOK, context.position_ids)
+    return context, [name for name, _ in attention]
+
+
+def check_context_layout(root: nn.Module, cp: int, mode: str, tp: int, example: Any = None) -> None:
+    """Before launch: the heads divide for Ulysses, the example sequence divides into ``2 * cp`` chunks, and
+    there is attention to switch (a ValueError or TypeError naming the setting and the fix)."""
+    attention = hooked_modules(root, ATTENTION_HOOK)
+    if not attention:
+        raise TypeError(
+            f"cp={cp} needs attention modules with an {ATTENTION_HOOK}(q, k, v, dropout_p) attribute (the recipe "
+            "GPT's CausalSelfAttention has one): add it, or set cp=1."
+        )
+    for _, module in attention:
+        heads = getattr(module, "n_head", None)
+        if mode == "ulysses" and isinstance(heads, int):
+            check_heads(heads, cp, tp)
+        if getattr(module, "dropout", 0.0):
+            raise ValueError(
+                f"cp={cp}: context-parallel attention has no dropout, and the model's attention dropout is "
+                f"{module.dropout}: set it to 0 (GPTConfig.dropout), or cp=1."
+            )
+    if isinstance(example, Tensor) and example.dim() >= 2:
+        check_sequence(example.shape[1], cp, setting="cp")
