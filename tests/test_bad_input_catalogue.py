@@ -128,12 +128,33 @@ STRATEGY_CASES = [
         "divisors of 2",
     ),
     Case("h3d-ep-zero", hybrid(ep=0), "ep=0 is not a parallel degree", "set ep to a positive integer"),
+    Case("h3d-cp-zero", hybrid(cp=0), "cp=0 is not a parallel degree", "set cp to a positive integer"),
+    Case("h3d-cp-mode-unknown", hybrid(cp=2, cp_mode="star"), "cp_mode='star' is unknown", "one of ring, ulysses"),
+    Case("h3d-cp-with-ep", hybrid(dp=2, ep=2, cp=2), "cp=2 with ep=2", "Set cp=1 or ep=1"),
+    Case(
+        "h3d-cp-not-dividing-world",
+        on_devices(4, cp=3),
+        "dp='auto' needs world_size(4) divisible by pp(1) * cp(3) * tp(1) = 3",
+        "product divides 4",
+    ),
+    Case(
+        "h3d-cp-mode-without-cp",
+        lambda ctx: warned(lambda: Hybrid3DStrategy(cp_mode="ulysses")),
+        "cp_mode='ulysses' only applies with cp > 1",
+        "ignored at cp=1",
+    ),
     Case("zero-refuses-tp", zero(stage=2, tp=2), "ZeroStrategy does not take tp", "Hybrid3DStrategy(zero_stage=...)"),
     Case(
         "bucket-without-overlap",
         lambda ctx: warned(lambda: Hybrid3DStrategy(bucket_mb=1)),
         "bucket_mb only applies",
         "overlap_grad_reduce=True",
+    ),
+    Case(
+        "overlap-with-zero3",
+        lambda ctx: warned(lambda: Hybrid3DStrategy(zero_stage=3, overlap_grad_reduce=True)),
+        "ignored with zero_stage=3",
+        "Set overlap_grad_reduce=False",
     ),
     Case("grad-compression-unknown", zero(stage=2, grad_compression="int8"), "grad_compression='int8'", "'bf16'"),
     Case("moe-top-k-above-experts", lambda ctx: raised(lambda: MoE(8, 16, 4, top_k=5)), "top_k=5", "k <= the experts"),
@@ -275,6 +296,26 @@ def gpt_model(**sizes) -> LitGPT:
 
 
 MODEL_CASES = [
+    Case(
+        "cp-sequence-indivisible",
+        checked(lambda: gpt_model(seq_len=12), 4, cp=4),
+        "cp=4 splits each sequence into 2 * cp = 8 equal chunks",
+        "choose cp so that 2 * cp divides 12",
+    ),
+    Case(
+        "cp-ulysses-heads",
+        checked(lambda: gpt_model(n_head=6, d_model=48), 4, cp=4, cp_mode="ulysses"),
+        "n_head = 6 does not divide by cp=4",
+        "or cp_mode='ring'",
+    ),
+    Case(
+        "cp-ulysses-heads-under-tp",
+        checked(lambda: gpt_model(), 8, cp=4, tp=2, cp_mode="ulysses"),
+        "n_head / tp = 4 / 2 = 2 does not divide by cp=4",
+        "or cp_mode='ring'",
+    ),
+    Case("cp-attention-dropout", checked(lambda: gpt_model(dropout=0.1), 2, cp=2), "dropout is 0.1", "set it to 0"),
+    Case("cp-without-attention", checked(LayersOnly, 2, cp=2), "cp=2 needs attention modules", "or set cp=1"),
     Case(
         "pp-without-protocol", checked(NoProtocol, 2, pp=2), "needs NoProtocol.pipeline_layers and .loss()", "Add them"
     ),

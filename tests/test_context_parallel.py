@@ -17,9 +17,16 @@ import torch
 from conftest import PARITY_CASES, Batch
 from harness import run_distributed
 from parity import assert_same_losses, assert_same_params
+from recipe_runs import GPT, run_recipe
 
-from lightning_parallel.parallel.context import check_heads, check_sequence, positions, shard_sequence
-from lightning_parallel.parallel.context import ring_bytes, unshard_sequence
+from lightning_parallel.parallel.context import (
+    check_heads,
+    check_sequence,
+    positions,
+    ring_bytes,
+    shard_sequence,
+    unshard_sequence,
+)
 
 ATTENTION_CASES = [
     {"name": "ring", "mode": "ring", "seq_len": 16},
@@ -73,3 +80,114 @@ def test_attention_matches_plain_causal_attention(world, tmp_path):
             assert max(got["grads"]) <= bar, f"{label}: q, k, v gradients off by {got['grads']}"
             if got["mode"] == "ring":
                 assert got["sent"] == ring_bytes(got["kv_bytes"], world), f"{label}: ring bytes {got['sent']}"
+
+
+# ----- training, against one process -----
+
+
+class Layout(NamedTuple):
+    world: int
+    settings: str  # hybrid3d settings
+    dp: int = 1
+    cp: int = 2
+    tp: int = 1
+
+    @property
+    def spec(self) -> str:
+        return f"hybrid3d:{self.settings}"
+
+    @property
+    def label(self) -> str:
+        return f"w{self.world}-{self.settings.replace(',', '-').replace('=', '').replace('_', '')}"
+
+    @property
+    def leaders(self) -> list[int]:
+        """One rank per (dp, cp) index on the first stage: their local token means average to the global loss."""
+        return [(d * self.cp + c) * self.tp for d in range(self.dp) for c in range(self.cp)]
+
+
+LAYOUTS = [  # `make test`
+    Layout(2, "cp=2"),
+    Layout(2, "cp=2,cp_mode=ulysses"),
+]
+SLOW_LAYOUTS = [
+    Layout(4, "cp=4", cp=4),
+    Layout(4, "cp=4,cp_mode=ulysses", cp=4),
+    Layout(4, "cp=2,tp=2", tp=2),
+    Layout(4, "cp=2,tp=2,cp_mode=ulysses", tp=2),
+    Layout(4, "cp=2,pp=2,microbatches=2"),
+    Layout(2, "cp=2,zero_stage=3"),
+    Layout(4, "dp=2,cp=2,zero_stage=1", dp=2),
+    Layout(2, "cp=2,activation_checkpointing=full"),
+]
+
+
+def check(run, reference, layout: Layout) -> None:
+    for case in PARITY_CASES:
+        name = case["name"]
+        loss_rel = assert_same_losses(
+            run.losses(name, layout.leaders), reference.losses(name), f"{layout.label} {name}"
+        )
+        param_abs = assert_same_params(run.params(name), reference.params(name), f"{layout.label} {name}")
+        print(f"{layout.label} {name}: max loss rel diff {loss_rel:.1e}, max param abs diff {param_abs:.1e}")
+    want_val = reference.case("plain")["val_loss"]
+    for rank in range(layout.world):  # sync_dist averages the cp ranks' token means: the whole sequence's
+        got_val = run.case("plain", rank)["val_loss"]
+        assert abs(got_val - want_val) <= 1e-5 * want_val, (
+            f"{layout.label} rank {rank} val_loss {got_val} != {want_val}"
+        )
+        assert run.case("plain", rank)["val_samples"] == reference.case("plain")["val_samples"], (
+            "cp ranks share samples"
+        )
+
+
+def _batch(tmp_path_factory, layouts: list[Layout], tag: str) -> Batch:
+    runs = {layout.label: (layout.world, layout.spec, PARITY_CASES) for layout in layouts}
+    return Batch(tmp_path_factory, runs, tag=tag)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Batch:
+    return _batch(tmp_path_factory, LAYOUTS, "cp")
+
+
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory) -> Batch:
+    return _batch(tmp_path_factory, SLOW_LAYOUTS, "cp-slow")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.label)
+def test_context_parallel_matches_one_process(runs, reference, layout):
+    check(runs[layout.label], reference, layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", SLOW_LAYOUTS, ids=lambda layout: layout.label)
+def test_context_parallel_wide_matches_one_process(slow_runs, reference, layout):
+    check(slow_runs[layout.label], reference, layout)
+
+
+# ----- the long-sequence recipe: activation memory and ring bytes -----
+
+
+@pytest.mark.slow
+def test_long_sequence_recipe_halves_activations_and_sends_the_ring_bytes(tmp_path):
+    """model=gpt_long (1024 tokens): at cp=2 each rank holds about half the activations of one process, and the
+    ring sends what ring_bytes says per layer (forward and backward) in the measured step."""
+    short = ["trainer=debug", "trainer.max_steps=4", "sample_tokens=4", "data.global_batch_size=4"]
+    (tmp_path / "cp1").mkdir()
+    (tmp_path / "cp2").mkdir()
+    one = run_recipe(GPT, tmp_path / "cp1", "model=gpt_long", "strategy=hybrid3d", "trainer.devices=1", *short)
+    two = run_recipe(GPT, tmp_path / "cp2", "+experiment=gpt_long_cp2", *short, timeout=600)
+    assert two["layout"]["cp"] == 2 and two["layout"]["cp_mode"] == "ring" and one["layout"]["cp"] == 1
+    ratio = [b / one["activation_memory_bytes"][0] for b in two["activation_memory_bytes"]]
+    print(f"activation bytes per rank at cp=2 / cp=1: {ratio}")
+    assert all(0.4 <= r <= 0.6 for r in ratio), ratio
+    # 4 samples of 1024 tokens, d_model 64, fp32: each rank's K and V are 2 x 4 x 512 x 64 x 4 bytes; 2 layers
+    kv = 2 * 4 * 512 * 64 * 4
+    per_layer = ring_bytes(kv, 2)
+    want = 2 * (per_layer["forward"] + per_layer["backward"])
+    for rank, comm in enumerate(two["comm_bytes_per_step"]):
+        sent = comm["send"]["sent_bytes"]
+        print(f"rank {rank}: ring sent {sent:.0f} bytes, theory {want}")
+        assert sent == pytest.approx(want, rel=0.05), (rank, comm)

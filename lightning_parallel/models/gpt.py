@@ -61,6 +61,16 @@ class GPTConfig:
         return [i for i in range(self.n_layer) if self.is_moe_block(i)]
 
 
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
+    """Causal attention of (B, H, T, D) queries, keys and values: the default ``attention_core``."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+
+
+def arange_positions(seq_len: int, device: torch.device) -> Tensor:
+    """Positions 0..T-1: the default ``position_ids``."""
+    return torch.arange(seq_len, device=device)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -73,12 +83,14 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
+        # context parallelism points this at attention across the cp ranks (parallel/context/apply.py)
+        self.attention_core = causal_attention
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape  # (B, T, C)
         # -1 for the head count: under tensor parallelism each rank holds n_head / tp heads
         q, k, v = (lin(x).view(B, T, -1, self.head_dim(x)).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = self.attention_core(q, k, v, dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, D)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
     def head_dim(self, x: Tensor) -> int:
@@ -161,6 +173,8 @@ class Embedding(nn.Module):
         self.seq_len = cfg.seq_len
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        # context parallelism points this at the positions of this rank's pieces of the sequence
+        self.position_ids = arange_positions
 
     def reset_parameters(self) -> None:
         generator = _layer_generator(self.index)
@@ -171,7 +185,7 @@ class Embedding(nn.Module):
         T = idx.shape[1]  # (B, T) token ids
         if T > self.seq_len:
             raise ValueError(f"sequence length {T} exceeds GPTConfig.seq_len={self.seq_len}")
-        return self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C)
+        return self.wte(idx) + self.wpe(self.position_ids(T, idx.device))  # (B, T, C)
 
 
 class Head(nn.Module):

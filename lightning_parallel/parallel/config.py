@@ -24,6 +24,7 @@ from lightning_parallel.parallel.mesh import ParallelDims, check_degree
 from lightning_parallel.parallel.pipeline.schedules import ScheduleSpec, schedule_spec
 
 PIPELINE_BALANCES = ("uniform", "params", "profile")
+CONTEXT_MODES = ("ring", "ulysses")
 
 
 def check_flag(name: str, value: object) -> None:
@@ -54,6 +55,10 @@ class ParallelConfig:
         pp: pipeline-parallel degree (stages; more per rank with ``pp_virtual_stages``).
         tp: tensor-parallel degree.
         ep: expert-parallel degree: the experts of every MoE layer split over ep of the dp ranks (ep divides dp).
+        cp: context-parallel degree: each sample's sequence split over cp ranks (two mirrored chunks each, for
+            causal load balance); they see the same samples, and their gradients are averaged with dp's.
+        cp_mode: how attention spans the split sequence: ``ring`` (keys and values passed around the cp ranks,
+            exact online-softmax merge) or ``ulysses`` (all-to-all to a split over heads; cp must divide them).
         zero_stage: what data parallelism shards over dp: 0 nothing (gradients averaged), 1 optimizer
             states, 2 also gradients, 3 also parameters (FSDP2).
         offload: keep the sharded states on the host and step there (stages 2 and 3).
@@ -80,6 +85,8 @@ class ParallelConfig:
     pp: int = 1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
+    cp_mode: str = "ring"
     zero_stage: int = 0
     offload: bool = False
     reshard_after_forward: bool = True
@@ -131,11 +138,12 @@ class ParallelConfig:
     def dims(self, world_size: int) -> ParallelDims:
         """The degrees for ``world_size`` processes (``dp="auto"`` resolved); a ValueError with the arithmetic
         when they do not fit."""
-        return ParallelDims.from_degrees(world_size, pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep)
+        return ParallelDims.from_degrees(world_size, pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep, cp=self.cp)
 
     def describe(self, name: str = "hybrid3d") -> str:
         ep = f", ep={self.ep}" if self.ep > 1 else ""
-        return f"strategy={name!r} (dp={self.dp!r}, pp={self.pp}, tp={self.tp}{ep}, zero_stage={self.zero_stage})"
+        cp = f", cp={self.cp}, cp_mode={self.cp_mode!r}" if self.cp > 1 else ""
+        return f"strategy={name!r} (dp={self.dp!r}, pp={self.pp}, tp={self.tp}{ep}{cp}, zero_stage={self.zero_stage})"
 
     # ----- validation -----
 
@@ -156,6 +164,7 @@ class ParallelConfig:
                 f"ep={self.ep} must divide dp={self.dp} (expert parallelism is carved out of the data-parallel "
                 f"ranks): choose ep among the divisors of {self.dp}."
             )
+        self._check_context(warn)
         check_zero_settings(self.zero_stage, self.offload, name="zero_stage", allow_zero=True)
         check_flag("sequence_parallel", self.sequence_parallel)
         check_flag("reshard_after_forward", self.reshard_after_forward)
@@ -213,6 +222,18 @@ class ParallelConfig:
         if not gathers_params and not self.reshard_after_forward:
             warn("reshard_after_forward only applies with zero_stage=3: ignored.")
         return done
+
+    def _check_context(self, warn: Callable[[str], Any]) -> None:
+        check_degree_arg("cp", self.cp)
+        if self.cp_mode not in CONTEXT_MODES:
+            raise ValueError(f"cp_mode={self.cp_mode!r} is unknown: set it to one of {', '.join(CONTEXT_MODES)}.")
+        if self.cp == 1 and self.cp_mode != ParallelConfig.cp_mode:
+            warn(f"cp_mode={self.cp_mode!r} only applies with cp > 1: ignored at cp=1.")
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(
+                f"cp={self.cp} with ep={self.ep}: context and expert parallelism together are not supported yet "
+                "(expert gradients would need averaging over cp too). Set cp=1 or ep=1."
+            )
 
     def _check_memory_budget(self, warn: Callable[[str], Any]) -> None:
         budget = self.pp_memory_budget

@@ -1,19 +1,22 @@
 """One named device mesh for every parallelism, and the meshes each part of the code asks for by role.
 
-The axes are ``pp``, ``dp``, ``ep``, ``tp``, outermost first: tensor parallelism on neighbouring ranks (the
+The axes are ``pp``, ``dp``, ``ep``, ``cp``, ``tp``, outermost first: tensor parallelism on neighbouring ranks (the
 fastest links on a node), pipeline stages on the outermost axis, as Megatron and torchtitan do. Expert parallelism
 is carved out of the data-parallel ranks (torchtitan, Megatron-Core): with ``dp=D`` and ``ep=E`` the mesh's ``dp``
-axis has D/E ranks (those that hold the same experts) and its ``ep`` axis E; data parallelism spans both. Code
-never names an axis to find its ranks; it asks for a role (torchtitan's ``get_mesh("loss")``):
+axis has D/E ranks (those that hold the same experts) and its ``ep`` axis E; data parallelism spans both. Context
+parallelism (``cp``) splits each sample's sequence: its ranks see the same samples (not in ``batch``), average their
+losses and gradients (in ``loss`` and ``shard``, torchtitan's FSDP over dp x cp). Code never names an axis to find
+its ranks; it asks for a role (torchtitan's ``get_mesh("loss")``):
 
 ============  ===========================================================================
 role          what it is for
 ============  ===========================================================================
-batch         ranks that see different samples: the sampler, ``sync_dist``, metrics, BatchNorm
-loss          ranks whose losses average into the global loss
+batch         ranks that see different samples: the sampler, metrics, BatchNorm
+loss          ranks whose losses average into the global loss: ``sync_dist``
 shard         ranks a data-parallel sharding (ZeRO 0-3) spreads model states over
 expert        expert parallelism: ranks holding different experts, exchanging tokens by all-to-all
 expert_shard  ranks holding the same experts: their gradients meet and ZeRO shards them there
+context       context parallelism: ranks holding pieces of the same sequences (ring or all-to-all attention)
 stage         pipeline stages: activations sent point to point, tied weights summed
 tensor        tensor parallelism
 ============  ===========================================================================
@@ -40,15 +43,17 @@ from lightning_parallel._compat import C10dBackend, flatten_mesh
 PP = "pp"
 DP = "dp"
 EP = "ep"
+CP = "cp"
 TP = "tp"
-MESH_AXES = (PP, DP, EP, TP)  # outermost first
+MESH_AXES = (PP, DP, EP, CP, TP)  # outermost first
 
 ROLES: dict[str, tuple[str, ...]] = {
     "batch": (DP, EP),
-    "loss": (DP, EP),
-    "shard": (DP, EP),
+    "loss": (DP, EP, CP),
+    "shard": (DP, EP, CP),
     "expert": (EP,),
     "expert_shard": (DP,),
+    "context": (CP,),
     "stage": (PP,),
     "tensor": (TP,),
 }
@@ -73,6 +78,7 @@ class ParallelDims:
     tp: int
     world_size: int
     ep: int = 1
+    cp: int = 1
 
     @classmethod
     def from_degrees(
@@ -83,14 +89,17 @@ class ParallelDims:
         dp: int | Literal["auto"] = "auto",
         tp: int = 1,
         ep: int = 1,
+        cp: int = 1,
     ) -> ParallelDims:
-        """Validate ``pp * dp * tp == world_size``; ``dp="auto"`` takes the ranks the other axes leave.
+        """Validate ``pp * dp * cp * tp == world_size``; ``dp="auto"`` takes the ranks the other axes leave.
 
         Raises:
             ValueError: with the arithmetic and the fix, when the degrees do not fit the world size.
         """
         world_size = check_degree("world_size", world_size)
-        given = {PP: check_degree("pp", pp), TP: check_degree("tp", tp)}
+        given = {PP: check_degree("pp", pp), CP: check_degree("cp", cp), TP: check_degree("tp", tp)}
+        if cp == 1:  # not named in the arithmetic of layouts without it
+            del given[CP]
         others = " * ".join(f"{axis}({d})" for axis, d in given.items())
         product = _product(given.values())
         if dp == "auto":
@@ -101,7 +110,7 @@ class ParallelDims:
                 )
             dp = world_size // product
         dp = check_degree("dp", dp)
-        degrees = {PP: given[PP], DP: dp, TP: given[TP]}
+        degrees = {PP: given[PP], DP: dp, **({CP: cp} if cp > 1 else {}), TP: given[TP]}
         if _product(degrees.values()) != world_size:
             terms = " * ".join(f"{axis}({d})" for axis, d in degrees.items())
             raise ValueError(
@@ -114,12 +123,12 @@ class ParallelDims:
                 f"ep={ep} must divide the data-parallel degree dp={dp} (expert parallelism is carved out of the "
                 f"data-parallel ranks): choose ep among the divisors of {dp}, or change pp, tp or the devices."
             )
-        return cls(world_size=world_size, ep=ep, **degrees)
+        return cls(world_size=world_size, ep=ep, pp=given[PP], dp=dp, tp=given[TP], cp=cp)
 
     @property
     def degrees(self) -> dict[str, int]:
         """Every mesh axis and its size, outermost first (``dp``: the ranks holding the same experts, dp/ep)."""
-        return {PP: self.pp, DP: self.dp // self.ep, EP: self.ep, TP: self.tp}
+        return {PP: self.pp, DP: self.dp // self.ep, EP: self.ep, CP: self.cp, TP: self.tp}
 
     def role_size(self, role: str) -> int:
         return _product(self.degrees[axis] for axis in ROLES[role])
@@ -138,6 +147,7 @@ class ParallelDims:
 
     def __str__(self) -> str:
         shown = {PP: self.pp, DP: self.dp, TP: self.tp} | ({EP: self.ep} if self.ep > 1 else {})
+        shown |= {CP: self.cp} if self.cp > 1 else {}
         return " ".join(f"{axis}={d}" for axis, d in shown.items()) + f" (world_size={self.world_size})"
 
 

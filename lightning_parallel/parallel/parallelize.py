@@ -3,13 +3,15 @@
     1. pipeline split (pp)      this rank keeps its stages' layers (materialized when built on meta)
     2. expert parallel (ep)     each MoE layer keeps E/ep experts, tokens travel by all-to-all
     3. tensor parallel (tp)     the module's plan, on what this rank holds (experts replicated over tp)
-    4. activation checkpointing this rank's layers, after tp (torchtitan's order), before sharding wraps them;
+    4. context parallel (cp)    attention cores and position ids switched to the cp group's (ring or Ulysses);
+                                the strategy splits each batch along the sequence
+    5. activation checkpointing this rank's layers, after tp (torchtitan's order), before sharding wraps them;
                                 with ``compile`` each layer's forward is ``torch.compile``d first (checkpointing then
                                 recomputes the compiled forward)
-    5. data-parallel sharding   ZeRO-3 wraps units (each layer, and each stage under pp; experts over the ranks
+    6. data-parallel sharding   ZeRO-3 wraps units (each layer, and each stage under pp; experts over the ranks
                                 holding the same experts); stages 0-2 shard the optimizers later, when
                                 ``configure_optimizers`` has built them
-    6. materialization          parameters still on meta (a module that loads its own weights) get storage and
+    7. materialization          parameters still on meta (a module that loads its own weights) get storage and
                                 values, each rank only what it holds (``materialize(device)`` of the protocol)
 
 Each step reads the module through :mod:`lightning_parallel.protocol` and its settings from
@@ -33,6 +35,7 @@ from torch import nn
 
 from lightning_parallel.parallel.activation_checkpoint import apply_activation_checkpointing, checkpoint_layers
 from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.context.apply import ContextParallel, apply_context_parallel
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.data.stages import zero_stage as sharding_of
 from lightning_parallel.parallel.expert.apply import apply_expert_parallel, require_moe_layers
@@ -63,6 +66,8 @@ class Parallelized:
     moe_layers: list[str] = field(default_factory=list)  # MoE layers whose experts are split over ep
     checkpointed: list[nn.Module] = field(default_factory=list)  # layers recomputed in backward
     compiled: list[nn.Module] = field(default_factory=list)  # layers run through torch.compile
+    context: ContextParallel | None = None  # cp > 1: this rank's attention, positions and batch split
+    context_attention: list[str] = field(default_factory=list)  # attention modules switched to it
 
     @property
     def route_through_root(self) -> bool:
@@ -104,6 +109,8 @@ def parallelize(
         if done.split is not None:  # entries for layers other stages hold resolve to nothing here
             plan = resolvable_plan(root, plan, placeholders=(ElsewhereLayer,))
         apply_tp(root, mesh["tensor"], plan)
+    if dims.cp > 1:
+        done.context, done.context_attention = apply_context_parallel(root, mesh["context"], config.cp_mode)
     layers = done.split.layers() if done.split is not None else module
     if config.compile:  # before activation checkpointing, which then recomputes the compiled forward
         done.compiled = compile_layers(layers)

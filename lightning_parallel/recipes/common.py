@@ -218,6 +218,8 @@ def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_ste
         "pp": dims.pp if dims else 1,
         "tp": dims.tp if dims else 1,
         "ep": dims.ep if dims else 1,
+        "cp": dims.cp if dims else 1,  # context parallelism: each sequence split over cp ranks
+        "cp_mode": trainer.strategy.config.cp_mode if dims and dims.cp > 1 else None,  # ring or ulysses
         "zero_stage": config.zero_stage if (config := getattr(trainer.strategy, "config", None)) else 0,
         "precision": cfg.precision.value,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,  # as the workers saw it

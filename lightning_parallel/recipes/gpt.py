@@ -19,6 +19,7 @@ from lightning_parallel.callbacks.resume import ResumableDataLoader
 from lightning_parallel.hf.layers import hf_pipeline_layers
 from lightning_parallel.models import GPTConfig, LitGPT
 from lightning_parallel.models.gpt import GPT
+from lightning_parallel.parallel.context import check_heads, check_sequence, whole_sequence
 from lightning_parallel.recipes.common import (
     build_trainer,
     check_run_settings,
@@ -104,6 +105,10 @@ def check_config(cfg: DictConfig) -> None:
                 f"strategy.ep={dims.ep} splits the experts of MoE blocks, and model={cfg.model.get('name', 'gpt')} "
                 "has none: use model=gpt_moe_tiny (or set model.moe_experts), or set strategy.ep=1."
             )
+        if dims.cp > 1:  # two chunks of the sequence per cp rank; Ulysses gives each cp rank some of the heads
+            check_sequence(config.seq_len, dims.cp, setting="strategy.cp")
+            if strategy.config.cp_mode == "ulysses":
+                check_heads(config.n_head, dims.cp, dims.tp, setting="strategy.cp_mode='ulysses'")
         if dims.ep > 1 and config.moe_experts % dims.ep:
             raise ValueError(
                 f"strategy.ep={dims.ep} does not divide model.moe_experts={config.moe_experts}: choose ep among the "
@@ -205,7 +210,8 @@ def generate(
     generator = torch.Generator().manual_seed(seed)
     model.eval()
     for _ in range(tokens):
-        out = model(idx[:, -seq_len:])
+        with whole_sequence(model):  # cp: the prompt is not split, every cp rank runs all of it
+            out = model(idx[:, -seq_len:])
         logits = out.materialize() if isinstance(out, PipelineInput) else out
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
         last = logits[:, -1, :256].float().cpu()  # (1, 256): byte ids only (a larger vocabulary has more)

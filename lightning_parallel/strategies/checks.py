@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.context.apply import check_context_layout
 from lightning_parallel.parallel.expert.apply import check_expert_layout
 from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.parallel.parallelize import stage_partition
@@ -25,7 +26,7 @@ def check_model(model: Any, config: ParallelConfig, dims: ParallelDims) -> None:
     module or splits a size tp does not divide, more stages than layers, meta layers that cannot initialize
     themselves, degrees the model itself refuses."""
     # what configure_model makes, on meta; None when that cannot be known here
-    built = as_built(model) if dims.pp > 1 or dims.tp > 1 or dims.ep > 1 else model
+    built = as_built(model) if dims.pp > 1 or dims.tp > 1 or dims.ep > 1 or dims.cp > 1 else model
     if dims.ep > 1 and built is not None:
         check_expert_layout(built, dims.ep)
     if dims.tp > 1:
@@ -45,6 +46,10 @@ def check_model(model: Any, config: ParallelConfig, dims: ParallelDims) -> None:
         if built is not None and built is not model:  # built on meta: each layer must initialize itself
             for layer in built.pipeline_layers():
                 check_resettable(layer)
+    if dims.cp > 1:  # the model as built (as_built gives None for one built already: it is itself)
+        target = built if built is not None else model if next(model.parameters(), None) is not None else None
+        if target is not None:
+            check_context_layout(target, dims.cp, config.cp_mode, dims.tp, getattr(model, "example_input_array", None))
     check_parallel_degrees(model, pp=dims.pp, tp=dims.tp)
 
 

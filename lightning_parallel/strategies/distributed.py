@@ -84,11 +84,13 @@ class DistributedMixin:
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """Reduce over the ``batch`` role by default: pipeline stages and tensor shards hold the same values."""
+        """Reduce over the ``loss`` role by default (the ``batch`` ranks, and under cp the ranks holding pieces of the
+        same sequences, whose token means average to the whole sequence's): pipeline stages and tensor shards hold
+        the same values."""
         if not isinstance(tensor, Tensor):
             return tensor
         if group is None and self._mesh is not None:
-            group = self.mesh.group("batch")
+            group = self.mesh.group("loss")
         return _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override

@@ -28,7 +28,8 @@ class Hybrid3DStrategy(MeshStrategy):
             ``reshard_after_forward``, ``pp_schedule`` (``gpipe``, ``1f1b``, ``interleaved_1f1b``,
             ``zero_bubble``), ``microbatches`` (default 2 * pp), ``pp_balance`` (``uniform``, ``params``,
             ``profile``), ``pp_memory_budget``, ``pp_virtual_stages``, ``sequence_parallel``,
-            ``activation_checkpointing`` (``none``, ``full``, ``selective``).
+            ``activation_checkpointing`` (``none``, ``full``, ``selective``), ``cp`` (context parallelism: each
+            sequence split over cp ranks) and ``cp_mode`` (``ring``, ``ulysses``).
         **kwargs: the settings above, and :class:`~lightning_parallel.strategies.base.MeshStrategy`'s
             (``checkpoint_format``, ``timeout``, ``process_group_backend``, Lightning's).
     """

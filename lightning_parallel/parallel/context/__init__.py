@@ -5,7 +5,12 @@ attention (keys and values around the ring, online-softmax merge), ``ulysses.py`
 over cp for the attention), ``apply.py`` a model's attention and positions switched over, the batch split.
 """
 
-from lightning_parallel.parallel.context.apply import ContextParallel, apply_context_parallel, check_context_layout
+from lightning_parallel.parallel.context.apply import (
+    ContextParallel,
+    apply_context_parallel,
+    check_context_layout,
+    whole_sequence,
+)
 from lightning_parallel.parallel.context.ring import ring_attention, ring_bytes
 from lightning_parallel.parallel.context.split import check_sequence, positions, shard_sequence, unshard_sequence
 from lightning_parallel.parallel.context.ulysses import check_heads, ulysses_attention
@@ -22,4 +27,5 @@ __all__ = [
     "shard_sequence",
     "ulysses_attention",
     "unshard_sequence",
+    "whole_sequence",
 ]

@@ -11,12 +11,14 @@ of their token means is the mean over the whole sequence, and gradients are aver
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -41,6 +43,7 @@ class ContextParallel:
 
     group: dist.ProcessGroup
     mode: str
+    active: bool = True  # False: every rank runs whole sequences (generation), see whole_sequence()
 
     @property
     def cp(self) -> int:
@@ -56,16 +59,42 @@ class ContextParallel:
                 f"attention dropout ({dropout_p}) under cp={self.cp}: context-parallel attention has no dropout. "
                 "Set the model's attention dropout to 0, or cp=1."
             )
+        if not self.active:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
         return ATTENTION[self.mode](q, k, v, self.group)
 
     def position_ids(self, local_len: int, device: torch.device) -> Tensor:
+        if not self.active:
+            return torch.arange(local_len, device=device)
         return positions(local_len, self.cp, self.rank, device)
+
+    @contextlib.contextmanager
+    def whole_sequence(self) -> Generator[None, None, None]:
+        """Inputs not split over cp (generation from a prompt of any length): each rank attends over the whole
+        sequence it is given, as one process would (the parameters are the same on every cp rank)."""
+        self.active = False
+        try:
+            yield
+        finally:
+            self.active = True
 
     def shard_batch(self, batch: Any) -> Any:
         """This rank's two chunks of every tensor of two or more dims in ``batch``, split along dim 1 (the
         sequence); other values unchanged."""
         cp, rank = self.cp, self.rank
         return tree_map(lambda t: shard_sequence(t, cp, rank, dim=1) if _is_sequence(t) else t, batch)
+
+
+@contextlib.contextmanager
+def whole_sequence(root: nn.Module) -> Generator[None, None, None]:
+    """Within it, the context-parallel attention of ``root`` (if any) runs the whole sequences it is given on every
+    rank (generation from a prompt); a no-op without cp."""
+    cores = (getattr(m, ATTENTION_HOOK) for _, m in hooked_modules(root, ATTENTION_HOOK))
+    contexts = {id(c): c for core in cores if isinstance(c := getattr(core, "__self__", None), ContextParallel)}
+    with contextlib.ExitStack() as stack:
+        for context in contexts.values():
+            stack.enter_context(context.whole_sequence())
+        yield
 
 
 def _is_sequence(value: Any) -> bool:
