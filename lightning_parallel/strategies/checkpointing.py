@@ -76,6 +76,7 @@ class ShardedCheckpointing:
     def full_state_dict(self) -> dict[str, Any]:
         """The whole model's state in the single-process format, on rank 0 (collective; every stage's layers)."""
         assert self.model is not None
+        self.sharding.settle_params()  # type: ignore[attr-defined]  (overlap_grad_reduce's gathers in flight)
         if self._split() is None:
             return full_model_state_dict(self.model)
         state = full_model_state_dict(self.model, every_rank=True)
@@ -89,6 +90,7 @@ class ShardedCheckpointing:
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
+        self.sharding.settle_params()  # type: ignore[attr-defined]
         if self.checkpoint_format == "sharded":
             return self.model.state_dict()  # the shards as they are: save_checkpoint writes them in place
         return self.full_state_dict()
@@ -110,6 +112,7 @@ class ShardedCheckpointing:
         )
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self.sharding.settle_params()  # type: ignore[attr-defined]
         if self.checkpoint_format == "full":
             return super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
         if storage_options is not None:
@@ -121,6 +124,7 @@ class ShardedCheckpointing:
     # ----- loading -----
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.sharding.settle_params()  # type: ignore[attr-defined]  (loading writes the buffers in place)
         if checkpoint_io.is_sharded_checkpoint(checkpoint_path):
             return sharded_checkpoint.load(self, checkpoint_path, self._flat_zeros())
         if Path(checkpoint_path).is_dir():

@@ -85,6 +85,14 @@ class PipelinedStep:
         self.loss_scale = loss_scale
         self.original_loss = module.loss
         self._pending: list[Tensor | None] | None = None
+        # overlap_grad_reduce: each stage's parameters (tied ones left out: they meet over pp first), armed just
+        # before the stage's last microbatch's backward; the gradients set aside are added in by _merge_earlier
+        self.stage_params: dict[int, list[nn.Parameter]] = {}
+        self._position = {id(p): i for i, p in enumerate(params)}
+        self._arm_stage: Callable[[list[nn.Parameter], bool], None] | None = None
+        self._earlier: list[Tensor | None] = []
+        self._window_open = False  # gradients of earlier micro-steps of this accumulation window were applied
+        self._last_of_window = False
         module.forward = self.capture
         module.loss = self.loss
 
@@ -108,33 +116,57 @@ class PipelinedStep:
             )
         trainer = attached_trainer(self.module)
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-        earlier = [p.grad for p in self.params]
+        self._earlier = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
+        arm, self._arm_stage = self._arm_stage, None
+        self._last_of_window = arm is not None
+        if arm is not None:
+            self.pipeline.on_last_backward = lambda index, done: arm(self.stage_params.get(index, []), done)
         try:
             # the returned loss is unscaled: the pipeline keeps each microbatch's loss before scaling
             scale = self.loss_scale() / accumulate
             loss = self.pipeline.train_step(output._args, output._kwargs, target, loss_scale=scale)
             self._pending = [p.grad for p in self.params]
         finally:
-            for p, grad in zip(self.params, earlier):
+            self.pipeline.on_last_backward = None
+            for p, grad in zip(self.params, self._earlier):
                 p.grad = grad
+            self._earlier = []
         return loss
+
+    def arm_last_backward(self, sharding: Any, optimizer: Any) -> None:
+        """The coming training step is the optimizer step's last micro-step: the data-parallel ``sharding``
+        (overlap_grad_reduce; a no-op without it) arms each stage's parameters just before that stage's last
+        microbatch's weight-gradient backward, and takes those still waiting as complete right after it."""
+        sharding.before_last_backward(optimizer, only=[], prepare=self._merge_earlier)
+        self._arm_stage = lambda params, done: sharding.arm_more(optimizer, params, ready=done)
+
+    def _merge_earlier(self, p: nn.Parameter) -> None:
+        """A gradient complete for this schedule (inside its backward): add the earlier micro-steps' gradients
+        now, as apply_gradients would after the schedule, so the bucket travels the step's whole gradient."""
+        i = self._position[id(p)]
+        earlier = self._earlier[i] if self._window_open else None  # else stale: the window's zero_grad drops it
+        self._earlier[i] = None  # taken: apply_gradients finds the sum alone
+        p.grad = add_gradient(earlier, p.grad)
 
     def apply_gradients(self) -> None:
         """Add the gradients the last training step computed (what ``loss.backward()`` would have done)."""
         if self._pending is None:
             raise RuntimeError("Under pp > 1 backward needs a loss from self.loss(self(x), y) in the training step.")
         for p, fresh in zip(self.params, self._pending):
-            if fresh is None:
-                continue
-            if p.grad is None:
-                p.grad = fresh
-            elif isinstance(p.grad, DTensor):
-                p.grad = p.grad + fresh  # DTensor addition also reconciles differing placements
-            else:
-                p.grad.add_(fresh)  # in place: the gradient may be a view into a ZeRO flat buffer
+            p.grad = add_gradient(p.grad, fresh)
         self._pending = None
+        self._window_open = not self._last_of_window  # the step closes the accumulation window
+
+
+def add_gradient(earlier: Tensor | None, fresh: Tensor | None) -> Tensor | None:
+    """``earlier + fresh`` as gradient accumulation adds them (None counts as nothing)."""
+    if fresh is None or earlier is None:
+        return earlier if fresh is None else fresh
+    if isinstance(earlier, DTensor):
+        return earlier + fresh  # DTensor addition also reconciles differing placements
+    return earlier.add_(fresh)  # in place: the gradient may be a view into a ZeRO flat buffer
 
 
 def pipelined_step(strategy: Any, module: pl.LightningModule, split: PipelineSplit, tp: bool) -> PipelinedStep:
@@ -148,6 +180,10 @@ def pipelined_step(strategy: Any, module: pl.LightningModule, split: PipelineSpl
     )
     context = loss_parallel if tp else contextlib.nullcontext
     # fp16: the schedule backpropagates the loss times the current scale (the plugin's pre_backward cannot)
-    return PipelinedStep(
+    step = PipelinedStep(
         module, pipeline, split.parameters(), context, lambda: loss_scale_of(strategy.precision_plugin)
     )
+    tied = strategy._parallel.tied if strategy._parallel is not None else None
+    shared = {id(p) for p in tied.params()} if tied is not None else set()  # reduced over pp after the schedule
+    step.stage_params = {i: [p for p in m.parameters() if id(p) not in shared] for i, m in split.stages.items()}
+    return step

@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_parallel._compat import set_local_tensor
-from lightning_parallel.parallel.data.overlap import BucketedReduction, overlap_summary
+from lightning_parallel.parallel.data.flat_overlap import FlatBuckets
+from lightning_parallel.parallel.data.overlap import Prepare, overlap_summary
 from lightning_parallel.parallel.data.sharding import DataParallelSharding, GradPiece
 from lightning_parallel.parallel.dtensor import like, local, placed_like, split_axes
 from lightning_parallel.parallel.expert.apply import is_expert_param
@@ -118,16 +119,12 @@ class FlatZero:
         self.original_params: list[list[nn.Parameter]] = [list(g["params"]) for g in optimizer.param_groups]
         # per optimizer group: its flat groups (the data-parallel one, then the experts' one when it has experts)
         self.groups: list[list[FlatGroup]] = [self._shard_group(g) for g in optimizer.param_groups]
-        # stage 1 with overlap_grad_reduce: each flat group of plain tensors reduced bucket by bucket in backward
-        # (its gradients are views into the flat buffer, so the averages land there); DTensor groups and stage 2
-        # reduce after backward
-        self._overlap: dict[int, BucketedReduction] = {}
-        if overlap_bucket_mb is not None and stage == 1:
+        # overlap_grad_reduce: each flat group reduced bucket by bucket during backward and its parameters
+        # gathered bucket by bucket after the step (flat_overlap.py)
+        self._overlap: dict[int, FlatBuckets] = {}
+        if overlap_bucket_mb is not None:
             for fg in self.flat_groups:
-                if not any(isinstance(p, DTensor) for p in fg.params):
-                    self._overlap[id(fg)] = BucketedReduction(
-                        fg.params, fg.group, fg.divisor, wire_dtype, overlap_bucket_mb
-                    )
+                self._overlap[id(fg)] = FlatBuckets(fg, stage, wire_dtype, overlap_bucket_mb)
         self._reduced = False
         optimizer.register_step_pre_hook(self._before_step)
         optimizer.register_step_post_hook(lambda *_: self._after_step())
@@ -182,25 +179,29 @@ class FlatZero:
 
         return args, {**kwargs, "closure": closure_then_reduce}
 
-    def arm_overlap(self) -> None:
-        for reduction in self._overlap.values():
-            reduction.arm()
+    def arm(self, only: list[nn.Parameter] | None = None, prepare: Prepare | None = None) -> None:
+        """overlap_grad_reduce: the next backward is the step's last (see overlap.py)."""
+        for buckets in self._overlap.values():
+            buckets.arm(only, prepare)
+
+    def arm_more(self, params: list[nn.Parameter], ready: bool = False) -> None:
+        for buckets in self._overlap.values():
+            buckets.arm_more(params, ready)
+
+    def settle(self) -> None:
+        """Wait for the parameter gathers of the last step still in flight (overlap_grad_reduce)."""
+        for buckets in self._overlap.values():
+            buckets.settle()
 
     def reduce_gradients(self) -> None:
         """Average gradients over the group; each rank keeps (stage 2) or reads (stage 1) its slice."""
         if self._reduced:
             return
+        self.settle()  # the step writes this rank's range: no gather may still be reading it
         for fg in self.flat_groups:
-            reduction = self._overlap.get(id(fg))
-            if reduction is not None and reduction.finish():
-                assert fg.flat_grad is not None
-                for p, view in fg.views(fg.flat_grad):  # a gradient autograd allocated itself: into the buffer
-                    if local(p.grad).data_ptr() != view.data_ptr():
-                        view.copy_(local(p.grad))
-                        p.grad = like(p, view)
-                start, end = fg.local_range()
-                fg.shard.grad = fg.flat_grad[start:end]  # the views were averaged in place, bucket by bucket
-                continue
+            overlapped = self._overlap.get(id(fg))
+            if overlapped is not None and overlapped.finish():
+                continue  # reduced bucket by bucket during backward
             flat = fg.flat_grad if fg.flat_grad is not None else torch.zeros_like(fg.flat_param)
             for p, view in fg.views(flat):
                 if p.grad is not None and local(p.grad).data_ptr() != view.data_ptr():
@@ -249,8 +250,11 @@ class FlatZero:
             local = fg.flat_param[start:end]
             if self.offload:
                 local.copy_(fg.shard)
-            # the input is copied because it aliases the output buffer
-            dist.all_gather_single(fg.flat_param, local.clone(), group=fg.group)
+            overlapped = self._overlap.get(id(fg))
+            if overlapped is not None:
+                overlapped.gather()  # async, bucket by bucket: each waited for before the forward uses it
+            else:  # the input is copied because it aliases the output buffer
+                dist.all_gather_single(fg.flat_param, local.clone(), group=fg.group)
             if fg.flat_grad is not None:
                 fg.flat_grad.zero_()
                 for p in fg.params:
@@ -288,6 +292,12 @@ class FlatSharding(DataParallelSharding):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._flat: dict[int, FlatZero] = {}  # id(optimizer) -> its flat sharding
+        self._roots: list[nn.Module] = []  # what the parameters' modules are under (overlap: forward pre-hooks)
+        self._watched: set[int] = set()  # id(FlatZero) whose gathers the forward waits for
+
+    def shard_module(self, root: nn.Module, units: list[str] | None = None) -> list[str]:
+        self._roots.append(root)  # nothing sharded: the modules are remembered for overlap_grad_reduce's hooks
+        return []
 
     def shard_optimizer(self, optimizer: Optimizer) -> None:
         super().shard_optimizer(optimizer)
@@ -301,8 +311,23 @@ class FlatSharding(DataParallelSharding):
             overlap_bucket_mb=self.bucket_mb if self.overlap_grad_reduce else None,
         )
 
-    def before_last_backward(self, optimizer: Optimizer) -> None:
-        self._of(optimizer).arm_overlap()
+    def before_last_backward(
+        self, optimizer: Optimizer, only: list[nn.Parameter] | None = None, prepare: Prepare | None = None
+    ) -> None:
+        flat = self._of(optimizer)
+        if flat._overlap and id(flat) not in self._watched:  # the gathers after each step: waited for in forward
+            self._watched.add(id(flat))
+            modules = [m for root in self._roots for m in root.modules()]
+            for buckets in flat._overlap.values():
+                buckets.wait_before_forward(modules)
+        flat.arm(only, prepare)
+
+    def arm_more(self, optimizer: Optimizer, params: list[nn.Parameter], ready: bool = False) -> None:
+        self._of(optimizer).arm_more(params, ready)
+
+    def settle_params(self) -> None:
+        for flat in self._flat.values():
+            flat.settle()
 
     def overlap_stats(self) -> dict[str, int]:
         return overlap_summary([r for flat in self._flat.values() for r in flat._overlap.values()])

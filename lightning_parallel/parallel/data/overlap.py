@@ -1,40 +1,43 @@
-"""Gradient reduction overlapped with backward: buckets of gradients all-reduced as soon as backward has produced
-them (DDP's reducer, Megatron's ``overlap_grad_reduce``). Pure torch.
+"""Gradient reduction overlapped with backward: buckets of gradients reduced as soon as backward has produced them
+(DDP's reducer, Megatron's ``overlap_grad_reduce``). Pure torch.
 
 Each trainable parameter gets a post-accumulate-grad hook. The parameters are cut into buckets of about
-``bucket_mb`` megabytes in reverse order (backward produces the last layers' gradients first); when every
-parameter of a bucket has its gradient, the bucket's gradients are copied into one flat buffer, divided by the
-data-parallel size, cast to the compression dtype if any, and all-reduced with ``async_op=True`` while backward goes
-on. :meth:`BucketedReduction.finish` launches the buckets whose gradients never came (unused parameters count as
-zero, as in the non-overlapped path), waits for all of them and copies the averages back into the gradients, before
-clipping and the step. The hooks only act while armed: the strategy arms them for the last backward of an
-optimizer step (not for the micro-steps of gradient accumulation, whose gradients must first add up).
+``bucket_mb`` megabytes in reverse order (backward produces the last layers' gradients first); when every armed
+parameter of a bucket has its gradient, the bucket is launched: its gradients divided by the data-parallel size,
+cast to the compression dtype if any, and reduced with ``async_op=True`` while backward goes on. ``finish()``
+launches the buckets whose gradients never came (unused parameters count as zero, as in the non-overlapped path),
+waits for all of them and puts the averages where the step reads them, before clipping and the step.
 
-The sums are the same elementwise sums as one flat all-reduce after backward: bitwise equal at 2 ranks (a + b),
-equal up to the order of a ring's additions at more.
+The hooks only act on armed parameters, and only once a step: the strategy arms every parameter for the last
+backward of an optimizer step (not for the micro-steps of gradient accumulation, whose gradients must first add
+up); under a pipeline it arms each stage's parameters just before the backward of that stage's last microbatch
+(the weight-gradient half under zero-bubble schedules), with a ``prepare`` callback that first adds the gradients
+of the earlier accumulation micro-steps, exactly as the step would after the schedule.
+
+:class:`BucketedReduction` (ZeRO 0) all-reduces a bucket's gradients in one flat copy;
+:mod:`~lightning_parallel.parallel.data.flat_overlap` (ZeRO 1 and 2) buckets ranges of the flat buffers. Both are
+the same elementwise sums as the reduction after backward: bitwise equal at 2 ranks (a + b); at more, a ring adds
+in an order that depends on where an element sits in the buffer, so equal bitwise to the same buckets reduced
+after backward and within float rounding of one flat reduction. While a timeline recorder is active
+(:mod:`~lightning_parallel.parallel.measure.timeline`), each bucket is recorded from its launch to the end of
+its wait (kind ``"reduce"``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parallel.parallel.dtensor import local, placed_like
+from lightning_parallel.parallel.measure.timeline import TimelineEvent, active_recorder
 
 DEFAULT_BUCKET_MB = 25.0  # DDP's default
 
-
-@dataclass
-class _Bucket:
-    params: list[nn.Parameter]
-    ready: set[int] = field(default_factory=set)
-    flat: Tensor | None = None
-    wire: Tensor | None = None
-    work: dist.Work | None = None
+Prepare = Callable[[nn.Parameter], None]
 
 
 def buckets_of(params: Sequence[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
@@ -52,8 +55,94 @@ def buckets_of(params: Sequence[nn.Parameter], bucket_mb: float) -> list[list[nn
     return out
 
 
-class BucketedReduction:
-    """Averages the gradients of ``params`` over ``group`` bucket by bucket during backward.
+class HookedBuckets:
+    """The hooks, the arming and the bookkeeping every overlapped reduction shares; subclasses launch a bucket
+    (``_launch(index)``) and complete them all (``_complete()``).
+
+    Args:
+        buckets: the parameters of each bucket, in the order backward completes them.
+    """
+
+    def __init__(self, buckets: Sequence[Sequence[nn.Parameter]]) -> None:
+        self.bucket_params = [list(ps) for ps in buckets]
+        self._index = {id(p): i for i, ps in enumerate(self.bucket_params) for p in ps}
+        self._ready: list[set[int]] = [set() for _ in self.bucket_params]
+        self._started: list[float | None] = [None] * len(self.bucket_params)  # launch time, None: not launched
+        self._armed: set[int] = set()
+        self._prepare: Prepare | None = None
+        self.active = False  # between arm() and finish(): finish() reduces
+        self.launched = 0  # buckets launched during backward in the last step (observability and tests)
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for ps in self.bucket_params for p in ps]
+
+    def arm(self, only: Collection[nn.Parameter] | None = None, prepare: Prepare | None = None) -> None:
+        """A step's last backward comes: reduce the gradients of ``only`` (None: every parameter) as they come.
+        ``prepare(p)`` runs on each armed parameter's gradient before it joins its bucket."""
+        for ready in self._ready:
+            ready.clear()
+        self._started = [None] * len(self.bucket_params)
+        self._armed = set(self._index) if only is None else {id(p) for p in only if id(p) in self._index}
+        self._prepare, self.launched, self.active = prepare, 0, True
+
+    def arm_more(self, params: Collection[nn.Parameter], ready: bool = False) -> None:
+        """Arm ``params`` too (a pipeline stage about to run its last backward); ``ready``: their gradients are
+        complete now, whether or not their hooks ran (torch's weight-only backward assigns ``.grad`` itself)."""
+        if not self.active:
+            return
+        mine = [p for p in params if id(p) in self._index]
+        if not ready:
+            self._armed.update(id(p) for p in mine)
+            return
+        for p in mine:
+            if id(p) in self._armed:
+                self._on_grad(p)
+
+    def _on_grad(self, p: Tensor) -> None:
+        if id(p) not in self._armed:
+            return
+        self._armed.discard(id(p))  # once a step: its gradient is complete now
+        if self._prepare is not None:
+            self._prepare(p)
+        index = self._index[id(p)]
+        self._ready[index].add(id(p))
+        if len(self._ready[index]) == len(self.bucket_params[index]) and self._started[index] is None:
+            self._start(index)
+            self.launched += 1
+
+    def _start(self, index: int) -> None:
+        self._started[index] = time.time()
+        self._launch(index)
+
+    def finish(self) -> bool:
+        """Launch what backward left, wait for every bucket and put the averages where the step reads them.
+        Returns False when not armed (the caller reduces the usual way)."""
+        if not self.active:
+            return False
+        self.active, self._armed, self._prepare = False, set(), None
+        for index, started in enumerate(self._started):
+            if started is None:
+                self._start(index)
+        self._complete()
+        return True
+
+    def _waited(self, index: int) -> None:
+        """Bucket ``index`` has been waited for: onto the timeline, if one is recording."""
+        recorder, started = active_recorder(), self._started[index]
+        if recorder is not None and started is not None:
+            recorder.events.append(TimelineEvent("reduce", -1, index, started, time.time()))
+
+    def _launch(self, index: int) -> None:
+        raise NotImplementedError
+
+    def _complete(self) -> None:
+        raise NotImplementedError
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+class BucketedReduction(HookedBuckets):
+    """Averages the gradients of ``params`` over ``group`` bucket by bucket during backward (ZeRO 0).
 
     Args:
         params: the trainable parameters whose gradients meet over ``group``.
@@ -71,71 +160,45 @@ class BucketedReduction:
         wire: torch.dtype | None = None,
         bucket_mb: float = DEFAULT_BUCKET_MB,
     ) -> None:
+        super().__init__(buckets_of(params, bucket_mb))
         self.group, self.divisor, self.wire = group, divisor, wire
-        self.buckets = [_Bucket(ps) for ps in buckets_of(params, bucket_mb)]
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self.armed = False
-        self.launched = 0  # buckets launched during backward in the last step (observability and tests)
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
+        self._flat: list[tuple[Tensor, Tensor, dist.Work] | None] = [None] * len(self.bucket_params)
 
-    def arm(self) -> None:
-        """The next backward is the last of the optimizer step: reduce its gradients as they come."""
-        for bucket in self.buckets:
-            bucket.ready.clear()
-            bucket.flat = bucket.wire = bucket.work = None
-        self.launched = 0
-        self.armed = True
+    @property
+    def buckets(self) -> list[list[nn.Parameter]]:
+        return self.bucket_params
 
-    def _on_grad(self, p: Tensor) -> None:
-        if not self.armed:
-            return
-        bucket = self._bucket_of[id(p)]
-        bucket.ready.add(id(p))
-        if len(bucket.ready) == len(bucket.params) and bucket.work is None:
-            self._launch(bucket)
-            self.launched += 1
-
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, index: int) -> None:
         grads = []
-        for p in bucket.params:
+        for p in self.bucket_params[index]:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # every rank contributes the same layout: a missing gradient is 0
             p.grad = placed_like(p, p.grad)
             grads.append(local(p.grad))
-        bucket.flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.divisor)
-        bucket.wire = bucket.flat.to(self.wire) if self.wire not in (None, bucket.flat.dtype) else bucket.flat
-        bucket.work = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.divisor)
+        wire = flat.to(self.wire) if self.wire not in (None, flat.dtype) else flat
+        self._flat[index] = (flat, wire, dist.all_reduce(wire, group=self.group, async_op=True))
 
-    def finish(self) -> bool:
-        """Launch what backward left, wait for every bucket and write the averages into the gradients. Returns
-        False when not armed (the caller reduces the usual way)."""
-        if not self.armed:
-            return False
-        self.armed = False
-        for bucket in self.buckets:
-            if bucket.work is None:
-                self._launch(bucket)
-        for bucket in self.buckets:
-            assert bucket.work is not None and bucket.flat is not None and bucket.wire is not None
-            bucket.work.wait()
-            if bucket.wire is not bucket.flat:
-                bucket.flat.copy_(bucket.wire)
+    def _complete(self) -> None:
+        for index, params in enumerate(self.bucket_params):
+            entry = self._flat[index]
+            assert entry is not None
+            flat, wire, work = entry
+            work.wait()
+            self._waited(index)
+            if wire is not flat:
+                flat.copy_(wire)
             offset = 0
-            for p in bucket.params:
+            for p in params:
                 g = local(p.grad)
-                g.copy_(bucket.flat[offset : offset + g.numel()].view_as(g))
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-            bucket.flat = bucket.wire = bucket.work = None
-        return True
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+            self._flat[index] = None
 
 
-def overlap_summary(reductions: Sequence[BucketedReduction]) -> dict[str, int]:
+def overlap_summary(reductions: Sequence[HookedBuckets]) -> dict[str, int]:
     """Buckets in all, and how many the last step launched during backward (the rest waited for ``finish``)."""
     if not reductions:
         return {}
-    buckets = sum(len(r.buckets) for r in reductions)
+    buckets = sum(len(r.bucket_params) for r in reductions)
     return {"buckets": buckets, "launched_in_backward": sum(r.launched for r in reductions)}

@@ -11,10 +11,10 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_parallel.parallel.data.overlap import BucketedReduction, overlap_summary
+from lightning_parallel.parallel.data.overlap import BucketedReduction, Prepare, overlap_summary
 from lightning_parallel.parallel.data.sharding import DataParallelSharding, trainable
 from lightning_parallel.parallel.dtensor import local, placed_like
 from lightning_parallel.parallel.expert.apply import is_expert_param
@@ -88,9 +88,15 @@ class Replicate(DataParallelSharding):
         reductions = [r for rs in self._overlap.values() for r in rs]
         return overlap_summary(reductions)
 
-    def before_last_backward(self, optimizer: Optimizer) -> None:
+    def before_last_backward(
+        self, optimizer: Optimizer, only: list[nn.Parameter] | None = None, prepare: Prepare | None = None
+    ) -> None:
         for reduction in self._overlap.get(id(optimizer), []):
-            reduction.arm()
+            reduction.arm(only, prepare)
+
+    def arm_more(self, optimizer: Optimizer, params: list[nn.Parameter], ready: bool = False) -> None:
+        for reduction in self._overlap.get(id(optimizer), []):
+            reduction.arm_more(params, ready)
 
     def reduce_gradients(self, optimizer: Optimizer) -> None:
         overlapped = [r.finish() for r in self._overlap.get(id(optimizer), [])]

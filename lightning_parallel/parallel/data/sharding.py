@@ -13,7 +13,7 @@ Adding a variant (HSDP, ZeRO++'s hpZ, ...): a subclass in a module of its own be
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -82,7 +82,7 @@ class DataParallelSharding:
         grad_compression: ``none``, ``bf16`` or ``fp16``: the dtype of the gradient reduction
             (:mod:`~lightning_parallel.parallel.data.compression`).
         overlap_grad_reduce, bucket_mb: reduce gradients in buckets of ``bucket_mb`` MB during backward
-            (:mod:`~lightning_parallel.parallel.data.overlap`; stages 0 and 1).
+            (:mod:`~lightning_parallel.parallel.data.overlap`; stages 0-2, also under pipelines).
         setting: how the user named this layout, for error messages.
     """
 
@@ -159,9 +159,24 @@ class DataParallelSharding:
         if self.sharded:
             check_shardable_optimizer(optimizer, self.setting)
 
-    def before_last_backward(self, optimizer: Optimizer) -> None:
-        """The next backward is the last of an optimizer step (not a micro-step of gradient accumulation, not a
-        pipeline's): a sharding that overlaps its reduction with backward arms its hooks here."""
+    def before_last_backward(
+        self,
+        optimizer: Optimizer,
+        only: list[nn.Parameter] | None = None,
+        prepare: Callable[[nn.Parameter], None] | None = None,
+    ) -> None:
+        """The next backward is the last of an optimizer step (not a micro-step of gradient accumulation): a
+        sharding that overlaps its reduction with backward arms its hooks here, for ``only`` these parameters
+        (None: all; a pipeline arms each stage's with :meth:`arm_more` before its last microbatch), each gradient
+        passed through ``prepare`` first (:mod:`~lightning_parallel.parallel.data.overlap`)."""
+
+    def arm_more(self, optimizer: Optimizer, params: list[nn.Parameter], ready: bool = False) -> None:
+        """Under a pipeline: these parameters' gradients are complete after the backward about to run; ``ready``:
+        that backward has run (a weight-only backward assigns gradients without autograd's hooks)."""
+
+    def settle_params(self) -> None:
+        """Wait for any parameter gather still in flight (ZeRO 1-2 with ``overlap_grad_reduce``): before anything
+        but the forward reads the parameters (checkpoints, the end of fit)."""
 
     def overlap_stats(self) -> dict[str, int]:
         """With ``overlap_grad_reduce``: the buckets, and how many of them the last step launched during backward."""

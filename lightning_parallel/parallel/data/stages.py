@@ -44,13 +44,13 @@ def check_zero_settings(stage: object, offload: object, *, name: str = "stage", 
 
 def make_sharding(config: ParallelConfig, mesh: ParallelMesh, setting: str = "") -> DataParallelSharding:
     """The sharding of ``config.zero_stage`` over the world's ``mesh`` (it picks the roles it shards over), with the
-    config's data-parallel settings. Overlap applies without pipelines only (their schedule runs the backward)."""
+    config's data-parallel settings."""
     return zero_stage(config.zero_stage).from_mesh(
         mesh,
         offload=config.offload,
         reshard_after_forward=config.reshard_after_forward,
         grad_compression=config.grad_compression,
-        overlap_grad_reduce=config.overlap_grad_reduce and config.pp == 1,
+        overlap_grad_reduce=config.overlap_grad_reduce,
         bucket_mb=config.bucket_mb,
         setting=setting,
     )

@@ -28,6 +28,11 @@ COMPUTE = ("F", "B", "I", "W")  # forward, full backward, input-gradient backwar
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#8FBC8F", "W": "#C44E52", "wait": "#DDDDDD"}
 
 
+# overlap_grad_reduce (parallel/data/overlap.py): a gradient bucket from its launch in backward to the end of its wait,
+# drawn as a thin bar under the boxes it overlaps; not compute, not a schedule wait: the bubble ignores it
+COLORS["reduce"] = "#DD8452"
+
+
 @dataclass
 class TimelineEvent:
     """One action of one rank: ``kind`` in COMPUTE or ``"wait"``; times in seconds since the epoch."""
@@ -191,10 +196,11 @@ def plot_timeline(timelines: Sequence[dict], path: str | Path, title: str = "") 
     for row, t in enumerate(rows):
         for e in t["events"]:
             start, width = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
-            wait = e["kind"] == "wait"
-            height = 0.3 if wait else 0.8
-            ax.broken_barh([(start, width)], (row - height / 2, height), facecolors=COLORS.get(e["kind"], "k"))
-            if not wait:
+            wait, reduce = e["kind"] == "wait", e["kind"] == "reduce"
+            height = 0.3 if wait else 0.12 if reduce else 0.8
+            bottom = row + 0.4 if reduce else row - height / 2  # a bucket's reduction: under the backward boxes
+            ax.broken_barh([(start, width)], (bottom, height), facecolors=COLORS.get(e["kind"], "k"))
+            if not (wait or reduce):
                 ax.text(start + width / 2, row, str(e["microbatch"]), ha="center", va="center", fontsize=7, color="w")
     fractions = bubble_fractions(timelines)
     ax.set_yticks(range(len(rows)))

@@ -57,19 +57,38 @@ class _Stage(PipelineStage):
         with recorder.action("F", self.stage_index, fwd_chunk_id):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
+    # Set by Pipeline: called with (stage index, False) just before the backward that completes the stage's weight
+    # gradients for the step (torch's ``last_backward``: the last microbatch's full or weight-only backward), and
+    # with (stage index, True) right after it (a weight-only backward assigns .grad without autograd's hooks).
+    on_last_backward: Callable[[int, bool], None] | None = None
+
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, **kwargs: Any) -> Any:
+        last = full_backward and kwargs.get("last_backward") and self.on_last_backward is not None
+        if last:
+            self.on_last_backward(self.stage_index, False)
         recorder = active_recorder()
         if recorder is None:
-            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, **kwargs)
-        with recorder.action("B" if full_backward else "I", self.stage_index, bwd_chunk_id):
-            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, **kwargs)
+            done = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, **kwargs)
+        else:
+            with recorder.action("B" if full_backward else "I", self.stage_index, bwd_chunk_id):
+                done = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, **kwargs)
+        if last:
+            self.on_last_backward(self.stage_index, True)
+        return done
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        last = kwargs.get("last_backward") and self.on_last_backward is not None
+        if last:
+            self.on_last_backward(self.stage_index, False)
         recorder = active_recorder()
         if recorder is None:
-            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
-        with recorder.action("W", self.stage_index, bwd_chunk_id):
-            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+            done = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        else:
+            with recorder.action("W", self.stage_index, bwd_chunk_id):
+                done = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        if last:
+            self.on_last_backward(self.stage_index, True)
+        return done
 
 
 def _signature(args: tuple, kwargs: dict, target: Any) -> tuple:
@@ -105,10 +124,17 @@ class Pipeline:
         self._schedules: dict[tuple, Any] = {}
         self._unscaled: dict[int, Tensor] = {}  # id(scaled loss) -> the microbatch's loss
         self._loss_scale = 1.0
+        # called with (a stage's index, False) just before its last microbatch's weight-gradient backward in
+        # train_step and with (index, True) after it (overlap_grad_reduce arms that stage's gradient buckets there)
+        self.on_last_backward: Callable[[int, bool], None] | None = None
 
     @property
     def holds_last_stage(self) -> bool:
         return self.split.num_stages - 1 in self.split.stages
+
+    def _last_backward(self, stage_index: int, done: bool) -> None:
+        if self.on_last_backward is not None:
+            self.on_last_backward(stage_index, done)
 
     def _microbatch_loss(self, output: Any, target: Any) -> Tensor:
         loss = self.loss_fn(output, target)
@@ -127,6 +153,8 @@ class Pipeline:
             loss_fn = None if mode == "forward" else self._microbatch_loss
             # scale_grads=False: the loss is scaled instead, so gradients accumulated before survive
             kw: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
+            for stage in stages:
+                stage.on_last_backward = self._last_backward
             sched = self.spec.build(stages, self.microbatches, **kw)
             self._schedules[key] = sched
         return self._schedules[key]

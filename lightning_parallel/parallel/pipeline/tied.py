@@ -53,6 +53,10 @@ class TiedGradients:
             skip = members if rank != holders[0] else members[1:]
             self._counted_elsewhere.update(id(p) for p in skip)
 
+    def params(self) -> list[nn.Parameter]:
+        """This rank's tied parameters: their gradients are summed over pp before the data-parallel reduction."""
+        return [p for names in self.tie_groups for p in self._members(names)]
+
     def excluded_from_norm(self) -> set[int]:
         """Ids of this rank's tied copies whose gradient another copy already counts."""
         if self._shapes is None:

@@ -1,0 +1,176 @@
+"""ZeRO 1 and 2 overlapped with compute: gradients reduced bucket by bucket during backward, and the updated
+parameters gathered bucket by bucket after the step, each waited for just before the forward uses it. Pure torch.
+
+A bucket is a contiguous range of one flat group's buffer (:class:`~.flat_zero.FlatGroup`): whole parameters,
+cut in reverse order (backward produces the last layers' gradients first) into runs of about ``bucket_mb``; the
+bucket at the end of the buffer also holds the padding. The flat layout, each rank owning one contiguous range,
+is the one the non-overlapped path and the checkpoints use: nothing about it changes.
+
+- Stage 1: the gradients are views into ``flat_grad``; a complete bucket's range of it is divided by the
+  data-parallel size and all-reduced in place (a copy when compressed), as the whole buffer is without overlap.
+- Stage 2: a complete bucket's gradients are added into a fresh buffer of the range and freed at once (ZeRO-2's
+  point); the buffer is divided, and each piece of it that falls in a rank's range is ``reduce``\\ d to that rank:
+  one or two reduces per bucket. Why not the alternatives: a reduce-scatter needs even splits (gloo has no
+  uneven ``reduce_scatter``), and buckets cut at even splits of every rank's range would each hold gradients
+  from both ends of the model, complete only at the end of backward; an all-reduce of the bucket and a local
+  slice would send twice the bytes. With reduces every rank sends each of its elements once, the bytes of the
+  reduce-scatter they replace (``ShardGradients.comm_factor`` holds).
+- After the step (both stages), each bucket's pieces are ``broadcast`` from their owners, async, first layers
+  first (the non-overlapped path all-gathers the whole buffer). A forward pre-hook on every module that holds
+  parameters of a bucket waits for that bucket; ``settle()`` waits for everything still in flight and is called
+  before the next reduction and the step, before checkpoints are written or read, and at the end of fit. The
+  values are copies: bitwise the all-gather's.
+
+The sums are elementwise those of the non-overlapped reduction (the same additions into zeros, the same division
+before the collective): bitwise equal at 2 ranks; at more, a ring orders each element's additions by where it
+sits in the buffer, so within float rounding of the one flat collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_parallel.parallel.data.overlap import HookedBuckets, buckets_of
+from lightning_parallel.parallel.dtensor import like, local, placed_like
+
+if TYPE_CHECKING:
+    from lightning_parallel.parallel.data.flat_zero import FlatGroup
+
+
+class FlatBuckets(HookedBuckets):
+    """One flat group's gradients reduced, and its parameters gathered, bucket by bucket.
+
+    Args:
+        fg: the flat group (its buffers, offsets, group and this rank's range).
+        stage: 1 (gradients all-reduced into ``flat_grad``) or 2 (reduced to their owners, then freed).
+        wire: the dtype the gradients travel in (gradient compression), None for their own.
+        bucket_mb: bucket size in MB.
+    """
+
+    def __init__(self, fg: FlatGroup, stage: int, wire: torch.dtype | None, bucket_mb: float) -> None:
+        super().__init__(buckets_of(fg.params, bucket_mb))
+        self.fg, self.stage = fg, stage
+        offset = {id(p): off for p, off in zip(fg.params, fg.offsets)}
+        self.wire = wire if wire not in (None, fg.flat_param.dtype) else None
+        self.ranges = []  # each bucket's [lo, hi) in the flat buffer
+        for params in self.bucket_params:
+            lo = min(offset[id(p)] for p in params)
+            hi = max(offset[id(p)] + local(p).numel() for p in params)
+            self.ranges.append((lo, hi))
+        last = max(range(len(self.ranges)), key=lambda i: self.ranges[i][1])
+        self.ranges[last] = (self.ranges[last][0], fg.flat_param.numel())  # the padding travels with the end
+        self._sent: list[tuple[Tensor, Tensor, list[dist.Work]] | None] = [None] * len(self.ranges)
+        self._gathers: list[list[dist.Work]] = [[] for _ in self.ranges]
+
+    def pieces(self, index: int) -> list[tuple[int, int, int]]:
+        """(owner's rank in the group, lo, hi) of every piece of bucket ``index`` in one rank's range."""
+        lo, hi = self.ranges[index]
+        n, out = self.fg.shard_numel, []
+        for owner in range(lo // n, -(-hi // n)):
+            a, b = max(lo, owner * n), min(hi, (owner + 1) * n)
+            if a < b:
+                out.append((owner, a, b))
+        return out
+
+    # ----- gradients -----
+
+    def _launch(self, index: int) -> None:
+        fg, (lo, hi) = self.fg, self.ranges[index]
+        params = self.bucket_params[index]
+        if self.stage == 1:
+            assert fg.flat_grad is not None
+            flat = fg.flat_grad[lo:hi]
+        else:
+            flat = torch.zeros(hi - lo, dtype=fg.flat_param.dtype, device=fg.flat_param.device)
+        base = fg.flat_grad if self.stage == 1 else None
+        for p, view in self._views(params, flat, lo):
+            if p.grad is not None and local(p.grad).data_ptr() != view.data_ptr():
+                view.add_(local(placed_like(p, p.grad)))  # a gradient autograd allocated itself
+            p.grad = like(p, view) if base is not None else None  # stage 2: the full gradient is freed
+        flat.div_(fg.divisor)  # divide first: the sum stays in range for low-precision gradients
+        sent = flat.to(self.wire) if self.wire is not None else flat
+        if self.stage == 1:
+            works = [dist.all_reduce(sent, group=fg.group, async_op=True)]
+        else:
+            works = [
+                dist.reduce(sent[a - lo : b - lo], group_dst=owner, group=fg.group, async_op=True)
+                for owner, a, b in self.pieces(index)
+            ]
+        self._sent[index] = (flat, sent, works)
+
+    def _views(self, params: list[nn.Parameter], flat: Tensor, lo: int) -> Iterable[tuple[nn.Parameter, Tensor]]:
+        offsets = dict(zip(map(id, self.fg.params), self.fg.offsets))
+        for p in params:
+            shard = local(p)
+            start = offsets[id(p)] - lo
+            yield p, flat[start : start + shard.numel()].view(shard.shape)
+
+    def _complete(self) -> None:
+        fg = self.fg
+        start, end = fg.local_range()
+        if self.stage == 1:
+            assert fg.flat_grad is not None
+            grad = fg.flat_grad[start:end]  # the views were averaged in place, bucket by bucket
+        else:
+            grad = torch.empty(end - start, dtype=fg.flat_param.dtype, device=fg.flat_param.device)
+        for index, (lo, _) in enumerate(self.ranges):
+            entry = self._sent[index]
+            assert entry is not None
+            flat, sent, works = entry
+            for work in works:
+                work.wait()
+            self._waited(index)
+            if self.stage == 1:
+                if sent is not flat:
+                    flat.copy_(sent)
+            else:
+                for owner, a, b in self.pieces(index):
+                    if owner == fg.rank:
+                        grad[a - start : b - start].copy_(sent[a - lo : b - lo])
+            self._sent[index] = None
+        fg.shard.grad = grad.to(fg.shard.device)  # offload: onto the host, where the step runs
+
+    # ----- parameters -----
+
+    def gather(self) -> None:
+        """After the step: broadcast each bucket's pieces from their owners, first layers first (async)."""
+        self.settle()
+        for index in sorted(range(len(self.ranges)), key=lambda i: self.ranges[i][0]):
+            self._gathers[index] = [
+                dist.broadcast(self.fg.flat_param[a:b], group_src=owner, group=self.fg.group, async_op=True)
+                for owner, a, b in self.pieces(index)
+            ]
+
+    def wait_gather(self, index: int) -> None:
+        works, self._gathers[index] = self._gathers[index], []
+        for work in works:
+            work.wait()
+
+    def settle(self) -> None:
+        """Wait for every parameter gather still in flight."""
+        for index in range(len(self._gathers)):
+            self.wait_gather(index)
+
+    def wait_before_forward(self, modules: Iterable[nn.Module]) -> list[RemovableHandle]:
+        """A forward pre-hook on every module of ``modules`` that holds parameters of these buckets (its own, not
+        its children's): it waits for their gathers."""
+        handles = []
+        for module in modules:
+            mine = sorted({self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index})
+            if mine:
+                handles.append(module.register_forward_pre_hook(self._pre_forward(mine)))
+        return handles
+
+    def _pre_forward(self, indices: list[int]):  # noqa: ANN202
+        def hook(module: nn.Module, args: object) -> None:
+            for index in indices:
+                if self._gathers[index]:
+                    self.wait_gather(index)
+
+        return hook
