@@ -72,8 +72,10 @@ class ParallelConfig:
         pp_virtual_stages: stages per rank for ``interleaved_1f1b`` (default 2).
         sequence_parallel: also split norms and the residual stream along the sequence over tp.
         grad_compression: the dtype the data-parallel gradient reduction travels in: ``none``, ``bf16``, ``fp16``.
-        overlap_grad_reduce: ZeRO 0 and 1 reduce gradients bucket by bucket during the last backward of each step
-            instead of once after it (ZeRO-3's FSDP2 overlaps by itself; ZeRO-2 and pipelines reduce after).
+        overlap_grad_reduce: ZeRO 0-2 reduce gradients bucket by bucket during the last backward of each step
+            instead of once after it (under pp: during each stage's last microbatch), and ZeRO 1-2 gather the
+            updated parameters bucket by bucket, each waited for by the forward that uses it (ZeRO-3's FSDP2
+            overlaps by itself).
         bucket_mb: the buckets' size in MB for ``overlap_grad_reduce``.
         compile: ``torch.compile`` each layer (the pipeline layers, else the repeated blocks) after tensor
             parallelism and activation checkpointing, before data-parallel sharding (torchtitan's per-block way).
@@ -176,10 +178,10 @@ class ParallelConfig:
             raise ValueError(f"bucket_mb={bucket!r} is not a size: set it to a positive number of megabytes (25).")
         if not self.overlap_grad_reduce and self.bucket_mb != ParallelConfig.bucket_mb:
             warn("bucket_mb only applies with overlap_grad_reduce=True: ignored.")
-        if self.overlap_grad_reduce and (self.zero_stage >= 2 or self.pp > 1):
+        if self.overlap_grad_reduce and self.zero_stage == 3:
             warn(
-                f"overlap_grad_reduce=True overlaps ZeRO 0 and 1 without pipelines; with zero_stage={self.zero_stage} "
-                f"and pp={self.pp} gradients are reduced after backward (ZeRO-3's FSDP2 overlaps by itself)."
+                "overlap_grad_reduce=True applies to zero_stage 0-2: ignored with zero_stage=3, whose FSDP2 overlaps "
+                "its reduce-scatters by itself. Set overlap_grad_reduce=False to silence this."
             )
         if self.sequence_parallel and self.tp == 1:
             warn(

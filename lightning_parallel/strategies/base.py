@@ -324,6 +324,8 @@ class MeshStrategy(DistributedMixin, ShardedCheckpointing, ParallelStrategy):
         def closure_then_reduce() -> Any:
             if self._pipelined is None:  # this closure's backward is the step's last: reduce as it goes
                 self.sharding.before_last_backward(raw)
+            else:  # the schedule arms each stage's buckets before its last microbatch's backward
+                self._pipelined.arm_last_backward(self.sharding, raw)
             result = closure()
             self._after_backward(raw)
             return result
@@ -378,6 +380,10 @@ class MeshStrategy(DistributedMixin, ShardedCheckpointing, ParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
+
+    @override
+    def on_train_end(self) -> None:
+        self.sharding.settle_params()  # overlap_grad_reduce: the last step's gathers land before anyone reads
 
     @override
     def teardown(self) -> None:
