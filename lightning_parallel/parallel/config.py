@@ -19,6 +19,7 @@ from typing import Any
 
 from lightning_parallel.parallel.activation_checkpoint import check_activation_checkpointing
 from lightning_parallel.parallel.data.compression import check_grad_compression
+from lightning_parallel.parallel.data.powersgd import check_powersgd_settings
 from lightning_parallel.parallel.data.stages import check_zero_settings, zero_stage
 from lightning_parallel.parallel.mesh import ParallelDims, check_degree
 from lightning_parallel.parallel.pipeline.schedules import ScheduleSpec, schedule_spec
@@ -71,7 +72,9 @@ class ParallelConfig:
         pp_memory_budget: with ``pp_balance="profile"``, the most bytes one stage may hold. None: no limit.
         pp_virtual_stages: stages per rank for ``interleaved_1f1b`` (default 2).
         sequence_parallel: also split norms and the residual stream along the sequence over tp.
-        grad_compression: the dtype the data-parallel gradient reduction travels in: ``none``, ``bf16``, ``fp16``.
+        grad_compression: how the data-parallel gradient reduction travels: ``none``, ``bf16``, ``fp16`` (its dtype)
+            or ``powersgd`` (rank-``powersgd_rank`` factors of each gradient matrix, with error feedback).
+        powersgd_rank: the rank of PowerSGD's factors (more: closer to the uncompressed gradient, more bytes).
         overlap_grad_reduce: ZeRO 0-2 reduce gradients bucket by bucket during the last backward of each step
             instead of once after it (under pp: during each stage's last microbatch), and ZeRO 1-2 gather the
             updated parameters bucket by bucket, each waited for by the forward that uses it (ZeRO-3's FSDP2
@@ -100,6 +103,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     activation_checkpointing: str = "none"
     grad_compression: str = "none"
+    powersgd_rank: int = 4
     overlap_grad_reduce: bool = False
     bucket_mb: float = 25.0
     compile: bool = False
@@ -173,6 +177,14 @@ class ParallelConfig:
         check_grad_compression(self.grad_compression)
         check_flag("overlap_grad_reduce", self.overlap_grad_reduce)
         check_flag("compile", self.compile)
+        check_powersgd_settings(
+            self.grad_compression,
+            self.powersgd_rank,
+            zero_stage=self.zero_stage,
+            ep=self.ep,
+            overlap=self.overlap_grad_reduce,
+            warn=warn,
+        )
         bucket = self.bucket_mb
         if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or bucket <= 0:
             raise ValueError(f"bucket_mb={bucket!r} is not a size: set it to a positive number of megabytes (25).")

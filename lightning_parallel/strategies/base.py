@@ -37,6 +37,7 @@ from typing_extensions import override
 from lightning_parallel import _compat
 from lightning_parallel.parallel.clip import clip_grad_norm_
 from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.data.powersgd import embedding_weights
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.data.sync_batchnorm import convert_sync_batchnorm
 from lightning_parallel.parallel.expert.aux import aux_loss_scale
@@ -194,6 +195,8 @@ class MeshStrategy(DistributedMixin, ShardedCheckpointing, ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.sharding.powersgd is not None:  # embeddings' gradients travel whole (powersgd.py says why)
+                self.sharding.powersgd.keep_whole(embedding_weights(self.model))
             for optimizer in self.optimizers:
                 self.sharding.shard_optimizer(optimizer)
         self.setup_precision_plugin()

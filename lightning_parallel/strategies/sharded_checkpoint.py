@@ -32,6 +32,7 @@ from lightning_parallel.parallel.checkpoint.sharded import (
     model_state,
     optimizer_load_targets,
     optimizer_state,
+    param_names,
 )
 from lightning_parallel.parallel.data.flat_zero import FlatZero
 
@@ -56,6 +57,9 @@ def save(
     optimizers = strategy.optimizers if checkpoint.pop("optimizer_states", None) is not None else []
     for i, optimizer in enumerate(optimizers):
         tensors.update(optimizer_state(model, optimizer, i, order, flat_zero[i]))
+    powersgd = strategy.sharding.powersgd if optimizers else None
+    if powersgd is not None:  # Q and the dp-mean error of each matrix (collective over the dp ranks)
+        tensors.update(powersgd.state_dict(_first_names(model), strategy.sharding.group))
     meta = None
     if strategy.is_global_zero:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,6 +135,10 @@ def _previous_checkpoint(path: Path) -> Path | None:
     return max(around, key=lambda p: p.stat().st_mtime, default=None)
 
 
+def _first_names(model: nn.Module) -> dict[int, str]:
+    return {pid: names[0] for pid, names in param_names(model).items()}
+
+
 def _all_gather(strategy: Any, obj: Any) -> list[Any]:
     if strategy.world_size == 1 or not dist.is_initialized():
         return [obj]
@@ -160,7 +168,11 @@ def load(strategy: Any, path: str | Path, flat_zero: list[FlatZero | None]) -> d
         opt_targets, states = optimizer_load_targets(model, optimizer, i, saved, flat_zero[i])
         targets.update(opt_targets)
         installs.append((optimizer, states, saved_optimizers[i]["param_groups"]))
-    checkpoint_io.load_sharded(path, targets)
+    powersgd = strategy.sharding.powersgd if optimizers else None
+    extra = powersgd.load_targets(_first_names(model), saved) if powersgd is not None else {}
+    checkpoint_io.load_sharded(path, {**targets, **extra})
+    if powersgd is not None:
+        powersgd.load_state(_first_names(model), extra)
     for flat in flat_zero:
         if flat is not None:
             flat.reload_offloaded()  # the host copy of this rank's slice is what the optimizer steps

@@ -18,6 +18,7 @@ ZERO_SETTINGS = (
     "reshard_after_forward",
     "activation_checkpointing",
     "grad_compression",
+    "powersgd_rank",
     "overlap_grad_reduce",
     "bucket_mb",
     "compile",
@@ -40,8 +41,8 @@ class ZeroStrategy(MeshStrategy):
             or ``"selective"`` (keep matmul, conv and attention outputs, recompute the rest). The layers are the
             module's ``pipeline_layers()`` if it has them, else its repeated blocks.
         **settings: the other ParallelConfig settings a ZeRO layout has (:data:`ZERO_SETTINGS`:
-            ``grad_compression``, ``overlap_grad_reduce``, ``bucket_mb``, ``compile``); any other setting
-            (pp, tp, ...) is refused with the fix.
+            ``grad_compression``, ``powersgd_rank``, ``overlap_grad_reduce``, ``bucket_mb``, ``compile``); any other
+            setting (pp, tp, ...) is refused with the fix.
         Lightning's arguments are passed to :class:`~lightning_parallel.strategies.base.MeshStrategy`
             (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``process_group_backend``,
             ``timeout``, ``checkpoint_format``, ...).

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import torch
 
-GRAD_COMPRESSION: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# powersgd: low-rank factors of each gradient matrix (parallel/data/powersgd.py), the rest in fp32
+GRAD_COMPRESSION: dict[str, torch.dtype | None] = {
+    "none": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "powersgd": None,
+}
 
 
 def check_grad_compression(value: object, name: str = "grad_compression") -> None:

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from lightning_parallel._compat import set_local_tensor
 from lightning_parallel.parallel.data.flat_overlap import FlatBuckets
 from lightning_parallel.parallel.data.overlap import Prepare, overlap_summary
+from lightning_parallel.parallel.data.powersgd import PowerSGD
 from lightning_parallel.parallel.data.sharding import DataParallelSharding, GradPiece
 from lightning_parallel.parallel.dtensor import like, local, placed_like, split_axes
 from lightning_parallel.parallel.expert.apply import is_expert_param
@@ -105,6 +106,7 @@ class FlatZero:
         expert_group: dist.ProcessGroup | None = None,
         wire_dtype: torch.dtype | None = None,
         overlap_bucket_mb: float | None = None,
+        powersgd: PowerSGD | None = None,
     ) -> None:
         assert stage in (1, 2) and not (offload and stage == 1)
         self.optimizer = optimizer
@@ -113,6 +115,7 @@ class FlatZero:
         self.stage = stage
         self.offload = offload
         self.wire_dtype = wire_dtype  # gradient compression: the dtype of the reduction (None: the gradients' own)
+        self.powersgd = powersgd  # grad_compression="powersgd": reduces each flat group's views (powersgd.py)
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         # index of every parameter the optimizer held, in torch's state_dict numbering
@@ -210,8 +213,13 @@ class FlatZero:
                     p.grad = like(p, view)
                 else:
                     p.grad = None  # stage 2: the full gradient is freed once reduced
-            flat.div_(fg.divisor)  # divide first: the sum stays in range for low-precision gradients
             start, end = fg.local_range()
+            if self.powersgd is not None:  # every view averaged in place (matrices by their factors): take the slice
+                self.powersgd.reduce(list(fg.views(flat)), fg.group, fg.divisor)
+                grad = flat[start:end] if fg.flat_grad is not None else flat[start:end].clone()
+                fg.shard.grad = grad.to(fg.shard.device) if self.offload else grad
+                continue
+            flat.div_(fg.divisor)  # divide first: the sum stays in range for low-precision gradients
             wire = self.wire_dtype if self.wire_dtype not in (None, flat.dtype) else None
             sent = flat.to(wire) if wire is not None else flat
             if fg.flat_grad is not None:
@@ -309,6 +317,7 @@ class FlatSharding(DataParallelSharding):
             expert_group=self.expert_group,
             wire_dtype=self.wire_dtype,
             overlap_bucket_mb=self.bucket_mb if self.overlap_grad_reduce else None,
+            powersgd=self.powersgd,
         )
 
     def before_last_backward(

@@ -20,6 +20,18 @@ from lightning_parallel.parallel.dtensor import local, placed_like
 from lightning_parallel.parallel.expert.apply import is_expert_param
 
 
+def local_grads(params: Iterable[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """(parameter, its local gradient) for every parameter; a missing gradient becomes zeros (every rank must
+    contribute the same layout), a DTensor one is placed like its parameter first (e.g. Partial over tp)."""
+    out = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        p.grad = placed_like(p, p.grad)
+        out.append((p, local(p.grad)))
+    return out
+
+
 def all_reduce_gradients(
     params: Iterable[Tensor],
     group: dist.ProcessGroup,
@@ -34,12 +46,7 @@ def all_reduce_gradients(
     if world == 1 and divisor == 1:
         return
     by_dtype: dict[torch.dtype, list[Tensor]] = defaultdict(list)
-    for p in params:
-        if p.grad is None:
-            # every rank must contribute the same buffer layout, so a missing gradient becomes zeros
-            p.grad = torch.zeros_like(p)
-        p.grad = placed_like(p, p.grad)  # e.g. Partial over tp: reduce it first
-        grad = local(p.grad)
+    for _, grad in local_grads(params):
         by_dtype[grad.dtype].append(grad)
     for dtype in sorted(by_dtype, key=str):
         grads = by_dtype[dtype]
@@ -103,7 +110,11 @@ class Replicate(DataParallelSharding):
         if overlapped and all(overlapped):
             return  # reduced bucket by bucket during backward
         params = trainable(optimizer)
-        all_reduce_gradients([p for p in params if not is_expert_param(p)], self.group, wire=self.wire_dtype)
+        plain = [p for p in params if not is_expert_param(p)]
+        if self.powersgd is not None:  # matrices as low-rank factors, the rest whole (powersgd.py; ep=1 only)
+            self.powersgd.reduce(local_grads(plain), self.group, self.data_parallel_size)
+        else:
+            all_reduce_gradients(plain, self.group, wire=self.wire_dtype)
         experts = [p for p in params if is_expert_param(p)]
         if experts:
             divisor = self.data_parallel_size

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_parallel.parallel.data.compression import wire_dtype
+from lightning_parallel.parallel.data.powersgd import PowerSGD
 from lightning_parallel.parallel.dtensor import local, split_axes
 from lightning_parallel.parallel.mesh import ParallelMesh
 
@@ -80,7 +81,8 @@ class DataParallelSharding:
         offload: keep the sharded states on the host (stages that allow it).
         reshard_after_forward: stage 3's FSDP2 setting.
         grad_compression: ``none``, ``bf16`` or ``fp16``: the dtype of the gradient reduction
-            (:mod:`~lightning_parallel.parallel.data.compression`).
+            (:mod:`~lightning_parallel.parallel.data.compression`); ``powersgd``: low-rank factors of each gradient
+            matrix (:mod:`~lightning_parallel.parallel.data.powersgd`, stages 0-2), of rank ``powersgd_rank``.
         overlap_grad_reduce, bucket_mb: reduce gradients in buckets of ``bucket_mb`` MB during backward
             (:mod:`~lightning_parallel.parallel.data.overlap`; stages 0-2, also under pipelines).
         setting: how the user named this layout, for error messages.
@@ -100,6 +102,7 @@ class DataParallelSharding:
         offload: bool = False,
         reshard_after_forward: bool = True,
         grad_compression: str = "none",
+        powersgd_rank: int = 4,
         overlap_grad_reduce: bool = False,
         bucket_mb: float = 25.0,
         setting: str = "",
@@ -108,6 +111,8 @@ class DataParallelSharding:
         self.overlap_grad_reduce, self.bucket_mb = overlap_grad_reduce, bucket_mb
         self.grad_compression = grad_compression
         self.wire_dtype = wire_dtype(grad_compression)  # the dtype gradients are reduced in (None: their own)
+        # powersgd: the factors' state (Q and error per matrix), kept across steps and in checkpoints
+        self.powersgd = PowerSGD(powersgd_rank) if grad_compression == "powersgd" else None
         self.mesh = mesh
         # expert parameters (split over ep) meet over the ranks holding the same experts; their gradient is
         # divided by the whole data-parallel degree all the same (each expert saw the tokens of its ep group)
@@ -158,6 +163,8 @@ class DataParallelSharding:
         """Take a fresh optimizer from ``configure_optimizers`` (stages 1-2 re-point it at a slice)."""
         if self.sharded:
             check_shardable_optimizer(optimizer, self.setting)
+        if self.powersgd is not None:
+            self.powersgd.track(trainable(optimizer))
 
     def before_last_backward(
         self,

@@ -50,6 +50,7 @@ def make_sharding(config: ParallelConfig, mesh: ParallelMesh, setting: str = "")
         offload=config.offload,
         reshard_after_forward=config.reshard_after_forward,
         grad_compression=config.grad_compression,
+        powersgd_rank=config.powersgd_rank,
         overlap_grad_reduce=config.overlap_grad_reduce,
         bucket_mb=config.bucket_mb,
         setting=setting,

@@ -1,0 +1,130 @@
+"""Worker: PowerSGD on the data-parallel reduction of ZeRO 0 and 2, pure torch (no Lightning); writes rank<N>.json.
+
+Run by tests/harness.py on N processes (torchrun's environment). A small net (an embedding, three linear layers,
+a LayerNorm) learns a token mapping; each rank trains on its slice of the same global batch with AdamW through the
+sharding's ``shard_optimizer`` / ``reduce_gradients``. Per stage (0, 2), recorded on every rank:
+
+- ``full_rank_zero<s>``: PowerSGD factoring every matrix at full rank against one process on the global batch
+  (built and trained in this rank too): the largest relative loss difference and parameter difference;
+- ``low_rank_zero<s>`` and ``uncompressed_zero<s>``: rank 2 and plain, their losses and the payload bytes the
+  gradient reduction moves in one step (counted at the dispatcher); ``expected_bytes``: P + Q + the rest, fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightning_parallel.parallel.data.stages import zero_stage
+from lightning_parallel.parallel.measure.comm_volume import CommCounter
+from lightning_parallel.parallel.shutdown import release_process_groups
+
+VOCAB, WIDTH, GLOBAL_BATCH, STEPS = 32, 48, 16, 10
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 24)
+        self.up = nn.Linear(24, WIDTH)
+        self.mid = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B,) -> (B, VOCAB)
+        h = torch.relu(self.up(self.embed(x)))
+        return self.head(self.norm(torch.relu(self.mid(h))))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randint(0, VOCAB, (GLOBAL_BATCH,), generator=torch.Generator().manual_seed(step))
+    return x, (7 * x + 3) % VOCAB
+
+
+def fresh(sgd: bool) -> tuple[Net, torch.optim.Optimizer]:
+    """SGD for parity: Adam's first steps turn a rounding-level gradient (1e-9 where the plain sum is exactly 0,
+    the embedding rows of tokens not in the batch) into a step of lr * 1e-3."""
+    torch.manual_seed(0)
+    net = Net()
+    if sgd:
+        return net, torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
+    return net, torch.optim.AdamW(net.parameters(), lr=1e-2, eps=1e-6)
+
+
+def train(stage: int, compression: str, rank_: int, compress_all: bool, steps: int) -> dict:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    sharding = zero_stage(stage)(mesh, grad_compression=compression, powersgd_rank=rank_, setting=f"zero{stage}")
+    if sharding.powersgd is not None:
+        sharding.powersgd.compress_all = compress_all
+    net, optimizer = fresh(sgd=compress_all)
+    sharding.shard_optimizer(optimizer)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    losses, reduce_bytes, expected = [], 0, 0
+    for step in range(steps):
+        x, y = batch(step)
+        mine = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+        loss = nn.functional.cross_entropy(net(x[mine]), y[mine])
+        loss.backward()
+        if step == 1:
+            grads = [p.grad for p in net.parameters()]
+            expected = sharding.powersgd.bytes_per_step(grads) if sharding.powersgd is not None else 0
+            with CommCounter() as counter:
+                sharding.reduce_gradients(optimizer)
+            reduce_bytes = sum(row["payload_bytes"] for row in counter.by_kind().values())
+        else:
+            sharding.reduce_gradients(optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    return {"losses": losses, "all_reduce_bytes": reduce_bytes, "expected_bytes": expected, "params": params}
+
+
+def reference(steps: int) -> dict:
+    net, optimizer = fresh(sgd=True)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in net.named_parameters()}}
+
+
+def compare(got: dict, want: dict) -> dict:
+    loss_diff = max(abs(g - w) / abs(w) for g, w in zip(got["losses"], want["losses"]))
+    param_diff = max((got["params"][n] - p).abs().max().item() for n, p in want["params"].items())
+    return {"loss_diff": loss_diff, "param_diff": param_diff, "losses": got["losses"], "want": want["losses"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    results = {}
+    want = reference(STEPS)
+    for stage in (0, 2):
+        results[f"full_rank_zero{stage}"] = compare(train(stage, "powersgd", 64, True, STEPS), want)
+        for label, compression in (("low_rank", "powersgd"), ("uncompressed", "none")):
+            run = train(stage, compression, 2, False, 3 * STEPS)
+            results[f"{label}_zero{stage}"] = {k: v for k, v in run.items() if k != "params"}
+    rank = int(os.environ["RANK"])
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results))
+    release_process_groups()
+
+
+if __name__ == "__main__":
+    main()
