@@ -157,6 +157,24 @@ STRATEGY_CASES = [
         "Set overlap_grad_reduce=False",
     ),
     Case("grad-compression-unknown", zero(stage=2, grad_compression="int8"), "grad_compression='int8'", "'bf16'"),
+    Case(
+        "powersgd-rank-zero",
+        zero(stage=2, grad_compression="powersgd", powersgd_rank=0),
+        "powersgd_rank=0",
+        "a positive integer",
+    ),
+    Case(
+        "powersgd-with-zero3",
+        zero(stage=3, grad_compression="powersgd"),
+        "zero_stage=3 (zero3)",
+        "zero_stage=2 (zero2)",
+    ),
+    Case(
+        "powersgd-with-overlap",
+        hybrid(grad_compression="powersgd", overlap_grad_reduce=True),
+        "grad_compression='powersgd' reduces once after backward",
+        "set overlap_grad_reduce=False",
+    ),
     Case("moe-top-k-above-experts", lambda ctx: raised(lambda: MoE(8, 16, 4, top_k=5)), "top_k=5", "k <= the experts"),
     Case(
         "moe-capacity-zero",
