@@ -119,6 +119,10 @@ SLOW_LAYOUTS = [
     Layout(2, "cp=2,zero_stage=3"),
     Layout(4, "dp=2,cp=2,zero_stage=1", dp=2),
     Layout(2, "cp=2,activation_checkpointing=full"),
+    Layout(4, "cp=2,tp=2,sequence_parallel=1", tp=2),
+    Layout(4, "dp=2,cp=2,zero_stage=2", dp=2),
+    Layout(8, "pp=2,cp=2,tp=2,zero_stage=1,microbatches=2", tp=2),
+    Layout(8, "dp=2,cp=2,tp=2,zero_stage=3,cp_mode=ulysses", dp=2, tp=2),
 ]
 
 
@@ -191,3 +195,35 @@ def test_long_sequence_recipe_halves_activations_and_sends_the_ring_bytes(tmp_pa
         sent = comm["send"]["sent_bytes"]
         print(f"rank {rank}: ring sent {sent:.0f} bytes, theory {want}")
         assert sent == pytest.approx(want, rel=0.05), (rank, comm)
+
+
+# ----- checkpoints: parameters are replicated over cp, saved under single-process names -----
+
+EPOCH, RESUMED_STEPS = 5, 2
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_cp2_resumes_at_dp2_under_ulysses_and_in_one_process(tmp_path, tmp_path_factory):
+    saved, plain = tmp_path / "cp2.ckpt", tmp_path / "plain.ckpt"
+    save = {"name": "save", "steps": EPOCH, "epoch_steps": EPOCH}
+    runs = {
+        "cp2": (2, "hybrid3d:cp=2,zero_stage=1", [{**save, "save": str(saved)}]),
+        "plain": (1, "auto", [{**save, "save": str(plain)}]),
+    }
+    saves = Batch(tmp_path_factory, runs, tag="cp-save")
+    assert_same_losses(saves["cp2"].losses("save"), saves["plain"].losses("save"), "cp=2 before saving")
+
+    def resume(ckpt):
+        return [{"name": "resume", "steps": EPOCH + RESUMED_STEPS, "epoch_steps": EPOCH, "resume": str(ckpt)}]
+
+    layouts = {
+        "dp2": (2, "hybrid3d:dp=2", resume(saved)),
+        "cp2-ulysses-zero3": (2, "hybrid3d:cp=2,cp_mode=ulysses,zero_stage=3", resume(saved)),
+        "one-process": (1, "hybrid3d", resume(saved)),
+    }
+    resumed = Batch(tmp_path_factory, {**layouts, "reference": (1, "auto", resume(plain))}, tag="cp-resume")
+    want = resumed["reference"].losses("resume")
+    assert len(want) == RESUMED_STEPS
+    for label in layouts:  # every rank's local mean: dp ranks' samples, or cp ranks' halves of the same samples
+        assert_same_losses(resumed[label].losses("resume"), want, f"cp=2 checkpoint resumed by {label}")
+        assert_same_params(resumed[label].params("resume"), resumed["reference"].params("resume"), label)
