@@ -1,7 +1,7 @@
 """``make bench``'s speed-settings section: overlapped gradient reduction, gradient compression and compiled layers,
 each measured against its baseline in the same run, on the GPT bench model at world 2.
 
-- Overlap: hybrid3d dp=2 (ZeRO 0) and zero1, ``overlap_grad_reduce`` off, on (default 25 MB buckets: the bench
+- Overlap: hybrid3d dp=2 (ZeRO 0), zero1 and zero2, ``overlap_grad_reduce`` off, on (default 25 MB buckets: the bench
   model's 3.2 MiB of gradients make one bucket) and on with 1 MB buckets; launches interleaved per strategy.
 - Compression: hybrid3d dp=2 with ``grad_compression`` none, bf16, fp16, interleaved: the all_reduce payload of the
   counted step and the step time; then one 200-step GPT recipe run each (``model=gpt_tiny``, default data) for the
@@ -26,7 +26,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
-OVERLAP = ("hybrid3d", "zero1")
+OVERLAP = ("hybrid3d", "zero1", "zero2")
 OVERLAP_SETTINGS = {
     "off": "",
     "on": "overlap_grad_reduce=true",

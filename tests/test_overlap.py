@@ -9,26 +9,31 @@ all but those holding a weight tied across stages, which meets over pp after the
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import Batch
+from harness import run_distributed
 
 CASES = [{"name": "plain", "steps": 10}, {"name": "accumulate", "steps": 10, "accumulate": 2, "clip": 0.05}]
-SHORT = [{"name": "accumulate", "steps": 6, "accumulate": 2, "clip": 0.05}]
+SHORT = [{"name": "accumulate", "steps": 4, "accumulate": 2, "clip": 0.05}]
 # fit with checkpoints on a metric and a logger, then test and predict: the parameters the gathers of the last
 # step bring must be waited for by the checkpoint writer, the end of fit and the test's forward
-FEATURES = [{"name": "features", "steps": 4, "features": True}]
+FEATURES = [{"name": "features", "steps": 3, "features": True}]
 OVERLAP = ",overlap_grad_reduce=1,bucket_mb=0.05"  # small buckets: the tiny GPT's 0.2 MB in several
 PP = "pp=2,dp=2,microbatches=2,pp_schedule="
 LAYOUTS = {  # label: (world, strategy, cases, bitwise)
     "dp2-zero0": (2, "hybrid3d:dp=2", CASES, True),
-    "dp2-zero1": (2, "hybrid3d:dp=2,zero_stage=1", CASES + FEATURES, True),
-    "dp2-zero2": (2, "hybrid3d:dp=2,zero_stage=2", CASES + FEATURES, True),
+    "dp2-zero1": (2, "hybrid3d:dp=2,zero_stage=1", CASES, True),
+    "dp2-zero2": (2, "hybrid3d:dp=2,zero_stage=2", SHORT + FEATURES, True),
     "dp2-tp2-zero0": (4, "hybrid3d:dp=2,tp=2", CASES, True),  # DTensor gradients, placed before they travel
     "dp4-zero1": (4, "hybrid3d:dp=4,zero_stage=1", CASES, False),
     "pp2-dp2-zero1-1f1b": (4, f"hybrid3d:{PP}1f1b,zero_stage=1", SHORT, True),
     "pp2-dp2-zero0-gpipe": (4, f"hybrid3d:{PP}gpipe", SHORT, True),
 }
 WIDE = {  # make test-full
+    "dp2-zero2-plain": (2, "hybrid3d:dp=2,zero_stage=2", CASES[:1], True),
+    "dp2-zero1-features": (2, "hybrid3d:dp=2,zero_stage=1", FEATURES, True),
     "dp4-zero2": (4, "hybrid3d:dp=4,zero_stage=2", CASES, False),
     "dp2-tp2-zero2": (4, "hybrid3d:dp=2,tp=2,zero_stage=2", CASES, True),
     "pp2-dp2-zero2-1f1b": (4, f"hybrid3d:{PP}1f1b,zero_stage=2", SHORT, True),
@@ -91,3 +96,23 @@ def test_overlapped_reduction_equals_the_reduction_after_backward(runs, label):
 @pytest.mark.parametrize("label", list(WIDE))
 def test_overlapped_reduction_equals_the_reduction_after_backward_wide(wide_runs, label):
     _check(wide_runs, WIDE, label)
+
+
+def test_the_timeline_shows_each_bucket_next_to_the_backward_it_overlaps(tmp_path):
+    """Under pp=2 with a recorded timeline, every bucket is a ``reduce`` bar; those launched in backward start
+    inside the backward of their stage's last microbatch (the others wait for the tied weight's pp sum)."""
+    strategy = "hybrid3d:pp=2,microbatches=2,pp_schedule=1f1b" + OVERLAP
+    cases = [{"name": "overlap", "strategy": strategy, "timeline": True}]
+    run_distributed("obs_worker.py", 2, ["--cases", json.dumps(cases)], tmp_path, timeout=300)
+    assert (tmp_path / "overlap" / "timeline.png").is_file()
+    trace = json.loads((tmp_path / "overlap" / "timeline.json").read_text())
+    boxes = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for pp_rank in (0, 1):
+        mine = [e for e in boxes if e["pid"] == pp_rank]
+        last_backward = max((e for e in mine if e["cat"] == "B"), key=lambda e: e["ts"])
+        assert last_backward["name"] == "B1", last_backward  # microbatches=2: the last is 1
+        reduces = [e for e in mine if e["cat"] == "reduce"]
+        inside = [e for e in reduces if last_backward["ts"] <= e["ts"] <= last_backward["ts"] + last_backward["dur"]]
+        print(f"pp rank {pp_rank}: {len(reduces)} reduce bars, {len(inside)} launched inside B1")
+        assert reduces and inside, (pp_rank, reduces)
+        assert all(e["dur"] >= 0 for e in reduces)
