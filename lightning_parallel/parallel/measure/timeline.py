@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.pipelining.schedules as _schedules
 
-COMPUTE = ("F", "B", "I", "W")  # forward, full backward, input-gradient backward, weight-gradient backward
-COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#8FBC8F", "W": "#C44E52", "wait": "#DDDDDD"}
+# forward, full backward, input-gradient backward, weight-gradient backward, the last stage's loss (its forward)
+COMPUTE = ("F", "B", "I", "W", "L")
+COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#8FBC8F", "W": "#C44E52", "L": "#8172B2", "wait": "#DDDDDD"}
 
 
 # overlap_grad_reduce (parallel/data/overlap.py): a gradient bucket from its launch in backward to the end of its wait,
@@ -42,6 +43,8 @@ class TimelineEvent:
     microbatch: int  # -1 for waits
     start: float
     end: float
+    cpu: float = 0.0  # this thread's CPU seconds inside the box (time.thread_time): wall minus preemption and sleep
+    cpu_start: float = 0.0  # this thread's CPU clock (time.thread_time) at the start: CPU spent between boxes
 
 
 _ACTIVE: TimelineRecorder | None = None
@@ -95,13 +98,14 @@ class TimelineRecorder:
         """Times the enclosed block as one event."""
         if self.sync:
             torch.cuda.synchronize()
-        start = time.time()
+        start, cpu = time.time(), time.thread_time()
         try:
             yield
         finally:
             if self.sync:
                 torch.cuda.synchronize()
-            self.events.append(TimelineEvent(kind, stage, microbatch, start, time.time()))
+            end, cpu_end = time.time(), time.thread_time()
+            self.events.append(TimelineEvent(kind, stage, microbatch, start, end, cpu_end - cpu, cpu))
 
 
 def gather_timelines(recorder: TimelineRecorder, group: dist.ProcessGroup | None = None) -> list[dict] | None:
@@ -153,28 +157,156 @@ def chrome_trace(timelines: Sequence[dict]) -> dict:
                     "dur": (e["end"] - e["start"]) * 1e6,
                     "pid": pid,
                     "tid": tid,
-                    "args": {"stage": e["stage"], "microbatch": e["microbatch"]},
+                    "args": {
+                        "stage": e["stage"],
+                        "microbatch": e["microbatch"],
+                        "cpu_ms": e.get("cpu", 0.0) * 1e3,
+                        "cpu_start": e.get("cpu_start", 0.0),
+                    },
                 }
             )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def _compute_span(timelines: Sequence[dict]) -> tuple[float, float] | None:
+    """From the first forward of any rank to the last backward of any rank: the step the formula describes.
+
+    Waits before the first box (a rank that entered the schedule while its neighbour was still finishing the
+    previous step) and after the last (a send's completion) are not the schedule's bubble.
+    """
+    boxes = [e for t in timelines for e in t["events"] if e["kind"] in COMPUTE]
+    if not boxes:
+        return None
+    return min(e["start"] for e in boxes), max(e["end"] for e in boxes)
+
+
 def bubble_fractions(timelines: Sequence[dict]) -> dict[int, float]:
     """Idle fraction of each pp rank: 1 - (its busy compute time) / (the step's span over all ranks).
 
-    The span runs from the first action of any rank to the last; busy is the time inside F, B, I and W
-    boxes (waits and the gaps between actions are idle). The literature's GPipe/1F1B bubble with equal
-    stage times is ``(p - 1) / (m + p - 1)``.
+    The span runs from the first compute box of any rank to the last; busy is the time inside F, B, I, W and
+    L (the last stage's loss: part of its forward) boxes; waits and the gaps between boxes are idle. The
+    literature's GPipe/1F1B bubble with equal stage times is ``(p - 1) / (m + p - 1)``.
     """
-    everything = [e for t in timelines for e in t["events"]]
-    if not everything:
+    window = _compute_span(timelines)
+    if window is None:
         return {}
-    span = max(e["end"] for e in everything) - min(e["start"] for e in everything)
+    span = window[1] - window[0]
     out = {}
     for t in _rows(timelines):
         busy = sum(e["end"] - e["start"] for e in t["events"] if e["kind"] in COMPUTE)
         out[t["pp_rank"]] = 1.0 - busy / span if span > 0 else 0.0
     return out
+
+
+def bubble_breakdown(timelines: Sequence[dict]) -> dict[int, dict]:
+    """Where each pp rank's step goes, in seconds: what :func:`bubble_fractions` calls idle, taken apart.
+
+    Per pp rank: ``span`` (the step, as in bubble_fractions); ``compute`` (wall time inside compute boxes)
+    and ``compute_cpu`` (this thread's CPU time inside them: their wall time less preemption by other
+    processes); ``by_kind`` (compute wall time per kind); ``fill`` (before this rank's first box) and
+    ``drain`` (after its last); between its first and last box: ``wait`` (inside the schedule's send/recv
+    waits; ``waits``: how many) and ``between`` (the rest: the schedule's own Python, issuing sends and
+    receives), ``between_cpu`` (the CPU time of this thread between boxes, waits included).
+    """
+    window = _compute_span(timelines)
+    if window is None:
+        return {}
+    t0, t1 = window
+    out = {}
+    for t in _rows(timelines):
+        boxes = sorted((e for e in t["events"] if e["kind"] in COMPUTE), key=lambda e: e["start"])
+        if not boxes:
+            continue
+        first, last = boxes[0]["start"], boxes[-1]["end"]
+        waits = [e for e in t["events"] if e["kind"] == "wait" and first <= e["start"] and e["end"] <= last]
+        row: dict = {
+            "span": t1 - t0,
+            "compute": sum(e["end"] - e["start"] for e in boxes),
+            "compute_cpu": sum(e.get("cpu", 0.0) for e in boxes),
+            "by_kind": {k: sum(e["end"] - e["start"] for e in boxes if e["kind"] == k) for k in COMPUTE},
+            "fill": first - t0,
+            "drain": t1 - last,
+            "wait": sum(e["end"] - e["start"] for e in waits),
+            "waits": len(waits),
+            "between_cpu": sum(b["cpu_start"] - a["cpu_start"] - a["cpu"] for a, b in zip(boxes, boxes[1:])),
+        }
+        row["between"] = last - first - row["compute"] - row["wait"]
+        out[t["pp_rank"]] = row
+    return out
+
+
+def replayed_bubble(timelines: Sequence[dict], overhead: bool = True) -> dict[int, float]:
+    """The bubble of the recorded schedule re-timed on an idle machine: each rank runs its compute boxes in the
+    recorded order, each lasting its CPU time (so preemption by other processes drops out), as soon as its
+    inputs exist (forward after the previous stage's forward, backward after the next stage's backward or
+    the loss, weight gradient after input gradient), with no transfer time.
+
+    Args:
+        overhead: also charge the CPU time each rank spent between two boxes (the schedule's Python, issuing
+            sends and receives) before the later box. False: the schedule's shape and stage balance alone.
+
+    Returns:
+        Per pp rank, 1 - CPU-busy / replayed span; {} when the boxes do not form a complete schedule.
+    """
+    queues = {
+        t["pp_rank"]: sorted((e for e in t["events"] if e["kind"] in COMPUTE), key=lambda e: e["start"])
+        for t in _rows(timelines)
+    }
+    done: dict[tuple[str, int, int], float] = {}
+    clock = dict.fromkeys(queues, 0.0)
+    last_stage = max((e["stage"] for q in queues.values() for e in q), default=-1)
+    position = dict.fromkeys(queues, 0)
+    progress = True
+    while progress:
+        progress = False
+        for rank, queue in queues.items():
+            while position[rank] < len(queue):
+                i, e = position[rank], queue[position[rank]]
+                ready = _ready_at(e, done, last_stage)
+                if ready is None:
+                    break
+                gap = queue[i]["cpu_start"] - queue[i - 1]["cpu_start"] - queue[i - 1]["cpu"] if i and overhead else 0.0
+                start = max(clock[rank] + max(gap, 0.0), ready)
+                clock[rank] = start + e["cpu"]
+                done.setdefault((e["kind"], e["stage"], e["microbatch"]), clock[rank])
+                position[rank], progress = i + 1, True
+    if any(position[r] < len(q) for r, q in queues.items()) or not done:
+        return {}
+    span = max(clock.values())
+    return {r: 1.0 - sum(e["cpu"] for e in q) / span for r, q in queues.items()}
+
+
+def _ready_at(e: dict, done: dict[tuple[str, int, int], float], last_stage: int) -> float | None:
+    """When the inputs of box ``e`` exist in a replay (None: not yet)."""
+    kind, stage, mb = e["kind"], e["stage"], e["microbatch"]
+    if kind == "F":
+        needs = [("F", stage - 1, mb)] if stage > 0 else []
+    elif kind == "L":
+        needs = [("F", stage, mb)]
+    elif kind == "W":
+        needs = [("I", stage, mb)]
+    elif stage == last_stage:
+        needs = [("L", stage, mb)] if ("L", stage, mb) in done else [("F", stage, mb)]
+    else:
+        needs = [(k, stage + 1, mb) for k in ("B", "I") if (k, stage + 1, mb) in done] or [("B", stage + 1, mb)]
+    times = [done.get(n) for n in needs]
+    return None if any(t is None for t in times) else max(times, default=0.0)
+
+
+def timelines_from_trace(trace: dict) -> list[dict]:
+    """The per-rank timelines back from a :func:`chrome_trace` (what ``timeline.json`` holds)."""
+    rows: dict[int, dict] = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] != "X":
+            continue
+        row = rows.setdefault(e["tid"], {"rank": e["tid"], "pp_rank": e["pid"], "events": []})
+        start, args = e["ts"] / 1e6, e.get("args", {})
+        stage, microbatch, cpu = args.get("stage", -1), args.get("microbatch", -1), args.get("cpu_ms", 0.0) / 1e3
+        event = TimelineEvent(
+            e["cat"], stage, microbatch, start, start + e["dur"] / 1e6, cpu, args.get("cpu_start", 0.0)
+        )
+        row["events"].append(asdict(event))
+    return [rows[k] for k in sorted(rows)]
 
 
 def compute_order(timeline: dict) -> list[str]:
