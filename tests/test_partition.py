@@ -108,3 +108,42 @@ def test_stage_placement():
     assert stage_to_rank(8, 4, "v") == [0, 1, 2, 3, 3, 2, 1, 0]
     with pytest.raises(ValueError, match="exactly 2 stages per rank"):
         stage_to_rank(12, 4, "v")
+
+
+def _heaviest_rank(costs: list[float], bounds: list[range], ranks: list[int]) -> float:
+    totals: dict[int, float] = {}
+    for rank, r in zip(ranks, bounds):
+        totals[rank] = totals.get(rank, 0.0) + sum(costs[i] for i in r)
+    return max(totals.values())
+
+
+@pytest.mark.parametrize("placement", ["v", "loop"])
+@pytest.mark.parametrize("seed", range(10))
+def test_ranks_running_several_stages_balance_by_rank(seed, placement):
+    """ZB-V and interleaved: the heaviest rank (its stages summed) is the smallest any split gives."""
+    rng = random.Random(seed)
+    pp, n = rng.choice([2, 3]), rng.randint(7, 11)
+    costs = [rng.uniform(0.1, 2.0) for _ in range(n)]
+    ranks = stage_to_rank(2 * pp, pp, placement)
+    parts = balanced_partition(costs, 2 * pp, stage_ranks=ranks)
+    assert [i for r in parts for i in r] == list(range(n)) and all(len(r) for r in parts)
+    best = min(
+        _heaviest_rank(costs, [range(a, b) for a, b in itertools.pairwise((0, *cuts, n))], ranks)
+        for cuts in itertools.combinations(range(1, n), 2 * pp - 1)
+    )
+    assert _heaviest_rank(costs, parts, ranks) == pytest.approx(best), (seed, placement, costs, parts)
+
+
+def test_v_split_puts_the_light_ends_with_more_layers():
+    """A GPT's embedding and head are light: under ZB-V rank 0 runs both ends, so it takes an extra block."""
+    costs = [0.2, 1, 1, 1, 1, 1, 1, 0.6]  # embedding, 6 blocks, head
+    ranks = stage_to_rank(4, 2, "v")
+    assert balanced_partition(costs, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    parts = balanced_partition(costs, 4, stage_ranks=ranks)
+    assert parts == [range(0, 3), range(3, 4), range(4, 6), range(6, 8)]
+    assert _heaviest_rank(costs, parts, ranks) == pytest.approx(3.8)  # uniform: 4.0, rank 1 with four blocks
+    # one stage per rank: the same as balancing stages; a budget still holds
+    assert balanced_partition(costs, 2, stage_ranks=[0, 1]) == balanced_partition(costs, 2)
+    memory = [1.0] * 8
+    fits = balanced_partition(costs, 4, memory=memory, budget=2.0, stage_ranks=ranks)
+    assert all(len(r) <= 2 for r in fits)

@@ -193,7 +193,8 @@ def stage_partition(
     )
     check_stage_count(len(layers), num_stages, setting)
     if config.pp_balance == "params":
-        return balanced_partition([sum(p.numel() for p in layer.parameters()) for layer in layers], num_stages)
+        sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+        return balanced_partition(sizes, num_stages, stage_ranks=config.schedule.stage_ranks(num_stages, pp))
     if config.pp_balance == "profile" and measure:
         stages, described = _profiled(layers, module, config, pp, dp, tp, zero_stage, device or torch.device("cpu"))
         info(f"pp_balance='profile': {described}")
@@ -226,5 +227,6 @@ def _profiled(
         in_flight=in_flight,
         state_bytes=[sharding.state_bytes(b, dp) / tp for b in profile.param_bytes],
         setting="pp_memory_budget",
+        stage_ranks=ranks,
     )
     return split.stages, split.describe()

@@ -9,6 +9,7 @@ over the split points, optionally keeping each stage's bytes within a budget.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 
 
@@ -39,6 +40,7 @@ def balanced_partition(
     memory: Sequence[float] | Sequence[Sequence[float]] | None = None,
     budget: float | None = None,
     setting: str = "budget",
+    stage_ranks: Sequence[int] | None = None,
 ) -> list[range]:
     """Contiguous stages minimizing the largest stage cost, each stage's memory within ``budget``
     (ties: the earliest split points). Hand-written: torch's pipelining has no stage partitioner.
@@ -67,9 +69,14 @@ def balanced_partition(
             raise ValueError(f"layer costs must be non-negative, got {c}")
     cost = _stage_sums([costs] * num_stages)
     if memory is None or budget is None:
-        return _min_max_split(n, num_stages, cost)[1]
+        by_rank = rank_balanced_partition(costs, stage_ranks) if stage_ranks is not None else None
+        return by_rank or _min_max_split(n, num_stages, cost)[1]
     rows = _memory_rows(memory, n, num_stages)
     held = _stage_sums(rows)
+    if stage_ranks is not None:
+        by_rank = rank_balanced_partition(costs, stage_ranks, lambda s, j, i: held(s, j, i) <= budget)
+        if by_rank:
+            return by_rank
     value, stages = _min_max_split(n, num_stages, cost, lambda s, j, i: held(s, j, i) <= budget)
     if stages:
         return stages
@@ -81,6 +88,41 @@ def balanced_partition(
         f"{', '.join(f'{r.start}-{r.stop - 1}' for r in tight)} hold {per_stage}). Raise {setting} to at least "
         f"that, use more pipeline stages, or hold less per stage (smaller microbatches, activation checkpointing)."
     )
+
+
+def rank_balanced_partition(
+    costs: Sequence[float],
+    stage_ranks: Sequence[int],
+    allowed: Callable[[int, int, int], bool] = lambda s, j, i: True,
+    limit: int = 100_000,
+) -> list[range] | None:
+    """The contiguous split into ``len(stage_ranks)`` stages minimizing the heaviest rank's summed stage costs,
+    ties broken by the heaviest stage, then the earliest split points; only splits whose every stage is
+    ``allowed(stage, start, stop)``.
+
+    Returns:
+        None when no rank runs two stages (balancing stages is the same), when there are more than ``limit``
+        splits to try, or when none is allowed.
+    """
+    n, num_stages = len(costs), len(stage_ranks)
+    if len(set(stage_ranks)) == num_stages or math.comb(n - 1, num_stages - 1) > limit:
+        return None
+    prefix = list(itertools.accumulate(costs, initial=0))
+    best, chosen = None, None
+    for cuts in itertools.combinations(range(1, n), num_stages - 1):
+        bounds = (0, *cuts, n)
+        if not all(allowed(s, bounds[s], bounds[s + 1]) for s in range(num_stages)):
+            continue
+        stage_costs = [prefix[bounds[s + 1]] - prefix[bounds[s]] for s in range(num_stages)]
+        per_rank: dict[int, float] = {}
+        for rank, c in zip(stage_ranks, stage_costs):
+            per_rank[rank] = per_rank.get(rank, 0.0) + c
+        key = (max(per_rank.values()), max(stage_costs))
+        if best is None or key < best:
+            best, chosen = key, bounds
+    if chosen is None:
+        return None
+    return [range(chosen[s], chosen[s + 1]) for s in range(num_stages)]
 
 
 def _count(value: float) -> str:

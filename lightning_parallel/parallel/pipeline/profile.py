@@ -216,6 +216,7 @@ def profiled_partition(
     in_flight: Sequence[int] | None = None,
     state_bytes: Sequence[float] | None = None,
     setting: str = "pp_memory_budget",
+    stage_ranks: Sequence[int] | None = None,
 ) -> ProfiledSplit:
     """The split minimizing the slowest stage's forward+backward time, every stage within ``budget``.
 
@@ -227,12 +228,15 @@ def profiled_partition(
         in_flight: microbatches whose activations each stage holds at once (default 1 each).
         state_bytes: per-layer parameter, gradient and optimizer bytes (default 4x the parameter bytes).
         setting: the name ``budget`` goes by, for the error when no split fits.
+        stage_ranks: the pp rank of each stage: where a rank runs several, the heaviest rank is balanced.
     """
     n = len(profile.times)
     in_flight = list(in_flight) if in_flight is not None else [1] * num_stages
     states = list(state_bytes) if state_bytes is not None else [4.0 * p for p in profile.param_bytes]
     memory = [[states[i] + k * profile.activation_bytes[i] for i in range(n)] for k in in_flight]
-    stages = balanced_partition(profile.times, num_stages, memory=memory, budget=budget, setting=setting)
+    stages = balanced_partition(
+        profile.times, num_stages, memory=memory, budget=budget, setting=setting, stage_ranks=stage_ranks
+    )
     seconds = [sum(profile.times[i] for i in r) for r in stages]
     held = [sum(memory[s][i] for i in r) for s, r in enumerate(stages)] if budget is not None else None
     return ProfiledSplit(stages, seconds, held)
