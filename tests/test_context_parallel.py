@@ -227,3 +227,33 @@ def test_checkpoint_saved_at_cp2_resumes_at_dp2_under_ulysses_and_in_one_process
     for label in layouts:  # every rank's local mean: dp ranks' samples, or cp ranks' halves of the same samples
         assert_same_losses(resumed[label].losses("resume"), want, f"cp=2 checkpoint resumed by {label}")
         assert_same_params(resumed[label].params("resume"), resumed["reference"].params("resume"), label)
+
+
+# ----- mixed precision (tests/test_precision.py's cases and bars) -----
+
+PRECISION_CASES = [
+    {"name": "fp16", "steps": 10, "precision": "16-mixed", "clip": 0.05, "validate": True},
+    {"name": "fp16_sgd", "steps": 6, "precision": "16-mixed", "optimizer": "sgd", "clip": 1.0, "accumulate": 2},
+    {"name": "bf16", "steps": 10, "precision": "bf16-mixed"},
+    {"name": "bf16_true", "steps": 10, "precision": "bf16-true", "clip": 0.05},
+]
+PRECISION_BAR = {"fp16": 5e-5, "fp16_sgd": 5e-4, "bf16": 5e-4, "bf16_true": 5e-4}
+
+
+@pytest.mark.slow
+def test_mixed_precision_matches_one_process(tmp_path_factory):
+    """Ring and Ulysses at cp=2 in fp16 (torch's GradScaler in the reference: the same loss scales), bf16-mixed and
+    bf16-true: losses within the precision tests' bars of one process in the same precision."""
+    layouts = {"ring": "hybrid3d:cp=2", "ulysses": "hybrid3d:cp=2,cp_mode=ulysses"}
+    runs = {label: (2, spec, PRECISION_CASES) for label, spec in layouts.items()}
+    batch = Batch(tmp_path_factory, {**runs, "single": (1, "auto", PRECISION_CASES)}, tag="cp-precision")
+    for label in layouts:
+        for case in PRECISION_CASES:
+            name = case["name"]
+            got, want = batch[label].losses(name), batch["single"].losses(name)
+            worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+            print(f"cp=2 {label} {name}: max loss rel diff {worst:.1e} (bar {PRECISION_BAR[name]:.0e})")
+            assert worst <= PRECISION_BAR[name], f"{label} {name}: {got} vs {want}"
+            if case["precision"] == "16-mixed":
+                for rank in range(2):
+                    assert batch[label].case(name, rank)["scales"] == batch["single"].case(name)["scales"]

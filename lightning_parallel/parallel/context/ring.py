@@ -70,6 +70,12 @@ def _masks(local_len: int, cp: int, rank: int, device: torch.device) -> list[Ten
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, scale: float) -> Tensor:
+        # the blocks are merged in fp32 whatever autocast would pick for the matmuls (the inputs are cast here)
+        with torch.autocast(q.device.type, enabled=False):
+            return _RingAttention._forward(ctx, q, k, v, group, scale)
+
+    @staticmethod
+    def _forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, scale: float) -> Tensor:
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         masks = _masks(q.shape[-2], cp, rank, q.device)
         kv = torch.stack([k, v]).contiguous()
@@ -88,6 +94,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _RingAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
