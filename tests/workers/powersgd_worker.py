@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_parallel.parallel.data.stages import zero_stage
 from lightning_parallel.parallel.measure.comm_volume import CommCounter
@@ -58,8 +58,7 @@ def fresh(sgd: bool) -> tuple[Net, torch.optim.Optimizer]:
     return net, torch.optim.AdamW(net.parameters(), lr=1e-2, eps=1e-6)
 
 
-def train(stage: int, compression: str, rank_: int, compress_all: bool, steps: int) -> dict:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+def train(mesh: DeviceMesh, stage: int, compression: str, rank_: int, compress_all: bool, steps: int) -> dict:
     sharding = zero_stage(stage)(mesh, grad_compression=compression, powersgd_rank=rank_, setting=f"zero{stage}")
     if sharding.powersgd is not None:
         sharding.powersgd.compress_all = compress_all
@@ -114,12 +113,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     results = {}
     want = reference(STEPS)
     for stage in (0, 2):
-        results[f"full_rank_zero{stage}"] = compare(train(stage, "powersgd", 64, True, STEPS), want)
+        results[f"full_rank_zero{stage}"] = compare(train(mesh, stage, "powersgd", 64, True, STEPS), want)
         for label, compression in (("low_rank", "powersgd"), ("uncompressed", "none")):
-            run = train(stage, compression, 2, False, 3 * STEPS)
+            run = train(mesh, stage, compression, 2, False, 3 * STEPS)
             results[f"{label}_zero{stage}"] = {k: v for k, v in run.items() if k != "params"}
     rank = int(os.environ["RANK"])
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results))
