@@ -35,6 +35,12 @@ from pipeline_split import run_pipeline_split  # noqa: E402
 from report import write_report  # noqa: E402
 from speed import run_speed  # noqa: E402
 
+from lightning_parallel.parallel.measure.timeline import (  # noqa: E402
+    bubble_breakdown,
+    replayed_bubble,
+    timelines_from_trace,
+)
+
 WORKER = Path(__file__).resolve().parent / "worker.py"
 RESULTS = Path(__file__).resolve().parent / "results.json"
 GPT = ["model=gpt_bench", "data.global_batch_size=16"]
@@ -53,15 +59,18 @@ THROUGHPUT = [
 # model-state bytes and bytes communicated per step (one launch each, world 2)
 MEMORY = [("gpt", GPT, 2, spec) for spec in ("ddp", "hybrid3d", "zero1", "zero2", "zero3", "model_parallel")]
 COMM = [("gpt", GPT, 2, spec) for spec in ("hybrid3d:tp=2", "hybrid3d:pp=2,pp_schedule=gpipe,microbatches=4")]
-# (world, pp, schedule, microbatches, virtual stages per rank): measured idle fraction against the formula
+# (world, pp, schedule, microbatches, virtual stages per rank, pp_balance): measured idle fraction against the
+# formula; ZB-V also with the split that balances ranks (its rank 0 runs both light ends of the GPT)
 BUBBLE = [
-    (2, 2, "gpipe", 4, 1),
-    (2, 2, "1f1b", 4, 1),
-    (2, 2, "1f1b", 8, 1),
-    (2, 2, "interleaved_1f1b", 4, 2),
-    (2, 2, "zero_bubble", 4, 2),
-    (4, 4, "1f1b", 8, 1),
-    (4, 4, "interleaved_1f1b", 8, 2),
+    (2, 2, "gpipe", 4, 1, "uniform"),
+    (2, 2, "1f1b", 4, 1, "uniform"),
+    (2, 2, "1f1b", 8, 1, "uniform"),
+    (2, 2, "interleaved_1f1b", 4, 2, "uniform"),
+    (2, 2, "zero_bubble", 4, 2, "uniform"),
+    (2, 2, "zero_bubble", 8, 2, "uniform"),
+    (2, 2, "zero_bubble", 8, 2, "profile"),
+    (4, 4, "1f1b", 8, 1, "uniform"),
+    (4, 4, "interleaved_1f1b", 8, 2, "uniform"),
 ]
 
 
@@ -124,19 +133,40 @@ def run_memory_and_comm(out: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _bubble_parts(path: Path) -> dict[str, dict[int, float]]:
+    """From a recorded timeline: the bubble replayed on CPU times (with and without the schedule's own work
+    between boxes), compute wall over CPU time, and the CPU milliseconds spent between boxes, per pp rank."""
+    timelines = timelines_from_trace(json.loads(path.read_text()))
+    parts = bubble_breakdown(timelines)
+    return {
+        "replayed": replayed_bubble(timelines),
+        "replayed_shape": replayed_bubble(timelines, overhead=False),
+        "wall_over_cpu": {r: p["compute"] / max(p["compute_cpu"], 1e-9) for r, p in parts.items()},
+        "between_cpu_ms": {r: p["between_cpu"] * 1e3 for r, p in parts.items()},
+        "wait_ms": {r: p["wait"] * 1e3 for r, p in parts.items()},
+    }
+
+
 def run_bubble(out: Path, steps: int, repeats: int) -> list[dict[str, Any]]:
     """One recorded step per launch; per pp rank the median idle fraction over ``repeats`` launches."""
     rows = []
-    for world, pp, schedule, microbatches, virtual in BUBBLE:
+    for world, pp, schedule, microbatches, virtual, balance in BUBBLE:
         spec = f"hybrid3d:pp={pp},pp_schedule={schedule},microbatches={microbatches}"
         if schedule == "interleaved_1f1b":
             spec += f",pp_virtual_stages={virtual}"
+        if balance != "uniform":
+            spec += f",pp_balance={balance}"
         idle: dict[int, list[float]] = {}
+        parts: dict[str, dict[int, list[float]]] = {}
         times = []
+        timeline = out / _tag("gpt", spec, world) / "timeline"
         for _ in range(repeats):
             ranks = launch("gpt", DEEP_GPT, world, spec, out, steps, timeline=True)
             for rank, value in ranks[0]["pipeline_bubble"].items():  # rank 0 gathers every pp rank's timeline
                 idle.setdefault(int(rank), []).append(value)
+            for key, values in _bubble_parts(timeline / "timeline.json").items():
+                for rank, value in values.items():
+                    parts.setdefault(key, {}).setdefault(rank, []).append(value)
             times.append(step_time(ranks))
         measured = {rank: median(values) for rank, values in sorted(idle.items())}
         rows.append(
@@ -146,13 +176,15 @@ def run_bubble(out: Path, steps: int, repeats: int) -> list[dict[str, Any]]:
                 "schedule": schedule,
                 "microbatches": microbatches,
                 "virtual": virtual,
+                "balance": balance,
                 "measured": measured,
                 "samples": idle,
+                **{key: {r: median(v) for r, v in sorted(by_rank.items())} for key, by_rank in parts.items()},
                 "step_s": median(times),
-                "timeline": str(out / _tag("gpt", spec, world) / "timeline" / "timeline.png"),
+                "timeline": str(timeline / "timeline.png"),
             }
         )
-        print(f"  pp={pp} {schedule} m={microbatches}: idle {measured}", flush=True)
+        print(f"  pp={pp} {schedule} m={microbatches} {balance}: idle {measured}, replayed {rows[-1]['replayed']}")
     return rows
 
 

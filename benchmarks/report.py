@@ -109,17 +109,24 @@ def expected_bubble(pp: int, microbatches: int, virtual: int) -> float:
 
 def bubble_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| pp | schedule | microbatches | stages/rank | measured idle per pp rank | mean | formula | step ms |",
-        "|---:|---|---:|---:|---|---:|---:|---:|",
+        "| pp | schedule | microbatches | stages/rank | split | measured idle per pp rank | mean | replayed on CPU "
+        "times (schedule alone) | compute wall / CPU | formula | step ms |",
+        "|---:|---|---:|---:|---|---|---:|---|---:|---:|---:|",
     ]
+
+    def mean(values: dict) -> float:
+        return sum(values.values()) / len(values) if values else float("nan")
+
     for r in rows:
         measured = [r["measured"][k] for k in sorted(r["measured"])]
         formula = expected_bubble(r["pp"], r["microbatches"], r["virtual"])
         shown = "≈0 (ZB-V)" if r["schedule"] == "zero_bubble" else f"{formula:.3f}"
+        replayed = f"{mean(r['replayed']):.3f} ({mean(r['replayed_shape']):.3f})" if r.get("replayed") else "-"
+        stretch = f"{mean(r['wall_over_cpu']):.2f}" if r.get("wall_over_cpu") else "-"
         lines.append(
-            f"| {r['pp']} | {r['schedule']} | {r['microbatches']} | {r['virtual']} | "
-            f"{', '.join(f'{x:.3f}' for x in measured)} | {sum(measured) / len(measured):.3f} | {shown} | "
-            f"{r['step_s'] * 1e3:.0f} |"
+            f"| {r['pp']} | {r['schedule']} | {r['microbatches']} | {r['virtual']} | {r.get('balance', 'uniform')} | "
+            f"{', '.join(f'{x:.3f}' for x in measured)} | {sum(measured) / len(measured):.3f} | {replayed} | "
+            f"{stretch} | {shown} | {r['step_s'] * 1e3:.0f} |"
         )
     return lines
 
@@ -187,10 +194,15 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         "",
         "## Pipeline bubble",
         "",
-        "Idle fraction of each pp rank over one recorded step, median of the launches (1 - busy/span; busy: "
-        "forward, backward and weight-gradient computation) against (p-1)/(m+p-1), with the fill and drain "
-        "divided by v for v virtual stages per rank (interleaved 1F1B). GPT bench model with 6 blocks "
-        "(8 pipeline layers). The timelines (Chrome trace + PNG) lie under runs/bench/*/timeline/.",
+        "Idle fraction of each pp rank over one recorded step, median of the launches (1 - busy/span; span: "
+        "from the first forward of any rank to the last backward; busy: forward, the last stage's loss, backward "
+        "and weight-gradient computation) against (p-1)/(m+p-1), with the fill and drain divided by v for v "
+        "virtual stages per rank (interleaved 1F1B). Replayed: the same step re-timed with each box lasting its "
+        "thread CPU time (other processes' preemption drops out) and no transfer time, with the schedule's own "
+        "CPU work between boxes charged, and in brackets without it (the schedule's shape and the stage balance "
+        "alone). Compute wall / CPU above 1: the ranks were preempted inside their boxes. GPT bench model with "
+        "6 blocks (8 pipeline layers); split `profile`: `pp_balance='profile'`, which under ZB-V balances the "
+        "ranks. The timelines (Chrome trace + PNG) lie under runs/bench/*/timeline/.",
         "",
         *bubble_table(results["bubble"]),
         "",
