@@ -119,6 +119,7 @@ SLOW_LAYOUTS = [
     Layout(2, "cp=2,zero_stage=3"),
     Layout(4, "dp=2,cp=2,zero_stage=1", dp=2),
     Layout(2, "cp=2,activation_checkpointing=full"),
+    Layout(2, "cp=2,compile=1"),  # the ring's send/recv break the compiled graph; the rest compiles
     Layout(4, "cp=2,tp=2,sequence_parallel=1", tp=2),
     Layout(4, "dp=2,cp=2,zero_stage=2", dp=2),
     Layout(8, "pp=2,cp=2,tp=2,zero_stage=1,microbatches=2", tp=2),
@@ -176,8 +177,9 @@ def test_context_parallel_wide_matches_one_process(slow_runs, reference, layout)
 
 @pytest.mark.slow
 def test_long_sequence_recipe_halves_activations_and_sends_the_ring_bytes(tmp_path):
-    """model=gpt_long (1024 tokens): at cp=2 each rank holds about half the activations of one process, and the
-    ring sends what ring_bytes says per layer (forward and backward) in the measured step."""
+    """model=gpt_long (1024 tokens): at cp=2 each rank holds about half the activations of one process, the ring
+    sends what ring_bytes says per layer (forward and backward) in the measured step, and Ulysses' all-to-alls
+    what its formula says."""
     short = ["trainer=debug", "trainer.max_steps=4", "sample_tokens=4", "data.global_batch_size=4"]
     (tmp_path / "cp1").mkdir()
     (tmp_path / "cp2").mkdir()
@@ -194,6 +196,17 @@ def test_long_sequence_recipe_halves_activations_and_sends_the_ring_bytes(tmp_pa
     for rank, comm in enumerate(two["comm_bytes_per_step"]):
         sent = comm["send"]["sent_bytes"]
         print(f"rank {rank}: ring sent {sent:.0f} bytes, theory {want}")
+        assert sent == pytest.approx(want, rel=0.05), (rank, comm)
+    # Ulysses: q, k, v and the output each cross once per layer forward and once backward, (cp-1)/cp of them
+    (tmp_path / "ulysses").mkdir()
+    uly = run_recipe(GPT, tmp_path / "ulysses", "+experiment=gpt_long_cp2", "strategy.cp_mode=ulysses", *short)
+    ratio = [b / one["activation_memory_bytes"][0] for b in uly["activation_memory_bytes"]]
+    print(f"Ulysses activation bytes per rank at cp=2 / cp=1: {ratio}")
+    assert all(0.4 <= r <= 0.6 for r in ratio), ratio
+    want = 2 * 2 * 4 * (kv // 2) * (2 - 1) / 2  # layers x (forward + backward) x 4 tensors x bytes x (cp-1)/cp
+    for rank, comm in enumerate(uly["comm_bytes_per_step"]):
+        sent = comm["all_to_all"]["sent_bytes"]
+        print(f"rank {rank}: Ulysses all-to-all sent {sent:.0f} bytes, theory {want:.0f}")
         assert sent == pytest.approx(want, rel=0.05), (rank, comm)
 
 
