@@ -195,8 +195,9 @@ class MeshStrategy(DistributedMixin, ShardedCheckpointing, ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self.sharding.powersgd is not None:  # embeddings' gradients travel whole (powersgd.py says why)
-                self.sharding.powersgd.keep_whole(embedding_weights(self.model))
+            if self.sharding.powersgd is not None:  # embeddings and weights tied across stages travel whole
+                tied = self._parallel.tied if self._parallel is not None else None
+                self.sharding.powersgd.keep_whole(embedding_weights(self.model) + (tied.params() if tied else []))
             for optimizer in self.optimizers:
                 self.sharding.shard_optimizer(optimizer)
         self.setup_precision_plugin()

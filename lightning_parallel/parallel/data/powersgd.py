@@ -16,7 +16,8 @@ Tensors of one dim (biases, norms), matrices the factors would not shrink (``(n 
 (:func:`embedding_weights`) are averaged whole in fp32, in one flat all-reduce. Embeddings because an embedding's
 gradient has a row per token seen, a different few rows each step, and a tied output layer's is the model's
 highest-rank gradient: on the 200-step GPT recipe, factoring the tied embedding too (at rank 4, or 8) ended 3.6-3.8%
-above the uncompressed validation loss; sent whole, level with it.
+above the uncompressed validation loss; sent whole, level with it. The strategy also keeps weights tied across
+pipeline stages whole: each stage factors its own copy, and copies approximated differently would drift apart.
 
 Both all-reduces are linear in the sum over ranks of ``M``, so the future depends on the ranks' errors only
 through their mean: a checkpoint keeps each matrix's Q and the dp mean of its error (equal on every rank, the
@@ -173,7 +174,7 @@ class PowerSGD:
         ms = [as_matrix(g).float() + self.error.get(id(p), 0) for p, g in matrices]
         qs = [self.q[id(p)] if id(p) in self.q else self._initial_q(p, m) for (p, _), m in zip(matrices, ms)]
         ps = _sum([m @ q for m, q in zip(ms, qs)], all_reduce)
-        if not all(torch.isfinite(p).all() for p in ps):
+        if not torch.stack([torch.isfinite(p).all() for p in ps]).all():  # one host sync
             # an fp16 overflow: the step is skipped (the loss scaler sees the non-finite gradient), the state restarts
             self.q.clear()
             self.error.clear()
