@@ -2,12 +2,12 @@
 
 Run by tests/harness.py on N processes (torchrun's environment). A small net (an embedding, three linear layers,
 a LayerNorm) learns a token mapping; each rank trains on its slice of the same global batch with AdamW through the
-sharding's ``shard_optimizer`` / ``reduce_gradients``. Per stage (0, 2), recorded on every rank:
+sharding's ``shard_optimizer`` / ``reduce_gradients``. Recorded on every rank:
 
-- ``full_rank_zero<s>``: PowerSGD factoring every matrix at full rank against one process on the global batch
-  (built and trained in this rank too): the largest relative loss difference and parameter difference;
-- ``low_rank_zero<s>`` and ``uncompressed_zero<s>``: rank 2 and plain, their losses and the payload bytes the
-  gradient reduction moves in one step (counted at the dispatcher); ``expected_bytes``: P + Q + the rest, fp32.
+- ``full_rank_zero<s>`` (stages 0, 1, 2): PowerSGD factoring every matrix at full rank against one process on the
+  global batch (built and trained in this rank too): the largest relative loss difference and parameter difference;
+- ``low_rank_zero<s>`` and ``uncompressed_zero<s>`` (stages 0, 2): rank 2 and plain, their losses and the payload
+  and sent bytes of one step's gradient reduction (counted at the dispatcher); ``expected_bytes``: P + Q + the rest.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def train(mesh: DeviceMesh, stage: int, compression: str, rank_: int, compress_a
     net, optimizer = fresh(sgd=compress_all)
     sharding.shard_optimizer(optimizer)
     world, rank = dist.get_world_size(), dist.get_rank()
-    losses, reduce_bytes, expected = [], 0, 0
+    losses, reduce_bytes, sent, expected = [], 0, 0.0, 0
     for step in range(steps):
         x, y = batch(step)
         mine = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
@@ -77,6 +77,7 @@ def train(mesh: DeviceMesh, stage: int, compression: str, rank_: int, compress_a
             with CommCounter() as counter:
                 sharding.reduce_gradients(optimizer)
             reduce_bytes = sum(row["payload_bytes"] for row in counter.by_kind().values())
+            sent = counter.sent_bytes
         else:
             sharding.reduce_gradients(optimizer)
         optimizer.step()
@@ -85,7 +86,13 @@ def train(mesh: DeviceMesh, stage: int, compression: str, rank_: int, compress_a
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
     params = {n: p.detach().clone() for n, p in net.named_parameters()}
-    return {"losses": losses, "all_reduce_bytes": reduce_bytes, "expected_bytes": expected, "params": params}
+    return {
+        "losses": losses,
+        "reduce_bytes": reduce_bytes,
+        "sent_bytes": sent,
+        "expected_bytes": expected,
+        "params": params,
+    }
 
 
 def reference(steps: int) -> dict:
@@ -116,8 +123,9 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     results = {}
     want = reference(STEPS)
-    for stage in (0, 2):
+    for stage in (0, 1, 2):
         results[f"full_rank_zero{stage}"] = compare(train(mesh, stage, "powersgd", 64, True, STEPS), want)
+    for stage in (0, 2):
         for label, compression in (("low_rank", "powersgd"), ("uncompressed", "none")):
             run = train(mesh, stage, compression, 2, False, 3 * STEPS)
             results[f"{label}_zero{stage}"] = {k: v for k, v in run.items() if k != "params"}
