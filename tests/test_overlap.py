@@ -36,10 +36,12 @@ WIDE = {  # make test-full
     "dp2-zero1-features": (2, "hybrid3d:dp=2,zero_stage=1", FEATURES, True),
     "dp4-zero2": (4, "hybrid3d:dp=4,zero_stage=2", CASES, False),
     "dp2-tp2-zero2": (4, "hybrid3d:dp=2,tp=2,zero_stage=2", CASES, True),
+    "dp2-tp2-sp-zero1": (4, "hybrid3d:dp=2,tp=2,sequence_parallel=1,zero_stage=1", SHORT, True),  # Partial grads
     "pp2-dp2-zero2-1f1b": (4, f"hybrid3d:{PP}1f1b,zero_stage=2", SHORT, True),
     "pp2-dp2-zero1-gpipe": (4, f"hybrid3d:{PP}gpipe,zero_stage=1", SHORT, True),
     "pp2-dp2-zero2-zero_bubble": (4, f"hybrid3d:{PP}zero_bubble,zero_stage=2", SHORT, True),  # W apart from I
     "zero2-offload": (2, "zero2_offload:bucket_mb=25", CASES, True),
+    "dp2-zero1-compile": (2, "hybrid3d:dp=2,zero_stage=1,compile=1", SHORT, True),  # hooks outside compiled layers
     "pp2-dp2-tp2-zero1-1f1b": (8, f"hybrid3d:{PP}1f1b,tp=2,zero_stage=1", SHORT, True),
 }
 

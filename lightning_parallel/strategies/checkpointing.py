@@ -68,6 +68,13 @@ class ShardedCheckpointing:
     def _flat_zeros(self) -> list[FlatZero | None]:
         return [self._flat_of(o) for o in self.optimizers]  # type: ignore[attr-defined]
 
+    def _settle_params(self) -> None:
+        """overlap_grad_reduce: ZeRO-1/2's parameter gathers still in flight land before the buffers are read or
+        written (before the strategy set up its sharding there is nothing to wait for)."""
+        sharding = getattr(self, "_sharding", None)
+        if sharding is not None:
+            sharding.settle_params()
+
     def _pp_group(self) -> dist.ProcessGroup:
         return self.mesh.group("stage")  # type: ignore[attr-defined]
 
@@ -76,7 +83,7 @@ class ShardedCheckpointing:
     def full_state_dict(self) -> dict[str, Any]:
         """The whole model's state in the single-process format, on rank 0 (collective; every stage's layers)."""
         assert self.model is not None
-        self.sharding.settle_params()  # type: ignore[attr-defined]  (overlap_grad_reduce's gathers in flight)
+        self._settle_params()
         if self._split() is None:
             return full_model_state_dict(self.model)
         state = full_model_state_dict(self.model, every_rank=True)
@@ -90,7 +97,7 @@ class ShardedCheckpointing:
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
-        self.sharding.settle_params()  # type: ignore[attr-defined]
+        self._settle_params()
         if self.checkpoint_format == "sharded":
             return self.model.state_dict()  # the shards as they are: save_checkpoint writes them in place
         return self.full_state_dict()
@@ -112,7 +119,7 @@ class ShardedCheckpointing:
         )
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        self.sharding.settle_params()  # type: ignore[attr-defined]
+        self._settle_params()
         if self.checkpoint_format == "full":
             return super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
         if storage_options is not None:
@@ -124,7 +131,7 @@ class ShardedCheckpointing:
     # ----- loading -----
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        self.sharding.settle_params()  # type: ignore[attr-defined]  (loading writes the buffers in place)
+        self._settle_params()  # loading writes the buffers in place
         if checkpoint_io.is_sharded_checkpoint(checkpoint_path):
             return sharded_checkpoint.load(self, checkpoint_path, self._flat_zeros())
         if Path(checkpoint_path).is_dir():

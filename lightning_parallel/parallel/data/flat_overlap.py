@@ -13,11 +13,13 @@ is the one the non-overlapped path and the checkpoints use: nothing about it cha
   one or two reduces per bucket. Why not the alternatives: a reduce-scatter needs even splits (gloo has no
   uneven ``reduce_scatter``), and buckets cut at even splits of every rank's range would each hold gradients
   from both ends of the model, complete only at the end of backward; an all-reduce of the bucket and a local
-  slice would send twice the bytes. With reduces every rank sends each of its elements once, the bytes of the
-  reduce-scatter they replace (``ShardGradients.comm_factor`` holds).
+  slice would carry twice the bytes. The reduces carry the reduce-scatter's payload; in a pipelined chain every
+  rank but the owner sends each piece once, (w-1)/w of it per rank as in the ring (``ShardGradients.comm_factor``
+  holds; ``comm_volume`` books a reduce at its whole payload per rank, w/(w-1) more).
 - After the step (both stages), each bucket's pieces are ``broadcast`` from their owners, async, first layers
-  first (the non-overlapped path all-gathers the whole buffer). A forward pre-hook on every module that holds
-  parameters of a bucket waits for that bucket; ``settle()`` waits for everything still in flight and is called
+  first (the non-overlapped path all-gathers the whole buffer). A forward pre-hook on every layer (the units ZeRO-3
+  would make: the repeated blocks, the other top-level children, the root) that holds parameters of a bucket waits
+  for that bucket; ``settle()`` waits for everything still in flight and is called
   before the next reduction and the step, before checkpoints are written or read, and at the end of fit. The
   values are copies: bitwise the all-gather's.
 
@@ -157,12 +159,18 @@ class FlatBuckets(HookedBuckets):
         for index in range(len(self._gathers)):
             self.wait_gather(index)
 
-    def wait_before_forward(self, modules: Iterable[nn.Module]) -> list[RemovableHandle]:
-        """A forward pre-hook on every module of ``modules`` that holds parameters of these buckets (its own, not
-        its children's): it waits for their gathers."""
+    def wait_before_forward(self, root: nn.Module, units: list[str]) -> list[RemovableHandle]:
+        """A forward pre-hook on each of ``root``'s ``units`` (module paths, ``""`` the root: the layers, as ZeRO-3
+        would cut them) holding parameters of these buckets: it waits for the gathers of the parameters its forward
+        reads, those of its subtree that no unit nested in it holds. Hooks sit on whole layers, outside a compiled
+        layer's forward."""
         handles = []
-        for module in modules:
-            mine = sorted({self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index})
+        for path in units:
+            module = root.get_submodule(path)
+            nested = [u for u in units if u != path and (path == "" or u.startswith(path + "."))]
+            inner = {id(p) for u in nested for p in root.get_submodule(u).parameters()}
+            reads = [p for p in module.parameters() if id(p) in self._index and id(p) not in inner]
+            mine = sorted({self._index[id(p)] for p in reads})
             if mine:
                 handles.append(module.register_forward_pre_hook(self._pre_forward(mine)))
         return handles

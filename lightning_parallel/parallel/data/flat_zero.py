@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_parallel._compat import set_local_tensor
 from lightning_parallel.parallel.data.flat_overlap import FlatBuckets
+from lightning_parallel.parallel.data.fsdp import fsdp_units
 from lightning_parallel.parallel.data.overlap import Prepare, overlap_summary
 from lightning_parallel.parallel.data.powersgd import PowerSGD
 from lightning_parallel.parallel.data.sharding import DataParallelSharding, GradPiece
@@ -128,6 +129,7 @@ class FlatZero:
         if overlap_bucket_mb is not None:
             for fg in self.flat_groups:
                 self._overlap[id(fg)] = FlatBuckets(fg, stage, wire_dtype, overlap_bucket_mb)
+        self.forward_waits = False  # forward pre-hooks wait for the gathers (else _after_step waits at once)
         self._reduced = False
         optimizer.register_step_pre_hook(self._before_step)
         optimizer.register_step_post_hook(lambda *_: self._after_step())
@@ -263,6 +265,8 @@ class FlatZero:
                 overlapped.gather()  # async, bucket by bucket: each waited for before the forward uses it
             else:  # the input is copied because it aliases the output buffer
                 dist.all_gather_single(fg.flat_param, local.clone(), group=fg.group)
+            if overlapped is not None and not self.forward_waits:
+                overlapped.settle()  # no forward hooks yet: nothing else would wait
             if fg.flat_grad is not None:
                 fg.flat_grad.zero_()
                 for p in fg.params:
@@ -300,11 +304,11 @@ class FlatSharding(DataParallelSharding):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._flat: dict[int, FlatZero] = {}  # id(optimizer) -> its flat sharding
-        self._roots: list[nn.Module] = []  # what the parameters' modules are under (overlap: forward pre-hooks)
-        self._watched: set[int] = set()  # id(FlatZero) whose gathers the forward waits for
+        self._layers: list[tuple[nn.Module, list[str]]] = []  # roots and their layers (overlap: forward pre-hooks)
 
     def shard_module(self, root: nn.Module, units: list[str] | None = None) -> list[str]:
-        self._roots.append(root)  # nothing sharded: the modules are remembered for overlap_grad_reduce's hooks
+        # nothing sharded: the layers (ZeRO-3's units) are remembered for overlap_grad_reduce's forward hooks
+        self._layers.append((root, fsdp_units(root) if units is None else units))
         return []
 
     def shard_optimizer(self, optimizer: Optimizer) -> None:
@@ -324,11 +328,11 @@ class FlatSharding(DataParallelSharding):
         self, optimizer: Optimizer, only: list[nn.Parameter] | None = None, prepare: Prepare | None = None
     ) -> None:
         flat = self._of(optimizer)
-        if flat._overlap and id(flat) not in self._watched:  # the gathers after each step: waited for in forward
-            self._watched.add(id(flat))
-            modules = [m for root in self._roots for m in root.modules()]
+        if flat._overlap and not flat.forward_waits:  # the gathers after each step: waited for in forward
             for buckets in flat._overlap.values():
-                buckets.wait_before_forward(modules)
+                for root, layers in self._layers:
+                    buckets.wait_before_forward(root, layers)
+            flat.forward_waits = True
         flat.arm(only, prepare)
 
     def arm_more(self, optimizer: Optimizer, params: list[nn.Parameter], ready: bool = False) -> None:
