@@ -200,33 +200,52 @@ EPOCH, RESUMED_STEPS = 4, 3
 POWERSGD = "zero2:grad_compression=powersgd,powersgd_rank=2"
 
 
-def test_resume_continues_the_losses(tmp_path, tmp_path_factory):
-    """A sharded checkpoint keeps each matrix's Q and the dp-mean error: the resumed run (under zero2, and under
-    hybrid3d's ZeRO 0) continues with the losses of the run that never stopped."""
-    ckpt = tmp_path / "powersgd.ckpt"
-    # one batch per epoch: every step trains on the same global batch, so the data does not depend on where the
-    # resumed loops think they are (the ranks' split of it may: only the sum over ranks matters, as for the errors)
-    base = {"epoch_steps": 1}
+# one batch per epoch: every step trains on the same global batch, so the data does not depend on where the resumed
+# loops think they are (the ranks' split of it may: only the sum over ranks matters, as for the errors)
+RESUME_BASE = {"epoch_steps": 1}
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A zero2 powersgd run saved after EPOCH steps, and the same run going on RESUMED_STEPS more (its losses)."""
+    ckpt = tmp_path_factory.mktemp("powersgd_ckpt") / "powersgd.ckpt"
     first = Batch(
         tmp_path_factory,
         {
-            "save": (2, POWERSGD, [{**base, "name": "save", "steps": EPOCH, "save": str(ckpt)}]),
-            "through": (2, POWERSGD, [{**base, "name": "through", "steps": EPOCH + RESUMED_STEPS}]),
+            "save": (2, POWERSGD, [{**RESUME_BASE, "name": "save", "steps": EPOCH, "save": str(ckpt)}]),
+            "through": (2, POWERSGD, [{**RESUME_BASE, "name": "through", "steps": EPOCH + RESUMED_STEPS}]),
         },
         tag="powersgd",
     )
-    want = first["through"].losses("through")[EPOCH:]
     assert first["save"].losses("save") == first["through"].losses("through")[:EPOCH]
-    saved = checkpoint_io.full_tensors(ckpt)
-    errors = {k: v for k, v in saved.items() if k.startswith("powersgd.") and k.endswith(".error")}
-    assert errors and max(v.abs().max().item() for v in errors.values()) > 1e-4  # a state worth keeping
-    resume = [{**base, "name": "resume", "steps": EPOCH + RESUMED_STEPS, "resume": str(ckpt)}]
-    layouts = {"zero2": POWERSGD, "hybrid3d": "hybrid3d:grad_compression=powersgd,powersgd_rank=2"}
-    resumed = Batch(tmp_path_factory, {k: (2, spec, resume) for k, spec in layouts.items()}, tag="powersgd_resume")
+    return ckpt, first["through"].losses("through")[EPOCH:]
+
+
+def resume_and_compare(tmp_path_factory, saved_run, layouts: dict[str, tuple[int, str]], tag: str) -> None:
+    ckpt, want = saved_run
+    resume = [{**RESUME_BASE, "name": "resume", "steps": EPOCH + RESUMED_STEPS, "resume": str(ckpt)}]
+    resumed = Batch(tmp_path_factory, {k: (world, spec, resume) for k, (world, spec) in layouts.items()}, tag=tag)
     for label in layouts:
         got = resumed[label].losses("resume")
         worst = assert_same_losses(got, want, f"powersgd resumed under {label}")
         print(f"resumed under {label}: max loss rel diff {worst:.1e}")
+
+
+def test_resume_continues_the_losses(tmp_path_factory, saved_run):
+    """A sharded checkpoint keeps each matrix's Q and the dp-mean error: the resumed run (under zero2, and under
+    hybrid3d's ZeRO 0) continues with the losses of the run that never stopped."""
+    saved = checkpoint_io.full_tensors(saved_run[0])
+    errors = {k: v for k, v in saved.items() if k.startswith("powersgd.") and k.endswith(".error")}
+    assert errors and max(v.abs().max().item() for v in errors.values()) > 1e-4  # a state worth keeping
+    layouts = {"zero2": (2, POWERSGD), "hybrid3d": (2, "hybrid3d:grad_compression=powersgd,powersgd_rank=2")}
+    resume_and_compare(tmp_path_factory, saved_run, layouts, "powersgd_resume")
+
+
+@pytest.mark.slow
+def test_resume_at_another_dp_degree(tmp_path_factory, saved_run):
+    """The dp mean of the errors is the same state at any dp degree: a dp=2 checkpoint resumed at dp=4."""
+    layouts = {"zero2-dp4": (4, POWERSGD), "zero1-dp4": (4, "zero1:grad_compression=powersgd,powersgd_rank=2")}
+    resume_and_compare(tmp_path_factory, saved_run, layouts, "powersgd_resume_dp4")
 
 
 SLOW_LAYOUTS = {  # label: (world, strategy, one rank per dp index (mesh order pp, dp, tp))
