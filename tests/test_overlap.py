@@ -76,6 +76,9 @@ def _check(batch: Batch, layouts: dict, label: str) -> None:
                 assert 0 < stats["launched_in_backward"] <= stats["buckets"], (label, rank, stats)
             else:
                 assert stats["launched_in_backward"] == stats["buckets"], (label, rank, stats)
+            if "zero_stage=1" in strategy or "zero_stage=2" in strategy or strategy.startswith("zero"):
+                # ZeRO-1/2: the updated parameters arrive async, each bucket waited for by the layer using it
+                assert stats["gathers_waited_in_forward"] > 0, (label, rank, stats)
             assert after.case(name, rank)["overlap"] == {}
         want, got = after.params(name), during.params(name)
         worst = max((want[k].float() - got[k].float()).abs().max().item() for k in want)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_parallel.parallel.data.overlap import HookedBuckets, buckets_of
+from lightning_parallel.parallel.data.overlap import HookedBuckets, buckets_of, overlap_summary
 from lightning_parallel.parallel.dtensor import like, local, placed_like
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class FlatBuckets(HookedBuckets):
         self.ranges[last] = (self.ranges[last][0], fg.flat_param.numel())  # the padding travels with the end
         self._sent: list[tuple[Tensor, Tensor, list[dist.Work]] | None] = [None] * len(self.ranges)
         self._gathers: list[list[dist.Work]] = [[] for _ in self.ranges]
+        self.waited_in_forward = 0  # gathers a forward pre-hook waited for, over the run (observability, tests)
 
     def pieces(self, index: int) -> list[tuple[int, int, int]]:
         """(owner's rank in the group, lo, hi) of every piece of bucket ``index`` in one rank's range."""
@@ -180,5 +181,14 @@ class FlatBuckets(HookedBuckets):
             for index in indices:
                 if self._gathers[index]:
                     self.wait_gather(index)
+                    self.waited_in_forward += 1
 
         return hook
+
+
+def flat_overlap_stats(buckets: list[FlatBuckets]) -> dict[str, int]:
+    """:func:`~.overlap.overlap_summary`, and how many parameter gathers a layer's forward waited for over the run."""
+    stats = overlap_summary(buckets)
+    if buckets:
+        stats["gathers_waited_in_forward"] = sum(b.waited_in_forward for b in buckets)
+    return stats

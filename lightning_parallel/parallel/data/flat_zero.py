@@ -28,9 +28,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_parallel._compat import set_local_tensor
-from lightning_parallel.parallel.data.flat_overlap import FlatBuckets
+from lightning_parallel.parallel.data.flat_overlap import FlatBuckets, flat_overlap_stats
 from lightning_parallel.parallel.data.fsdp import fsdp_units
-from lightning_parallel.parallel.data.overlap import Prepare, overlap_summary
+from lightning_parallel.parallel.data.overlap import Prepare
 from lightning_parallel.parallel.data.powersgd import PowerSGD
 from lightning_parallel.parallel.data.sharding import DataParallelSharding, GradPiece
 from lightning_parallel.parallel.dtensor import like, local, placed_like, split_axes
@@ -343,7 +343,7 @@ class FlatSharding(DataParallelSharding):
             flat.settle()
 
     def overlap_stats(self) -> dict[str, int]:
-        return overlap_summary([r for flat in self._flat.values() for r in flat._overlap.values()])
+        return flat_overlap_stats([b for flat in self._flat.values() for b in flat._overlap.values()])
 
     def flat(self, optimizer: Optimizer) -> FlatZero | None:
         return self._flat.get(id(optimizer))
