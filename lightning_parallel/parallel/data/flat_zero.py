@@ -308,7 +308,8 @@ class FlatSharding(DataParallelSharding):
 
     def shard_module(self, root: nn.Module, units: list[str] | None = None) -> list[str]:
         # nothing sharded: the layers (ZeRO-3's units) are remembered for overlap_grad_reduce's forward hooks
-        self._layers.append((root, fsdp_units(root) if units is None else units))
+        if self.overlap_grad_reduce:
+            self._layers.append((root, fsdp_units(root) if units is None else units))
         return []
 
     def shard_optimizer(self, optimizer: Optimizer) -> None:
