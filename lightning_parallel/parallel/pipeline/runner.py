@@ -10,6 +10,7 @@ timeline hooks of :mod:`lightning_parallel.parallel.measure.timeline`. The sched
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -32,8 +33,8 @@ class _Stage(PipelineStage):
     To learn shapes, torch runs each stage once in train mode on placeholder inputs (uninitialized memory
     on every stage but the first); BatchNorm would fold that run into its running statistics (NaN seen).
     The buffers are restored right after, and MoE layers forget the tokens they counted. While a
-    ``pipeline_timeline.TimelineRecorder`` is active, every
-    forward and backward of a microbatch is timed.
+    ``pipeline_timeline.TimelineRecorder`` is active, every forward and backward of a microbatch is timed.
+    With one stage per rank, each receive is posted one microbatch early (``early_receives``).
     """
 
     def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -49,8 +50,44 @@ class _Stage(PipelineStage):
         for layer in moe_layers(self.submod).values():  # nor the experts' token counts
             layer.forget_last()
 
+    # Receives posted one microbatch early (Pipeline turns it on where one stage runs per rank). gloo's TCP send
+    # waits until the receiver has posted its receive; torch posts each just before waiting for it, so every
+    # transfer cost a notification's round trip more on the critical path. Only where a pair of ranks carries
+    # one kind of message in microbatch order (GPipe, 1F1B): messages are matched in the order they are posted.
+    early_receives = 0  # the step's microbatch count while on; 0: off
+    _early: dict[tuple[str, int], list[dist.Work]]
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        if not self.early_receives:
+            return super().get_fwd_recv_ops(fwd_chunk_id)
+        self._post_early("F", fwd_chunk_id, super().get_fwd_recv_ops)
+        return []
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        if not self.early_receives:
+            return super().get_bwd_recv_ops(bwd_chunk_id)
+        self._post_early("B", bwd_chunk_id, super().get_bwd_recv_ops)
+        return []
+
+    def _post_early(self, kind: str, chunk: int, ops_of: Callable[[int], list[dist.P2POp]]) -> None:
+        """This microbatch's receives, unless posted already, and the next microbatch's (within the step)."""
+        early = self.__dict__.setdefault("_early", {})
+        for index in (chunk, chunk + 1):
+            if index < self.early_receives and (kind, index) not in early:
+                early[(kind, index)] = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops_of(index)]
+
+    def _wait_early(self, kind: str, chunk: int) -> None:
+        works = self.__dict__.get("_early", {}).pop((kind, chunk), None)
+        if not works:
+            return
+        recorder = active_recorder()
+        with recorder.action("wait", -1, -1) if recorder is not None else contextlib.nullcontext():
+            for work in works:
+                work.wait()
+
     # Timeline hook: each action is timed while a TimelineRecorder is active (one None check otherwise).
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self._wait_early("F", fwd_chunk_id)
         recorder = active_recorder()
         if recorder is None:
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
@@ -63,6 +100,7 @@ class _Stage(PipelineStage):
     on_last_backward: Callable[[int, bool], None] | None = None
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, **kwargs: Any) -> Any:
+        self._wait_early("B", bwd_chunk_id)
         last = full_backward and kwargs.get("last_backward") and self.on_last_backward is not None
         if last:
             self.on_last_backward(self.stage_index, False)
@@ -122,6 +160,7 @@ class Pipeline:
         self.split, self.spec, self.microbatches = split, schedule_spec(schedule), microbatches
         self.group, self.device, self.loss_fn = group, device, loss_fn
         self._schedules: dict[tuple, Any] = {}
+        self._stages: dict[tuple, list[_Stage]] = {}
         self._unscaled: dict[int, Tensor] = {}  # id(scaled loss) -> the microbatch's loss
         self._loss_scale = 1.0
         # called with (a stage's index, False) just before its last microbatch's weight-gradient backward in
@@ -160,8 +199,11 @@ class Pipeline:
             kw: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
             for stage in stages:
                 stage.on_last_backward = self._last_backward
+                # one stage per rank: each pair of ranks carries only activations one way, gradients the other
+                stage.early_receives = self.microbatches if self.spec.fixed_stages == 1 else 0
             sched = self.spec.build(stages, self.microbatches, **kw)
             self._schedules[key] = sched
+            self._stages[key] = stages
         return self._schedules[key]
 
     def _check_batch(self, args: tuple) -> None:
@@ -192,6 +234,8 @@ class Pipeline:
         schedule = self._schedule("train", args, kwargs, target)
         with aux_loss_scale(self._loss_scale):  # MoE auxiliary losses: the factor each microbatch's loss carries
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        for stage in self._stages[("train", _signature(args, kwargs, target))]:
+            assert not stage.__dict__.get("_early"), f"receives posted early were left unused: {stage._early}"
         return self._mean_loss(losses)
 
     def eval_loss(self, args: tuple, kwargs: dict, target: Any) -> Tensor:
