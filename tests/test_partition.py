@@ -120,18 +120,31 @@ def _heaviest_rank(costs: list[float], bounds: list[range], ranks: list[int]) ->
 @pytest.mark.parametrize("placement", ["v", "loop"])
 @pytest.mark.parametrize("seed", range(10))
 def test_ranks_running_several_stages_balance_by_rank(seed, placement):
-    """ZB-V and interleaved: the heaviest rank (its stages summed) is the smallest any split gives."""
+    """ZB-V and interleaved: the heaviest rank (its stages summed) within 5% of the smallest any split gives, and
+    among those splits the heaviest stage lightest."""
     rng = random.Random(seed)
     pp, n = rng.choice([2, 3]), rng.randint(7, 11)
     costs = [rng.uniform(0.1, 2.0) for _ in range(n)]
     ranks = stage_to_rank(2 * pp, pp, placement)
     parts = balanced_partition(costs, 2 * pp, stage_ranks=ranks)
     assert [i for r in parts for i in r] == list(range(n)) and all(len(r) for r in parts)
-    best = min(
-        _heaviest_rank(costs, [range(a, b) for a, b in itertools.pairwise((0, *cuts, n))], ranks)
+    splits = [
+        [range(a, b) for a, b in itertools.pairwise((0, *cuts, n))]
         for cuts in itertools.combinations(range(1, n), 2 * pp - 1)
-    )
-    assert _heaviest_rank(costs, parts, ranks) == pytest.approx(best), (seed, placement, costs, parts)
+    ]
+    best = min(_heaviest_rank(costs, split, ranks) for split in splits)
+    near = [split for split in splits if _heaviest_rank(costs, split, ranks) <= best * 1.05]
+    lightest_stage = min(max(sum(costs[i] for i in r) for r in split) for split in near)
+    assert _heaviest_rank(costs, parts, ranks) <= best * 1.05 + 1e-12, (seed, placement, costs, parts)
+    assert max(sum(costs[i] for i in r) for r in parts) == pytest.approx(lightest_stage), (seed, costs, parts)
+
+
+def test_v_split_does_not_buy_a_noisy_rank_balance_with_one_heavy_stage():
+    """Without the 5% slack this profile's best rank balance (3.29 against 3.32: one block timed 3% light) puts
+    three blocks and the head in one stage and the embedding alone in another, as a bench run's profile did."""
+    costs = [0.02, 1, 1, 1, 0.97, 1, 1, 0.3]  # embedding, 6 blocks, head, as profiled
+    parts = balanced_partition(costs, 4, stage_ranks=stage_to_rank(4, 2, "v"))
+    assert parts == [range(0, 3), range(3, 4), range(4, 6), range(6, 8)]  # two blocks at most per stage
 
 
 def test_v_split_puts_the_light_ends_with_more_layers():
