@@ -128,6 +128,37 @@ STRATEGY_CASES = [
         "divisors of 2",
     ),
     Case("h3d-ep-zero", hybrid(ep=0), "ep=0 is not a parallel degree", "set ep to a positive integer"),
+    Case(
+        "h3d-dp-shard-not-dividing-dp",
+        hybrid(dp=4, dp_shard=3, zero_stage=3),
+        "dp_shard=3 must divide dp=4",
+        "divisors of 4",
+    ),
+    Case(
+        "h3d-dp-shard-not-dividing-auto-dp",
+        on_devices(4, dp_shard=3, zero_stage=3),
+        "dp_shard=3 must divide dp=4",
+        "dp_shard=None to shard over all of dp",
+    ),
+    Case(
+        "h3d-dp-shard-zero", hybrid(dp_shard=0, zero_stage=3), "dp_shard=0 is not a parallel degree", "positive integer"
+    ),
+    Case(
+        "h3d-dp-shard-zero0", hybrid(dp_shard=2), "dp_shard=2 (HSDP) with zero_stage=0", "set zero_stage to 1, 2 or 3"
+    ),
+    Case(
+        "h3d-dp-shard-with-ep",
+        hybrid(dp=4, ep=2, dp_shard=2, zero_stage=2),
+        "dp_shard=2 (HSDP) with ep=2",
+        "set ep=1",
+    ),
+    Case("zero-dp-shard-zero", zero(stage=3, dp_shard=0), "dp_shard=0 is not a parallel degree", "or None"),
+    Case(
+        "h3d-mesh-not-fitting-node",
+        lambda ctx: raised(lambda: trainer(Hybrid3DStrategy(tp=2, dp_shard=2, zero_stage=3), 2, num_nodes=4)),
+        "tp(2) * dp_shard(2) = 4 does not divide the node size 2",
+        "change the processes per node",
+    ),
     Case("h3d-cp-zero", hybrid(cp=0), "cp=0 is not a parallel degree", "set cp to a positive integer"),
     Case("h3d-cp-mode-unknown", hybrid(cp=2, cp_mode="star"), "cp_mode='star' is unknown", "one of ring, ulysses"),
     Case("h3d-cp-with-ep", hybrid(dp=2, ep=2, cp=2), "cp=2 with ep=2", "Set cp=1 or ep=1"),
@@ -480,6 +511,25 @@ RECIPE_CASES = [
     Case("gpt-global-batch-negative", G("data.global_batch_size=-32"), "global_batch_size=-32", "must be positive"),
     Case("gpt-devices-zero", G("trainer.devices=0"), "trainer.devices=0", "set trainer.devices to 1 or more"),
     Case("gpt-nodes-zero", G("trainer.num_nodes=0"), "trainer.num_nodes=0", "set trainer.num_nodes to 1 or more"),
+    Case(
+        "gpt-hsdp-not-fitting-node",
+        G(
+            H3D,
+            "strategy.tp=2",
+            "strategy.dp_shard=2",
+            "strategy.zero_stage=3",
+            "trainer.devices=2",
+            "trainer.num_nodes=4",
+        ),
+        "tp(2) * dp_shard(2) = 4 does not divide the node size 2",
+        "Choose degrees whose product divides 2",
+    ),
+    Case(
+        "gpt-hsdp-dp-shard-not-dividing",
+        G(H3D, "strategy.dp_shard=3", "strategy.zero_stage=3", "trainer.devices=4"),
+        "dp_shard=3 must divide dp=4",
+        "choose dp_shard among the divisors of 4",
+    ),
     Case("gpt-accumulate-zero", G("trainer.accumulate_grad_batches=0"), "accumulate_grad_batches=0", "to 1 or more"),
     Case("gpt-max-steps-zero", G("trainer.max_steps=0"), "trainer.max_steps=0", "set trainer.max_steps to 1 or more"),
     Case("gpt-logger-unknown", G("trainer.logger=wandb"), "trainer.logger='wandb' is unknown", "csv, tensorboard"),
