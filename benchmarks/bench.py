@@ -6,6 +6,7 @@ benchmarks/results.json.
     python benchmarks/bench.py --repeats 1     # one pass: quicker, noisier
     python benchmarks/bench.py --only moe      # one section, merged into the last results.json (and report)
     python benchmarks/bench.py --only speed    # overlap, gradient compression, compile (about 4 minutes)
+    python benchmarks/bench.py --only hsdp     # HSDP's bytes across nodes against plain ZeRO-3's (bytes, no timing)
 
 Throughput pairs run interleaved (A, B, A, B, ...) so drifting machine load hits both alike; each figure is
 the median step time over the timed steps of a launch (the first two steps are warm-up, four where layers are
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import run_distributed  # noqa: E402
+from hsdp import run_hsdp  # noqa: E402
 from moe import run_moe  # noqa: E402
 from pipeline_split import run_pipeline_split  # noqa: E402
 from report import write_report  # noqa: E402
@@ -60,7 +62,8 @@ THROUGHPUT = [
 MEMORY = [("gpt", GPT, 2, spec) for spec in ("ddp", "hybrid3d", "zero1", "zero2", "zero3", "model_parallel")]
 COMM = [("gpt", GPT, 2, spec) for spec in ("hybrid3d:tp=2", "hybrid3d:pp=2,pp_schedule=gpipe,microbatches=4")]
 # (world, pp, schedule, microbatches, virtual stages per rank, pp_balance): measured idle fraction against the
-# formula; ZB-V also with the split that balances ranks (its rank 0 runs both light ends of the GPT)
+# formula; ZB-V also with the split that balances ranks (its rank 0 runs both light ends of the GPT): by
+# parameter count, which needs no timing on a busy host
 BUBBLE = [
     (2, 2, "gpipe", 4, 1, "uniform"),
     (2, 2, "1f1b", 4, 1, "uniform"),
@@ -68,7 +71,7 @@ BUBBLE = [
     (2, 2, "interleaved_1f1b", 4, 2, "uniform"),
     (2, 2, "zero_bubble", 4, 2, "uniform"),
     (2, 2, "zero_bubble", 8, 2, "uniform"),
-    (2, 2, "zero_bubble", 8, 2, "profile"),
+    (2, 2, "zero_bubble", 8, 2, "params"),
     (4, 4, "1f1b", 8, 1, "uniform"),
     (4, 4, "interleaved_1f1b", 8, 2, "uniform"),
 ]
@@ -211,6 +214,7 @@ def run_sections(args: argparse.Namespace) -> dict[str, Any]:
         "pipeline_split": ("profile-guided pipeline split", run_pipeline_split),
         "moe": ("mixture-of-experts", lambda: run_moe(args.out, args.repeats, args.steps, launch, step_time)),
         "speed": ("speed settings", lambda: run_speed(args.out, args.repeats, args.steps, GPT, launch, step_time)),
+        "hsdp": ("HSDP bytes across nodes", lambda: run_hsdp(args.out, GPT, launch)),
     }
     results = {}
     for key, (title, run) in sections.items():
@@ -229,7 +233,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=["throughput", "memory", "bubble", "pipeline_split", "moe", "speed"],
+        choices=["throughput", "memory", "bubble", "pipeline_split", "moe", "speed", "hsdp"],
         help="run these sections alone; the others' figures are kept from the last results.json",
     )
     args = parser.parse_args()

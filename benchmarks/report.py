@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hsdp import hsdp_lines
 from moe import moe_lines
 from speed import speed_lines
 
@@ -201,7 +202,7 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         "thread CPU time (other processes' preemption drops out) and no transfer time, with the schedule's own "
         "CPU work between boxes charged, and in brackets without it (the schedule's shape and the stage balance "
         "alone). Compute wall / CPU above 1: the ranks were preempted inside their boxes. GPT bench model with "
-        "6 blocks (8 pipeline layers); split `profile`: `pp_balance='profile'`, which under ZB-V balances the "
+        "6 blocks (8 pipeline layers); split `params`: `pp_balance='params'`, which under ZB-V balances the "
         "ranks. The timelines (Chrome trace + PNG) lie under runs/bench/*/timeline/.",
         "",
         *bubble_table(results["bubble"]),
@@ -219,6 +220,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         lines += moe_lines(results["moe"])
     if "speed" in results:
         lines += speed_lines(results["speed"])
+    if "hsdp" in results:
+        lines += hsdp_lines(results["hsdp"])
     if FINDINGS.exists():
         lines += ["## Findings", "", FINDINGS.read_text().strip(), ""]
     path.write_text("\n".join(lines))

@@ -209,6 +209,7 @@ def main() -> None:
             if e.kind == "all_to_all"
         ],
         "comm_bytes_per_step": monitor.summary.get("comm_bytes_per_step"),
+        "comm_bytes_by_axis": monitor.summary.get("comm_bytes_by_axis"),  # mesh axis -> bytes (mesh strategies)
         "comm_sent_bytes_per_step": monitor.summary.get("comm_sent_bytes_per_step"),
         "pipeline_bubble": monitor.summary.get("pipeline_bubble"),
         # overlap_grad_reduce: buckets, and how many the last step launched during backward ({} otherwise)
