@@ -60,6 +60,13 @@ def default_store() -> Any:
     return torch.distributed.distributed_c10d._get_default_store()
 
 
+def group_name_of(group: Any) -> str:
+    """The name of a process group given as functional collectives name it (a name, a group or a mesh)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group).group_name
+
+
 def group_size_of(group: Any) -> int:
     """Size of a process group given the way functional collectives name it (a name, a group or a mesh)."""
     from torch.distributed.distributed_c10d import _resolve_process_group

@@ -29,6 +29,11 @@ def test_private_apis_resolve():
     from torch.distributed.device_mesh import DeviceMesh
 
     assert callable(DeviceMesh._flatten)
+    world = torch.distributed.group.WORLD  # group_size_of / group_name_of resolve a group by its name
+    assert world is None or _compat.group_name_of(world) == world.group_name
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    assert callable(_resolve_process_group)
 
 
 def _imports(path: Path, modules: set[str] | None = None) -> set[str]:

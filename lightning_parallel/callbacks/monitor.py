@@ -149,7 +149,10 @@ class TrainingMonitor(pl.Callback):
         for mode in self._exit_modes():
             if isinstance(mode, CommCounter):
                 self.comm_events = mode.events
-                self.summary["comm_bytes_per_step"] = mode.by_kind()
+                axes_of = _group_axes(trainer)
+                self.summary["comm_bytes_per_step"] = mode.by_kind(axes_of)
+                if axes_of is not None:  # what each mesh axis sent: the outer axes' bytes cross nodes
+                    self.summary["comm_bytes_by_axis"] = mode.by_axis(axes_of)
                 self.summary["comm_sent_bytes_per_step"] = mode.sent_bytes
             elif isinstance(mode, LocalFlopCounter):
                 self._set_flops(trainer, pl_module, mode.flops)
@@ -227,3 +230,9 @@ def _pp_rank(trainer: pl.Trainer) -> int | None:
     if dims is None or dims.pp <= 1:
         return None
     return trainer.strategy.mesh.rank("stage")
+
+
+def _group_axes(trainer: pl.Trainer) -> dict[str, str] | None:
+    """Process group name -> mesh axes, under the mesh strategies (None under others)."""
+    mesh = getattr(trainer.strategy, "_mesh", None)
+    return mesh.group_axes() if mesh is not None else None

@@ -19,6 +19,7 @@ from typing import Any
 
 from lightning_parallel.parallel.activation_checkpoint import check_activation_checkpointing
 from lightning_parallel.parallel.data.compression import check_grad_compression
+from lightning_parallel.parallel.data.hybrid_shard import check_hybrid_shard
 from lightning_parallel.parallel.data.powersgd import check_powersgd_settings
 from lightning_parallel.parallel.data.stages import check_zero_settings, zero_stage
 from lightning_parallel.parallel.mesh import ParallelDims, check_degree
@@ -60,6 +61,9 @@ class ParallelConfig:
             causal load balance); they see the same samples, and their gradients are averaged with dp's.
         cp_mode: how attention spans the split sequence: ``ring`` (keys and values passed around the cp ranks,
             exact online-softmax merge) or ``ulysses`` (all-to-all to a split over heads; cp must divide them).
+        dp_shard: HSDP: the data-parallel ranks one replica shards model states over (a divisor of dp); the dp /
+            dp_shard replicas hold the same shards and all-reduce them (gradients: reduce-scatter inside a replica,
+            all-reduce of the shard across replicas). None: shard over all of dp. Needs zero_stage 1-3.
         zero_stage: what data parallelism shards over dp: 0 nothing (gradients averaged), 1 optimizer
             states, 2 also gradients, 3 also parameters (FSDP2).
         offload: keep the sharded states on the host and step there (stages 2 and 3).
@@ -92,6 +96,7 @@ class ParallelConfig:
     ep: int = 1
     cp: int = 1
     cp_mode: str = "ring"
+    dp_shard: int | None = None
     zero_stage: int = 0
     offload: bool = False
     reshard_after_forward: bool = True
@@ -144,11 +149,14 @@ class ParallelConfig:
     def dims(self, world_size: int) -> ParallelDims:
         """The degrees for ``world_size`` processes (``dp="auto"`` resolved); a ValueError with the arithmetic
         when they do not fit."""
-        return ParallelDims.from_degrees(world_size, pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep, cp=self.cp)
+        return ParallelDims.from_degrees(
+            world_size, pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep, cp=self.cp, dp_shard=self.dp_shard
+        )
 
     def describe(self, name: str = "hybrid3d") -> str:
         ep = f", ep={self.ep}" if self.ep > 1 else ""
         cp = f", cp={self.cp}, cp_mode={self.cp_mode!r}" if self.cp > 1 else ""
+        cp += f", dp_shard={self.dp_shard}" if self.dp_shard is not None else ""
         return f"strategy={name!r} (dp={self.dp!r}, pp={self.pp}, tp={self.tp}{ep}{cp}, zero_stage={self.zero_stage})"
 
     # ----- validation -----
@@ -172,6 +180,7 @@ class ParallelConfig:
             )
         self._check_context(warn)
         check_zero_settings(self.zero_stage, self.offload, name="zero_stage", allow_zero=True)
+        check_hybrid_shard(self)
         check_flag("sequence_parallel", self.sequence_parallel)
         check_flag("reshard_after_forward", self.reshard_after_forward)
         check_grad_compression(self.grad_compression)

@@ -1,11 +1,14 @@
 """One named device mesh for every parallelism, and the meshes each part of the code asks for by role.
 
-The axes are ``pp``, ``dp``, ``ep``, ``cp``, ``tp``, outermost first: tensor parallelism on neighbouring ranks (the
-fastest links on a node), pipeline stages on the outermost axis, as Megatron and torchtitan do. Expert parallelism
-is carved out of the data-parallel ranks (torchtitan, Megatron-Core): with ``dp=D`` and ``ep=E`` the mesh's ``dp``
-axis has D/E ranks (those that hold the same experts) and its ``ep`` axis E; data parallelism spans both. Context
-parallelism (``cp``) splits each sample's sequence: its ranks see the same samples (not in ``batch``), average their
-losses and gradients (in ``loss`` and ``shard``, torchtitan's FSDP over dp x cp). Code never names an axis to find
+The axes are ``pp``, ``dpr``, ``dp``, ``ep``, ``cp``, ``tp``, outermost first: tensor parallelism on neighbouring
+ranks (the fastest links on a node), pipeline stages on the outermost axis, as Megatron and torchtitan do. Expert
+parallelism is carved out of the data-parallel ranks (torchtitan, Megatron-Core): with ``dp=D`` and ``ep=E`` the
+mesh's ``dp`` axis has D/E ranks (those that hold the same experts) and its ``ep`` axis E; data parallelism spans
+both. Context parallelism (``cp``) splits each sample's sequence: its ranks see the same samples (not in ``batch``),
+average their losses and gradients (in ``loss`` and ``shard``, torchtitan's FSDP over dp x cp). HSDP (``dp_shard``)
+splits the data-parallel ranks into replicas x shards: ``dpr`` (torchtitan's dp_replicate: dp / dp_shard replicas,
+outermost, so each replica's shards are neighbouring ranks, inside a node) and the ``dp`` axis (dp_shard / ep
+ranks). ZeRO shards over ``shard`` and all-reduces the shards over ``replicate``. Code never names an axis to find
 its ranks; it asks for a role (torchtitan's ``get_mesh("loss")``):
 
 ============  ===========================================================================
@@ -14,6 +17,7 @@ role          what it is for
 batch         ranks that see different samples: the sampler, metrics, BatchNorm
 loss          ranks whose losses average into the global loss: ``sync_dist``
 shard         ranks a data-parallel sharding (ZeRO 0-3) spreads model states over
+replicate     HSDP: ranks holding the same shard (one per replica), whose sharded gradients are all-reduced
 expert        expert parallelism: ranks holding different experts, exchanging tokens by all-to-all
 expert_shard  ranks holding the same experts: their gradients meet and ZeRO shards them there
 context       context parallelism: ranks holding pieces of the same sequences (ring or all-to-all attention)
@@ -41,18 +45,20 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lightning_parallel._compat import C10dBackend, flatten_mesh
 
 PP = "pp"
+DPR = "dpr"  # HSDP's replicas (dp / dp_shard); no "_" in axis names: flattened roles join axes with it
 DP = "dp"
 EP = "ep"
 CP = "cp"
 TP = "tp"
-MESH_AXES = (PP, DP, EP, CP, TP)  # outermost first
+MESH_AXES = (PP, DPR, DP, EP, CP, TP)  # outermost first
 
 ROLES: dict[str, tuple[str, ...]] = {
-    "batch": (DP, EP),
-    "loss": (DP, EP, CP),
+    "batch": (DPR, DP, EP),
+    "loss": (DPR, DP, EP, CP),
     "shard": (DP, EP, CP),
+    "replicate": (DPR,),
     "expert": (EP,),
-    "expert_shard": (DP,),
+    "expert_shard": (DPR, DP),
     "context": (CP,),
     "stage": (PP,),
     "tensor": (TP,),
@@ -79,6 +85,7 @@ class ParallelDims:
     world_size: int
     ep: int = 1
     cp: int = 1
+    dpr: int = 1  # HSDP: data-parallel replicas (dp / dp_shard); each holds the model states sharded over dp_shard
 
     @classmethod
     def from_degrees(
@@ -90,8 +97,10 @@ class ParallelDims:
         tp: int = 1,
         ep: int = 1,
         cp: int = 1,
+        dp_shard: int | None = None,
     ) -> ParallelDims:
-        """Validate ``pp * dp * cp * tp == world_size``; ``dp="auto"`` takes the ranks the other axes leave.
+        """Validate ``pp * dp * cp * tp == world_size``; ``dp="auto"`` takes the ranks the other axes leave;
+        ``dp_shard`` (HSDP: None shards over all of dp) divides dp, which it splits into dp / dp_shard replicas.
 
         Raises:
             ValueError: with the arithmetic and the fix, when the degrees do not fit the world size.
@@ -123,12 +132,59 @@ class ParallelDims:
                 f"ep={ep} must divide the data-parallel degree dp={dp} (expert parallelism is carved out of the "
                 f"data-parallel ranks): choose ep among the divisors of {dp}, or change pp, tp or the devices."
             )
-        return cls(world_size=world_size, ep=ep, pp=given[PP], dp=dp, tp=given[TP], cp=cp)
+        dpr = 1
+        if dp_shard is not None:
+            dp_shard = check_degree("dp_shard", dp_shard)
+            if dp % dp_shard:
+                raise ValueError(
+                    f"dp_shard={dp_shard} must divide dp={dp} (HSDP: dp / dp_shard replicas, each sharded over "
+                    f"dp_shard ranks): choose dp_shard among the divisors of {dp}, or dp_shard=None to shard over "
+                    "all of dp."
+                )
+            dpr = dp // dp_shard
+        if dpr > 1 and ep > 1:
+            raise ValueError(
+                f"dp_shard={dp_shard} with ep={ep}: HSDP and expert parallelism together are not supported yet "
+                "(experts would need their own replica groups). Set dp_shard=None or ep=1."
+            )
+        return cls(world_size=world_size, ep=ep, pp=given[PP], dp=dp, tp=given[TP], cp=cp, dpr=dpr)
 
     @property
     def degrees(self) -> dict[str, int]:
-        """Every mesh axis and its size, outermost first (``dp``: the ranks holding the same experts, dp/ep)."""
-        return {PP: self.pp, DP: self.dp // self.ep, EP: self.ep, CP: self.cp, TP: self.tp}
+        """Every mesh axis and its size, outermost first (``dpr``: HSDP's replicas; ``dp``: the ranks of one replica
+        holding the same experts, dp / dpr / ep)."""
+        return {PP: self.pp, DPR: self.dpr, DP: self.dp // (self.ep * self.dpr), EP: self.ep, CP: self.cp, TP: self.tp}
+
+    @property
+    def dp_shard(self) -> int:
+        """The data-parallel ranks one replica's shards span (all of dp without HSDP)."""
+        return self.dp // self.dpr
+
+    def node_local(self) -> dict[str, int]:
+        """The axes that should stay inside a node, by the degree they take there: tp and cp (activations cross them
+        every layer) and, under HSDP, dp_shard (parameters gathered every step; only replicas cross nodes)."""
+        local = {TP: self.tp, CP: self.cp}
+        if self.dpr > 1:
+            local["dp_shard"] = self.dp_shard
+        return {axis: d for axis, d in local.items() if d > 1}
+
+    def check_node_size(self, node_size: int, num_nodes: int) -> None:
+        """Across several nodes, the node-local axes (:meth:`node_local`) must tile each node: their product divides
+        the processes per node, so the mesh (innermost axes on neighbouring ranks) keeps them inside one.
+
+        Raises:
+            ValueError: with the node size, the product and the fix.
+        """
+        local = self.node_local()
+        product = _product(local.values())
+        if num_nodes < 2 or not local or node_size % product == 0:
+            return
+        terms = " * ".join(f"{axis}({d})" for axis, d in local.items())
+        raise ValueError(
+            f"{terms} = {product} does not divide the node size {node_size} (processes per node, torchrun's "
+            f"--nproc-per-node / Trainer devices) over {num_nodes} nodes: these axes would cross nodes. Choose "
+            f"degrees whose product divides {node_size}, or change the processes per node."
+        )
 
     def role_size(self, role: str) -> int:
         return _product(self.degrees[axis] for axis in ROLES[role])
@@ -148,6 +204,7 @@ class ParallelDims:
     def __str__(self) -> str:
         shown = {PP: self.pp, DP: self.dp, TP: self.tp} | ({EP: self.ep} if self.ep > 1 else {})
         shown |= {CP: self.cp} if self.cp > 1 else {}
+        shown |= {"dp_shard": self.dp_shard} if self.dpr > 1 else {}
         return " ".join(f"{axis}={d}" for axis, d in shown.items()) + f" (world_size={self.world_size})"
 
 
@@ -191,6 +248,25 @@ class ParallelMesh:
 
     def size(self, name: str) -> int:
         return self[name].size()
+
+    def hsdp_mesh(self) -> DeviceMesh:
+        """HSDP's 2-D mesh (``replicate``, ``shard``): FSDP2 reduce-scatters over the second dimension and
+        all-reduces over the first (torchtitan's ``dp_replicate, dp_shard_cp``)."""
+        shard = self["shard"].mesh_dim_names
+        assert shard is not None and self.dims.dpr > 1, "HSDP needs dp_shard < dp"
+        return self.device_mesh[(DPR, shard[0])]
+
+    def group_axes(self) -> dict[str, str]:
+        """Process group name -> the axes it spans (``"dp"``, ``"dp_cp"``, ``"world"``): how communication counters
+        split bytes by axis. A group several axes share (size-1 axes beside it) is named by the sized ones."""
+        names = {dist.group.WORLD.group_name: "world"} if dist.group.WORLD is not None else {}
+        for axis in reversed(MESH_AXES):  # an axis of size > 1 overwrites a size-1 axis sharing its group
+            group = self.device_mesh.get_group(axis)
+            if group.group_name not in names or self.dims.degrees[axis] > 1:
+                names[group.group_name] = axis
+        for flat, mesh in self._flat.items():
+            names[mesh.get_group().group_name] = flat
+        return names
 
     def axis_groups(self) -> dict[str, dist.ProcessGroup]:
         """The process group of every axis, by axis name (what gradient-norm code reduces over)."""

@@ -30,6 +30,7 @@ from lightning_parallel.recipes.checks import (
     check_precision,
     check_trainer_settings,
 )
+from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.zero import ZERO_SETTINGS
 
 ZERO_NAMES = {"zero1": (1, False), "zero2": (2, False), "zero3": (3, False)}
@@ -117,6 +118,8 @@ def check_run_settings(cfg: DictConfig, num_layers: int) -> Any:
     strategy = build_strategy(cfg.strategy)
     check_precision(cfg, strategy)
     micro = micro_batch_size(cfg, world)
+    if isinstance(strategy, MeshStrategy):  # tp, cp and HSDP's dp_shard inside a node
+        strategy.config.dims(world).check_node_size(cfg.trainer.devices, cfg.trainer.num_nodes)
     if isinstance(strategy, Hybrid3DStrategy):
         config, dims = strategy.config, strategy.config.dims(world)
         check_stage_count(num_layers, dims.pp * config.stages_per_rank, f"strategy.pp={dims.pp}")
@@ -220,6 +223,8 @@ def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_ste
         "ep": dims.ep if dims else 1,
         "cp": dims.cp if dims else 1,  # context parallelism: each sequence split over cp ranks
         "cp_mode": trainer.strategy.config.cp_mode if dims and dims.cp > 1 else None,  # ring or ulysses
+        "dp_shard": dims.dp_shard if dims else trainer.world_size,  # HSDP: dp / dp_shard replicas of the states
+        "num_nodes": trainer.num_nodes,
         "zero_stage": config.zero_stage if (config := getattr(trainer.strategy, "config", None)) else 0,
         "precision": cfg.precision.value,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,  # as the workers saw it
@@ -258,6 +263,7 @@ def _monitor_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_pe
     out["flops_per_step"] = summary.get("flops_per_step")
     out["model_state_bytes"] = all_ranks(summary.get("model_state_bytes"))
     out["comm_bytes_per_step"] = all_ranks(summary.get("comm_bytes_per_step"))
+    out["comm_bytes_by_axis"] = all_ranks(summary.get("comm_bytes_by_axis"))  # per rank: {axes: bytes}
     if "pipeline_bubble" in summary:  # rank 0's: the idle fraction of each pp rank, from the timeline
         out["pipeline_bubble"] = summary["pipeline_bubble"]
     return out

@@ -106,6 +106,7 @@ class DistributedMixin:
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self._dims = self._parallel_degrees(self.world_size)  # bad degrees fail here, before any process starts
+        self._dims.check_node_size(self.num_processes, self.num_nodes)  # tp, cp, dp_shard inside a node
         if not self.cluster_environment.creates_processes_externally:
             grace_s = min(self._timeout.total_seconds(), 10.0)  # for the launching rank to say which rank failed
             env = self.cluster_environment

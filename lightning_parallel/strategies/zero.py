@@ -14,6 +14,7 @@ from lightning_parallel.strategies.base import MeshStrategy
 # the ParallelConfig settings a ZeRO strategy takes; the others (pp, tp, ...) need hybrid3d
 ZERO_SETTINGS = (
     "zero_stage",
+    "dp_shard",
     "offload",
     "reshard_after_forward",
     "activation_checkpointing",
@@ -41,7 +42,8 @@ class ZeroStrategy(MeshStrategy):
             or ``"selective"`` (keep matmul, conv and attention outputs, recompute the rest). The layers are the
             module's ``pipeline_layers()`` if it has them, else its repeated blocks.
         **settings: the other ParallelConfig settings a ZeRO layout has (:data:`ZERO_SETTINGS`:
-            ``grad_compression``, ``powersgd_rank``, ``overlap_grad_reduce``, ``bucket_mb``, ``compile``); any other
+            ``dp_shard`` (HSDP: shard over dp_shard ranks, replicate across dp / dp_shard), ``grad_compression``,
+            ``powersgd_rank``, ``overlap_grad_reduce``, ``bucket_mb``, ``compile``); any other
             setting (pp, tp, ...) is refused with the fix.
         Lightning's arguments are passed to :class:`~lightning_parallel.strategies.base.MeshStrategy`
             (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``process_group_backend``,

@@ -120,6 +120,11 @@ class ShardParameters(DataParallelSharding):
     supports_offload = True
     summary = "optimizer states, gradients and parameters sharded (FSDP2)"
 
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh the non-expert units shard over (HSDP: the 2-D replicate x shard mesh)."""
+        return self.mesh
+
     def shard_module(self, root: nn.Module, units: list[str] | None = None) -> list[str]:
         # experts split over ep first, as units of their own over the ranks holding the same experts (torchtitan's
         # dp_mod_ep); the enclosing units then leave their parameters alone
@@ -139,7 +144,7 @@ class ShardParameters(DataParallelSharding):
                 unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         return experts + apply_fsdp(
             root,
-            self.mesh,
+            self.fsdp_mesh,
             reshard_after_forward=self.reshard_after_forward,
             offload=self.offload,
             units=units,

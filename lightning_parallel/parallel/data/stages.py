@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from lightning_parallel.parallel.data.flat_zero import ShardGradients, ShardOptimizer
 from lightning_parallel.parallel.data.fsdp import ShardParameters
+from lightning_parallel.parallel.data.hybrid_shard import HYBRID_STAGES
 from lightning_parallel.parallel.data.replicate import Replicate
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.mesh import ParallelMesh
@@ -43,9 +44,10 @@ def check_zero_settings(stage: object, offload: object, *, name: str = "stage", 
 
 
 def make_sharding(config: ParallelConfig, mesh: ParallelMesh, setting: str = "") -> DataParallelSharding:
-    """The sharding of ``config.zero_stage`` over the world's ``mesh`` (it picks the roles it shards over), with the
-    config's data-parallel settings."""
-    return zero_stage(config.zero_stage).from_mesh(
+    """The sharding of ``config.zero_stage`` over the world's ``mesh`` (it picks the roles it shards over; HSDP's
+    variant when the mesh has replicas), with the config's data-parallel settings."""
+    cls = HYBRID_STAGES[config.zero_stage] if mesh.dims.dpr > 1 else zero_stage(config.zero_stage)
+    return cls.from_mesh(
         mesh,
         offload=config.offload,
         reshard_after_forward=config.reshard_after_forward,

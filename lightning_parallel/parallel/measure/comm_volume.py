@@ -25,11 +25,16 @@ These are the bus-bandwidth factors of NCCL's own tests: what a ring (bandwidth-
 rank, whatever the backend actually does. With them, DP's gradient all-reduce of P bytes is ``2P(w-1)/w``,
 ZeRO-3's all-gather (forward) + all-gather (backward) + reduce-scatter is ``3P(w-1)/w``, 1.5x that.
 A group of one sends nothing.
+
+Each event also records its process group's name; given the mesh's names for them
+(:meth:`~lightning_parallel.parallel.mesh.ParallelMesh.group_axes`), the bytes split by mesh axis (``by_axis``): what
+crosses nodes is what the outer axes (``pp``, HSDP's replicas ``dpr``, an unsplit ``dp``) send.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_parallel._compat import TorchDispatchMode, group_size_of, tree_leaves
+from lightning_parallel._compat import TorchDispatchMode, group_name_of, group_size_of, tree_leaves
 
 # op name -> (kind, which argument holds the payload: "in" the input tensors, "out" the output tensors)
 _C10D = {
@@ -98,6 +103,7 @@ class CommEvent:
     payload_bytes: int
     group_size: int
     dtype: str
+    group: str = ""  # the process group's name: which mesh axes it spans (ParallelMesh.group_axes)
 
     @property
     def sent_bytes(self) -> float:
@@ -114,22 +120,22 @@ def _event(func: Any, args: tuple, kwargs: dict) -> CommEvent | None:
     namespace, name = func.namespace, func._schema.name.split("::")[-1]
     if namespace == "c10d" and name in _C10D:
         kind, index = _C10D[name]
-        group = next(a for a in args if isinstance(a, torch.ScriptObject))
+        group = dist.ProcessGroup.unbox(next(a for a in args if isinstance(a, torch.ScriptObject)))
         payload_arg = args[index]
-        size = dist.ProcessGroup.unbox(group).size()
+        size, group_name = group.size(), group.group_name
     elif namespace == "_c10d_functional" and name in _FUNCTIONAL:
         kind, payload_arg = _FUNCTIONAL[name], args[0]
-        size = _functional_group_size(name, args)
+        size, group_name = _functional_group_size(name, args), group_name_of(args[-1])
         if kind == "all_gather":  # the functional op's argument is this rank's shard
-            return _make(kind, _nbytes(payload_arg) * size, size, payload_arg)
+            return _make(kind, _nbytes(payload_arg) * size, size, payload_arg, group_name)
     else:
         return None
-    return _make(kind, _nbytes(payload_arg), size, payload_arg)
+    return _make(kind, _nbytes(payload_arg), size, payload_arg, group_name)
 
 
-def _make(kind: str, payload: int, size: int, tensors: Any) -> CommEvent:
+def _make(kind: str, payload: int, size: int, tensors: Any, group: str = "") -> CommEvent:
     first = next((t for t in tree_leaves(tensors) if isinstance(t, Tensor)), None)
-    return CommEvent(kind, payload, size, str(first.dtype).replace("torch.", "") if first is not None else "")
+    return CommEvent(kind, payload, size, str(first.dtype).replace("torch.", "") if first is not None else "", group)
 
 
 class CommCounter(TorchDispatchMode):
@@ -161,11 +167,28 @@ class CommCounter(TorchDispatchMode):
                 self.events.append(event)
         return func(*args, **kwargs)
 
-    def by_kind(self) -> dict[str, dict[str, float]]:
-        """``{kind: {"calls", "payload_bytes", "sent_bytes"}}`` over all events."""
-        out: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "payload_bytes": 0, "sent_bytes": 0.0})
+    def by_kind(self, axes_of: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
+        """``{kind: {"calls", "payload_bytes", "sent_bytes"}}`` over all events; given ``axes_of`` (process group
+        name -> the mesh axes it spans, ``ParallelMesh.group_axes()``), each row also splits its sent bytes by
+        axis: ``"by_axis": {"dpr": ..., "dp": ...}`` (a group the mesh did not make counts as ``"other"``)."""
+        out: dict[str, dict[str, Any]] = defaultdict(lambda: {"calls": 0, "payload_bytes": 0, "sent_bytes": 0.0})
         for e in self.events:
             row = out[e.kind]
+            row["calls"] += 1
+            row["payload_bytes"] += e.payload_bytes
+            row["sent_bytes"] += e.sent_bytes
+            if axes_of is not None:
+                by_axis = row.setdefault("by_axis", {})
+                axis = axes_of.get(e.group, "other")
+                by_axis[axis] = by_axis.get(axis, 0.0) + e.sent_bytes
+        return dict(out)
+
+    def by_axis(self, axes_of: Mapping[str, str]) -> dict[str, dict[str, float]]:
+        """``{axes: {"calls", "payload_bytes", "sent_bytes"}}``: the events grouped by the mesh axes their group
+        spans (``axes_of`` as in :meth:`by_kind`)."""
+        out: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "payload_bytes": 0, "sent_bytes": 0.0})
+        for e in self.events:
+            row = out[axes_of.get(e.group, "other")]
             row["calls"] += 1
             row["payload_bytes"] += e.payload_bytes
             row["sent_bytes"] += e.sent_bytes
