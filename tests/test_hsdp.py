@@ -19,6 +19,7 @@ from parity import assert_same_losses, assert_same_params
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.hybrid_shard import replica_bytes
 from lightning_parallel.parallel.data.stages import ZERO_STAGES
+from lightning_parallel.parallel.measure.comm_volume import CommCounter, CommEvent
 
 FAST = {"zero3": "hybrid3d:dp_shard=2,zero_stage=3"}  # `make test`
 SLOW = {
@@ -26,8 +27,9 @@ SLOW = {
     "zero2": "hybrid3d:dp_shard=2,zero_stage=2",
     "zero3-strategy": "zero3:dp_shard=2",
     "zero2-tp2": "hybrid3d:dp_shard=2,tp=2,zero_stage=2",
+    "zero3-cp2": "hybrid3d:dp_shard=2,cp=2,zero_stage=3",  # the shard role flattened (dp_cp) in the 2-D mesh
 }
-WORLD = {"zero2-tp2": 8}
+WORLD = {"zero2-tp2": 8, "zero3-cp2": 8}
 STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
 EPOCH, RESUMED_STEPS = 5, 2  # checkpoints: saved after EPOCH steps, then RESUMED_STEPS more
 SAVE = {"name": "save", "steps": EPOCH, "epoch_steps": EPOCH}
@@ -75,6 +77,19 @@ def test_the_slurm_job_checks_the_node_aware_mesh():
             gpt.check_config(compose("train_gpt", overrides=crosses))
 
 
+def test_bytes_split_by_the_axes_of_their_groups():
+    counter = CommCounter()
+    counter.events = [
+        CommEvent("all_reduce", 100, 2, "float32", "g1"),
+        CommEvent("all_gather", 40, 2, "float32", "g2"),
+        CommEvent("all_reduce", 8, 4, "float32", "unknown"),
+    ]
+    axes_of = {"g1": "dpr", "g2": "dp"}
+    assert {a: row["sent_bytes"] for a, row in counter.by_axis(axes_of).items()} == {"dpr": 100, "dp": 20, "other": 12}
+    assert counter.by_kind(axes_of)["all_reduce"]["by_axis"] == {"dpr": 100, "other": 12}
+    assert "by_axis" not in counter.by_kind()["all_reduce"]
+
+
 def test_dp_shard_settings_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"dp_shard=3 must divide dp=4 .* divisors of 4"):
         ParallelConfig(dp_shard=3, zero_stage=3).dims(4)
@@ -111,9 +126,9 @@ def slow_runs(tmp_path_factory) -> Batch:
 
 def check(run, reference, label: str, tp: int = 1) -> None:
     leaders = list(range(0, len(run.ranks), tp))  # one rank per dp index
-    if tp == 1:  # model states sharded over dp_shard=2 ranks, not dp=4
+    if tp == 1:  # model states sharded over dp_shard=2 ranks (x cp), not dp=4
         sharding = ZERO_STAGES[STAGE[label.split("-")[0]]]
-        want = sharding.state_bytes_exact(run.case("plain")["num_params"], 2)
+        want = sharding.state_bytes_exact(run.case("plain")["num_params"], 4 if "cp2" in label else 2)
         assert run.case("plain")["memory"]["total"] == want, (label, run.case("plain")["memory"], want)
     for case in PARITY_CASES:
         name = case["name"]
