@@ -7,6 +7,7 @@ are one all-reduce of each rank's shard per step."""
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -29,8 +30,8 @@ def logged_losses(run_dir: Path) -> list[float]:
 def node(rank: int, port: int, cwd: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank)]
     cmd += ["--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    cmd += ["--rdzv-id", "two-nodes", str(GPT), *STEPS, *SMALL, *NO_CLIP, *HSDP, "trainer.devices=2", "trainer.num_nodes=2"]
-    cmd += [f"hydra.run.dir={cwd / 'run'}"]
+    cmd += ["--rdzv-id", "two-nodes", str(GPT), *STEPS, *SMALL, *NO_CLIP, *HSDP]
+    cmd += ["trainer.devices=2", "trainer.num_nodes=2", f"hydra.run.dir={cwd / 'run'}"]
     cwd.mkdir()
     out = open(cwd / "output.txt", "w")  # noqa: SIM115  (closed with the process)
     return subprocess.Popen(cmd, cwd=cwd, env=recipe_env(), stdout=out, stderr=subprocess.STDOUT, text=True)
@@ -43,14 +44,15 @@ def test_two_nodes_by_c10d_rendezvous_train_like_one_process(tmp_path):
         codes = [p.wait(timeout=300) for p in nodes]
     finally:
         for p in nodes:
-            p.kill() if p.poll() is None else None
+            if p.poll() is None:  # the other agent failed: do not leave this one waiting at the rendezvous
+                p.kill()
     outputs = [(tmp_path / f"node{r}" / "output.txt").read_text() for r in (0, 1)]
     assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
     # global rank 0 writes metrics.json and the logs: on whichever node the rendezvous made node 0
     (run_dir,) = [tmp_path / f"node{r}" / "run" for r in (0, 1) if (tmp_path / f"node{r}" / "run" / "logs").is_dir()]
     (tmp_path / "one").mkdir()
     one = run_recipe(GPT, tmp_path / "one", *STEPS, *SMALL, *NO_CLIP, "strategy=hybrid3d", "trainer.devices=1")
-    got = __import__("json").loads((run_dir / "metrics.json").read_text())
+    got = json.loads((run_dir / "metrics.json").read_text())
     assert got["layout"]["world_size"] == 4 and got["layout"]["num_nodes"] == 2 and got["layout"]["dp_shard"] == 2
     want_losses, got_losses = logged_losses(tmp_path / "one" / "run"), logged_losses(run_dir)
     print(f"two nodes: {got_losses}\none process: {want_losses}")
