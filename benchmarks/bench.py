@@ -7,6 +7,7 @@ benchmarks/results.json.
     python benchmarks/bench.py --only moe      # one section, merged into the last results.json (and report)
     python benchmarks/bench.py --only speed    # overlap, gradient compression, compile (about 4 minutes)
     python benchmarks/bench.py --only hsdp     # HSDP's bytes across nodes against plain ZeRO-3's (bytes, no timing)
+    python benchmarks/bench.py --only context  # cp=2 ring and Ulysses on the 1024-token GPT: bytes vs theory, time
 
 Throughput pairs run interleaved (A, B, A, B, ...) so drifting machine load hits both alike; each figure is
 the median step time over the timed steps of a launch (the first two steps are warm-up, four where layers are
@@ -30,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from context import run_context  # noqa: E402
 from harness import run_distributed  # noqa: E402
 from hsdp import run_hsdp  # noqa: E402
 from moe import run_moe  # noqa: E402
@@ -215,6 +217,7 @@ def run_sections(args: argparse.Namespace) -> dict[str, Any]:
         "moe": ("mixture-of-experts", lambda: run_moe(args.out, args.repeats, args.steps, launch, step_time)),
         "speed": ("speed settings", lambda: run_speed(args.out, args.repeats, args.steps, GPT, launch, step_time)),
         "hsdp": ("HSDP bytes across nodes", lambda: run_hsdp(args.out, GPT, launch)),
+        "context": ("context parallelism", lambda: run_context(args.out, args.repeats, args.steps, launch, step_time)),
     }
     results = {}
     for key, (title, run) in sections.items():
@@ -233,7 +236,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=["throughput", "memory", "bubble", "pipeline_split", "moe", "speed", "hsdp"],
+        choices=["throughput", "memory", "bubble", "pipeline_split", "moe", "speed", "hsdp", "context"],
         help="run these sections alone; the others' figures are kept from the last results.json",
     )
     args = parser.parse_args()

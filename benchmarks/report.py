@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from context import context_lines
 from hsdp import hsdp_lines
 from moe import moe_lines
 from speed import speed_lines
@@ -222,6 +223,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         lines += speed_lines(results["speed"])
     if "hsdp" in results:
         lines += hsdp_lines(results["hsdp"])
+    if "context" in results:
+        lines += context_lines(results["context"])
     if FINDINGS.exists():
         lines += ["## Findings", "", FINDINGS.read_text().strip(), ""]
     path.write_text("\n".join(lines))

@@ -203,3 +203,22 @@ def test_checkpoints_move_between_hsdp_and_plain_layouts(tmp_path, tmp_path_fact
     }
     resumed = Batch(tmp_path_factory, layouts, tag="hsdp-resume-slow")
     check_resumed(saved, ["hsdp3", "hsdp2"], resumed, [k for k in layouts if k != "reference"])
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_cp2_under_hsdp_resumes_at_plain_dp_and_in_one_process(tmp_path, tmp_path_factory):
+    """Saved at cp=2 x HSDP ZeRO-3 (2 replicas x 2 shards, world 8), read by plain dp=2 and by one process."""
+    ckpt, plain = tmp_path / "cp2-hsdp3.ckpt", tmp_path / "plain.ckpt"
+    saves = {
+        "cp2-hsdp3": (8, "hybrid3d:dp_shard=2,cp=2,zero_stage=3", [{**SAVE, "save": str(ckpt)}]),
+        "plain-save": (1, "auto", [{**SAVE, "save": str(plain)}]),
+    }
+    saved = Batch(tmp_path_factory, saves, tag="cp2-hsdp-save")
+    saved["plain-save"]
+    layouts = {
+        "dp2-from-cp2-hsdp3": (2, "hybrid3d", resume(ckpt)),
+        "one-process-from-cp2-hsdp3": (1, "hybrid3d", resume(ckpt)),
+        "reference": (1, "auto", resume(plain)),
+    }
+    resumed = Batch(tmp_path_factory, layouts, tag="cp2-hsdp-resume")
+    check_resumed(saved, ["cp2-hsdp3"], resumed, [k for k in layouts if k != "reference"])
