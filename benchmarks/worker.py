@@ -61,7 +61,7 @@ def _value(text: str) -> Any:
 
 
 def parse_spec(spec: str, world: int) -> tuple[Any, dict[str, int]]:
-    """The strategy for ``spec`` and its (dp, pp, tp) degrees."""
+    """The strategy for ``spec`` and its (dp, pp, tp, ...) degrees (cp ranks share their samples: not in dp)."""
     name, _, args = spec.partition(":")
     kwargs: dict[str, Any] = {}
     for item in filter(None, args.split(",")):
@@ -79,8 +79,8 @@ def parse_spec(spec: str, world: int) -> tuple[Any, dict[str, int]]:
     if name.startswith("zero"):
         return ZeroStrategy(stage=int(name[4]), **kwargs), {"dp": world, "pp": 1, "tp": 1}
     if name == "hybrid3d":
-        pp, tp, ep = kwargs.get("pp", 1), kwargs.get("tp", 1), kwargs.get("ep", 1)
-        return Hybrid3DStrategy(**kwargs), {"dp": world // (pp * tp), "pp": pp, "tp": tp, "ep": ep}
+        pp, tp, ep, cp = kwargs.get("pp", 1), kwargs.get("tp", 1), kwargs.get("ep", 1), kwargs.get("cp", 1)
+        return Hybrid3DStrategy(**kwargs), {"dp": world // (pp * tp * cp), "pp": pp, "tp": tp, "ep": ep, "cp": cp}
     raise ValueError(f"unknown benchmark strategy spec {spec!r}")
 
 
