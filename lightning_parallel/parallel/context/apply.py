@@ -105,6 +105,21 @@ def hooked_modules(root: nn.Module, hook: str) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in root.named_modules() if callable(getattr(m, hook, None))]
 
 
+def attention_modules(root: nn.Module, cp: int) -> list[tuple[str, nn.Module]]:
+    """The modules of ``root`` whose attention cp switches.
+
+    Raises:
+        TypeError: when there is none: nothing would attend across the split sequence.
+    """
+    attention = hooked_modules(root, ATTENTION_HOOK)
+    if not attention:
+        raise TypeError(
+            f"cp={cp} needs attention modules with an {ATTENTION_HOOK}(q, k, v, dropout_p) attribute (the recipe "
+            "GPT's CausalSelfAttention has one) to attend across the split sequence: add it, or set cp=1."
+        )
+    return attention
+
+
 def apply_context_parallel(root: nn.Module, mesh: DeviceMesh, mode: str) -> tuple[ContextParallel, list[str]]:
     """Point every ``attention_core`` and ``position_ids`` in ``root`` at the context-parallel ones of ``mesh``.
 
@@ -115,12 +130,7 @@ def apply_context_parallel(root: nn.Module, mesh: DeviceMesh, mode: str) -> tupl
         TypeError: when ``root`` has no module with an ``attention_core``: nothing would attend across ranks.
     """
     context = ContextParallel(mesh.get_group(), mode)
-    attention = hooked_modules(root, ATTENTION_HOOK)
-    if not attention:
-        raise TypeError(
-            f"cp={mesh.size()} needs attention modules with an {ATTENTION_HOOK}(q, k, v, dropout_p) attribute (the "
-            "recipe GPT's CausalSelfAttention has one) to attend across the split sequence: add it, or set cp=1."
-        )
+    attention = attention_modules(root, mesh.size())
     for _, module in attention:
         setattr(module, ATTENTION_HOOK, context.attention)
     for _, module in hooked_modules(root, POSITION_HOOK):
@@ -131,13 +141,7 @@ def apply_context_parallel(root: nn.Module, mesh: DeviceMesh, mode: str) -> tupl
 def check_context_layout(root: nn.Module, cp: int, mode: str, tp: int, example: Any = None) -> None:
     """Before launch: the heads divide for Ulysses, the example sequence divides into ``2 * cp`` chunks, and
     there is attention to switch (a ValueError or TypeError naming the setting and the fix)."""
-    attention = hooked_modules(root, ATTENTION_HOOK)
-    if not attention:
-        raise TypeError(
-            f"cp={cp} needs attention modules with an {ATTENTION_HOOK}(q, k, v, dropout_p) attribute (the recipe "
-            "GPT's CausalSelfAttention has one): add it, or set cp=1."
-        )
-    for _, module in attention:
+    for _, module in attention_modules(root, cp):
         heads = getattr(module, "n_head", None)
         if mode == "ulysses" and isinstance(heads, int):
             check_heads(heads, cp, tp)
