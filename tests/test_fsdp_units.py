@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import ast
+import subprocess
+import sys
+
+from harness import REPO, free_port
 from torch import nn
 
 from lightning_parallel.models import LitGPT
 from lightning_parallel.parallel.data.fsdp import fsdp_units
+
+sys.path.insert(0, str(REPO / "examples"))
+from byo_model import MLPClassifier  # noqa: E402
 
 
 def test_gpt_units_are_blocks_then_the_model():
@@ -49,3 +57,37 @@ def test_every_parameter_belongs_to_exactly_one_unit():
                 owners.setdefault(id(p), []).append(unit)
     assert all(len(v) == 1 for v in owners.values())
     assert len(owners) == len(list(model.parameters()))
+
+
+def test_a_model_with_no_enclosing_unit_gets_the_root_as_one():
+    # stem, blocks and head would each be an FSDP2 root of its own, kept gathered from forward to backward
+    model = MLPClassifier(depth=2)
+    assert fsdp_units(model) == ["blocks.0", "blocks.1", "head.0", "head.1", "stem", ""]
+
+
+_RESHARD = """
+import os, sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+sys.path.insert(0, {examples!r})
+from byo_model import MLPClassifier
+from lightning_parallel.parallel.data.fsdp import apply_fsdp, set_prefetch
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+model = MLPClassifier(depth=3)
+units = apply_fsdp(model, init_device_mesh("cpu", (1,)))
+model(torch.randn(4, 32)).sum().backward()
+state = lambda u: model.get_submodule(u)._get_fsdp_state()
+roots = [u for u in units if state(u)._is_root]
+gathered = [u for u in units if u and state(u)._fsdp_param_group.is_unsharded]
+print("RESULT", repr((roots, gathered, set_prefetch(model, units))))
+dist.destroy_process_group()
+"""
+
+
+def test_every_unit_but_the_root_is_freed_after_forward_and_blocks_prefetch_the_next():
+    script = _RESHARD.format(examples=str(REPO / "examples"), port=free_port())
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT")), None)
+    assert line is not None, out.stderr[-3000:]
+    roots, gathered, pairs = ast.literal_eval(line.removeprefix("RESULT "))
+    assert roots == [""] and gathered == []
+    assert pairs == [("blocks.0", "blocks.1"), ("blocks.1", "blocks.2")]

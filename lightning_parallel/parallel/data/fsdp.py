@@ -73,9 +73,17 @@ def fsdp_units(root: nn.Module) -> list[str]:
                     break
             if changed:
                 break
-    if "" not in units and _owned_params(root, "", units):
+    if "" not in units and (_owned_params(root, "", units) or (units and not _one_enclosing_unit(units))):
+        # one unit must enclose the rest: FSDP2 makes every unit with no unit above it a root of its own, and a
+        # root keeps its parameters gathered from forward to backward (reshard_after_forward=None), which would
+        # hold every block of a model without one (blocks plus loose top-level layers) unsharded through the step
         units.add("")
     return sorted(units, key=lambda u: (-u.count(".") if u else 1, u))
+
+
+def _one_enclosing_unit(units: set[str]) -> bool:
+    """Whether one of ``units`` holds all the others (FSDP2's root, whose lazy init sets up all of them)."""
+    return any(all(u == top or u.startswith(top + ".") for u in units) for top in units)
 
 
 def apply_fsdp(
@@ -108,7 +116,27 @@ def apply_fsdp(
             offload_policy=policy,
             mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype),  # gradient compression: the reduction's dtype
         )
+    set_prefetch(root, units)
     return units
+
+
+def set_prefetch(root: nn.Module, units: list[str]) -> list[tuple[str, str]]:
+    """Explicit prefetch between consecutive sibling units (the repeated blocks, in forward order): each block's
+    forward starts the all-gather of the next one's parameters, each block's backward that of the previous one
+    (torchtitan's setting; FSDP2 alone prefetches only in backward). Returns the (unit, prefetched) pairs."""
+    siblings: dict[str, list[str]] = {}
+    for unit in units:
+        if unit:
+            siblings.setdefault(unit.rpartition(".")[0], []).append(unit)
+    order = {name: i for i, (name, _) in enumerate(root.named_modules())}
+    blocks = sorted(max(siblings.values(), key=len, default=[]), key=order.__getitem__)
+    pairs = []
+    for first, second in zip(blocks, blocks[1:]):
+        a, b = root.get_submodule(first), root.get_submodule(second)
+        a.set_modules_to_forward_prefetch([b])  # type: ignore[operator]
+        b.set_modules_to_backward_prefetch([a])  # type: ignore[operator]
+        pairs.append((first, second))
+    return pairs
 
 
 class ShardParameters(DataParallelSharding):

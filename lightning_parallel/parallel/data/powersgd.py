@@ -65,8 +65,10 @@ def check_powersgd_settings(
     if zero_stage == 3:
         raise ValueError(
             "grad_compression='powersgd' cannot run with zero_stage=3 (zero3): FSDP2 reduce-scatters one flat buffer "
-            "of every parameter's dim-0 shards inside backward, and PowerSGD needs whole gradient matrices. Use "
-            "zero_stage=2 (zero2) with powersgd, or grad_compression='bf16' with zero_stage=3."
+            "of every parameter's dim-0 shards inside backward, and PowerSGD needs whole gradient matrices; its error "
+            "feedback would also keep a whole-model residual on every rank (each rank's differs, so it cannot be "
+            "sharded), the memory ZeRO-3 exists to remove. Use zero_stage=2 (zero2) with powersgd, or "
+            "grad_compression='bf16' with zero_stage=3."
         )
     if ep > 1:
         raise ValueError(
