@@ -270,3 +270,23 @@ def test_mixed_precision_matches_one_process(tmp_path_factory):
             if case["precision"] == "16-mixed":
                 for rank in range(2):
                     assert batch[label].case(name, rank)["scales"] == batch["single"].case(name)["scales"]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_blocks_unfused_math_equals_the_fused_cpu_kernel(causal, monkeypatch):
+    """The ring's block kernels: torch's fused CPU flash attention, and the unfused math other devices run, give
+    the same outputs, log-sum-exps and gradients as autograd through scaled_dot_product_attention."""
+    from lightning_parallel.parallel.context import ring
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 8, 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    dout = torch.randn(2, 3, 8, 4, generator=gen, dtype=torch.float64)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    for fused in (True, False):
+        monkeypatch.setattr(ring, "_fused", lambda _: fused)
+        out, lse = ring._attend(q.detach(), k.detach(), v.detach(), causal, 0.3)
+        grads = ring._attend_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, causal, 0.3)
+        torch.testing.assert_close(out, ref.detach(), rtol=1e-10, atol=1e-10)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
