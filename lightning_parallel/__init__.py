@@ -17,13 +17,14 @@ from lightning_parallel.parallel.expert import MoE
 from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.plugins.layer_sync import DataParallelSyncBatchNorm
 from lightning_parallel.protocol import ParallelModule
-from lightning_parallel.strategies import Hybrid3DStrategy, MeshStrategy, ZeroStrategy
+from lightning_parallel.strategies import AsyncPSStrategy, Hybrid3DStrategy, MeshStrategy, ZeroStrategy
 from lightning_parallel.strategies.registry import register_strategies
 
 __version__ = "0.1.0"
 __all__ = [
     "ActivationCheckpointing",
     "ActivationMemoryMonitor",
+    "AsyncPSStrategy",
     "DataParallelSyncBatchNorm",
     "ExactResume",
     "Hybrid3DStrategy",

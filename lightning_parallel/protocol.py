@@ -1,7 +1,8 @@
 """The bring-your-own-model protocol: what a module offers so a layout can split it.
 
 Each method is optional and asked for only by the axis that needs it: ``pipeline_layers()`` and ``loss()``
-under pp > 1, ``tensor_parallel_plan()`` under tp > 1, ``check_parallel_degrees()`` always when present,
+under pp > 1, ``tensor_parallel_plan()`` under tp > 1, ``spatial_gather_modules()`` under spatial > 1,
+``check_parallel_degrees()`` always when present,
 ``materialize(device)`` once the model is split, when parameters are still on the meta device. The
 strategies read them through the functions below, which raise the error that names what is missing; nothing
 else looks methods up by name. Pure Python + torch types; the module need not be a LightningModule.
@@ -32,6 +33,14 @@ class TensorParallel(Protocol):
     """Under tp > 1: module path (``*`` for one name) -> a torch ``ParallelStyle`` (or this package's conv styles)."""
 
     def tensor_parallel_plan(self, sequence_parallel: bool = False) -> Mapping[str, ParallelStyle]: ...
+
+
+@runtime_checkable
+class SpatialParallel(Protocol):
+    """Under spatial > 1: the paths of the modules whose input is gathered from the image strips (the classifier that
+    flattens the feature maps); every module outside them runs on strips."""
+
+    def spatial_gather_modules(self) -> Sequence[str]: ...
 
 
 @runtime_checkable
@@ -81,6 +90,17 @@ def tensor_parallel_plan(module: Any, tp: int, sequence_parallel: bool) -> dict[
             "{module path: ParallelStyle}: add it (see the README's bring-your-own-model section) or set tp=1."
         )
     return dict(module.tensor_parallel_plan(sequence_parallel))
+
+
+def spatial_gather_modules(module: Any, spatial: int) -> list[str]:
+    """``module``'s gather points for spatial parallelism, or a TypeError naming what spatial > 1 needs."""
+    if not isinstance(module, SpatialParallel):
+        raise TypeError(
+            f"spatial={spatial} needs {type(module).__name__}.spatial_gather_modules() returning the paths of the "
+            "modules whose input is gathered from the image strips (the classifier; LitVGG: ['model.head']): add it "
+            "or set spatial=1."
+        )
+    return list(module.spatial_gather_modules())
 
 
 def check_parallel_degrees(module: Any, *, pp: int, tp: int) -> None:

@@ -36,9 +36,9 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import lightning_parallel  # noqa: F401  (registers the strategy names)
-from lightning_parallel import Hybrid3DStrategy, MoE, ZeroStrategy
+from lightning_parallel import AsyncPSStrategy, Hybrid3DStrategy, MoE, ZeroStrategy
 from lightning_parallel import checkpoint as checkpoint_cli
-from lightning_parallel.models import GPTConfig, LitGPT
+from lightning_parallel.models import GPTConfig, LitGPT, LitVGG, VGGConfig
 from lightning_parallel.recipes import gpt, vgg
 from lightning_parallel.recipes.config import register_configs
 
@@ -173,6 +173,16 @@ STRATEGY_CASES = [
         lambda ctx: warned(lambda: Hybrid3DStrategy(cp_mode="ulysses")),
         "cp_mode='ulysses' only applies with cp > 1",
         "ignored at cp=1",
+    ),
+    Case("h3d-spatial-zero", hybrid(spatial=0), "spatial=0 is not a parallel degree", "set spatial to a positive"),
+    Case("h3d-spatial-with-cp", hybrid(spatial=2, cp=2), "spatial=2 with cp=2", "Set spatial=1 or cp=1"),
+    Case("h3d-spatial-with-tp", hybrid(spatial=2, tp=2), "spatial=2 with tp=2: not supported", "Set tp=1 or spatial=1"),
+    Case("h3d-spatial-with-pp", hybrid(spatial=2, pp=2), "spatial=2 with pp=2: not supported", "Set pp=1 or spatial=1"),
+    Case(
+        "h3d-spatial-not-dividing-world",
+        on_devices(4, spatial=3),
+        "dp='auto' needs world_size(4) divisible by pp(1) * spatial(3) * tp(1) = 3",
+        "product divides 4",
     ),
     Case("zero-refuses-tp", zero(stage=2, tp=2), "ZeroStrategy does not take tp", "Hybrid3DStrategy(zero_stage=...)"),
     Case(
@@ -335,6 +345,13 @@ class MetaBuilt(pl.LightningModule):
         return nn.functional.mse_loss(output, target)
 
 
+class GatherOnly(LayersOnly):
+    """Names a gather module, but has no convolution before it."""
+
+    def spatial_gather_modules(self) -> list[str]:
+        return ["layer"]
+
+
 def checked(model_fn: Callable[[], pl.LightningModule], devices: int, **kwargs) -> Callable[[Ctx], str]:
     """What ``Trainer.fit`` refuses before Lightning's launcher starts the other ranks (``check_model``)."""
     return lambda ctx: raised(lambda: trainer(Hybrid3DStrategy(**kwargs), devices).strategy.check_model(model_fn()))
@@ -365,6 +382,19 @@ MODEL_CASES = [
     ),
     Case("cp-attention-dropout", checked(lambda: gpt_model(dropout=0.1), 2, cp=2), "dropout is 0.1", "set it to 0"),
     Case("cp-without-attention", checked(LayersOnly, 2, cp=2), "cp=2 needs attention modules", "or set cp=1"),
+    Case(
+        "spatial-without-gather-modules",
+        checked(LayersOnly, 2, spatial=2),
+        "spatial=2 needs LayersOnly.spatial_gather_modules()",
+        "or set spatial=1",
+    ),
+    Case("spatial-without-convs", checked(GatherOnly, 2, spatial=2), "GatherOnly has none", "Set spatial=1"),
+    Case(
+        "spatial-height-indivisible",
+        checked(lambda: LitVGG(VGGConfig(width=8, image_size=64)), 4, spatial=4),
+        "image height 64 must be a multiple of spatial x the downsampling",
+        "Use images whose height is a multiple of 128 (model.image_size)",
+    ),
     Case(
         "pp-without-protocol", checked(NoProtocol, 2, pp=2), "needs NoProtocol.pipeline_layers and .loss()", "Add them"
     ),
@@ -471,6 +501,18 @@ RECIPE_CASES = [
         V(H3D, "strategy.tp=2", "trainer.devices=2", "model.width=3"),
         "tp=2 does not divide features.0.conv",
         "or change VGGConfig.width",
+    ),
+    Case(
+        "vgg-spatial-image-indivisible",
+        V(H3D, "strategy.spatial=4", "trainer.devices=4", "model.image_size=64"),
+        "spatial=4 splits each image into 4 strips",
+        "a multiple of 128 (model.image_size)",
+    ),
+    Case(
+        "vgg-spatial-with-tp",
+        V(H3D, "strategy.spatial=2", "strategy.tp=2", "trainer.devices=4"),
+        "spatial=2 with tp=2: not supported",
+        "Set tp=1 or spatial=1",
     ),
     Case(
         "gpt-degrees-not-world",
@@ -707,7 +749,64 @@ PROC_CASES = [
     ),
 ]
 
-CASES = STRATEGY_CASES + MODEL_CASES + RECIPE_CASES + DATA_CASES + CKPT_CASES + PROC_CASES
+ASYNC = ("strategy=async_ps", "trainer.devices=3")
+ASYNC_PS_CASES = [
+    Case(
+        "async-servers-zero",
+        lambda ctx: raised(lambda: AsyncPSStrategy(num_servers=0)),
+        "num_servers=0 must be a positive integer",
+        "set num_servers=1",
+    ),
+    Case(
+        "async-staleness-negative",
+        lambda ctx: raised(lambda: AsyncPSStrategy(staleness=-1)),
+        "staleness=-1 must be an integer >= 0",
+        "set e.g. staleness=4",
+    ),
+    Case(
+        "async-servers-fill-world",
+        lambda ctx: raised(lambda: trainer(AsyncPSStrategy(num_servers=2), 2)),
+        "num_servers=2 leaves no worker in a world of 2",
+        "set num_servers to at most 1",
+    ),
+    Case(
+        "async-half-weights",
+        lambda ctx: raised(lambda: trainer(AsyncPSStrategy(), 3, precision="16-true")),
+        "precision='16-true' is not supported by strategy='async_ps'",
+        "use precision='32-true' or 'bf16-mixed'",
+    ),
+    Case(
+        "async-recipe-servers-fill",
+        G("strategy=async_ps", "trainer.devices=2", "strategy.num_servers=2"),
+        "strategy.num_servers=2 leaves no worker",
+        "set strategy.num_servers to at most 1",
+    ),
+    Case(
+        "async-recipe-fp16",
+        G(*ASYNC, "precision=16-mixed"),
+        "precision=16-mixed is not supported by strategy=async_ps",
+        "use precision=32-true or precision=bf16-mixed",
+    ),
+    Case(
+        "async-recipe-accumulate",
+        G(*ASYNC, "trainer.accumulate_grad_batches=2"),
+        "trainer.accumulate_grad_batches=2 is not supported by strategy=async_ps",
+        "set it to 1",
+    ),
+    Case(
+        "async-recipe-with-zero",
+        G(*ASYNC, "strategy.zero_stage=2"),
+        "strategy.zero_stage=2 cannot be used with strategy=async_ps",
+        "remove the override",
+    ),
+    Case(
+        "async-key-without-async",
+        G("strategy=zero2", "trainer.devices=2", "strategy.staleness=2"),
+        "strategy.staleness=2 only applies to strategy=async_ps",
+        "set strategy=async_ps",
+    ),
+]
+CASES = STRATEGY_CASES + ASYNC_PS_CASES + MODEL_CASES + RECIPE_CASES + DATA_CASES + CKPT_CASES + PROC_CASES
 
 
 @pytest.fixture(scope="module")

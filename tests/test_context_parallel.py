@@ -284,7 +284,7 @@ def test_ring_blocks_unfused_math_equals_the_fused_cpu_kernel(causal, monkeypatc
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
     for fused in (True, False):
-        monkeypatch.setattr(ring, "_fused", lambda _: fused)
+        monkeypatch.setattr(ring, "_fused", lambda _, fused=fused: fused)
         out, lse = ring._attend(q.detach(), k.detach(), v.detach(), causal, 0.3)
         grads = ring._attend_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, causal, 0.3)
         torch.testing.assert_close(out, ref.detach(), rtol=1e-10, atol=1e-10)

@@ -74,6 +74,8 @@ def test_every_option_composes_and_builds(group, option):
 def test_every_precision_builds_with_every_strategy(strategy):
     devices = 8 if strategy.startswith("hybrid3d_") else 2
     for precision in options("precision"):
+        if strategy == "async_ps" and precision not in ("32-true", "bf16-mixed"):
+            continue  # refused before launch (test_bad_input_catalogue: async-recipe-fp16, async-half-weights)
         cfg = compose_gpt(f"strategy={strategy}", f"precision={precision}")
         trainer = pl.Trainer(
             accelerator="cpu",

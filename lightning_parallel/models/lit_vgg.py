@@ -131,6 +131,10 @@ class LitVGG(pl.LightningModule):
             raise ValueError("LitVGG has no sequence dimension to split: set sequence_parallel=False.")
         return vgg_tp_plan("model.", self.config)
 
+    def spatial_gather_modules(self) -> list[str]:
+        """Under spatial > 1 the convolutions run on strips of the images; the head's input is gathered whole."""
+        return ["model.head"]
+
     def check_parallel_degrees(self, pp: int, tp: int) -> None:
         """Refuse degrees this model cannot split into, before any process group exists."""
         VGG.check_tensor_parallel_config(self.config, tp)

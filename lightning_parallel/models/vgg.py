@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_parallel.models.gpt import _layer_generator, _normal_
+from lightning_parallel.parallel.spatial.layout import check_spatial_layout
 from lightning_parallel.parallel.tensor.conv import (
     ChannelInParallel,
     ChannelNormParallel,
@@ -148,6 +149,14 @@ class VGG(nn.Module):
         plan = vgg_tp_plan(prefix, self.cfg)
         check_conv_tp_plan(self, plan, tp, fix="or change VGGConfig.width (every channel count is a multiple of it)")
         check_tp_plan(self, plan, tp)
+
+    @staticmethod
+    def check_spatial_parallel_config(cfg: VGGConfig, spatial: int) -> None:
+        """Refuse an image size the ``spatial`` strips cannot split through the five pools (traced on meta)."""
+        with torch.device("meta"):
+            model = VGG(cfg)
+            example = torch.empty(1, cfg.in_channels, cfg.image_size, cfg.image_size)
+        check_spatial_layout(model, spatial, ["head"], example)
 
     @staticmethod
     def check_tensor_parallel_config(cfg: VGGConfig, tp: int) -> None:

@@ -61,6 +61,10 @@ class ParallelConfig:
             causal load balance); they see the same samples, and their gradients are averaged with dp's.
         cp_mode: how attention spans the split sequence: ``ring`` (keys and values passed around the cp ranks,
             exact online-softmax merge) or ``ulysses`` (all-to-all to a split over heads; cp must divide them).
+        spatial: spatial-parallel degree for conv nets: each image split into ``spatial`` strips of rows (height),
+            convolutions borrowing halo rows from the neighbouring strips, BatchNorm statistics reduced over the
+            strips, the strips gathered before the classifier. It takes the cp mesh axis (cp must stay 1): its ranks
+            see the same samples, and their gradients are averaged with dp's. Not with tp, pp or ep.
         dp_shard: HSDP: the data-parallel ranks one replica shards model states over (a divisor of dp); the dp /
             dp_shard replicas hold the same shards and all-reduce them (gradients: reduce-scatter inside a replica,
             all-reduce of the shard across replicas). None: shard over all of dp. Needs zero_stage 1-3.
@@ -96,6 +100,7 @@ class ParallelConfig:
     ep: int = 1
     cp: int = 1
     cp_mode: str = "ring"
+    spatial: int = 1
     dp_shard: int | None = None
     zero_stage: int = 0
     offload: bool = False
@@ -150,12 +155,20 @@ class ParallelConfig:
         """The degrees for ``world_size`` processes (``dp="auto"`` resolved); a ValueError with the arithmetic
         when they do not fit."""
         return ParallelDims.from_degrees(
-            world_size, pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep, cp=self.cp, dp_shard=self.dp_shard
+            world_size,
+            pp=self.pp,
+            dp=self.dp,
+            tp=self.tp,
+            ep=self.ep,
+            cp=self.cp,
+            dp_shard=self.dp_shard,
+            spatial=self.spatial,
         )
 
     def describe(self, name: str = "hybrid3d") -> str:
         ep = f", ep={self.ep}" if self.ep > 1 else ""
         cp = f", cp={self.cp}, cp_mode={self.cp_mode!r}" if self.cp > 1 else ""
+        cp += f", spatial={self.spatial}" if self.spatial > 1 else ""
         cp += f", dp_shard={self.dp_shard}" if self.dp_shard is not None else ""
         return f"strategy={name!r} (dp={self.dp!r}, pp={self.pp}, tp={self.tp}{ep}{cp}, zero_stage={self.zero_stage})"
 
@@ -257,6 +270,28 @@ class ParallelConfig:
                 f"cp={self.cp} with ep={self.ep}: context and expert parallelism together are not supported yet "
                 "(expert gradients would need averaging over cp too). Set cp=1 or ep=1."
             )
+        self._check_spatial()
+
+    def _check_spatial(self) -> None:
+        check_degree_arg("spatial", self.spatial)
+        if self.spatial == 1:
+            return
+        if self.cp > 1:
+            raise ValueError(
+                f"spatial={self.spatial} with cp={self.cp}: both split each sample over the cp mesh axis (images into "
+                "strips, sequences into chunks). Set spatial=1 or cp=1."
+            )
+        why = {
+            "tp": "the strips' halo exchange and gather do not run on channel shards yet: use spatial or channel tp",
+            "pp": "strips do not cross pipeline stages yet: use spatial with dp and ZeRO only",
+            "ep": "a conv net has no experts to split",
+        }
+        for name, reason in why.items():
+            if getattr(self, name) > 1:
+                raise ValueError(
+                    f"spatial={self.spatial} with {name}={getattr(self, name)}: not supported ({reason}). "
+                    f"Set {name}=1 or spatial=1."
+                )
 
     def _check_memory_budget(self, warn: Callable[[str], Any]) -> None:
         budget = self.pp_memory_budget

@@ -5,7 +5,11 @@ ranks (the fastest links on a node), pipeline stages on the outermost axis, as M
 parallelism is carved out of the data-parallel ranks (torchtitan, Megatron-Core): with ``dp=D`` and ``ep=E`` the
 mesh's ``dp`` axis has D/E ranks (those that hold the same experts) and its ``ep`` axis E; data parallelism spans
 both. Context parallelism (``cp``) splits each sample's sequence: its ranks see the same samples (not in ``batch``),
-average their losses and gradients (in ``loss`` and ``shard``, torchtitan's FSDP over dp x cp). HSDP (``dp_shard``)
+average their losses and gradients (in ``loss`` and ``shard``, torchtitan's FSDP over dp x cp). Spatial parallelism
+(``spatial``: each image split into strips of rows, for conv nets) shares the ``cp`` axis, the axis that splits each
+sample along a non-batch dimension: with ``spatial=S`` the ``cp`` axis has S ranks (cp and spatial are never both
+above 1), so its ranks read the same samples, ZeRO shards over dp x spatial and losses average over dp x spatial,
+exactly as for cp; ``ParallelDims.spatial`` says which of the two the axis holds. HSDP (``dp_shard``)
 splits the data-parallel ranks into replicas x shards: ``dpr`` (torchtitan's dp_replicate: dp / dp_shard replicas,
 outermost, so each replica's shards are neighbouring ranks, inside a node) and the ``dp`` axis (dp_shard / ep
 ranks). ZeRO shards over ``shard`` and all-reduces the shards over ``replicate``. Code never names an axis to find
@@ -20,7 +24,7 @@ shard         ranks a data-parallel sharding (ZeRO 0-3) spreads model states ove
 replicate     HSDP: ranks holding the same shard (one per replica), whose sharded gradients are all-reduced
 expert        expert parallelism: ranks holding different experts, exchanging tokens by all-to-all
 expert_shard  ranks holding the same experts: their gradients meet and ZeRO shards them there
-context       context parallelism: ranks holding pieces of the same sequences (ring or all-to-all attention)
+context       context or spatial parallelism: ranks holding pieces of the same samples (sequences or images)
 stage         pipeline stages: activations sent point to point, tied weights summed
 tensor        tensor parallelism
 ============  ===========================================================================
@@ -86,6 +90,7 @@ class ParallelDims:
     ep: int = 1
     cp: int = 1
     dpr: int = 1  # HSDP: data-parallel replicas (dp / dp_shard); each holds the model states sharded over dp_shard
+    spatial: int = 1  # the cp axis splits images into strips instead of sequences: 1, or the cp axis's degree
 
     @classmethod
     def from_degrees(
@@ -98,17 +103,27 @@ class ParallelDims:
         ep: int = 1,
         cp: int = 1,
         dp_shard: int | None = None,
+        spatial: int = 1,
     ) -> ParallelDims:
         """Validate ``pp * dp * cp * tp == world_size``; ``dp="auto"`` takes the ranks the other axes leave;
-        ``dp_shard`` (HSDP: None shards over all of dp) divides dp, which it splits into dp / dp_shard replicas.
+        ``dp_shard`` (HSDP: None shards over all of dp) divides dp, which it splits into dp / dp_shard replicas;
+        ``spatial`` (strips of images) takes the cp axis, and cp stays 1.
 
         Raises:
             ValueError: with the arithmetic and the fix, when the degrees do not fit the world size.
         """
         world_size = check_degree("world_size", world_size)
-        given = {PP: check_degree("pp", pp), CP: check_degree("cp", cp), TP: check_degree("tp", tp)}
+        check_degree("cp", cp)
+        if check_degree("spatial", spatial) > 1 and cp > 1:
+            raise ValueError(
+                f"spatial={spatial} with cp={cp}: both split each sample over the cp mesh axis (images into strips, "
+                "sequences into chunks). Set spatial=1 or cp=1."
+            )
+        split = "spatial" if spatial > 1 else CP  # the cp axis, named as the user set it
+        cp = max(cp, spatial)
+        given = {PP: check_degree("pp", pp), split: cp, TP: check_degree("tp", tp)}
         if cp == 1:  # not named in the arithmetic of layouts without it
-            del given[CP]
+            del given[split]
         others = " * ".join(f"{axis}({d})" for axis, d in given.items())
         product = _product(given.values())
         if dp == "auto":
@@ -119,7 +134,7 @@ class ParallelDims:
                 )
             dp = world_size // product
         dp = check_degree("dp", dp)
-        degrees = {PP: given[PP], DP: dp, **({CP: cp} if cp > 1 else {}), TP: given[TP]}
+        degrees = {PP: given[PP], DP: dp, **({split: cp} if cp > 1 else {}), TP: given[TP]}
         if _product(degrees.values()) != world_size:
             terms = " * ".join(f"{axis}({d})" for axis, d in degrees.items())
             raise ValueError(
@@ -147,7 +162,7 @@ class ParallelDims:
                 f"dp_shard={dp_shard} with ep={ep}: HSDP and expert parallelism together are not supported yet "
                 "(experts would need their own replica groups). Set dp_shard=None or ep=1."
             )
-        return cls(world_size=world_size, ep=ep, pp=given[PP], dp=dp, tp=given[TP], cp=cp, dpr=dpr)
+        return cls(world_size=world_size, ep=ep, pp=given[PP], dp=dp, tp=given[TP], cp=cp, dpr=dpr, spatial=spatial)
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -156,14 +171,20 @@ class ParallelDims:
         return {PP: self.pp, DPR: self.dpr, DP: self.dp // (self.ep * self.dpr), EP: self.ep, CP: self.cp, TP: self.tp}
 
     @property
+    def context(self) -> int:
+        """The context-parallel degree: the cp axis's size when it splits sequences, 1 when it holds image strips."""
+        return self.cp if self.spatial == 1 else 1
+
+    @property
     def dp_shard(self) -> int:
         """The data-parallel ranks one replica's shards span (all of dp without HSDP)."""
         return self.dp // self.dpr
 
     def node_local(self) -> dict[str, int]:
-        """The axes that should stay inside a node, by the degree they take there: tp and cp (activations cross them
-        every layer) and, under HSDP, dp_shard (parameters gathered every step; only replicas cross nodes)."""
-        local = {TP: self.tp, CP: self.cp}
+        """The axes that should stay inside a node, by the degree they take there: tp and cp or spatial
+        (activations cross them every layer) and, under HSDP, dp_shard (parameters gathered every step; only
+        replicas cross nodes)."""
+        local = {TP: self.tp, ("spatial" if self.spatial > 1 else CP): self.cp}
         if self.dpr > 1:
             local["dp_shard"] = self.dp_shard
         return {axis: d for axis, d in local.items() if d > 1}
@@ -203,7 +224,7 @@ class ParallelDims:
 
     def __str__(self) -> str:
         shown = {PP: self.pp, DP: self.dp, TP: self.tp} | ({EP: self.ep} if self.ep > 1 else {})
-        shown |= {CP: self.cp} if self.cp > 1 else {}
+        shown |= {("spatial" if self.spatial > 1 else CP): self.cp} if self.cp > 1 else {}
         shown |= {"dp_shard": self.dp_shard} if self.dpr > 1 else {}
         return " ".join(f"{axis}={d}" for axis, d in shown.items()) + f" (world_size={self.world_size})"
 
@@ -285,4 +306,5 @@ def _product(values: Any) -> int:
     return out
 
 
-assert {f.name for f in fields(ParallelDims)} == {*MESH_AXES, "world_size"}, "one field per axis"
+# one field per axis; ``spatial`` says what the cp axis splits
+assert {f.name for f in fields(ParallelDims)} == {*MESH_AXES, "world_size", "spatial"}, "one field per axis"

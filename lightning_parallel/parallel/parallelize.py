@@ -5,6 +5,8 @@
     3. tensor parallel (tp)     the module's plan, on what this rank holds (experts replicated over tp)
     4. context parallel (cp)    attention cores and position ids switched to the cp group's (ring or Ulysses);
                                 the strategy splits each batch along the sequence
+       or spatial (on cp)       convolutions borrow halo rows, BatchNorms reduce over the strips, the classifier's
+                                input is gathered; the strategy splits each batch's images by height
     5. activation checkpointing this rank's layers, after tp (torchtitan's order), before sharding wraps them;
                                 with ``compile`` each layer's forward is ``torch.compile``d first (checkpointing then
                                 recomputes the compiled forward)
@@ -50,8 +52,15 @@ from lightning_parallel.parallel.pipeline.split import (
     split_model,
 )
 from lightning_parallel.parallel.pipeline.tied import TiedGradients
+from lightning_parallel.parallel.spatial.apply import SpatialParallel, apply_spatial_parallel
 from lightning_parallel.parallel.tensor.plan import apply_tp, resolvable_plan
-from lightning_parallel.protocol import materialize, materializes_itself, pipeline_layers, tensor_parallel_plan
+from lightning_parallel.protocol import (
+    materialize,
+    materializes_itself,
+    pipeline_layers,
+    spatial_gather_modules,
+    tensor_parallel_plan,
+)
 
 Warn = Callable[[str], Any]
 
@@ -68,6 +77,17 @@ class Parallelized:
     compiled: list[nn.Module] = field(default_factory=list)  # layers run through torch.compile
     context: ContextParallel | None = None  # cp > 1: this rank's attention, positions and batch split
     context_attention: list[str] = field(default_factory=list)  # attention modules switched to it
+    spatial: SpatialParallel | None = None  # spatial > 1: this rank's strips, and the modules switched to them
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's piece of every sample in ``batch``: its sequence chunks (cp), its image strips (spatial)."""
+        if self.context is not None:
+            batch = self.context.shard_batch(batch)
+        return self.spatial.shard_batch(batch) if self.spatial is not None else batch
+
+    @property
+    def splits_samples(self) -> bool:
+        return self.context is not None or self.spatial is not None
 
     @property
     def route_through_root(self) -> bool:
@@ -109,8 +129,14 @@ def parallelize(
         if done.split is not None:  # entries for layers other stages hold resolve to nothing here
             plan = resolvable_plan(root, plan, placeholders=(ElsewhereLayer,))
         apply_tp(root, mesh["tensor"], plan)
-    if dims.cp > 1:
+    if dims.context > 1:
         done.context, done.context_attention = apply_context_parallel(root, mesh["context"], config.cp_mode)
+    if dims.spatial > 1:  # before ZeRO-3 wraps the layers; BatchNorms synced over dp then reduce over dp x spatial
+        gather = spatial_gather_modules(module, dims.spatial)
+        example = getattr(module, "example_input_array", None)
+        done.spatial = apply_spatial_parallel(
+            root, mesh.group("context"), gather, synced_group=mesh.group("loss"), example=example
+        )
     layers = done.split.layers() if done.split is not None else module
     if config.compile:  # before activation checkpointing, which then recomputes the compiled forward
         done.compiled = compile_layers(layers)

@@ -13,13 +13,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig
 
-from lightning_parallel import Hybrid3DStrategy, ZeroStrategy
+from lightning_parallel import AsyncPSStrategy, Hybrid3DStrategy, ZeroStrategy
 from lightning_parallel.callbacks.activation import ActivationCheckpointing, ActivationMemoryMonitor
 from lightning_parallel.callbacks.moe import MoEAuxLossScale, MoEMonitor
 from lightning_parallel.callbacks.monitor import TrainingMonitor
 from lightning_parallel.callbacks.preemption import PREEMPTED_FILE, Preemption
 from lightning_parallel.callbacks.resume import ExactResume
 from lightning_parallel.parallel.activation_checkpoint import check_activation_checkpointing
+from lightning_parallel.parallel.async_ps import protocol
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.failure import to_timeout
 from lightning_parallel.parallel.measure.flops import peak_memory_bytes
@@ -30,6 +31,7 @@ from lightning_parallel.recipes.checks import (
     check_precision,
     check_trainer_settings,
 )
+from lightning_parallel.recipes.config import StrategyConf
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.zero import ZERO_SETTINGS
 
@@ -42,12 +44,42 @@ def parallel_config(conf: DictConfig) -> ParallelConfig:
     return ParallelConfig.from_mapping(conf)
 
 
+ASYNC_PS_KEYS = ("num_servers", "staleness", "slow_worker_sleep", "slow_worker_rank")
+
+
+def build_async_ps(conf: DictConfig, config: ParallelConfig, timeout: dict[str, Any]) -> AsyncPSStrategy:
+    """``strategy=async_ps``: parameter servers; every setting of the other strategies is refused."""
+    changed = list(config.non_defaults())
+    if changed:
+        set_ = ", ".join(f"strategy.{k}={conf[k]}" for k in changed)
+        raise ValueError(
+            f"{set_} cannot be used with strategy=async_ps: its workers each hold the whole model and the servers "
+            "shard only the parameters and optimizer states; remove the override or use strategy=hybrid3d/zero*."
+        )
+    settings = {k: conf[k] for k in ASYNC_PS_KEYS}
+    for key in ("num_servers", "staleness", "slow_worker_sleep"):
+        try:
+            protocol.check_settings(**{"num_servers": 1, "staleness": 0, key: settings[key]})
+        except ValueError as error:
+            raise ValueError(f"strategy.{error}") from None
+    return AsyncPSStrategy(**settings, **timeout)
+
+
 def build_strategy(conf: DictConfig) -> Any:
     """The strategy object (or Lightning's name) for ``strategy=...``; settings it cannot use are refused."""
     name = conf.name
     config = parallel_config(conf)
     check_activation_checkpointing(config.activation_checkpointing, "strategy.activation_checkpointing")
     timeout = {} if conf.timeout_s is None else {"timeout": to_timeout(conf.timeout_s, "strategy.timeout_s")}
+    if name == "async_ps":
+        return build_async_ps(conf, config, timeout)
+    defaults = StrategyConf()
+    async_set = [k for k in ASYNC_PS_KEYS if conf.get(k, getattr(defaults, k)) != getattr(defaults, k)]
+    if async_set:
+        raise ValueError(
+            f"strategy.{async_set[0]}={conf[async_set[0]]} only applies to strategy=async_ps (parameter servers): "
+            f"set strategy=async_ps or drop the override."
+        )
     if name == "hybrid3d":
         return Hybrid3DStrategy(config, **timeout)
     changed = [k for k in config.non_defaults() if k not in ZERO_SETTINGS]
@@ -74,7 +106,8 @@ def build_strategy(conf: DictConfig) -> Any:
             )
         return "ddp"
     raise ValueError(
-        f"strategy={name!r} is unknown: use ddp, {', '.join(ZERO_NAMES)} or hybrid3d (conf/strategy/ lists presets)."
+        f"strategy={name!r} is unknown: use ddp, {', '.join(ZERO_NAMES)}, hybrid3d or async_ps (conf/strategy/ lists "
+        "presets)."
     )
 
 
@@ -85,6 +118,8 @@ def world_size(cfg: DictConfig) -> int:
 
 def data_parallel_size(conf: DictConfig, world: int) -> int:
     """How many different batches one optimizer step sees: the ranks of the mesh's ``batch`` role."""
+    if conf.name == "async_ps":  # the servers see no data
+        return protocol.check_world(conf.num_servers, world, "strategy.num_servers")
     if conf.name != "hybrid3d":
         return world
     return parallel_config(conf).dims(world).role_size("batch")
@@ -129,6 +164,22 @@ def check_run_settings(cfg: DictConfig, num_layers: int) -> Any:
                 f"gets per step (data.global_batch_size={cfg.data.global_batch_size} over dp={dims.dp}): "
                 "pick a divisor of it or change data.global_batch_size."
             )
+    elif isinstance(strategy, AsyncPSStrategy):
+        if cfg.precision.value not in ("32-true", "bf16-mixed"):
+            raise ValueError(
+                f"precision={cfg.precision.value} is not supported by strategy=async_ps (the servers apply fp32 "
+                "gradients as they come, with no loss scaling): use precision=32-true or precision=bf16-mixed."
+            )
+        if cfg.trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches} is not supported by "
+                "strategy=async_ps (a push is one batch's gradient): set it to 1 and raise data.global_batch_size."
+            )
+        if strategy.slow_worker_rank is not None and not 0 <= strategy.slow_worker_rank < world - strategy.num_servers:
+            raise ValueError(
+                f"strategy.slow_worker_rank={strategy.slow_worker_rank} is not a worker: workers are ranks 0.."
+                f"{world - strategy.num_servers - 1}; pick one of them or null (the last worker)."
+            )
     elif world < 2 and strategy != "ddp":
         raise ValueError(f"strategy={cfg.strategy.name} shards over processes: set trainer.devices to 2 or more.")
     check_checkpoint_settings(cfg)
@@ -143,10 +194,11 @@ def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
     monitor = TrainingMonitor(
         t.log_every_n_steps, measure_step=o.measure_step, timeline_dir=run_dir if o.timeline else None
     )
-    callbacks: list[pl.Callback] = [*kwargs.pop("callbacks", []), monitor, ActivationMemoryMonitor(), ExactResume()]
-    callbacks += [MoEAuxLossScale(), MoEMonitor()]  # nothing to do for a model without MoE layers
-    callbacks.append(Preemption(cfg.checkpoint.dir, marker=run_dir / PREEMPTED_FILE))  # SIGTERM: save last, stop
     strategy = build_strategy(cfg.strategy)
+    callbacks: list[pl.Callback] = [*kwargs.pop("callbacks", []), ActivationMemoryMonitor()]
+    if not isinstance(strategy, AsyncPSStrategy):  # these run collectives over the whole world after every step
+        callbacks += [monitor, ExactResume(), MoEAuxLossScale(), MoEMonitor()]  # MoE: nothing to do when dense
+        callbacks.append(Preemption(cfg.checkpoint.dir, marker=run_dir / PREEMPTED_FILE))  # SIGTERM: save last, stop
     if strategy == "ddp" and cfg.strategy.activation_checkpointing != "none":
         callbacks.append(ActivationCheckpointing(cfg.strategy.activation_checkpointing))  # Lightning's own ddp
     if cfg.checkpoint.dir:
@@ -203,8 +255,9 @@ def sampler_kwargs(trainer: pl.Trainer) -> dict[str, int]:
 
 
 def all_ranks(value: Any) -> list[Any]:
-    """``value`` of every rank, in rank order (collective)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    """``value`` of every rank, in rank order (collective; this rank's alone after an async_ps run, whose workers
+    end at their own pace and may have died)."""
+    if not (dist.is_available() and dist.is_initialized()) or _ASYNC_PS_RUN.get("active"):
         return [value]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
@@ -215,14 +268,16 @@ def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_ste
     """The metrics.json fields the README lists, from what the workers saw (collective)."""
     logged = trainer.callback_metrics
     steps = trainer.global_step
+    _ASYNC_PS_RUN["active"] = isinstance(trainer.strategy, AsyncPSStrategy)
     dims = getattr(trainer.strategy, "parallel_dims", None)
     layout = {
         "dp": dims.dp if dims else trainer.world_size,
         "pp": dims.pp if dims else 1,
         "tp": dims.tp if dims else 1,
         "ep": dims.ep if dims else 1,
-        "cp": dims.cp if dims else 1,  # context parallelism: each sequence split over cp ranks
-        "cp_mode": trainer.strategy.config.cp_mode if dims and dims.cp > 1 else None,  # ring or ulysses
+        "cp": dims.context if dims else 1,  # context parallelism: each sequence split over cp ranks
+        "cp_mode": trainer.strategy.config.cp_mode if dims and dims.context > 1 else None,  # ring or ulysses
+        "spatial": dims.spatial if dims else 1,  # spatial parallelism: each image split into strips (the cp axis)
         "dp_shard": dims.dp_shard if dims else trainer.world_size,  # HSDP: dp / dp_shard replicas of the states
         "num_nodes": trainer.num_nodes,
         "zero_stage": config.zero_stage if (config := getattr(trainer.strategy, "config", None)) else 0,
@@ -245,6 +300,33 @@ def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_ste
         "moe": _moe_metrics(trainer),
         "steps": steps,
         "wall_seconds": wall,
+        **_async_ps_metrics(trainer, cfg, wall),
+    }
+
+
+_ASYNC_PS_RUN: dict[str, bool] = {}
+
+
+def _async_ps_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float) -> dict[str, Any]:
+    """Under async_ps: rank 0's view of the servers' counters. One *update* is one optimizer step on the servers:
+    at staleness 0 the mean of every worker's push of a step (a global batch), above 0 one push (one worker's
+    share of a global batch). ``steps`` is then rank 0's own step count."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, AsyncPSStrategy) or not strategy.counters:
+        return {}
+    server = strategy.counters[0]
+    workers = strategy.num_workers
+    per_update = cfg.data.global_batch_size // (1 if strategy.staleness == 0 else workers)
+    return {
+        "async_ps": {
+            "num_servers": strategy.num_servers,
+            "staleness": strategy.staleness,
+            "workers": workers,
+            "updates": server["updates"],
+            "samples_per_update": per_update,
+            "updates_per_second": server["updates"] / wall,  # over the whole fit, start-up included
+            "servers": strategy.counters,
+        }
     }
 
 

@@ -24,7 +24,14 @@ class StrategyConf(ParallelConfig):
     """One schema for every strategy, so the same keys work whichever is picked: the parallel settings are
     :class:`~lightning_parallel.parallel.config.ParallelConfig`'s (declared there once), plus these."""
 
-    name: str = "ddp"  # ddp, zero1, zero2, zero3, zero2_offload, zero3_offload or hybrid3d
+    name: str = "ddp"  # ddp, zero1, zero2, zero3, zero2_offload, zero3_offload, hybrid3d or async_ps
+    # async_ps only: the last num_servers ranks hold the parameters; staleness 0 is synchronous, s > 0 lets a
+    # worker run up to s steps ahead of the slowest; one worker (slow_worker_rank, null: the last) sleeps
+    # slow_worker_sleep seconds in every step (a slowed worker, for tests and benchmarks)
+    num_servers: int = 1
+    staleness: int = 0
+    slow_worker_sleep: float = 0.0
+    slow_worker_rank: int | None = None
     # seconds a collective waits for its peers; when a rank fails the others end within it, naming the rank
     # (None: torch's default, 30 minutes)
     timeout_s: float | None = None

@@ -105,7 +105,7 @@ def check_config(cfg: DictConfig) -> None:
                 f"strategy.ep={dims.ep} splits the experts of MoE blocks, and model={cfg.model.get('name', 'gpt')} "
                 "has none: use model=gpt_moe_tiny (or set model.moe_experts), or set strategy.ep=1."
             )
-        if dims.cp > 1:  # two chunks of the sequence per cp rank; Ulysses gives each cp rank some of the heads
+        if dims.context > 1:  # two chunks of the sequence per cp rank; Ulysses gives each cp rank some of the heads
             check_sequence(config.seq_len, dims.cp, setting="strategy.cp")
             if strategy.config.cp_mode == "ulysses":
                 check_heads(config.n_head, dims.cp, dims.tp, setting="strategy.cp_mode='ulysses'")

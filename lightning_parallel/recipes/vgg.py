@@ -63,6 +63,8 @@ def check_config(cfg: DictConfig) -> None:
     strategy = check_run_settings(cfg, num_layers=len(config.conv_channels()) + 1)  # the convs, then the head
     if isinstance(strategy, Hybrid3DStrategy):
         VGG.check_tensor_parallel_config(config, strategy.config.dims(world_size(cfg)).tp)
+        if strategy.config.spatial > 1:  # strips of every image: the height must divide through the five pools
+            VGG.check_spatial_parallel_config(config, strategy.config.spatial)
     m, d = cfg.model, cfg.data
     if m.optimizer not in OPTIMIZERS:
         raise ValueError(f"model.optimizer={m.optimizer!r} is unknown: use one of {OPTIMIZERS}.")

@@ -362,8 +362,8 @@ class MeshStrategy(DistributedMixin, ShardedCheckpointing, ParallelStrategy):
     def _step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         assert self.lightning_module is not None and self.model is not None
         with context:
-            if self._parallel is not None and self._parallel.context is not None:  # cp: this rank's sequence pieces
-                args = (self._parallel.context.shard_batch(args[0]), *args[1:]) if args else args
+            if self._parallel is not None and self._parallel.splits_samples and args:  # cp, spatial: this rank's part
+                args = (self._parallel.shard_batch(args[0]), *args[1:])
             if self._parallel is not None and self._parallel.route_through_root:
                 # call the module itself so the sharded root's forward hooks gather its parameters
                 return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)

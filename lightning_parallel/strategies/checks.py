@@ -17,8 +17,15 @@ from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.parallel.parallelize import stage_partition
 from lightning_parallel.parallel.pipeline.profile import example_microbatch
 from lightning_parallel.parallel.pipeline.split import check_resettable
+from lightning_parallel.parallel.spatial.layout import check_spatial_layout
 from lightning_parallel.parallel.tensor.plan import check_tp_plan
-from lightning_parallel.protocol import check_parallel_degrees, pipeline_layers, require_pipelined, tensor_parallel_plan
+from lightning_parallel.protocol import (
+    check_parallel_degrees,
+    pipeline_layers,
+    require_pipelined,
+    spatial_gather_modules,
+    tensor_parallel_plan,
+)
 
 
 def check_model(model: Any, config: ParallelConfig, dims: ParallelDims) -> None:
@@ -46,10 +53,15 @@ def check_model(model: Any, config: ParallelConfig, dims: ParallelDims) -> None:
         if built is not None and built is not model:  # built on meta: each layer must initialize itself
             for layer in built.pipeline_layers():
                 check_resettable(layer)
-    if dims.cp > 1:  # the model as built (as_built gives None for one built already: it is itself)
-        target = built if built is not None else model if next(model.parameters(), None) is not None else None
+    # the model as built (as_built gives None for one built already: it is itself)
+    target = built if built is not None else model if next(model.parameters(), None) is not None else None
+    example = getattr(model, "example_input_array", None)
+    if dims.context > 1 and target is not None:
+        check_context_layout(target, dims.cp, config.cp_mode, dims.tp, example)
+    if dims.spatial > 1:  # convolutions to split, gather modules that exist, heights that divide
+        gather = spatial_gather_modules(model, dims.spatial)
         if target is not None:
-            check_context_layout(target, dims.cp, config.cp_mode, dims.tp, getattr(model, "example_input_array", None))
+            check_spatial_layout(target, dims.spatial, gather, example)
     check_parallel_degrees(model, pp=dims.pp, tp=dims.tp)
 
 

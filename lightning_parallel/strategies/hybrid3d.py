@@ -29,7 +29,8 @@ class Hybrid3DStrategy(MeshStrategy):
             ``zero_bubble``), ``microbatches`` (default 2 * pp), ``pp_balance`` (``uniform``, ``params``,
             ``profile``), ``pp_memory_budget``, ``pp_virtual_stages``, ``sequence_parallel``,
             ``activation_checkpointing`` (``none``, ``full``, ``selective``), ``cp`` (context parallelism: each
-            sequence split over cp ranks), ``cp_mode`` (``ring``, ``ulysses``) and ``dp_shard`` (HSDP: ZeRO over
+            sequence split over cp ranks), ``cp_mode`` (``ring``, ``ulysses``), ``spatial`` (conv nets: each image
+            split into strips of rows over the cp axis) and ``dp_shard`` (HSDP: ZeRO over
             dp_shard ranks, replicated across dp / dp_shard replicas; None: over all of dp).
         **kwargs: the settings above, and :class:`~lightning_parallel.strategies.base.MeshStrategy`'s
             (``checkpoint_format``, ``timeout``, ``process_group_backend``, Lightning's).

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_parallel import _compat
 from lightning_parallel.plugins.precision import MeshMixedPrecision
+from lightning_parallel.strategies.async_ps import AsyncPSStrategy
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.hybrid3d import Hybrid3DStrategy
 from lightning_parallel.strategies.zero import ZeroStrategy
@@ -23,6 +24,8 @@ def register_strategies() -> None:
     """Add this package's strategy names to Lightning's registry (idempotent)."""
     for cls in (ZeroStrategy, Hybrid3DStrategy):
         cls.register_strategies(StrategyRegistry)
+    description = "asynchronous parameter servers (num_servers=1, staleness=0: synchronous)"
+    StrategyRegistry.register("async_ps", AsyncPSStrategy, description=description, override=True)
     keep_fp16_on_cpu()
 
 

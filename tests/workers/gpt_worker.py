@@ -13,7 +13,8 @@ Trainer(plugins=[DataParallelSyncBatchNorm()])), inject_inf (the global step who
 inject_rank, default 0, in one element of its first parameter's local gradient: an fp16 overflow seen by one
 rank); with a precision set, the loss scale and a checksum of this rank's parameters are recorded per step.
 
-Also: activation_memory (the training batch whose activation bytes ActivationMemoryMonitor records, 0: first).
+Also: image_size (VGG: the random images' height and width, default 32), activation_memory (the training batch
+whose activation bytes ActivationMemoryMonitor records, 0: first).
 Strategy specs: a registered name ("zero2"), "hybrid3d:tp=2,..." or "zero3:activation_checkpointing=full".
 With --runs-file, several runs (each a strategy and its cases) share one launch: the process start-up and the
 process group are paid once (tests/conftest.py's ``Batch``).
@@ -135,10 +136,10 @@ class RecordingVGG(RecordLosses, LitVGG):
         self.val_samples = torchmetrics.SumMetric()
 
 
-def random_images(num_samples: int) -> TensorDataset:
+def random_images(num_samples: int, size: int = 32) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     return TensorDataset(
-        torch.randn(num_samples, 3, 32, 32, generator=g), torch.randint(0, 10, (num_samples,), generator=g)
+        torch.randn(num_samples, 3, size, size, generator=g), torch.randint(0, 10, (num_samples,), generator=g)
     )
 
 
@@ -305,9 +306,10 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     micro = global_batch // (accumulate * dp)
     epoch_steps = case.get("epoch_steps", steps)
     if case.get("model") == "vgg":  # BatchNorm: running statistics are buffers every stage must keep right
-        data = random_images(global_batch * epoch_steps)
+        size = case.get("image_size", 32)  # spatial splits need a multiple of 32 x spatial
+        data = random_images(global_batch * epoch_steps, size)
         model = RecordingVGG(
-            config=VGGConfig(name="vgg11", width=8),
+            config=VGGConfig(name="vgg11", width=8, image_size=size),
             lr=case.get("lr", 0.01),
             build_in_configure_model=bool(case.get("meta")),
         )
