@@ -8,6 +8,8 @@ benchmarks/results.json.
     python benchmarks/bench.py --only speed    # overlap, gradient compression, compile (about 4 minutes)
     python benchmarks/bench.py --only hsdp     # HSDP's bytes across nodes against plain ZeRO-3's (bytes, no timing)
     python benchmarks/bench.py --only context  # cp=2 ring and Ulysses on the 1024-token GPT: bytes vs theory, time
+    python benchmarks/bench.py --only async    # parameter servers, one slowed worker: sync vs stale vs async
+    python benchmarks/bench.py --only spatial  # VGG on 128 x 128 images: spatial=2 vs channel tp=2 vs dp=2
 
 Throughput pairs run interleaved (A, B, A, B, ...) so drifting machine load hits both alike; each figure is
 the median step time over the timed steps of a launch (the first two steps are warm-up, four where layers are
@@ -31,12 +33,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from async_ps import run_async  # noqa: E402
 from context import run_context  # noqa: E402
 from harness import run_distributed  # noqa: E402
 from hsdp import run_hsdp  # noqa: E402
 from moe import run_moe  # noqa: E402
 from pipeline_split import run_pipeline_split  # noqa: E402
 from report import write_report  # noqa: E402
+from spatial import run_spatial  # noqa: E402
 from speed import run_speed  # noqa: E402
 
 from lightning_parallel.parallel.measure.timeline import (  # noqa: E402
@@ -63,19 +67,23 @@ THROUGHPUT = [
 # model-state bytes and bytes communicated per step (one launch each, world 2)
 MEMORY = [("gpt", GPT, 2, spec) for spec in ("ddp", "hybrid3d", "zero1", "zero2", "zero3", "model_parallel")]
 COMM = [("gpt", GPT, 2, spec) for spec in ("hybrid3d:tp=2", "hybrid3d:pp=2,pp_schedule=gpipe,microbatches=4")]
-# (world, pp, schedule, microbatches, virtual stages per rank, pp_balance): measured idle fraction against the
-# formula; ZB-V also with the split that balances ranks (its rank 0 runs both light ends of the GPT): by
-# parameter count, which needs no timing on a busy host
+# (world, pp, schedule, microbatches, virtual stages per rank, pp_balance, global batch): measured idle fraction
+# against the formula; ZB-V also with the split that balances ranks (its rank 0 runs both light ends of the GPT):
+# by parameter count, which needs no timing on a busy host. The schedule's own work and the send/recv round trips
+# cost a fixed time per microbatch, so two rows run 4x larger microbatches (8 samples): the same schedule with
+# compute per box closer to what a GPU step has against its overheads
 BUBBLE = [
-    (2, 2, "gpipe", 4, 1, "uniform"),
-    (2, 2, "1f1b", 4, 1, "uniform"),
-    (2, 2, "1f1b", 8, 1, "uniform"),
-    (2, 2, "interleaved_1f1b", 4, 2, "uniform"),
-    (2, 2, "zero_bubble", 4, 2, "uniform"),
-    (2, 2, "zero_bubble", 8, 2, "uniform"),
-    (2, 2, "zero_bubble", 8, 2, "params"),
-    (4, 4, "1f1b", 8, 1, "uniform"),
-    (4, 4, "interleaved_1f1b", 8, 2, "uniform"),
+    (2, 2, "gpipe", 4, 1, "uniform", 16),
+    (2, 2, "1f1b", 4, 1, "uniform", 16),
+    (2, 2, "1f1b", 8, 1, "uniform", 16),
+    (2, 2, "1f1b", 8, 1, "uniform", 64),
+    (2, 2, "interleaved_1f1b", 4, 2, "uniform", 16),
+    (2, 2, "zero_bubble", 4, 2, "uniform", 16),
+    (2, 2, "zero_bubble", 8, 2, "uniform", 16),
+    (2, 2, "zero_bubble", 8, 2, "params", 16),
+    (2, 2, "zero_bubble", 8, 2, "params", 64),
+    (4, 4, "1f1b", 8, 1, "uniform", 16),
+    (4, 4, "interleaved_1f1b", 8, 2, "uniform", 16),
 ]
 
 
@@ -92,11 +100,12 @@ def launch(
     steps: int,
     timeline: bool = False,
     warmup: int = 2,
+    tag: str = "",
 ) -> list[dict[str, Any]]:
     args = ["--recipe", recipe, "--overrides", json.dumps(overrides), "--strategy", spec, "--steps", str(steps)]
     args += ["--warmup", str(warmup)]
     return run_distributed(
-        str(WORKER), world, args + ["--timeline"] * timeline, out / _tag(recipe, spec, world), timeout=600
+        str(WORKER), world, args + ["--timeline"] * timeline, out / (_tag(recipe, spec, world) + tag), timeout=600
     )
 
 
@@ -109,9 +118,12 @@ def run_throughput(out: Path, repeats: int, steps: int) -> list[dict[str, Any]]:
     rows = []
     for section, recipe, overrides, world, ours, theirs in THROUGHPUT:
         times: dict[str, list[float]] = {ours: [], theirs: []}
+        phases: dict[str, list[dict[str, float]]] = {ours: [], theirs: []}  # rank 0's, per launch
         for _ in range(repeats):
             for spec in (ours, theirs):
-                times[spec].append(step_time(launch(recipe, overrides, world, spec, out, steps)))
+                ranks = launch(recipe, overrides, world, spec, out, steps)
+                times[spec].append(step_time(ranks))
+                phases[spec].append(ranks[0].get("phases_s") or {})
                 print(f"  {recipe} {spec} w{world}: {times[spec][-1] * 1e3:.0f} ms/step", flush=True)
         ours_s, theirs_s = median(times[ours]), median(times[theirs])
         rows.append(
@@ -125,6 +137,12 @@ def run_throughput(out: Path, repeats: int, steps: int) -> list[dict[str, Any]]:
                 "lightning_step_s": theirs_s,
                 "ratio": theirs_s / ours_s,  # > 1: ours is faster
                 "samples": {k: v for k, v in times.items()},
+                # where the step goes (rank 0, median over the launches): forward, backward, reduce, step
+                "phases_s": {
+                    side: {k: median(p[k] for p in phases[spec] if k in p) for k in phases[spec][0]}
+                    for side, spec in (("ours", ours), ("lightning", theirs))
+                    if phases[spec] and phases[spec][0]
+                },
             }
         )
     return rows
@@ -155,7 +173,7 @@ def _bubble_parts(path: Path) -> dict[str, dict[int, float]]:
 def run_bubble(out: Path, steps: int, repeats: int) -> list[dict[str, Any]]:
     """One recorded step per launch; per pp rank the median idle fraction over ``repeats`` launches."""
     rows = []
-    for world, pp, schedule, microbatches, virtual, balance in BUBBLE:
+    for world, pp, schedule, microbatches, virtual, balance, batch in BUBBLE:
         spec = f"hybrid3d:pp={pp},pp_schedule={schedule},microbatches={microbatches}"
         if schedule == "interleaved_1f1b":
             spec += f",pp_virtual_stages={virtual}"
@@ -164,9 +182,10 @@ def run_bubble(out: Path, steps: int, repeats: int) -> list[dict[str, Any]]:
         idle: dict[int, list[float]] = {}
         parts: dict[str, dict[int, list[float]]] = {}
         times = []
-        timeline = out / _tag("gpt", spec, world) / "timeline"
+        timeline = out / (_tag("gpt", spec, world) + f"b{batch}") / "timeline"
         for _ in range(repeats):
-            ranks = launch("gpt", DEEP_GPT, world, spec, out, steps, timeline=True)
+            overrides = [*DEEP_GPT, f"data.global_batch_size={batch}"]
+            ranks = launch("gpt", overrides, world, spec, out, steps, timeline=True, tag=f"b{batch}")
             for rank, value in ranks[0]["pipeline_bubble"].items():  # rank 0 gathers every pp rank's timeline
                 idle.setdefault(int(rank), []).append(value)
             for key, values in _bubble_parts(timeline / "timeline.json").items():
@@ -182,6 +201,7 @@ def run_bubble(out: Path, steps: int, repeats: int) -> list[dict[str, Any]]:
                 "microbatches": microbatches,
                 "virtual": virtual,
                 "balance": balance,
+                "global_batch": batch,
                 "measured": measured,
                 "samples": idle,
                 **{key: {r: median(v) for r, v in sorted(by_rank.items())} for key, by_rank in parts.items()},
@@ -189,7 +209,8 @@ def run_bubble(out: Path, steps: int, repeats: int) -> list[dict[str, Any]]:
                 "timeline": str(timeline / "timeline.png"),
             }
         )
-        print(f"  pp={pp} {schedule} m={microbatches} {balance}: idle {measured}, replayed {rows[-1]['replayed']}")
+        label = f"pp={pp} {schedule} m={microbatches} {balance} batch {batch}"
+        print(f"  {label}: idle {measured}, replayed {rows[-1]['replayed']}")
     return rows
 
 
@@ -218,6 +239,8 @@ def run_sections(args: argparse.Namespace) -> dict[str, Any]:
         "speed": ("speed settings", lambda: run_speed(args.out, args.repeats, args.steps, GPT, launch, step_time)),
         "hsdp": ("HSDP bytes across nodes", lambda: run_hsdp(args.out, GPT, launch)),
         "context": ("context parallelism", lambda: run_context(args.out, args.repeats, args.steps, launch, step_time)),
+        "spatial": ("spatial parallelism", lambda: run_spatial(args.out, args.repeats, args.steps, launch, step_time)),
+        "async": ("parameter servers, one slowed worker", lambda: run_async(args.out, run_distributed)),
     }
     results = {}
     for key, (title, run) in sections.items():
@@ -236,7 +259,18 @@ def main() -> None:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=["throughput", "memory", "bubble", "pipeline_split", "moe", "speed", "hsdp", "context"],
+        choices=[
+            "throughput",
+            "memory",
+            "bubble",
+            "pipeline_split",
+            "moe",
+            "speed",
+            "hsdp",
+            "context",
+            "spatial",
+            "async",
+        ],
         help="run these sections alone; the others' figures are kept from the last results.json",
     )
     args = parser.parse_args()

@@ -6,9 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from async_ps import async_lines
 from context import context_lines
 from hsdp import hsdp_lines
 from moe import moe_lines
+from spatial import spatial_lines
 from speed import speed_lines
 
 from lightning_parallel.parallel.data.stages import zero_stage
@@ -33,6 +35,38 @@ def throughput_table(rows: list[dict[str, Any]]) -> list[str]:
             f"{r['ours_step_s'] * 1e3:.0f} | {r['lightning_step_s'] * 1e3:.0f} | **{r['ratio']:.2f}x** |"
         )
     return lines
+
+
+def phase_table(rows: list[dict[str, Any]], below: float = 1.05) -> list[str]:
+    """The step by phase (rank 0, ms) for each pairing under ``below``x: where ours and Lightning's differ."""
+    lines = [
+        "| comparison | recipe | side | forward | backward | reduce | step | sum ms |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r["ratio"] >= below or len(r.get("phases_s", {})) < 2:
+            continue
+        for side in ("ours", "lightning"):
+            p = r["phases_s"][side]
+            cells = " | ".join(f"{p[k] * 1e3:.1f}" for k in ("forward", "backward", "reduce", "step"))
+            lines.append(f"| {r['comparison']} | {r['recipe']} | `{r[side]}` | {cells} | {sum(p.values()) * 1e3:.1f} |")
+    return lines if len(lines) > 2 else []
+
+
+def _phase_section(rows: list[dict[str, Any]]) -> list[str]:
+    table = phase_table(rows)
+    if not table:
+        return []
+    return [
+        "Where the pairings under 1.05x spend their step (rank 0, median ms by Lightning's hooks, "
+        "benchmarks/worker.py `StepPhases`): forward = batch start to `on_before_backward` (zero_grad, the "
+        "training step, ZeRO-3's gathers); backward = to `on_after_backward` (DDP's overlapped all-reduce "
+        "included); reduce = to `on_before_optimizer_step` (our reduction after backward, clipping); step = "
+        "to batch end (the optimizer, ZeRO-1/2's parameter gather). benchmarks/findings.md reads it.",
+        "",
+        *table,
+        "",
+    ]
 
 
 def memory_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -111,9 +145,9 @@ def expected_bubble(pp: int, microbatches: int, virtual: int) -> float:
 
 def bubble_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| pp | schedule | microbatches | stages/rank | split | measured idle per pp rank | mean | replayed on CPU "
-        "times (schedule alone) | compute wall / CPU | formula | step ms |",
-        "|---:|---|---:|---:|---|---|---:|---|---:|---:|---:|",
+        "| pp | schedule | microbatches | samples per microbatch | stages/rank | split | measured idle per pp rank | "
+        "mean | replayed on CPU times (schedule alone) | compute wall / CPU | formula | step ms |",
+        "|---:|---|---:|---:|---:|---|---|---:|---|---:|---:|---:|",
     ]
 
     def mean(values: dict) -> float:
@@ -126,7 +160,8 @@ def bubble_table(rows: list[dict[str, Any]]) -> list[str]:
         replayed = f"{mean(r['replayed']):.3f} ({mean(r['replayed_shape']):.3f})" if r.get("replayed") else "-"
         stretch = f"{mean(r['wall_over_cpu']):.2f}" if r.get("wall_over_cpu") else "-"
         lines.append(
-            f"| {r['pp']} | {r['schedule']} | {r['microbatches']} | {r['virtual']} | {r.get('balance', 'uniform')} | "
+            f"| {r['pp']} | {r['schedule']} | {r['microbatches']} | {r.get('global_batch', 16) // r['microbatches']} | "
+            f"{r['virtual']} | {r.get('balance', 'uniform')} | "
             f"{', '.join(f'{x:.3f}' for x in measured)} | {sum(measured) / len(measured):.3f} | {replayed} | "
             f"{stretch} | {shown} | {r['step_s'] * 1e3:.0f} |"
         )
@@ -176,6 +211,7 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         "",
         *throughput_table(results["throughput"]),
         "",
+        *_phase_section(results["throughput"]),
         "## Model-state memory per rank against the ZeRO formulas",
         "",
         f"GPT bench model, P = {num_params:,} parameters, fp32 AdamW (K = 8 bytes of state per parameter), "
@@ -223,8 +259,12 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         lines += speed_lines(results["speed"])
     if "hsdp" in results:
         lines += hsdp_lines(results["hsdp"])
+    if "async" in results:
+        lines += async_lines(results["async"])
     if "context" in results:
         lines += context_lines(results["context"])
+    if "spatial" in results:
+        lines += spatial_lines(results["spatial"])
     if FINDINGS.exists():
         lines += ["## Findings", "", FINDINGS.read_text().strip(), ""]
     path.write_text("\n".join(lines))

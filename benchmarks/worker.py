@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines import ModelParallelGPT, ModelParallelVGG  # noqa: E402
 
 from lightning_parallel import Hybrid3DStrategy, ZeroStrategy  # noqa: E402
+from lightning_parallel.callbacks.activation import ActivationMemoryMonitor  # noqa: E402
 from lightning_parallel.callbacks.monitor import TrainingMonitor  # noqa: E402
 from lightning_parallel.models import LitGPT, LitVGG  # noqa: E402
 from lightning_parallel.models.gpt import GPT  # noqa: E402
@@ -80,6 +81,7 @@ def parse_spec(spec: str, world: int) -> tuple[Any, dict[str, int]]:
         return ZeroStrategy(stage=int(name[4]), **kwargs), {"dp": world, "pp": 1, "tp": 1}
     if name == "hybrid3d":
         pp, tp, ep, cp = kwargs.get("pp", 1), kwargs.get("tp", 1), kwargs.get("ep", 1), kwargs.get("cp", 1)
+        cp *= kwargs.get("spatial", 1)  # spatial strips take the cp axis: their ranks share samples too
         return Hybrid3DStrategy(**kwargs), {"dp": world // (pp * tp * cp), "pp": pp, "tp": tp, "ep": ep, "cp": cp}
     raise ValueError(f"unknown benchmark strategy spec {spec!r}")
 
@@ -95,6 +97,46 @@ class StepTimer(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.times.append(time.perf_counter() - self._start)
+
+
+class StepPhases(pl.Callback):
+    """Where a training batch's wall time goes on this rank, by Lightning's hooks: forward (batch start to
+    on_before_backward: zero_grad, the training step, ZeRO-3's gathers), backward (to on_after_backward: DDP's
+    overlapped all-reduce included), reduce (to on_before_optimizer_step: our reduction after backward, tied weights,
+    clipping, fp16 unscaling), step (to batch end: optimizer.step, ZeRO-1/2's parameter gather). Pipelined steps
+    run their schedule inside the training step: all of it counts as forward there."""
+
+    PHASES = ("forward", "backward", "reduce", "step")
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+
+    def _mark(self, name: str) -> None:
+        self._marks[name] = time.perf_counter()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._marks: dict[str, float] = {}
+        self._mark("start")
+
+    def on_before_backward(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._marks.setdefault("before_backward", time.perf_counter())
+
+    def on_after_backward(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._mark("after_backward")
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._mark("before_step")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._mark("end")
+        order = ["start", "before_backward", "after_backward", "before_step", "end"]
+        if all(k in self._marks for k in order):
+            times = [self._marks[k] for k in order]
+            self.steps.append({name: b - a for name, a, b in zip(self.PHASES, times, times[1:])})
+
+    def medians(self, skip: int) -> dict[str, float]:
+        steps = self.steps[skip:-2] or self.steps
+        return {name: median(s[name] for s in steps) for name in self.PHASES} if steps else {}
 
 
 class ModelStates(pl.Callback):
@@ -161,7 +203,8 @@ def main() -> None:
     micro = cfg.data.global_batch_size // degrees["dp"]
     model = build_model(args.recipe, cfg, isinstance(strategy, ModelParallelStrategy), degrees.pop("compile", False))
     data = TextData(cfg, micro, cache_dir=args.out.parent / "data") if args.recipe == "gpt" else ImageData(cfg, micro)
-    timer, states = StepTimer(), ModelStates()
+    timer, states, phases = StepTimer(), ModelStates(), StepPhases()
+    activations = ActivationMemoryMonitor(batch=1)  # a warm-up batch: not timed, before the measured steps
     # the last two steps run under the communication and FLOP counters, then the timeline recorder: not timed
     timeline = args.out / "timeline" if args.timeline else None
     monitor = TrainingMonitor(measure_step=args.steps - 2, timeline_dir=timeline)
@@ -177,7 +220,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[monitor, timer, states],
+        callbacks=[monitor, timer, states, activations, phases],  # the monitor first: dispatch modes must nest
         use_distributed_sampler=False,
     )
     if os.environ.get("BENCH_PROFILE"):  # where the time goes: rank 0's operator table
@@ -196,7 +239,9 @@ def main() -> None:
         "warmup": args.warmup,
         # after the warm-up steps (2; more where compiling), before the 2 measured
         "median_step_s": median(timer.times[args.warmup : -2] or timer.times),
+        "phases_s": phases.medians(args.warmup),  # the same steps' medians by phase (StepPhases)
         "model_state_bytes": states.bytes,
+        "activation_bytes": activations.bytes,  # kept for backward in one training batch on this rank
         "num_params": num_params(args.recipe, cfg),
         "micro_batch": micro,
         "model": {k: cfg.model[k] for k in cfg.model if k in MODEL_KEYS},
