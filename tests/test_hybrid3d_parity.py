@@ -74,15 +74,11 @@ LAYOUTS = [  # `make test`: dp x tp without pipeline, then every schedule with d
     Layout(4, 1, 2, 2, zero=1),
     Layout(4, 1, 2, 2, zero=2),
     Layout(4, 1, 2, 2, zero=3),
-    Layout(4, 1, 1, 4),
-    Layout(4, 1, 4, 1),
-    Layout(4, 1, 2, 2, zero=1, sp=True),
     Layout(2, 2, 1, 1, schedule="1f1b"),
     Layout(4, 2, 1, 2, schedule="1f1b", microbatches=2),  # clipping and accumulation under pp=2, tp=2
     Layout(4, 2, 2, 1, zero=1, schedule="gpipe"),
     Layout(4, 2, 2, 1, zero=3, schedule="interleaved_1f1b"),
     Layout(4, 2, 2, 1, zero=2, schedule="zero_bubble"),
-    Layout(4, 4, 1, 1, balance="params"),
     Layout(4, 2, 1, 2, zero=1, schedule="zero_bubble", sp=True, microbatches=2),
 ]
 
@@ -112,6 +108,11 @@ def _world8() -> list[Layout]:
 WORLD8 = _world8() + [
     Layout(8, 2, 2, 2, zero=2, schedule="1f1b", sp=True),
     Layout(8, 4, 2, 1, zero=1, schedule="interleaved_1f1b", balance="params", microbatches=4),
+    # world 4, moved from `make test` (test budget): tp=4, dp=4, dp2 x tp2 ZeRO-1 with SP, pp=4 by params
+    Layout(4, 1, 1, 4),
+    Layout(4, 1, 4, 1),
+    Layout(4, 1, 2, 2, zero=1, sp=True),
+    Layout(4, 4, 1, 1, balance="params"),
 ]
 
 

@@ -59,7 +59,8 @@ def assert_resume_continues_exactly(script: Path, tmp_path: Path, every: int, st
 @pytest.mark.parametrize(
     "layout",
     [
-        ["strategy=zero1", "trainer.devices=2"],
+        # slow tier (test budget): test_clean_exit's SIGTERM save-and-resume-bitwise run stays in `make test`
+        pytest.param(["strategy=zero1", "trainer.devices=2"], marks=pytest.mark.slow),
         pytest.param(["strategy=zero2_offload", "trainer.devices=2"], marks=pytest.mark.slow),
         pytest.param(["strategy=zero3", "trainer.devices=2"], marks=pytest.mark.slow),
         pytest.param(
