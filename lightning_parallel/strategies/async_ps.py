@@ -33,8 +33,6 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
 from lightning_parallel import _compat
@@ -44,6 +42,7 @@ from lightning_parallel.parallel.async_ps.layout import FlatLayout, check_optimi
 from lightning_parallel.parallel.async_ps.server import Clip, ParameterServer
 from lightning_parallel.parallel.failure import to_timeout
 from lightning_parallel.parallel.shutdown import release_at_exit
+from lightning_parallel.strategies.distributed import set_world_ranks
 from lightning_parallel.strategies.launcher import CheckFirstLauncher
 from lightning_parallel.strategies.worker_collectives import WorkerCollectives, local_sigterm_check
 
@@ -151,10 +150,7 @@ class AsyncPSStrategy(WorkerCollectives, ParallelStrategy):
         return {"num_replicas": self.num_workers, "rank": 0 if self.is_server else self.global_rank}
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        set_world_ranks(self)
 
     # ----- checks, before any process group -----
 

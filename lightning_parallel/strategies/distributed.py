@@ -29,6 +29,16 @@ from lightning_parallel.parallel.shutdown import release_at_exit
 from lightning_parallel.strategies.launcher import CheckFirstLauncher
 
 
+def set_world_ranks(strategy: Any) -> None:
+    """Lightning's rank bookkeeping of a one-process-per-device strategy (as its DDPStrategy does): the cluster
+    environment's global rank and world size, and the rank rank_zero_only reads."""
+    if strategy.cluster_environment is not None:
+        rank = strategy.node_rank * strategy.num_processes + strategy.local_rank
+        strategy.cluster_environment.set_global_rank(rank)
+        strategy.cluster_environment.set_world_size(strategy.num_nodes * strategy.num_processes)
+    rank_zero_only.rank = utils_rank_zero_only.rank = strategy.global_rank
+
+
 class DistributedMixin:
     """Expects ``config``, ``parallel_dims``, ``parallel_devices``, ``cluster_environment``, ``_launcher``,
     ``_timeout`` and ``_process_group_backend`` from the strategy; sets ``_mesh``, ``_sharding`` and ``_failures``."""
@@ -48,10 +58,7 @@ class DistributedMixin:
         return True
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        set_world_ranks(self)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -96,18 +96,33 @@ def batch_norm_over_group(
     if bias is not None:
         y = y + bias.to(compute).view(shape)
 
-    if running_mean is not None and running_var is not None:
-        with torch.no_grad():
-            factor = 0.0 if momentum is None else momentum
-            if num_batches_tracked is not None:
-                num_batches_tracked.add_(1)
-                if momentum is None:
-                    factor = 1.0 / float(num_batches_tracked)
-            # one value per channel in the whole batch has no unbiased variance; torch raises, we keep 0
-            unbiased = var * count / (count - 1).clamp_min(1)
-            running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
-            running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
+    update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, count)
     return y.to(x.dtype)
+
+
+def update_running_stats(
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    num_batches_tracked: Tensor | None,
+    momentum: float | None,
+    mean: Tensor,
+    var: Tensor,
+    count: Tensor,
+) -> None:
+    """BatchNorm's running statistics from a batch's ``mean`` and biased ``var`` over ``count`` values per channel
+    (torch's update: momentum, or the cumulative average when momentum is None)."""
+    if running_mean is None or running_var is None:
+        return
+    with torch.no_grad():
+        factor = 0.0 if momentum is None else momentum
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
+            if momentum is None:
+                factor = 1.0 / float(num_batches_tracked)
+        # one value per channel in the whole batch has no unbiased variance; torch raises, we keep 0
+        unbiased = var * count / (count - 1).clamp_min(1)
+        running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+        running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
 
 
 def _check_layout(module: nn.Module, x: DTensor) -> None:

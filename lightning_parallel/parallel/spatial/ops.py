@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.parallel.data.sync_batchnorm import update_running_stats
 from lightning_parallel.parallel.spatial.halo import borrow_rows, return_rows
 
 aten = torch.ops.aten
@@ -121,15 +122,5 @@ def group_batch_norm(
     (``batch_norm_over_group``'s arguments and result, keeping only the input for backward)."""
     stats: list[Tensor] = []
     y = _GroupBatchNorm.apply(x, weight, bias, group, eps, stats)
-    if running_mean is not None and running_var is not None:
-        mean, var, n = stats
-        with torch.no_grad():
-            factor = 0.0 if momentum is None else momentum
-            if num_batches_tracked is not None:
-                num_batches_tracked.add_(1)
-                if momentum is None:
-                    factor = 1.0 / float(num_batches_tracked)
-            unbiased = var * n / (n - 1).clamp_min(1)
-            running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
-            running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
+    update_running_stats(running_mean, running_var, num_batches_tracked, momentum, *stats)
     return y
