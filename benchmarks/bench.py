@@ -167,6 +167,7 @@ def _bubble_parts(path: Path) -> dict[str, dict[int, float]]:
         "wall_over_cpu": {r: p["compute"] / max(p["compute_cpu"], 1e-9) for r, p in parts.items()},
         "between_cpu_ms": {r: p["between_cpu"] * 1e3 for r, p in parts.items()},
         "wait_ms": {r: p["wait"] * 1e3 for r, p in parts.items()},
+        "compute_ms": {r: p["compute"] * 1e3 for r, p in parts.items()},  # the stage's boxes: its balance
     }
 
 
@@ -279,7 +280,13 @@ def main() -> None:
         results = json.loads(RESULTS.read_text())
         results.update(run_sections(args))
         earlier = results.get("rerun", {}).get("sections", [])  # sections rerun since the last full run
-        results["rerun"] = {"sections": sorted({*earlier, *args.only}), "seconds": time.perf_counter() - start}
+        machines = results.get("rerun", {}).get("machines", [])  # where the reruns ran, when not where the full run did
+        machines = sorted({*machines, describe_machine()})
+        results["rerun"] = {
+            "sections": sorted({*earlier, *args.only}),
+            "seconds": time.perf_counter() - start,
+            "machines": machines,
+        }
     else:
         results = {"machine": describe_machine(), **run_sections(args)}
         results["wall_seconds"] = time.perf_counter() - start

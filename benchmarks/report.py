@@ -26,13 +26,18 @@ def _mb(n: float) -> str:
 
 def throughput_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| comparison | recipe | world | ours | Lightning's | ours ms/step | Lightning ms/step | speed ratio |",
-        "|---|---|---:|---|---|---:|---:|---:|",
+        "| comparison | recipe | world | ours | Lightning's | ours ms/step | Lightning ms/step | speed ratio | "
+        "launches, ours / Lightning's (ms) |",
+        "|---|---|---:|---|---|---:|---:|---:|---|",
     ]
     for r in rows:
+        samples = r.get("samples") or {}
+        spread = " / ".join(
+            ", ".join(f"{x * 1e3:.0f}" for x in samples.get(r[side], [])) or "-" for side in ("ours", "lightning")
+        )
         lines.append(
             f"| {r['comparison']} | {r['recipe']} | {r['world']} | `{r['ours']}` | `{r['lightning']}` | "
-            f"{r['ours_step_s'] * 1e3:.0f} | {r['lightning_step_s'] * 1e3:.0f} | **{r['ratio']:.2f}x** |"
+            f"{r['ours_step_s'] * 1e3:.0f} | {r['lightning_step_s'] * 1e3:.0f} | **{r['ratio']:.2f}x** | {spread} |"
         )
     return lines
 
@@ -146,8 +151,9 @@ def expected_bubble(pp: int, microbatches: int, virtual: int) -> float:
 def bubble_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| pp | schedule | microbatches | samples per microbatch | stages/rank | split | measured idle per pp rank | "
-        "mean | replayed on CPU times (schedule alone) | compute wall / CPU | formula | step ms |",
-        "|---:|---|---:|---:|---:|---|---|---:|---|---:|---:|---:|",
+        "mean | replayed on CPU times (schedule alone) | compute wall / CPU | compute ms per pp rank | formula | "
+        "step ms |",
+        "|---:|---|---:|---:|---:|---|---|---:|---|---:|---|---:|---:|",
     ]
 
     def mean(values: dict) -> float:
@@ -159,11 +165,13 @@ def bubble_table(rows: list[dict[str, Any]]) -> list[str]:
         shown = "≈0 (ZB-V)" if r["schedule"] == "zero_bubble" else f"{formula:.3f}"
         replayed = f"{mean(r['replayed']):.3f} ({mean(r['replayed_shape']):.3f})" if r.get("replayed") else "-"
         stretch = f"{mean(r['wall_over_cpu']):.2f}" if r.get("wall_over_cpu") else "-"
+        compute_ms = r.get("compute_ms") or {}
+        compute = ", ".join(f"{compute_ms[k]:.0f}" for k in sorted(compute_ms)) or "-"
         lines.append(
             f"| {r['pp']} | {r['schedule']} | {r['microbatches']} | {r.get('global_batch', 16) // r['microbatches']} | "
             f"{r['virtual']} | {r.get('balance', 'uniform')} | "
             f"{', '.join(f'{x:.3f}' for x in measured)} | {sum(measured) / len(measured):.3f} | {replayed} | "
-            f"{stretch} | {shown} | {r['step_s'] * 1e3:.0f} |"
+            f"{stretch} | {compute} | {shown} | {r['step_s'] * 1e3:.0f} |"
         )
     return lines
 
@@ -187,8 +195,12 @@ def _rerun_note(results: dict[str, Any]) -> list[str]:
     if "rerun" not in results:
         return []
     sections = ", ".join(results["rerun"]["sections"])
+    machines = results["rerun"].get("machines", [])
+    other = [m for m in machines if m != results["machine"]]
+    where = f" Some ran on another machine ({'; '.join(other)}): compare rows within a section." if other else ""
     return [
-        f"Sections rerun since then with `--only` (the last rerun: {results['rerun']['seconds']:.0f} s): {sections}.",
+        f"Sections rerun since then with `--only` (the last rerun: {results['rerun']['seconds']:.0f} s): "
+        f"{sections}.{where}",
         "",
     ]
 
@@ -238,7 +250,10 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         "virtual stages per rank (interleaved 1F1B). Replayed: the same step re-timed with each box lasting its "
         "thread CPU time (other processes' preemption drops out) and no transfer time, with the schedule's own "
         "CPU work between boxes charged, and in brackets without it (the schedule's shape and the stage balance "
-        "alone). Compute wall / CPU above 1: the ranks were preempted inside their boxes. GPT bench model with "
+        "alone). Compute wall / CPU above 1: the ranks were preempted inside their boxes. Mean: the pipeline's "
+        "bubble (idle device time over all device time), which the formula gives for equal stages. Compute ms "
+        "per pp rank: each rank's boxes in the step, which shows the stage balance: a rank faster than the slowest "
+        "by a fraction x idles about x m/(m+p-1) more than the formula at 1F1B's pace. GPT bench model with "
         "6 blocks (8 pipeline layers); split `params`: `pp_balance='params'`, which under ZB-V balances the "
         "ranks. The timelines (Chrome trace + PNG) lie under runs/bench/*/timeline/.",
         "",

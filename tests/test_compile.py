@@ -50,3 +50,64 @@ def test_compiled_layers_under_tp_and_pp(tmp_path_factory, label):
     world, strategy, dp, tp = SLOW_LAYOUTS[label]
     runs = Batch(tmp_path_factory, {label: (world, strategy, CASES), "reference": (1, "auto", CASES)}, tag=label)
     _check(runs[label], runs["reference"], label, dp, tp)
+
+
+# ----- the measurement callbacks leave compilation alone (this process, Lightning's own strategy) -----
+def _fit_compiled_tiny_gpt(callbacks: list) -> int:
+    """Four steps of a tiny LitGPT with its layers compiled (as ``compile=True`` compiles them); the graphs made."""
+    import lightning.pytorch as pl
+    import torch
+    from torch._dynamo.utils import counters
+    from torch.utils.data import DataLoader
+
+    from lightning_parallel.models import LitGPT
+    from lightning_parallel.models.gpt import GPTConfig
+    from lightning_parallel.models.synthetic import SyntheticTokens
+    from lightning_parallel.parallel.parallelize import compile_layers
+
+    torch._dynamo.reset()
+    counters.clear()
+    pl.seed_everything(0, verbose=False)
+    model = LitGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))
+    assert compile_layers(model)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(model, DataLoader(SyntheticTokens(num_samples=32, seq_len=16, vocab_size=64), batch_size=8))
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_measured_first_batches_do_not_keep_compiled_layers_eager():
+    """torch.compile marks a function met first under a dispatch mode (our counters) as skipped for good; the
+    recipe's callbacks measure the first batches, so they run them under torch's force_eager stance."""
+    from lightning_parallel.callbacks.activation import ActivationMemoryMonitor
+    from lightning_parallel.callbacks.monitor import TrainingMonitor
+
+    graphs = _fit_compiled_tiny_gpt([TrainingMonitor(measure_step=0), ActivationMemoryMonitor(batch=1)])
+    assert graphs > 0, "the layers stayed eager after the measured batches"
+
+
+def test_a_dispatch_mode_at_the_first_call_keeps_torch_compile_eager():
+    """Why the stance is needed (a canary: if torch starts compiling here, measure/stance.py can go)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from lightning_parallel.parallel.measure.memory import ActivationMemory
+    from lightning_parallel.parallel.measure.stance import EagerStance
+
+    layer = torch.nn.Linear(8, 8)
+    for stance, want_graphs in ((False, 0), (True, 1)):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(lambda x: torch.relu(layer(x)))
+        with EagerStance() if stance else torch.enable_grad(), ActivationMemory(exclude=layer):
+            compiled(torch.randn(2, 8))
+        compiled(torch.randn(2, 8))
+        assert int(counters["stats"]["unique_graphs"]) == want_graphs, stance
