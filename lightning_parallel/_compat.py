@@ -22,7 +22,10 @@ from torch.distributed.checkpoint._traverse import set_element  # noqa: F401
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401  (hf: fused qkv)
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (semi-public: documented, underscored)
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,  # noqa: F401  (semi-public: documented, underscored)
+    is_in_torch_dispatch_mode,  # noqa: F401  (compile_layers: modes run eager)
+)
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: F401
 from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401
 

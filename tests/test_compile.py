@@ -77,7 +77,7 @@ def _fit_compiled_tiny_gpt(callbacks: list) -> int:
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_model_summary=True,  # Lightning's summary runs example_input_array under its FLOP counter
         callbacks=callbacks,
     )
     trainer.fit(model, DataLoader(SyntheticTokens(num_samples=32, seq_len=16, vocab_size=64), batch_size=8))
@@ -85,8 +85,9 @@ def _fit_compiled_tiny_gpt(callbacks: list) -> int:
 
 
 def test_measured_first_batches_do_not_keep_compiled_layers_eager():
-    """torch.compile marks a function met first under a dispatch mode (our counters) as skipped for good; the
-    recipe's callbacks measure the first batches, so they run them under torch's force_eager stance."""
+    """torch.compile marks a function met first under a dispatch mode as skipped for good. Lightning's model
+    summary (at fit start) and our callbacks (the first batches) run the model under such modes: the compiled
+    layers run eagerly there and compile outside them."""
     from lightning_parallel.callbacks.activation import ActivationMemoryMonitor
     from lightning_parallel.callbacks.monitor import TrainingMonitor
 
@@ -111,3 +112,19 @@ def test_a_dispatch_mode_at_the_first_call_keeps_torch_compile_eager():
             compiled(torch.randn(2, 8))
         compiled(torch.randn(2, 8))
         assert int(counters["stats"]["unique_graphs"]) == want_graphs, stance
+
+
+def test_eager_stance_windows_may_close_in_any_order():
+    """The callbacks' windows overlap without nesting (one closes before backward, one at the batch's end)."""
+    import torch._dynamo.eval_frame as frames
+
+    from lightning_parallel.parallel.measure.stance import EagerStance
+
+    for order in ("nested", "crossed"):
+        first, second = EagerStance().__enter__(), EagerStance().__enter__()
+        assert frames._stance.stance == "force_eager"
+        closing = (second, first) if order == "nested" else (first, second)
+        closing[0].__exit__(None, None, None)
+        assert frames._stance.stance == "force_eager", order
+        closing[1].__exit__(None, None, None)
+        assert frames._stance.stance == "default", order

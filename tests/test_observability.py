@@ -217,11 +217,40 @@ def test_pipeline_timeline(runs, schedule):
 
 
 # ----- recipe -----
+def _recipe_forward_flops(overrides: list[str]) -> int:
+    """FLOPs of one forward of the recipe's GPT on its global batch, in one process (torch's counter)."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_parallel.recipes.config import register_configs
+    from lightning_parallel.recipes.gpt import gpt_config
+
+    register_configs()
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(str(conf), version_base="1.3"):
+        cfg = compose("train_gpt", overrides=[o for o in overrides if not o.startswith(("strategy", "observ"))])
+    model = GPTModel(gpt_config(cfg.model))
+    tokens = torch.zeros(cfg.data.global_batch_size, cfg.model.seq_len, dtype=torch.long)
+    with FlopCounterMode(display=False) as counter:
+        model(tokens)
+    return counter.get_total_flops()
+
+
+def test_recipe_counts_the_backward_flops_of_its_measured_step(tmp_path):
+    """The default measure_step (2) is also the batch the activation monitor measures, and both callbacks count
+    under dispatch modes, which torch pops from the top of one stack: they must nest. Before, the activation
+    monitor left first at the start of backward and popped the FLOP counter: the step counted its forward only."""
+    overrides = ["trainer=debug", "trainer.max_steps=3", "sample_tokens=0", "trainer.devices=1"]
+    metrics = run_recipe(GPT, tmp_path, *overrides, "strategy=hybrid3d")
+    assert metrics["flops_per_step"] == pytest.approx(3 * _recipe_forward_flops(overrides), rel=1e-6)
+
+
 def test_recipe_metrics_json_has_the_observability_fields(tmp_path):
     overrides = ["trainer=debug", "trainer.max_steps=4", "sample_tokens=0", "trainer.devices=2"]
-    overrides += ["strategy=hybrid3d", "strategy.pp=2", "observability.timeline=true", "observability.measure_step=1"]
+    overrides += ["strategy=hybrid3d", "strategy.pp=2", "observability.timeline=true"]
     metrics = run_recipe(GPT, tmp_path, *overrides)
     assert metrics["mfu"] is None  # CPU: no known peak
+    # counted over both pp ranks: forward and backward of the whole model on the global batch, 3x the forward
+    assert metrics["flops_per_step"] == pytest.approx(3 * _recipe_forward_flops(overrides), rel=1e-6)
     assert metrics["samples_per_second"] > 0
     seq_len = 64  # conf/model/gpt_tiny.yaml
     assert metrics["tokens_per_second"] == pytest.approx(metrics["samples_per_second"] * seq_len)

@@ -26,6 +26,7 @@ May import: anything under ``lightning_parallel.parallel`` and ``lightning_paral
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_parallel._compat import is_in_torch_dispatch_mode
 from lightning_parallel.parallel.activation_checkpoint import apply_activation_checkpointing, checkpoint_layers
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.context.apply import ContextParallel, apply_context_parallel
@@ -172,8 +174,26 @@ def compile_layers(layers: Any) -> list[nn.Module]:
     chosen = checkpoint_layers(layers)
     for layer in chosen:
         forward = layer.__dict__.get("forward") or type(layer).forward.__get__(layer)
-        layer.forward = torch.compile(forward)
+        layer.forward = _compiled_outside_dispatch_modes(forward)
     return chosen
+
+
+def _compiled_outside_dispatch_modes(forward: Any) -> Any:
+    """``torch.compile(forward)``, run eagerly while a (non-infra) dispatch mode is active.
+
+    torch.compile does not trace under such a mode (FLOP and byte counters, Lightning's model summary, which runs
+    ``example_input_array`` under its FLOP counter at fit start), and a function whose first call meets one is
+    marked as skipped and never compiled afterwards: the whole fit would run eagerly. So those calls go to the
+    eager forward, and the compiled one first runs, and compiles, outside them."""
+    compiled = torch.compile(forward)
+
+    @functools.wraps(forward)
+    def forward_(*args: Any, **kwargs: Any) -> Any:
+        if is_in_torch_dispatch_mode(include_infra_modes=False):
+            return forward(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    return forward_
 
 
 def apply_pipeline_split(

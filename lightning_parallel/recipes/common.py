@@ -190,15 +190,17 @@ def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
     """The Trainer the recipe's ``trainer``, ``precision`` and ``checkpoint`` groups describe."""
     t = cfg.trainer
     o = cfg.observability
-    # before ActivationMemoryMonitor: both enter dispatch modes in a batch, and modes must nest
     monitor = TrainingMonitor(
         t.log_every_n_steps, measure_step=o.measure_step, timeline_dir=run_dir if o.timeline else None
     )
     strategy = build_strategy(cfg.strategy)
-    callbacks: list[pl.Callback] = [*kwargs.pop("callbacks", []), ActivationMemoryMonitor()]
+    callbacks: list[pl.Callback] = [*kwargs.pop("callbacks", [])]
     if not isinstance(strategy, AsyncPSStrategy):  # these run collectives over the whole world after every step
         callbacks += [monitor, ExactResume(), MoEAuxLossScale(), MoEMonitor()]  # MoE: nothing to do when dense
         callbacks.append(Preemption(cfg.checkpoint.dir, marker=run_dir / PREEMPTED_FILE))  # SIGTERM: save last, stop
+    # after the TrainingMonitor: both enter dispatch modes at a batch's start, and torch pops modes from the top
+    # of one stack, so the activation counter (entered last) must be the first to leave (before backward)
+    callbacks.append(ActivationMemoryMonitor())
     if strategy == "ddp" and cfg.strategy.activation_checkpointing != "none":
         callbacks.append(ActivationCheckpointing(cfg.strategy.activation_checkpointing))  # Lightning's own ddp
     if cfg.checkpoint.dir:

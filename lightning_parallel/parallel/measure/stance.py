@@ -15,18 +15,34 @@ from typing import Any
 
 import torch
 
+_open = 0  # EagerStance windows open now: they may close in any order (callbacks' hooks do not nest)
+_prior: Any = None  # torch's stance object of the first window: its __exit__ restores the stance before it
+
 
 class EagerStance:
-    """A context manager: ``torch.compile``d functions run eagerly inside it, and compile as usual after."""
+    """A context manager: ``torch.compile``d functions run eagerly inside it, and compile as usual after.
+
+    Windows may overlap and close in any order; the stance returns to what it was when the last one closes.
+    """
 
     def __init__(self) -> None:
-        self._stance: Any = None
+        self._active = False
 
     def __enter__(self) -> EagerStance:
-        self._stance = torch.compiler.set_stance("force_eager")  # set now; its __exit__ restores the prior stance
+        global _open, _prior
+        if not self._active:
+            if _open == 0:
+                _prior = torch.compiler.set_stance("force_eager")  # set now; remembers the stance it replaced
+            _open += 1
+            self._active = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._stance is not None:
-            self._stance.__exit__(*exc)
-            self._stance = None
+        global _open, _prior
+        if not self._active:
+            return
+        self._active = False
+        _open -= 1
+        if _open == 0:
+            _prior.__exit__(None, None, None)
+            _prior = None
