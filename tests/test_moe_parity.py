@@ -25,14 +25,19 @@ CASES = [  # as PARITY_CASES, on the MoE GPT
 ]
 # precision (as tests/test_precision.py, on the MoE GPT): fp16 with AdamW and clipping, fp16 with SGD and accumulation
 # (linear in the gradient: a wrong auxiliary-loss scale shows), bf16-mixed; bars as there. Seen at ep=2 (w2) and
-# ep=2 x tp=2 (w4): 3e-6, 4e-5, 1.7e-4 (a router in bf16 instead of fp32: 4e-4 in fp16, 6e-4 in bf16)
+# ep=2 x tp=2 (w4): 3e-6, 4e-5, 1.7e-4 (a router in bf16 instead of fp32: 4e-4 in fp16, 6e-4 in bf16). On an AMD
+# host fp16 measured 2.8e-4 at both layouts: one token of 5120 choices took another expert (a near tie of two
+# router logits, which fp16 rounding in another summation order breaks the other way), and the losses drift
+# from there. So fp16's bar here is bf16's, and fp16's routing itself must agree within two tokens per run; the
+# router-dtype mistake above still fails the bf16 case.
 PRECISION = [
     {"name": "fp16", "steps": 10, "precision": "16-mixed", "clip": 0.05, "moe": MOE},
     {"name": "fp16_sgd", "steps": 6, "precision": "16-mixed", "optimizer": "sgd", "clip": 1.0, "accumulate": 2,
      "moe": MOE},
     {"name": "bf16", "steps": 10, "precision": "bf16-mixed", "moe": MOE},
 ]  # fmt: skip
-PRECISION_BAR = {"fp16": 5e-5, "fp16_sgd": 5e-4, "bf16": 5e-4}
+PRECISION_BAR = {"fp16": 5e-4, "fp16_sgd": 5e-4, "bf16": 5e-4}
+ROUTING_FLIPS = 2  # tokens per run that may take another expert than in one process (near ties, above)
 PRECISION_LAYOUTS = {
     "ep2-zero1-w2": (2, "hybrid3d:ep=2,zero_stage=1", 2, 1),
     "ep2-tp2-w4": (4, "hybrid3d:ep=2,tp=2", 2, 2),
@@ -137,6 +142,11 @@ def test_moe_precision_matches_one_process(runs, label):
         worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
         print(f"{label} {name}: max loss rel diff {worst:.1e}")
         assert worst <= PRECISION_BAR[name], f"{label} {name}: {got} vs {want}"
+        # fp16: every token's expert, counted over the run (bf16's 8-bit mantissa moves tens of near ties)
+        for layer, load in reference.case(name)["moe"].items() if name.startswith("fp16") else ():
+            counts, want_counts = run.case(name)["moe"][layer]["tokens_per_expert"], load["tokens_per_expert"]
+            moved = sum(abs(a - b) for a, b in zip(counts, want_counts)) // 2
+            assert moved <= ROUTING_FLIPS, f"{label} {name} {layer}: {counts} vs {want_counts}"
         for rank in range(world):  # fp16: the same loss scales (the same steps skipped) as torch's GradScaler
             assert run.case(name, rank)["scales"] == reference.case(name)["scales"], f"{label} {name} rank {rank}"
 
