@@ -49,7 +49,7 @@ def _compression_spec(kind: str) -> str:
 
 def _slowest_warmup_step(ranks: list[dict[str, Any]]) -> float:
     """Where compiled layers compile: the slowest warm-up step of any rank (the first batches run eagerly while
-    the activation monitor measures them: lightning_parallel/parallel/measure/stance.py)."""
+    the activation monitor measures them: compile_layers in lightning_parallel/parallel/parallelize.py)."""
     return max(max(r["step_times"][: r.get("warmup", 2)]) for r in ranks)
 
 

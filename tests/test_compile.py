@@ -96,35 +96,21 @@ def test_measured_first_batches_do_not_keep_compiled_layers_eager():
 
 
 def test_a_dispatch_mode_at_the_first_call_keeps_torch_compile_eager():
-    """Why the stance is needed (a canary: if torch starts compiling here, measure/stance.py can go)."""
+    """Why compile_layers routes calls under a dispatch mode to the eager forward (a canary: if torch starts
+    compiling the plain case, the routing can go)."""
     import torch
     from torch._dynamo.utils import counters
 
     from lightning_parallel.parallel.measure.memory import ActivationMemory
-    from lightning_parallel.parallel.measure.stance import EagerStance
+    from lightning_parallel.parallel.parallelize import _compiled_outside_dispatch_modes
 
     layer = torch.nn.Linear(8, 8)
-    for stance, want_graphs in ((False, 0), (True, 1)):
+    for routed, want_graphs in ((False, 0), (True, 1)):
         torch._dynamo.reset()
         counters.clear()
-        compiled = torch.compile(lambda x: torch.relu(layer(x)))
-        with EagerStance() if stance else torch.enable_grad(), ActivationMemory(exclude=layer):
+        forward = lambda x: torch.relu(layer(x))  # noqa: E731
+        compiled = _compiled_outside_dispatch_modes(forward) if routed else torch.compile(forward)
+        with ActivationMemory(exclude=layer):
             compiled(torch.randn(2, 8))
         compiled(torch.randn(2, 8))
-        assert int(counters["stats"]["unique_graphs"]) == want_graphs, stance
-
-
-def test_eager_stance_windows_may_close_in_any_order():
-    """The callbacks' windows overlap without nesting (one closes before backward, one at the batch's end)."""
-    import torch._dynamo.eval_frame as frames
-
-    from lightning_parallel.parallel.measure.stance import EagerStance
-
-    for order in ("nested", "crossed"):
-        first, second = EagerStance().__enter__(), EagerStance().__enter__()
-        assert frames._stance.stance == "force_eager"
-        closing = (second, first) if order == "nested" else (first, second)
-        closing[0].__exit__(None, None, None)
-        assert frames._stance.stance == "force_eager", order
-        closing[1].__exit__(None, None, None)
-        assert frames._stance.stance == "default", order
+        assert int(counters["stats"]["unique_graphs"]) == want_graphs, routed

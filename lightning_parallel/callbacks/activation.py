@@ -16,7 +16,6 @@ from lightning_parallel.parallel.activation_checkpoint import (
     checkpoint_layers,
 )
 from lightning_parallel.parallel.measure.memory import ActivationMemory
-from lightning_parallel.parallel.measure.stance import EagerStance
 
 
 class ActivationCheckpointing(pl.Callback):
@@ -66,7 +65,6 @@ class ActivationMemoryMonitor(pl.Callback):
         self.bytes: int | None = None
         self._seen = 0
         self._meter: ActivationMemory | None = None
-        self._eager = EagerStance()
         self._hooks: list[RemovableHandle] = []
 
     @override
@@ -77,7 +75,6 @@ class ActivationMemoryMonitor(pl.Callback):
         self._meter = ActivationMemory(exclude=trainer.strategy.model)
         for layer in _layers(pl_module):
             self._hooks.append(layer.register_forward_hook(lambda *_: self._sample()))
-        self._eager = EagerStance().__enter__()  # a dispatch mode: compiled layers run eagerly (measure/stance.py)
         self._meter.__enter__()
 
     def _sample(self) -> None:
@@ -103,7 +100,6 @@ class ActivationMemoryMonitor(pl.Callback):
             return
         meter, self._meter = self._meter, None
         meter.__exit__(None, None, None)
-        self._eager.__exit__(None, None, None)
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

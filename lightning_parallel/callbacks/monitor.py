@@ -17,7 +17,6 @@ from lightning_parallel._compat import tree_leaves
 from lightning_parallel.parallel.measure.comm_volume import CommCounter, CommEvent
 from lightning_parallel.parallel.measure.flops import LocalFlopCounter, matmul_dtype, peak_flops, peak_memory_bytes
 from lightning_parallel.parallel.measure.memory import model_state_bytes
-from lightning_parallel.parallel.measure.stance import EagerStance
 from lightning_parallel.parallel.measure.timeline import (
     TimelineRecorder,
     bubble_fractions,
@@ -101,7 +100,7 @@ class TrainingMonitor(pl.Callback):
         measure, timeline = self._chosen(trainer)
         step = trainer.global_step
         if step == measure:
-            self._modes = [EagerStance(), CommCounter(), LocalFlopCounter()]  # dispatch modes: compile waits
+            self._modes = [CommCounter(), LocalFlopCounter()]
         if step == timeline:
             self._modes.append(TimelineRecorder(_pp_rank(trainer), trainer.strategy.root_device))
         for mode in self._modes:
