@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._C._distributed_c10d import Backend as C10dBackend  # noqa: F401  (its Options carry a timeout)
 from torch.distributed.checkpoint._traverse import set_element  # noqa: F401
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401
@@ -75,6 +74,35 @@ def group_size_of(group: Any) -> int:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group).size()
+
+
+def group_device_types(group: Any = None) -> list[str]:
+    """The device types a process group has a backend for (gloo: ``cpu`` and ``cuda``; NCCL: ``cuda`` only)."""
+    from torch.distributed.distributed_c10d import _device_capability
+
+    return _device_capability(group)
+
+
+def set_group_timeout(group: Any, timeout: Any) -> None:
+    """Set a process group's collective timeout on every backend it has (NCCL, gloo alike), after it was built:
+    generic backend options passed at creation are refused by NCCL's split."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout, group)
+
+
+def group_timeout(group: Any, device_type: str = "cpu") -> Any:
+    """The collective timeout a process group's backend for ``device_type`` applies (what :func:`set_group_timeout`
+    set)."""
+    return group._get_backend(torch.device(device_type)).options._timeout
+
+
+def abort_process_group(group: Any = None) -> None:
+    """Abort a process group's communicators: an NCCL collective waiting for a dead peer then fails instead of hanging
+    until the watchdog's timeout (gloo ignores it: its collectives already fail when a peer's connection closes)."""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    _abort_process_group(group)
 
 
 # ----- Lightning (imported on first use) -----

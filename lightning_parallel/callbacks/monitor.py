@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_parallel._compat import tree_leaves
+from lightning_parallel.parallel.devices import host_all_reduce
 from lightning_parallel.parallel.measure.comm_volume import CommCounter, CommEvent
 from lightning_parallel.parallel.measure.flops import LocalFlopCounter, matmul_dtype, peak_flops, peak_memory_bytes
 from lightning_parallel.parallel.measure.memory import model_state_bytes
@@ -169,8 +170,8 @@ class TrainingMonitor(pl.Callback):
             flops = float(per_sample() if callable(per_sample) else per_sample) * self._step_samples
         else:
             total = torch.tensor(float(local), dtype=torch.float64)
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(total)  # every rank counted its share (its dp batch, tp shards, pp stages)
+            if dist.is_available() and dist.is_initialized():  # every rank counted its share (dp batch, tp, pp)
+                total = host_all_reduce(total)
             flops = float(total)
         self.summary["flops_per_step"] = flops
 

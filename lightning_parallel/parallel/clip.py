@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.parallel.devices import collective_device
+
 # A local gradient and the names of the mesh axes it is split over ((): replicated).
 GradPart = tuple[Tensor, tuple[str, ...]]
 
@@ -35,7 +37,9 @@ def total_norm(
             every rank issues the same collectives in the same order.
     """
     norm_type = float(norm_type)
-    device = parts[0][0].device if parts else torch.device("cpu")
+    # partial norms are reduced where the groups' backend takes tensors (NCCL: this rank's GPU), also when the
+    # gradients are on the host (offloaded) or this rank has none
+    device = collective_device(next(iter(groups.values()))) if groups else torch.device("cpu")
     partial: dict[tuple[str, ...], Tensor] = defaultdict(lambda: torch.zeros((), device=device))
     # axes of one rank are left out (a reduction there changes nothing): fewer distinct sets, fewer collectives, and
     # the same on every rank, since group sizes are

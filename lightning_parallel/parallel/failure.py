@@ -19,6 +19,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -108,7 +109,12 @@ class FailureBoard:
         folder = os.environ.get(FAILURE_DIR_ENV)
         board = cls(store, dist.get_rank(), dist.get_world_size(), Path(folder) if folder else None)
         board._store_op(lambda s: s.set(f"{_KEY}pid/{board.rank}", f"{socket.gethostname()}:{os.getpid()}"))
+        board._store_op(lambda s: s.delete_key(f"{_KEY}done/{board.rank}"))
         return board
+
+    def mark_done(self) -> None:
+        """Leave word that this rank ended its work normally: once its process is gone, it is not a failure."""
+        self._store_op(lambda s: s.set(f"{_KEY}done/{self.rank}", "1"))
 
     def _store_op(self, op: Any) -> Any:
         """``op(store)``, or ``None`` when there is no store or it cannot be reached (its host is gone)."""
@@ -155,13 +161,16 @@ class FailureBoard:
             return s.get(key).decode() if s.check([key]) else None
 
         host, found = socket.gethostname(), []
+        known = self.__dict__.setdefault("_locations", {})  # a rank's host and pid never change: read each once
         for rank in range(self.world_size):
-            where = self._store_op(lambda s, r=rank: location(s, r))
+            where = known.get(rank) or self._store_op(lambda s, r=rank: location(s, r))
             if where is None:
                 continue
+            known[rank] = where
             their_host, _, pid = where.rpartition(":")
             if their_host == host and int(pid) != os.getpid() and not process_alive(int(pid)):
-                found.append((rank, int(pid)))
+                if not self._store_op(lambda s, r=rank: s.check([f"{_KEY}done/{r}"])):  # ended its work normally
+                    found.append((rank, int(pid)))
         return found
 
     def explain(self, wait_s: float = 2.0) -> str:
@@ -182,6 +191,69 @@ class FailureBoard:
         if self.store is not None and self._store_op(lambda s: s.check([f"{_KEY}pid/{self.rank}"])) is None:
             return "the rendezvous store cannot be reached: its host (rank 0, or the launcher agent) is gone"
         return "no rank reported an error and none on this host has ended: a rank is stuck or in another collective"
+
+
+def needs_watch(backend: str) -> bool:
+    """Whether a backend needs :class:`FailureWatch`: NCCL does (a collective with a dead peer waits, on the
+    device, until the watchdog's timeout); gloo does not (its collectives fail as soon as the peer's connection
+    closes, and the failing rank's word is read then)."""
+    return "gloo" not in str(backend)
+
+
+class FailureWatch:
+    """A daemon thread that reads the board every ``interval_s`` and, once another rank has reported a failure
+    (or a rank on this host has ended), says so on stderr and aborts this rank's communicators: its pending NCCL
+    collectives then fail at once, naming the cause, instead of hanging until the collective timeout.
+
+    Args:
+        board: the failure board.
+        abort: what aborts this rank's communicators (``_compat.abort_process_group``).
+        interval_s: seconds between two reads of the board.
+    """
+
+    def __init__(self, board: FailureBoard, abort: Any, interval_s: float = 2.0) -> None:
+        self.board, self.abort, self.interval_s = board, abort, interval_s
+        self.cause: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="lightning-parallel-failure-watch")
+
+    def start(self) -> FailureWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval_s + 1.0)
+
+    def check(self) -> str | None:
+        """The cause to abort for, if another rank failed (one read of the board)."""
+        first = self.board.first_failure()
+        if first is not None and first[0] != self.board.rank:
+            return f"rank {first[0]} failed first: {first[1]}"
+        gone = self.board.gone()
+        if gone:
+            ranks = ", ".join(f"rank {r} (pid {p})" for r, p in gone)
+            return f"{ranks} ended without reporting an error (killed by a signal: SIGKILL, the out-of-memory killer?)"
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            cause = self.check()
+            if cause is None:
+                continue
+            self.cause = cause
+            print(
+                f"[rank {self.board.rank}] {cause}: aborting this rank's communicators, so that its pending "
+                "collectives fail instead of waiting for the collective timeout",
+                file=sys.stderr,
+                flush=True,
+            )
+            try:
+                self.abort()
+            except Exception as exc:  # the process group may be gone already (a normal shutdown raced the check)
+                print(f"[rank {self.board.rank}] abort failed: {describe(exc)}", file=sys.stderr, flush=True)
+            return
 
 
 def read_first_failure(folder: Path) -> tuple[int, str] | None:

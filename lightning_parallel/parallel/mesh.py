@@ -46,7 +46,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_parallel._compat import C10dBackend, flatten_mesh
+from lightning_parallel._compat import flatten_mesh, set_group_timeout
 
 PP = "pp"
 DPR = "dpr"  # HSDP's replicas (dp / dp_shard); no "_" in axis names: flattened roles join axes with it
@@ -213,14 +213,10 @@ class ParallelDims:
     def build_mesh(self, device_type: str, timeout: timedelta | None = None) -> ParallelMesh:
         """The mesh over the default process group; size-1 axes are kept so code can always name them.
         ``timeout`` bounds the axis groups' collectives (torch gives new groups its 30-minute default, not the
-        world's timeout)."""
-        override = None
-        if timeout is not None:
-            override = {axis: C10dBackend.Options("", timeout) for axis in MESH_AXES}
+        world's timeout). It is set on each group once built, on every backend it has: backend options passed at
+        creation are per backend (NCCL's split refuses generic ones), a timeout set afterwards is not."""
         shape = tuple(self.degrees.values())
-        return ParallelMesh(
-            self, init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES, backend_override=override)
-        )
+        return ParallelMesh(self, init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES), timeout=timeout)
 
     def __str__(self) -> str:
         shown = {PP: self.pp, DP: self.dp, TP: self.tp} | ({EP: self.ep} if self.ep > 1 else {})
@@ -237,10 +233,17 @@ class ParallelMesh:
         device_mesh: torch's mesh with one named dimension per axis of :data:`MESH_AXES`.
     """
 
-    def __init__(self, dims: ParallelDims, device_mesh: DeviceMesh) -> None:
+    def __init__(self, dims: ParallelDims, device_mesh: DeviceMesh, timeout: timedelta | None = None) -> None:
         self.dims = dims
         self.device_mesh = device_mesh
+        self.timeout = timeout
         self._flat: dict[str, DeviceMesh] = {}
+        for axis in MESH_AXES:
+            self._set_timeout(device_mesh.get_group(axis))
+
+    def _set_timeout(self, group: dist.ProcessGroup) -> None:
+        if self.timeout is not None:
+            set_group_timeout(group, self.timeout)
 
     def __getitem__(self, name: str) -> DeviceMesh:
         """The 1-D mesh of a role (``"batch"``, ``"shard"``, ...) or of an axis (``"pp"``, ``"dp"``, ``"tp"``)."""
@@ -250,6 +253,7 @@ class ParallelMesh:
         flat = "_".join(axes)
         if flat not in self._flat:
             self._flat[flat] = flatten_mesh(self.device_mesh[axes], flat)
+            self._set_timeout(self._flat[flat].get_group())
         return self._flat[flat]
 
     def role_axes(self, name: str) -> tuple[str, ...]:

@@ -20,9 +20,11 @@ from lightning_parallel import _compat
 from lightning_parallel.parallel.data.stages import make_sharding
 from lightning_parallel.parallel.failure import (
     FailureBoard,
+    FailureWatch,
     annotate,
     end_children,
     is_collective_failure,
+    needs_watch,
     report_now,
 )
 from lightning_parallel.parallel.shutdown import release_at_exit
@@ -152,3 +154,13 @@ class DistributedMixin:
             self._mesh = dims.build_mesh(self.root_device.type, timeout=mesh_timeout)
             self._sharding = make_sharding(self.config, self._mesh, setting=self._setting())
         self._failures = FailureBoard.for_process_group()
+        if needs_watch(backend):  # NCCL: a dead peer is named and this rank's collectives fail, not hang
+            self._failure_watch = FailureWatch(self._failures, _compat.abort_process_group).start()
+
+    def end_failure_watch(self) -> None:
+        """This rank's work ended normally (teardown): stop watching, and say so on the board."""
+        watch = self.__dict__.pop("_failure_watch", None)
+        if watch is not None:
+            watch.stop()
+        if self._failures is not None:
+            self._failures.mark_done()

@@ -73,7 +73,7 @@ class ServerClient:
         """Every server's state once the updates a pull of ``step`` would see are applied."""
         for sock in self.socks:
             p.send(sock, p.SNAPSHOT, {"step": step})
-        return [p.from_blob(p.expect(sock, p.STATE)[1]) for sock in self.socks]
+        return [p.from_blob(p.expect(sock, p.STATE)[1], map_location="cpu") for sock in self.socks]
 
     def finish(self) -> None:
         """No more pushes, and no more collectives with the other workers."""

@@ -90,7 +90,7 @@ class FlatLayout:
         """The gradients in flat order (zeros where a parameter got none)."""
         return torch.cat(
             [
-                (p.grad.detach().reshape(-1).float() if p.grad is not None else torch.zeros(p.numel()))
+                (p.grad.detach().reshape(-1).float() if p.grad is not None else torch.zeros(p.numel(), device=p.device))
                 for p in self.params
             ]
         )

@@ -74,9 +74,9 @@ def is_server(rank: int, world_size: int, num_servers: int) -> bool:
 
 
 def send(sock: socket.socket, kind: int, meta: dict[str, Any] | None = None, payload: Any = b"") -> None:
-    """Send one message; ``payload`` is bytes or a CPU tensor (its raw bytes)."""
+    """Send one message; ``payload`` is bytes or a tensor on any device (its raw bytes, copied to the host)."""
     if isinstance(payload, torch.Tensor):
-        payload = payload.detach().contiguous().view(torch.uint8).numpy()
+        payload = payload.detach().cpu().contiguous().view(torch.uint8).numpy()
     data = json.dumps(meta or {}).encode()
     view = memoryview(payload).cast("B")
     sock.sendall(_HEADER.pack(kind, len(data), view.nbytes) + data)
@@ -131,8 +131,8 @@ def to_blob(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def from_blob(payload: bytearray) -> Any:
-    return torch.load(io.BytesIO(bytes(payload)), weights_only=False)
+def from_blob(payload: bytearray, map_location: Any = None) -> Any:
+    return torch.load(io.BytesIO(bytes(payload)), map_location=map_location, weights_only=False)
 
 
 def publish_address(store: Any, server: int, host: str, port: int) -> None:

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_parallel.parallel.async_ps import protocol as p
 from lightning_parallel.parallel.async_ps.layout import FlatLayout, shard_optimizer
+from lightning_parallel.parallel.devices import host_all_reduce
 
 
 @dataclass
@@ -88,6 +88,7 @@ class ParameterServer:
         self.layout, self.server, self.staleness, self.clip = layout, server, staleness, clip
         self.server_group = server_group
         self.optimizer, self.pieces = shard_optimizer(optimizer, layout, server)
+        self.device = self.pieces[0].device  # where the shard and its optimizer live (pushes arrive on the host)
         self.start, self.end = layout.server_range(server)
         self.bounds = [(lo - self.start, hi - self.start) for _, lo, hi in layout.pieces(server)]
         self.workers = {rank: _Worker() for rank in worker_ranks}
@@ -157,7 +158,7 @@ class ParameterServer:
                     worker = int(meta["worker"])
                     self._hello(worker, int(meta["step"]))
                 elif kind == p.PUSH:
-                    self._push(worker, meta, p.as_tensor(payload).clone())
+                    self._push(worker, meta, p.as_tensor(payload).to(self.device, copy=True))
                 elif kind == p.PULL:
                     updates, flat = self._pull(int(meta["step"]))
                     p.send(conn, p.PARAMS, {"updates": updates}, flat)
@@ -257,7 +258,7 @@ class ParameterServer:
         """The 2-norm of the whole update's gradient (every server holds a slice of it)."""
         squares = grad.double().pow(2).sum()
         if self.server_group is not None:
-            dist.all_reduce(squares, group=self.server_group)
+            squares = host_all_reduce(squares, group=self.server_group)
         return math.sqrt(float(squares))
 
     # ----- pulls, snapshots -----

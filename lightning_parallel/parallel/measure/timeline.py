@@ -6,8 +6,10 @@ gradient (``W``) of a microbatch, and the schedule's waits for sends and receive
 recorded, and nothing costs, when no recorder is active.
 
 Times are wall-clock (``time.time``), so ranks on one machine share a clock; across machines they are as
-close as the machines' clocks. On CUDA the device is synchronized around each recorded action (while
-recording only), so a box spans the kernels, not their launch.
+close as the machines' clocks. On CUDA a box spans the kernels, not their launch: each action is bracketed by
+CUDA events on the current stream, turned into wall-clock times once the recording ends (one synchronization
+then, none per action, so the recorded step runs as an unrecorded one would); a ``wait`` box is then how long the
+compute stream stood waiting for a transfer.
 """
 
 from __future__ import annotations
@@ -68,15 +70,22 @@ class TimelineRecorder:
 
     def __init__(self, pp_rank: int, device: torch.device | str = "cpu") -> None:
         self.pp_rank = pp_rank
-        self.sync = torch.device(device).type == "cuda"
+        self.on_cuda = torch.device(device).type == "cuda"
         self.events: list[TimelineEvent] = []
         self._wait = None
+        self._pending: list[tuple[str, int, int, Any, Any, float, float]] = []  # CUDA: times not yet resolved
+        self._origin: tuple[Any, float] | None = None  # CUDA: an event and the wall-clock time it stands for
 
     def __enter__(self) -> TimelineRecorder:
         global _ACTIVE
         if _ACTIVE is not None:
             raise RuntimeError("A TimelineRecorder is already active in this process: record one at a time.")
         _ACTIVE = self
+        if self.on_cuda:  # the device's clock, tied to the host's once: events are timed against this one
+            torch.cuda.synchronize()
+            origin = torch.cuda.Event(enable_timing=True)
+            origin.record()
+            self._origin = (origin, time.time())
         # the schedules wait for their P2P work through this module function: time it while recording
         self._wait = _schedules._wait_batch_p2p
         original = self._wait
@@ -92,20 +101,46 @@ class TimelineRecorder:
         global _ACTIVE
         _schedules._wait_batch_p2p = self._wait
         _ACTIVE = None
+        self.resolve()
+
+    def mark(self) -> Any:
+        """Now, on this recorder's clock: a recorded CUDA event on CUDA, the wall-clock time elsewhere."""
+        if not self.on_cuda:
+            return time.time()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(
+        self, kind: str, stage: int, microbatch: int, start: Any, end: Any, cpu: float = 0.0, cpu_start: float = 0.0
+    ) -> None:
+        """Record one event between two :meth:`mark` results (CUDA: resolved when the recording ends)."""
+        if self.on_cuda:
+            self._pending.append((kind, stage, microbatch, start, end, cpu, cpu_start))
+        else:
+            self.events.append(TimelineEvent(kind, stage, microbatch, start, end, cpu, cpu_start))
+
+    def resolve(self) -> None:
+        """Turn the CUDA events recorded so far into wall-clock times (synchronizes the device once)."""
+        if not self._pending or self._origin is None:
+            return
+        torch.cuda.synchronize()
+        origin, wall = self._origin
+        for kind, stage, microbatch, start, end, cpu, cpu_start in self._pending:
+            begin = wall + origin.elapsed_time(start) / 1e3
+            finish = wall + origin.elapsed_time(end) / 1e3
+            self.events.append(TimelineEvent(kind, stage, microbatch, begin, finish, cpu, cpu_start))
+        self._pending.clear()
 
     @contextmanager
     def action(self, kind: str, stage: int, microbatch: int) -> Iterator[None]:
         """Times the enclosed block as one event."""
-        if self.sync:
-            torch.cuda.synchronize()
-        start, cpu = time.time(), time.thread_time()
+        start, cpu = self.mark(), time.thread_time()
         try:
             yield
         finally:
-            if self.sync:
-                torch.cuda.synchronize()
-            end, cpu_end = time.time(), time.thread_time()
-            self.events.append(TimelineEvent(kind, stage, microbatch, start, end, cpu_end - cpu, cpu))
+            end, cpu_end = self.mark(), time.thread_time()
+            self.add(kind, stage, microbatch, start, end, cpu_end - cpu, cpu)
 
 
 def gather_timelines(recorder: TimelineRecorder, group: dist.ProcessGroup | None = None) -> list[dict] | None:

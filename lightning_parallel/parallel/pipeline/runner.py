@@ -129,6 +129,19 @@ class _Stage(PipelineStage):
         return done
 
 
+def early_receives(schedule: str, group: dist.ProcessGroup | str) -> bool:
+    """Whether a schedule's stages post their receives one microbatch early over ``group`` (a group or a backend
+    name): only on gloo, whose TCP send waits for the receiver's posted receive, and only where one stage runs per
+    rank (each pair of ranks carries activations one way and gradients the other, matched in posting order).
+
+    Never on NCCL: there every message between two ranks runs in issue order on one stream, so a receive queued
+    ahead of a send the peer is waiting for deadlocks (1F1B at pp=2: rank 0 would queue the backward receives of
+    microbatches 0 and 1 before the forward send of microbatch 1 that rank 1 waits in).
+    """
+    backend = group if isinstance(group, str) else dist.get_backend(group)
+    return str(backend) == "gloo" and schedule_spec(schedule).fixed_stages == 1
+
+
 def _signature(args: tuple, kwargs: dict, target: Any) -> tuple:
     def sig(x: Any) -> Any:
         return (tuple(x.shape), x.dtype) if isinstance(x, Tensor) else type(x).__name__
@@ -199,8 +212,7 @@ class Pipeline:
             kw: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
             for stage in stages:
                 stage.on_last_backward = self._last_backward
-                # one stage per rank: each pair of ranks carries only activations one way, gradients the other
-                stage.early_receives = self.microbatches if self.spec.fixed_stages == 1 else 0
+                stage.early_receives = self.microbatches if early_receives(self.spec.name, self.group) else 0
             sched = self.spec.build(stages, self.microbatches, **kw)
             self._schedules[key] = sched
             self._stages[key] = stages

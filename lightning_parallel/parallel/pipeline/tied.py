@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel._compat import local_tensor as _local
+from lightning_parallel.parallel.devices import collective_device
 from lightning_parallel.parallel.dtensor import like, placed_like
 
 
@@ -25,6 +26,11 @@ class TiedGradients:
         self.tie_groups = tie_groups
         self._shapes: list[tuple[torch.Size, torch.dtype]] | None = None
         self._counted_elsewhere: set[int] = set()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the pp all-reduce of a tied gradient runs."""
+        return collective_device(self.group)
 
     def _members(self, names: list[str]) -> list[nn.Parameter]:
         params = dict(self.root.named_parameters(remove_duplicate=False))
@@ -69,15 +75,16 @@ class TiedGradients:
         assert self._shapes is not None
         for names, (shape, dtype) in zip(self.tie_groups, self._shapes):
             members = self._members(names)
-            device = _local(members[0]).device if members else torch.device("cpu")
-            total = torch.zeros(shape, dtype=dtype, device=device)
+            # on the device the pp group's backend serves (NCCL: this rank's GPU), whether this rank holds a copy or
+            # not (a middle stage at pp >= 3) and wherever its copies' gradients are (offloaded to the host)
+            total = torch.zeros(shape, dtype=dtype, device=self.device)
             for p in members:
                 if p.grad is not None:
-                    total += _local(placed_like(p, p.grad))
+                    total += _local(placed_like(p, p.grad)).to(self.device)
             dist.all_reduce(total, group=self.group)
             for p in members:
                 grad = p.grad
                 if grad is None or (isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements)):
-                    p.grad = like(p, total.clone())
+                    p.grad = like(p, total.to(_local(p).device, copy=True))
                 else:
                     _local(grad).copy_(total)  # in place: the gradient may be a view into a flat buffer
