@@ -2,9 +2,11 @@
 
 Attention (tests/workers/context_worker.py, world 2 and 4): ring and Ulysses attention on each rank's two mirrored
 chunks give the rows and the q, k, v gradients of ``scaled_dot_product_attention(is_causal=True)`` on the whole
-sequence; the ring sends exactly the bytes of ``ring_bytes``. Training (tests/workers/gpt_worker.py): fp32, 10 AdamW
-steps, plain / clipped / accumulated, the tiny GPT (sequence 16: 2 x cp chunks of 4 at cp=2, of 2 at cp=4); losses
-within 1e-5 relative and parameters within 1e-5 of the single-process run.
+sequence; the ring sends exactly the bytes of ``ring_bytes`` (its block kernels: tests/test_ring_kernels.py, its
+overlap: tests/test_ring_overlap.py, its 16-bit wire: tests/test_ring_precision.py). Training
+(tests/workers/gpt_worker.py): fp32, 10 AdamW steps, plain / clipped / accumulated, the tiny GPT (sequence 16:
+2 x cp chunks of 4 at cp=2, of 2 at cp=4); losses within 1e-5 relative and parameters within 1e-5 of the
+single-process run.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ ATTENTION_CASES = [
     {"name": "ring", "mode": "ring", "seq_len": 16},
     {"name": "ring-long", "mode": "ring", "seq_len": 24, "batch": 1, "heads": 2, "head_dim": 16},
     {"name": "ring-fp64", "mode": "ring", "seq_len": 16, "dtype": "float64"},
+    {"name": "ring-math", "mode": "ring", "seq_len": 16, "kernel": "math"},  # the twin other devices run
     {"name": "ulysses", "mode": "ulysses", "seq_len": 16},
 ]
 
@@ -270,23 +273,3 @@ def test_mixed_precision_matches_one_process(tmp_path_factory):
             if case["precision"] == "16-mixed":
                 for rank in range(2):
                     assert batch[label].case(name, rank)["scales"] == batch["single"].case(name)["scales"]
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_ring_blocks_unfused_math_equals_the_fused_cpu_kernel(causal, monkeypatch):
-    """The ring's block kernels: torch's fused CPU flash attention, and the unfused math other devices run, give
-    the same outputs, log-sum-exps and gradients as autograd through scaled_dot_product_attention."""
-    from lightning_parallel.parallel.context import ring
-
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 8, 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    dout = torch.randn(2, 3, 8, 4, generator=gen, dtype=torch.float64)
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
-    for fused in (True, False):
-        monkeypatch.setattr(ring, "_fused", lambda _, fused=fused: fused)
-        out, lse = ring._attend(q.detach(), k.detach(), v.detach(), causal, 0.3)
-        grads = ring._attend_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, causal, 0.3)
-        torch.testing.assert_close(out, ref.detach(), rtol=1e-10, atol=1e-10)
-        for got, want in zip(grads, ref_grads):
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

@@ -1,8 +1,10 @@
 """Context parallelism (the ``cp`` axis): each sample's sequence split over cp ranks. Pure torch.
 
 ``split.py`` the load-balanced split (two mirrored chunks per rank) and its inverse, ``ring.py`` exact causal ring
-attention (keys and values around the ring, online-softmax merge), ``ulysses.py`` the all-to-all mode (heads split
-over cp for the attention), ``apply.py`` a model's attention and positions switched over, the batch split.
+attention (keys and values around the ring, exchanges overlapped with compute, online-softmax merge), ``kernels.py``
+its block kernels (fused CPU / CUDA flash or memory-efficient, picked by device, and their unfused twin),
+``ulysses.py`` the all-to-all mode (heads split over cp for the attention), ``apply.py`` a model's attention and
+positions switched over, the batch split.
 """
 
 from lightning_parallel.parallel.context.apply import (

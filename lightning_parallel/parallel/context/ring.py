@@ -4,15 +4,21 @@ Each rank holds the queries, keys and values of its two chunks (:mod:`.split`). 
 cp ring (rank r sends to r + 1, receives from r - 1) while every rank attends its queries to the block it holds and
 merges the blocks' results with their log-sum-exps (the online softmax of flash attention): after cp steps each
 query has seen every key before it, and the output equals one process's. The split makes every block either causal
-(a rank's own) or half visible without a mask (:func:`_visible`), so no fully masked scores are computed, and on CPU
-each block runs torch's fused flash kernel, which returns the log-sum-exp the merge needs.
+(a rank's own) or half visible without a mask (:func:`_visible`), so no fully masked scores are computed. Each block
+runs the fused kernel of its device that returns the log-sum-exp (:mod:`.kernels`: CPU flash, CUDA flash or
+memory-efficient in bf16/fp16, the unfused math elsewhere); the merge accumulates in fp32 (or wider), in place.
 
-Backward runs the ring again: the keys and values travel with accumulators of their gradients, each rank adds the
-part its queries contribute, and a last hop returns every accumulator to the rank that owns those keys. Bytes sent
-per rank and layer (``ring_bytes``): forward (cp - 1) x (K + V), backward (cp - 1) x (K + V) + cp x (dK + dV).
+Communication overlaps computation on every backend: the next hop's exchange (:class:`RingHop`, an async
+``batch_isend_irecv``) is posted before the current block is computed and waited for only when its tensors are
+needed. Backward runs the ring again: keys and values travel ahead the same way, and with them accumulators of their
+gradients, which each rank adds its part to and sends on at once (in flight during the next block's compute); a last
+hop returns every accumulator to the rank that owns those keys. Everything travels in the input dtype (the
+accumulators: ``grad_dtype``, default the input's; fp32 runs are exact either way, and bf16 accumulators are rounded
+once per rank they pass: see ``ring_attention``). Bytes sent per rank and layer (``ring_bytes``): forward
+(cp - 1) x (K + V), backward (cp - 1) x (K + V) + cp x (dK + dV).
 
-torch's ``context_parallel`` (``torch.distributed.tensor.experimental``) dispatches only the flash, efficient and
-cuDNN attention kernels: on CPU scaled_dot_product_attention runs its own kernel, so this module is used there.
+torch's ``context_parallel`` (``torch.distributed.tensor.experimental``) works on DTensor-dispatched SDPA and has no
+CPU kernel; this module takes the same approach (zigzag split, LSE merge, rotating K/V and dK/dV) on plain tensors.
 """
 
 from __future__ import annotations
@@ -21,72 +27,41 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
+
+from lightning_parallel.parallel.context.kernels import (  # noqa: F401  (block_* re-exported for the GPU check)
+    block_attention,
+    block_attention_backward,
+    compute_dtype,
+    kernel_for,
+)
 
 # bytes each rank sent, by direction ("forward", "backward"): the comm-volume test reads it
 SENT: dict[str, int] = {"forward": 0, "backward": 0}
+KV_TAG, GRAD_TAG = 0, 2  # gloo matches sends to receives by tag: keys/values and accumulators never cross
 
 
-def _exchange(send: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """Send ``send`` to the next rank of the ring, receive the previous rank's (same shape)."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    recv = torch.empty_like(send)
-    ops = [
-        dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % size), group),
-        dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - 1) % size), group),
-    ]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return recv
+class RingHop:
+    """One exchange around the ring, posted at once and in flight until :meth:`wait`: ``tensors`` leave for the next
+    rank, tensors like them arrive from the previous one (one ``batch_isend_irecv``, tags ``tag``, ``tag + 1``...).
+    The sent tensors must not change until then (they may be read)."""
 
+    def __init__(self, tensors: list[Tensor], group: dist.ProcessGroup, direction: str, tag: int) -> None:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        after, before = (dist.get_global_rank(group, (rank + d) % size) for d in (1, -1))
+        self.sent = [t.contiguous() for t in tensors]
+        self.received = [torch.empty_like(t) for t in self.sent]
+        ops = [dist.P2POp(dist.isend, t, after, group, tag + i) for i, t in enumerate(self.sent)]
+        ops += [dist.P2POp(dist.irecv, t, before, group, tag + i) for i, t in enumerate(self.received)]
+        self._works = dist.batch_isend_irecv(ops)
+        SENT[direction] += sum(t.numel() * t.element_size() for t in self.sent)
 
-def _acc(t: Tensor) -> torch.dtype:
-    """The dtype blocks are computed and merged in: fp32, or the input's when wider."""
-    return torch.promote_types(t.dtype, torch.float32)
-
-
-def _fused(q: Tensor) -> bool:
-    return q.device.type == "cpu"
-
-
-def _causal(tq: int, tk: int, device: torch.device) -> Tensor:
-    return torch.ones(tq, tk, dtype=torch.bool, device=device).tril()
-
-
-def _attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """One block's output and log-sum-exp (B, H, Tq): causal (a rank's own two chunks, in position order) or with
-    every key visible. On CPU torch's fused flash kernel, which returns the log-sum-exp; elsewhere the same math
-    unfused (the GPU kernels' log-sum-exp outputs differ by backend)."""
-    if _fused(q):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if causal:
-        scores = scores.masked_fill(~_causal(q.shape[-2], k.shape[-2], q.device), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
-
-
-def _attend_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of one block, given the merged output and log-sum-exp of its query rows (flash attention's
-    backward: probabilities exp(s - lse) and rowsum(dO * O) of the whole row, so blocks add up exactly)."""
-    if _fused(q):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
-        )
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if causal:
-        scores = scores.masked_fill(~_causal(q.shape[-2], k.shape[-2], q.device), float("-inf"))
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    delta = (dout * out).sum(-1, keepdim=True)
-    dscores = probs * (torch.matmul(dout, v.transpose(-2, -1)) - delta) * scale
-    return (
-        torch.matmul(dscores, k),
-        torch.matmul(dscores.transpose(-2, -1), q),
-        torch.matmul(probs.transpose(-2, -1), dout),
-    )
+    def wait(self) -> list[Tensor]:
+        """The previous rank's tensors (on CUDA: the current stream waits for them, the host does not)."""
+        for work in self._works:
+            work.wait()
+        return self.received
 
 
 def _visible(rank: int, source: int, half: int) -> tuple[slice, slice]:
@@ -99,92 +74,111 @@ def _visible(rank: int, source: int, half: int) -> tuple[slice, slice]:
     return (everything, slice(0, half)) if source < rank else (slice(half, None), everything)
 
 
-def _merge(out: Tensor, lse: Tensor, rows: slice, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Online-softmax merge of a block's result into ``rows`` of the running output and log-sum-exp."""
+def _merge(out: Tensor, lse: Tensor, rows: slice, block_out: Tensor, block_lse: Tensor) -> None:
+    """Online-softmax merge of a block's result into ``rows`` of the running output and log-sum-exp, in place (the
+    sigmoid form of torch's context parallel: the block's share of the merged softmax is sigmoid(lse_b - lse))."""
     old_out, old_lse = out[..., rows, :], lse[..., rows]
-    merged = torch.logaddexp(old_lse, block_lse)
-    new = old_out * torch.exp(old_lse - merged).unsqueeze(-1) + block_out * torch.exp(block_lse - merged).unsqueeze(-1)
-    out, lse = out.clone(), lse.clone()
-    out[..., rows, :], lse[..., rows] = new, merged
+    share = torch.sigmoid(block_lse - old_lse)
+    old_out.lerp_(block_out.to(out.dtype), share.unsqueeze(-1))
+    old_lse.sub_(F.logsigmoid(old_lse - block_lse))  # log(e^a + e^b) = a - log(sigmoid(a - b))
+
+
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, scale: float, kernel: str):
+    """This rank's merged output and log-sum-exp, (B, H, T/cp, D) and (B, H, T/cp), in fp32 (or wider)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    acc, half = torch.promote_types(q.dtype, torch.float32), q.shape[-2] // 2
+    k, v = k.contiguous(), v.contiguous()  # once, for the first hop and the first block
+    hop = RingHop([k, v], group, "forward", KV_TAG) if cp > 1 else None
+    out, lse = block_attention(q, k, v, True, scale, kernel)  # own block first: causal over our two chunks
+    out, lse = out.to(acc), lse.to(acc).contiguous()
+    for step in range(1, cp):
+        kb, vb = hop.wait()
+        hop = RingHop([kb, vb], group, "forward", KV_TAG) if step < cp - 1 else None  # passed on as we compute
+        rows, keys = _visible(rank, (rank - step) % cp, half)
+        block = block_attention(q[..., rows, :], kb[..., keys, :], vb[..., keys, :], False, scale, kernel)
+        _merge(out, lse, rows, *block)
     return out, lse
+
+
+def _ring_backward(dout: Tensor, q, k, v, out, lse, group: dist.ProcessGroup, scale: float, kernel: str, wire):
+    """dq, dk, dv of this rank's q, k, v; the dK/dV accumulators travel in ``wire``."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    half, k, v = q.shape[-2] // 2, k.contiguous(), v.contiguous()
+    kv_hop = RingHop([k, v], group, "backward", KV_TAG) if cp > 1 else None
+    dq, dk, dv = block_attention_backward(dout, q, k, v, out, lse, True, scale, kernel)
+    dq = dq.to(torch.promote_types(q.dtype, torch.float32))
+    grads = [dk.to(wire), dv.to(wire)]  # the accumulators of our keys' and values' gradients
+    grad_hop = RingHop(grads, group, "backward", GRAD_TAG) if cp > 1 else None
+    for step in range(1, cp):
+        kb, vb = kv_hop.wait()
+        kv_hop = RingHop([kb, vb], group, "backward", KV_TAG) if step < cp - 1 else None
+        rows, keys = _visible(rank, (rank - step) % cp, half)
+        part = (dout[..., rows, :], q[..., rows, :], kb[..., keys, :], vb[..., keys, :], out[..., rows, :])
+        dq_b, dk_b, dv_b = block_attention_backward(*part, lse[..., rows], False, scale, kernel)
+        dq[..., rows, :] += dq_b
+        grads = grad_hop.wait()  # the accumulators of source (rank - step)'s keys: the ranks before us added theirs
+        grads[0][..., keys, :] += dk_b  # in the accumulator's dtype: one rounding per rank for 16-bit ones
+        grads[1][..., keys, :] += dv_b
+        grad_hop = RingHop(grads, group, "backward", GRAD_TAG)  # sent on at once, in flight during the next block
+    if grad_hop is not None:
+        grads = grad_hop.wait()  # the last hop took every accumulator home: ours now holds every rank's part
+    return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, scale: float) -> Tensor:
-        # the blocks are merged in fp32 whatever autocast would pick for the matmuls (the inputs are cast here)
+    def forward(ctx, q, k, v, group: dist.ProcessGroup, scale: float, kernel: str | None, grad_dtype):
+        kernel = kernel or kernel_for(q, k, v)  # one kernel for every block, forward and backward
+        # the blocks merge in fp32 or wider whatever autocast would pick (the kernels get the input dtype)
         with torch.autocast(q.device.type, enabled=False):
-            return _RingAttention._forward(ctx, q, k, v, group, scale)
-
-    @staticmethod
-    def _forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, scale: float) -> Tensor:
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        acc, half = _acc(q), q.shape[-2] // 2
-        qa = q.to(acc)
-        kv = torch.stack([k, v]).contiguous()
-        out, lse = _attend(qa, k.to(acc), v.to(acc), True, scale)  # own block first: causal over our two chunks
-        out, lse = out.to(acc), lse.to(acc)
-        for step in range(1, cp):
-            kv = _exchange(kv, group)
-            SENT["forward"] += kv.numel() * kv.element_size()
-            rows, keys = _visible(rank, (rank - step) % cp, half)
-            kb, vb = (t[..., keys, :].to(acc).contiguous() for t in kv)
-            block_out, block_lse = _attend(qa[..., rows, :].contiguous(), kb, vb, False, scale)
-            out, lse = _merge(out, lse, rows, block_out.to(acc), block_lse.to(acc))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale = group, scale
-        return out.to(q.dtype)
+            merged, lse = _ring_forward(q, k, v, group, scale, kernel)
+        out = merged.to(q.dtype)
+        # the backward kernels take the merged output in their compute dtype: the returned one on CUDA
+        dtype = compute_dtype(kernel, q.dtype)
+        ctx.save_for_backward(q, k, v, out if dtype == q.dtype else merged.to(dtype), lse)
+        ctx.group, ctx.scale, ctx.kernel, ctx.wire = group, scale, kernel, grad_dtype or k.dtype
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        with torch.autocast(grad_out.device.type, enabled=False):
-            return _RingAttention._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx, grad_out: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        acc, half = _acc(q), q.shape[-2] // 2
-        qa, dout = q.to(acc), grad_out.to(acc).contiguous()
-        dq, dk, dv = _attend_backward(dout, qa, k.to(acc), v.to(acc), out, lse, True, scale)
-        # keys, values and their gradient accumulators travel together: (k, v, dk, dv)
-        travelling = torch.stack([k.to(acc), v.to(acc), dk, dv])
-        for step in range(1, cp):
-            travelling = _exchange(travelling, group)
-            SENT["backward"] += travelling.numel() * travelling.element_size()
-            rows, keys = _visible(rank, (rank - step) % cp, half)
-            kb, vb = (t[..., keys, :].contiguous() for t in travelling[:2])
-            part = (dout[..., rows, :].contiguous(), qa[..., rows, :].contiguous(), kb, vb)
-            dq_b, dk_b, dv_b = _attend_backward(
-                *part, out[..., rows, :].contiguous(), lse[..., rows].contiguous(), False, scale
-            )
-            dq[..., rows, :] += dq_b
-            travelling[2][..., keys, :] += dk_b
-            travelling[3][..., keys, :] += dv_b
-        # the accumulators now hold every rank's part: one hop takes them home (the keys themselves stay)
-        grads = travelling[2:].contiguous()
-        if cp > 1:
-            grads = _exchange(grads, group)
-            SENT["backward"] += grads.numel() * grads.element_size()
-        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            grads = _ring_backward(grad_out, q, k, v, out, lse, ctx.group, ctx.scale, ctx.kernel, ctx.wire)
+        return *grads, None, None, None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, scale: float | None = None) -> Tensor:
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    scale: float | None = None,
+    kernel: str | None = None,
+    grad_dtype: torch.dtype | None = None,
+) -> Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys and values.
 
     Args:
         q, k, v: (B, H, T / cp, D), this rank's two chunks of the sequence (:func:`.split.shard_sequence`).
         group: the context-parallel ranks, in the order the sequence was split.
         scale: the score scale (default 1 / sqrt(D), as ``scaled_dot_product_attention``).
+        kernel: the block kernel (:data:`.kernels.KERNELS`); None picks by device (:func:`.kernels.kernel_for`).
+        grad_dtype: the dtype the dK/dV accumulators travel in (default: the input's). fp32 and wider inputs are
+            exact either way; a 16-bit accumulator is rounded once per rank it passes (cp roundings of partial sums
+            instead of one: at cp=4 in bf16, dV 0.77% of its largest value off fp64 where one process is 0.44%
+            off, tests/test_ring_precision.py); ``torch.float32`` doubles those bytes and rounds once.
 
     Returns:
         (B, H, T / cp, D): this rank's rows of the output of causal attention over the whole sequence.
     """
-    return _RingAttention.apply(q, k, v, group, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _RingAttention.apply(q, k, v, group, scale, kernel, grad_dtype)
 
 
-def ring_bytes(local_kv_bytes: int, cp: int) -> dict[str, int]:
-    """Bytes one rank sends per attention layer and step, ``local_kv_bytes`` its K plus V (backward counts them at
-    fp32 or wider): forward (cp - 1) hops of K and V; backward (cp - 1) hops of K, V, dK and dV, one of dK and dV."""
-    return {"forward": (cp - 1) * local_kv_bytes, "backward": (2 * cp - 1) * local_kv_bytes}
+def ring_bytes(local_kv_bytes: int, cp: int, grad_kv_bytes: int | None = None) -> dict[str, int]:
+    """Bytes one rank sends per attention layer and step, ``local_kv_bytes`` its K plus V in the input dtype and
+    ``grad_kv_bytes`` their gradient accumulators (default: as many, the accumulators in the input dtype): forward
+    (cp - 1) hops of K and V; backward (cp - 1) hops of K and V, cp of the accumulators (none at cp=1)."""
+    grad_kv_bytes = local_kv_bytes if grad_kv_bytes is None else grad_kv_bytes
+    grad_hops = cp if cp > 1 else 0
+    return {"forward": (cp - 1) * local_kv_bytes, "backward": (cp - 1) * local_kv_bytes + grad_hops * grad_kv_bytes}
