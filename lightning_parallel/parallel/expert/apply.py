@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_parallel.parallel.devices import host_all_reduce
 from lightning_parallel.parallel.expert.moe import GroupedExperts, moe_layers
 
 EXPERT_AXIS = "ep"
@@ -60,7 +61,7 @@ def require_moe_layers(found: int, ep: int, model_name: str) -> None:
     :func:`check_expert_layout` could not see before launch (a model built partly in ``configure_model``)."""
     total = torch.tensor([found])
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(total)
+        total = host_all_reduce(total)  # a host count at setup: through the device an NCCL world serves
     if int(total.item()) == 0:
         raise ValueError(
             f"ep={ep} splits the experts of MoE layers, and {model_name} has none: use lightning_parallel.MoE "

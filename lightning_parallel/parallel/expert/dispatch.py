@@ -5,6 +5,9 @@ Every (token, choice) pair the router kept is sorted by expert; with expert para
 rank r go to rank r with one ``all_to_all_single`` (uneven splits: the per-expert counts are exchanged first), are
 grouped there by local expert for one grouped matmul, and come back the same way. The all-to-all's backward is the
 all-to-all with the splits swapped, so each expert's gradient sums the contributions of every rank's tokens.
+
+Host syncs: none without expert parallelism (dropless; a capacity mask's kept count is read once); with it, one
+copy of the counts per layer and forward, for the split sizes ``all_to_all_single`` takes as host ints.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-Compute = Callable[[Tensor, Tensor], Tensor]  # (rows grouped by local expert, rows per local expert) -> outputs
+# (rows grouped by local expert, rows per local expert, the largest of those counts as a host int) -> outputs
+Compute = Callable[[Tensor, Tensor, int], Tensor]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -51,38 +55,53 @@ class Routed:
     expert: Tensor  # (M,) its expert, ascending
 
 
-def sort_by_expert(expert_ids: Tensor, weights: Tensor, keep: Tensor) -> Routed:
-    """``expert_ids``, ``weights``, ``keep``: (N, k). Pairs in expert order, tokens in order within an expert."""
+def sort_by_expert(expert_ids: Tensor, weights: Tensor, keep: Tensor | None) -> Routed:
+    """``expert_ids``, ``weights``, ``keep``: (N, k). Pairs in expert order, tokens in order within an expert.
+    ``keep`` None (dropless) keeps every pair and costs no host sync; a mask's kept count is read on the host."""
     k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)
-    kept = keep.reshape(-1).nonzero().squeeze(1)
-    order = torch.argsort(flat_ids[kept], stable=True)
-    pairs = kept[order]
+    if keep is None:
+        pairs = torch.argsort(flat_ids, stable=True)
+    else:
+        kept = keep.reshape(-1).nonzero().squeeze(1)
+        pairs = kept[torch.argsort(flat_ids[kept], stable=True)]
     return Routed(pairs // k, weights.reshape(-1)[pairs], flat_ids[pairs])
 
 
-def grouped_by_local_expert(recv_counts: Tensor) -> tuple[Tensor, Tensor]:
+def count_per_expert(sorted_experts: Tensor, num_experts: int) -> Tensor:
+    """(E,) rows per expert of ascending expert ids, on their device (``bincount`` would read its size on the host
+    on CUDA)."""
+    experts = torch.arange(num_experts, device=sorted_experts.device, dtype=sorted_experts.dtype)
+    ends = torch.searchsorted(sorted_experts, experts, right=True)
+    return torch.diff(ends, prepend=ends.new_zeros(1))
+
+
+def grouped_by_local_expert(recv_counts: Tensor, total: int | None = None) -> tuple[Tensor, Tensor]:
     """Rows received from P ranks, each block in local-expert order (``recv_counts``: (P, E_local)): the
-    permutation that groups them by local expert (sources in rank order within an expert), and the counts."""
+    permutation that groups them by local expert (sources in rank order within an expert), and the counts.
+    ``total`` (the rows received, when known on the host) spares ``repeat_interleave`` a host sync."""
     sources, local_experts = recv_counts.shape
     expert_of_row = torch.arange(local_experts, device=recv_counts.device).repeat(sources)
-    expert_of_row = torch.repeat_interleave(expert_of_row, recv_counts.reshape(-1))
+    expert_of_row = torch.repeat_interleave(expert_of_row, recv_counts.reshape(-1), output_size=total)
     return torch.argsort(expert_of_row, stable=True), recv_counts.sum(0)
 
 
 def exchange(x: Tensor, counts: Tensor, group: dist.ProcessGroup, compute: Compute) -> Tensor:
     """Send the rows of ``x`` (sorted by global expert, ``counts`` per expert) to the ranks holding their experts,
-    run ``compute(rows, local_counts)`` there on rows grouped by local expert, and bring the results back in the
-    order of ``x``."""
+    run ``compute(rows, local_counts, largest_local_count)`` there on rows grouped by local expert, and bring the
+    results back in the order of ``x``."""
     ranks = dist.get_world_size(group)
     local_experts = counts.numel() // ranks
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)  # how many rows of each local expert come from each rank
-    send_splits = counts.view(ranks, local_experts).sum(1).tolist()
-    recv_matrix = recv_counts.view(ranks, local_experts)
-    recv_splits = recv_matrix.sum(1).tolist()
+    # The layer's one device->host copy: all_to_all_single takes its split sizes as host ints. Everything else the
+    # host needs (the rows received, the padded kernel's width) comes from this same copy.
+    sent, got = torch.stack([counts, recv_counts]).tolist()
+    send_splits = [sum(sent[r * local_experts : (r + 1) * local_experts]) for r in range(ranks)]
+    recv_splits = [sum(got[r * local_experts : (r + 1) * local_experts]) for r in range(ranks)]
+    largest = max((sum(got[e::local_experts]) for e in range(local_experts)), default=0)
     received = all_to_all(x, recv_splits, send_splits, group)
-    perm, local_counts = grouped_by_local_expert(recv_matrix)
-    out = compute(received[perm], local_counts)
+    perm, local_counts = grouped_by_local_expert(recv_counts.view(ranks, local_experts), sum(recv_splits))
+    out = compute(received[perm], local_counts, largest)
     back = out[torch.argsort(perm)]
     return all_to_all(back, send_splits, recv_splits, group)

@@ -3,9 +3,10 @@ GShard, Switch Transformer, Mixtral).
 
 - Router: a linear gate computed in fp32 also under autocast (Switch's selective precision: a bf16 router flips
   near-tied choices between layouts), softmax, top-k (k >= 1; the k weights renormalized to sum to 1 when k > 1).
-- Experts: stacked weights (E x d x f, E x f x d) computed as one batched matmul over the experts, each expert's
-  tokens padded to the largest count (no Python loop over experts); ``gelu`` or ``swiglu``; optional shared
-  expert (an FFN every token goes through, DeepSeek-MoE).
+- Experts: stacked weights (E x d x f, E x f x d) computed as one grouped GEMM on CUDA, or as its twin elsewhere,
+  one batched matmul over the experts with each expert's tokens padded to the largest count (no Python loop over
+  experts either way: :mod:`.experts`); ``gelu`` or ``swiglu``; optional shared expert (an FFN every token goes
+  through, DeepSeek-MoE).
 - Dropless by default. With ``capacity_factor`` each *sample* (one sequence) gives each expert at most
   ``ceil(capacity_factor * T * k / E)`` of its T tokens' k choices; first choices before second choices, earlier
   positions first within a choice. A sample's drops depend on that sample only, so they are the same on any
@@ -20,7 +21,13 @@ GShard, Switch Transformer, Mixtral).
   then travel by all-to-all (:mod:`.dispatch`).
 
 ``stats()`` gives tokens per expert, the dropped fraction and the auxiliary losses of the training forwards (with
-gradients) since the last ``reset_stats()``.
+gradients) since the last ``reset_stats()``. They are summed on the layer's device, with no host sync in the
+forward; ``stats()`` reads them on the host, ``totals()`` hands them over on the device (the monitor reduces them
+there).
+
+Host syncs in a forward: none without expert parallelism on the grouped kernel (CUDA's in bf16; dropless: the
+capacity mask's kept count is one), the largest count on the padded one; with expert parallelism one copy of the
+counts, for the all-to-all's split sizes (:mod:`.dispatch`), which also gives the padded kernel its width.
 """
 
 from __future__ import annotations
@@ -32,12 +39,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from lightning_parallel._compat import in_backward
-from lightning_parallel.parallel.dtensor import local
 from lightning_parallel.parallel.expert.aux import AttachAuxLoss
-from lightning_parallel.parallel.expert.dispatch import exchange, sort_by_expert
+from lightning_parallel.parallel.expert.dispatch import count_per_expert, exchange, sort_by_expert
+from lightning_parallel.parallel.expert.experts import GroupedExperts, expert_forward
+
+__all__ = ["ACTIVATIONS", "GroupedExperts", "MoE", "check_moe_settings", "expert_forward", "moe_layers"]
 
 ACTIVATIONS = ("gelu", "swiglu")
 
@@ -56,62 +64,6 @@ def check_moe_settings(num_experts: object, top_k: object, capacity_factor: obje
         )
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is unknown: use one of {', '.join(ACTIVATIONS)}.")
-
-
-class GroupedExperts(nn.Module):
-    """E FFNs as stacked weights ``w1`` (E, d, f), ``w2`` (E, f, d) (and ``w3`` (E, d, f) for SwiGLU).
-
-    Under expert parallelism the weights are DTensors sharded on dim 0 and this rank computes its E/ep experts.
-    """
-
-    def __init__(self, num_experts: int, dim: int, hidden: int, activation: str = "gelu") -> None:
-        super().__init__()
-        self.num_experts, self.dim, self.hidden, self.activation = num_experts, dim, hidden, activation
-        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden)) if activation == "swiglu" else None
-        if not self.w1.is_meta:
-            self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(
-        self, generator: torch.Generator | None = None, std: float = 0.02, out_std: float | None = None
-    ) -> None:
-        """N(0, std) inputs, N(0, out_std) outputs (GPT-2's scaled residual init), drawn on the host."""
-        for name, weight in (("w1", self.w1), ("w3", self.w3), ("w2", self.w2)):
-            if weight is None:
-                continue
-            sigma = (out_std if out_std is not None else std) if name == "w2" else std
-            values = torch.randn(weight.shape, generator=generator) * sigma
-            local(weight).copy_(_local_rows(values, weight))
-
-    def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
-        """``rows`` grouped by this rank's experts (``counts`` per expert, in order) through their FFNs. Called as
-        a module (ZeRO-3 gathers the weights in its forward hooks)."""
-        w1, w2 = local(self.w1), local(self.w2)
-        experts = w1.shape[0]
-        which = torch.repeat_interleave(torch.arange(experts, device=rows.device), counts)
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(rows.shape[0], device=rows.device) - starts[which]
-        width = int(counts.max().item()) if counts.numel() else 0  # 0 rows: the weights still get (zero) gradients
-        padded = rows.new_zeros(experts, width, rows.shape[-1]).index_put((which, slot), rows)
-        h = torch.bmm(padded, w1.to(rows.dtype))
-        if self.w3 is not None:
-            h = F.silu(h) * torch.bmm(padded, local(self.w3).to(rows.dtype))
-        else:
-            h = F.gelu(h)
-        out = torch.bmm(h, w2.to(rows.dtype))
-        return out[which, slot]
-
-
-def _local_rows(full: Tensor, param: Tensor) -> Tensor:
-    """The rows of ``full`` (E, ...) this rank holds of ``param`` (all of them unless expert-parallel)."""
-    shard = local(param)
-    if shard.shape[0] == full.shape[0]:
-        return full
-    assert isinstance(param, DTensor)
-    index = param.device_mesh.get_local_rank()
-    return full[index * shard.shape[0] : (index + 1) * shard.shape[0]]
 
 
 class MoE(nn.Module):
@@ -157,21 +109,32 @@ class MoE(nn.Module):
     # ----- statistics -----
 
     def reset_stats(self) -> None:
-        self._tokens = torch.zeros(self.num_experts, dtype=torch.long)
-        self._dropped = 0
-        self._choices = 0
-        self._aux: list[float] = []
-        self._z: list[float] = []
-        self._last_record: tuple[Tensor, int, int] | None = None
+        # (E + 3,) float64 on the layer's device: kept choices per expert, dropped choices, load-balancing loss, z-loss
+        self._sums: Tensor | None = None
+        self._forwards = 0  # training forwards recorded
+        self._choices = 0  # the (token, choice) pairs they routed
+        self._last: tuple[Tensor, int] | None = None
+
+    def totals(self) -> tuple[Tensor, int, int]:
+        """Since the last reset, on the layer's device (no host sync): the (E + 3,) float64 sums over this rank's
+        training forwards of the kept choices per expert, the dropped choices, the load-balancing loss and the
+        z-loss (0 when off); the number of those forwards; the (token, choice) pairs they routed."""
+        if self._sums is None:
+            device = self.router.weight.device
+            return torch.zeros(self.num_experts + 3, dtype=torch.float64, device=device), 0, 0
+        return self._sums.clone(), self._forwards, self._choices
 
     def stats(self) -> dict[str, Any]:
-        """Since the last reset: tokens routed to each expert (kept choices, this rank's tokens), the fraction of
-        choices dropped for capacity, and the mean load-balancing and z-losses."""
+        """Since the last reset, on the host: tokens routed to each expert (kept choices, this rank's tokens), the
+        fraction of choices dropped for capacity, and the mean load-balancing and z-losses."""
+        sums, forwards, choices = self.totals()
+        values = sums.tolist()
+        dropped, aux, z = values[self.num_experts :]
         return {
-            "tokens_per_expert": self._tokens.tolist(),
-            "dropped_fraction": self._dropped / self._choices if self._choices else 0.0,
-            "aux_loss": _mean(self._aux),
-            "z_loss": _mean(self._z),
+            "tokens_per_expert": [int(count) for count in values[: self.num_experts]],
+            "dropped_fraction": dropped / choices if choices else 0.0,
+            "aux_loss": aux / forwards if forwards else 0.0,
+            "z_loss": z / forwards if forwards else 0.0,
         }
 
     # ----- forward -----
@@ -186,9 +149,9 @@ class MoE(nn.Module):
         probs = logits.softmax(-1)
         top_p, top_i = probs.topk(self.top_k, dim=-1)
         weights = top_p / top_p.sum(-1, keepdim=True) if self.top_k > 1 else top_p
-        keep = self._capacity_keep(top_i, samples, per_sample)
+        keep = self._capacity_keep(top_i, samples, per_sample)  # None: dropless
         routed = sort_by_expert(top_i, weights, keep)
-        counts = torch.bincount(routed.expert, minlength=self.num_experts)
+        counts = count_per_expert(routed.expert, self.num_experts)
         rows = tokens[routed.token]
         if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
             out_rows = exchange(rows, counts, self.ep_group, self.experts)
@@ -203,17 +166,17 @@ class MoE(nn.Module):
             out = AttachAuxLoss.apply(out, aux)
         if torch.is_grad_enabled() and not in_backward():
             # training forwards only: not evaluation, a pipeline's shape inference, or a checkpointed layer's recompute
-            self._record(counts, keep, aux)
+            self._record(counts, keep, top_i.numel())
         return out.view(shape)
 
-    def _capacity_keep(self, top_i: Tensor, samples: int, per_sample: int) -> Tensor:
+    def _capacity_keep(self, top_i: Tensor, samples: int, per_sample: int) -> Tensor | None:
         if self.capacity_factor is None:
-            return torch.ones_like(top_i, dtype=torch.bool)
+            return None
         k, experts = self.top_k, self.num_experts
         capacity = math.ceil(self.capacity_factor * per_sample * k / experts)
         # per sample, in priority order: every token's first choice, then every second choice, ...
         order = top_i.view(samples, per_sample, k).transpose(1, 2).reshape(samples, k * per_sample)
-        onehot = F.one_hot(order, experts)
+        onehot = _one_hot(order, experts)
         position = (onehot.cumsum(1) - 1).gather(2, order.unsqueeze(-1)).squeeze(-1)
         keep = position < capacity
         return keep.view(samples, k, per_sample).transpose(1, 2).reshape(-1, k)
@@ -223,7 +186,7 @@ class MoE(nn.Module):
         total = None
         if self.aux_loss_coeff:
             experts, k = self.num_experts, self.top_k
-            chosen = F.one_hot(top_i.view(samples, per_sample * k), experts).sum(1).to(probs.dtype)
+            chosen = _one_hot(top_i.view(samples, per_sample * k), experts).sum(1).to(probs.dtype)
             fraction = chosen / (per_sample * k)
             mean_prob = probs.view(samples, per_sample, experts).mean(1)
             balance = (experts * (fraction * mean_prob).sum(-1)).mean()
@@ -235,30 +198,34 @@ class MoE(nn.Module):
             total = self.z_loss_coeff * z if total is None else total + self.z_loss_coeff * z
         return total
 
-    def _record(self, counts: Tensor, keep: Tensor, aux: Tensor | None) -> None:
-        self._last_record = (counts.detach().cpu(), int((~keep).sum().item()), keep.numel())
-        self._tokens += self._last_record[0]
-        self._dropped += self._last_record[1]
-        self._choices += self._last_record[2]
-        self._aux.append(float(self._last_aux) if self._last_aux is not None else float("nan"))
-        self._z.append(float(self._last_z) if self._last_z is not None else float("nan"))
+    def _record(self, counts: Tensor, keep: Tensor | None, choices: int) -> None:
+        """Add this forward's figures to the sums, on the device (no host sync)."""
+        f64 = torch.float64
+        zero = torch.zeros((), dtype=f64, device=counts.device)
+        dropped = (~keep).sum().to(f64) if keep is not None else zero
+        aux, z = (zero if v is None else v.to(f64) for v in (self._last_aux, self._last_z))
+        row = torch.cat([counts.detach().to(f64), torch.stack([dropped, aux, z])])
+        if self._sums is None:
+            self._sums = torch.zeros_like(row)
+        self._sums = self._sums.to(row.device).add_(row)
+        self._forwards += 1
+        self._choices += choices
+        self._last = (row, choices)
 
     def forget_last(self) -> None:
         """Undo the statistics of the last forward (a pipeline's shape inference on placeholder inputs)."""
-        if self._last_record is None:
+        if self._last is None or self._sums is None:
             return
-        counts, dropped, choices = self._last_record
-        self._tokens -= counts
-        self._dropped -= dropped
+        row, choices = self._last
+        self._sums.sub_(row)
+        self._forwards -= 1
         self._choices -= choices
-        self._aux.pop()
-        self._z.pop()
-        self._last_record = None
+        self._last = None
 
 
-def _mean(values: list[float]) -> float:
-    kept = [v for v in values if v == v]  # nan: the loss is off
-    return sum(kept) / len(kept) if kept else 0.0
+def _one_hot(ids: Tensor, classes: int) -> Tensor:
+    """``F.one_hot(ids, classes)`` without its range checks, which read the ids' min and max on the host off CUDA."""
+    return torch.zeros((*ids.shape, classes), dtype=torch.long, device=ids.device).scatter_(-1, ids.unsqueeze(-1), 1)
 
 
 def moe_layers(module: nn.Module) -> dict[str, MoE]:
