@@ -1,7 +1,7 @@
 """ZeRO 1 and 2 overlapped with compute: gradients reduced bucket by bucket during backward, and the updated
 parameters gathered bucket by bucket after the step, each waited for just before the forward uses it. Pure torch.
 
-A bucket is a contiguous range of one flat group's buffer (:class:`~.flat_zero.FlatGroup`): whole parameters,
+A bucket is a contiguous range of one flat group's buffer (:class:`~.flat_group.FlatGroup`): whole parameters,
 cut in reverse order (backward produces the last layers' gradients first) into runs of about ``bucket_mb``; the
 bucket at the end of the buffer also holds the padding. The flat layout, each rank owning one contiguous range,
 is the one the non-overlapped path and the checkpoints use: nothing about it changes.
@@ -9,19 +9,25 @@ is the one the non-overlapped path and the checkpoints use: nothing about it cha
 - Stage 1: the gradients are views into ``flat_grad``; a complete bucket's range of it is divided by the
   data-parallel size and all-reduced in place (a copy when compressed), as the whole buffer is without overlap.
 - Stage 2: a complete bucket's gradients are added into a fresh buffer of the range and freed at once (ZeRO-2's
-  point); the buffer is divided, and each piece of it that falls in a rank's range is ``reduce``\\ d to that rank:
-  one or two reduces per bucket. Why not the alternatives: a reduce-scatter needs even splits (gloo has no
-  uneven ``reduce_scatter``), and buckets cut at even splits of every rank's range would each hold gradients
-  from both ends of the model, complete only at the end of backward; an all-reduce of the bucket and a local
-  slice would carry twice the bytes. The reduces carry the reduce-scatter's payload; in a pipelined chain every
-  rank but the owner sends each piece once, (w-1)/w of it per rank as in the ring (``ShardGradients.comm_factor``
-  holds; ``comm_volume`` books a reduce at its whole payload per rank, w/(w-1) more).
-- After the step (both stages), each bucket's pieces are ``broadcast`` from their owners, async, first layers
-  first (the non-overlapped path all-gathers the whole buffer). A forward pre-hook on every layer (the units ZeRO-3
-  would make: the repeated blocks, the other top-level children, the root) that holds parameters of a bucket waits
-  for that bucket; ``settle()`` waits for everything still in flight and is called
-  before the next reduction and the step, before checkpoints are written or read, and at the end of fit. The
-  values are copies: bitwise the all-gather's.
+  point); the buffer is divided, and each piece of it that falls in a rank's range is reduced to that rank: one
+  or two pieces per bucket. Why not an even reduce-scatter per bucket: it needs every rank's piece the same
+  size, and buckets cut at even splits of every rank's range would each hold gradients from both ends of the
+  model, complete only at the end of backward (at w ranks all of them within the last 1/w of it); an all-reduce
+  of the bucket and a local slice would carry twice the bytes. The reduces carry the reduce-scatter's payload;
+  in a pipelined chain every rank but the owner sends each piece once, (w-1)/w of it per rank as in the ring
+  (``ShardGradients.comm_factor`` holds; ``comm_volume`` books a reduce at its whole payload per rank, w/(w-1)
+  more).
+- After the step (both stages), each bucket's pieces go out from their owners, async, first layers first (the
+  non-overlapped path all-gathers the whole buffer). A forward pre-hook on every layer (the units ZeRO-3 would
+  make: the repeated blocks, the other top-level children, the root) that holds parameters of a bucket waits for
+  that bucket; ``settle()`` waits for everything still in flight and is called before the next reduction and the
+  step, before checkpoints are written or read, and at the end of fit. The values are copies: bitwise the
+  all-gather's.
+- How the pieces travel depends on the backend (:func:`piece_collectives`). NCCL: one ``reduce_scatter`` and one
+  ``all_gather`` per bucket with a piece per rank (empty for ranks owning none), which NCCL runs as one grouped
+  launch of the owners' reduces and broadcasts, or the even ``reduce_scatter_single`` / ``all_gather_single``
+  when a bucket splits evenly over every rank; gloo: one ``reduce`` and one ``broadcast`` per piece (gloo refuses
+  an uneven ``all_gather``). The same sums either way: bitwise at 2 ranks, within float rounding at more.
 
 The sums are elementwise those of the non-overlapped reduction (the same additions into zeros, the same division
 before the collective): bitwise equal at 2 ranks; at more, a ring orders each element's additions by where it
@@ -30,19 +36,53 @@ sits in the buffer, so within float rounding of the one flat collective.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_parallel.parallel.data.flat_group import FlatGroup
 from lightning_parallel.parallel.data.overlap import HookedBuckets, buckets_of, overlap_summary
 from lightning_parallel.parallel.dtensor import like, local, placed_like
 
-if TYPE_CHECKING:
-    from lightning_parallel.parallel.data.flat_zero import FlatGroup
+Piece = tuple[int, int, int]  # (owner's rank in the group, lo, hi) in the flat buffer
+
+
+@dataclass(frozen=True)
+class PieceCollectives:
+    """How a bucket's pieces (one per owning rank) travel."""
+
+    reduce_scatter: bool  # gradients: one reduce_scatter per bucket (else one reduce per piece)
+    all_gather: bool  # parameters: one all_gather per bucket (else one broadcast per piece)
+
+
+def serving_backend(backend: str, device_type: str) -> str:
+    """The backend that serves ``device_type`` tensors in a group's backend string (``dist.get_backend``):
+    ``"nccl"``, ``"gloo"`` or a per-device list such as ``"cpu:gloo,cuda:nccl"``; ``""`` when none does."""
+    if ":" not in backend:
+        return backend.strip().lower()
+    for entry in backend.split(","):
+        device, _, name = entry.partition(":")
+        if device.strip().lower() == device_type:
+            return name.strip().lower()
+    return ""
+
+
+def piece_collectives(backend: str, device_type: str) -> PieceCollectives:
+    """The collectives a group with ``backend`` runs a bucket's pieces on ``device_type`` with: one grouped call
+    per bucket on NCCL (its uneven ``reduce_scatter`` / ``all_gather`` are one launch of grouped reduces and
+    broadcasts); per-piece ``reduce`` / ``broadcast`` on gloo and anything else (gloo's ``all_gather`` refuses
+    uneven pieces)."""
+    grouped = serving_backend(backend, device_type) == "nccl"
+    return PieceCollectives(reduce_scatter=grouped, all_gather=grouped)
+
+
+def even(pieces: list[Piece], world: int) -> bool:
+    """Whether a bucket's pieces split it evenly over all ``world`` ranks (an even collective then fits)."""
+    return len(pieces) == world and len({b - a for _, a, b in pieces}) == 1
 
 
 class FlatBuckets(HookedBuckets):
@@ -53,11 +93,23 @@ class FlatBuckets(HookedBuckets):
         stage: 1 (gradients all-reduced into ``flat_grad``) or 2 (reduced to their owners, then freed).
         wire: the dtype the gradients travel in (gradient compression), None for their own.
         bucket_mb: bucket size in MB.
+        deliver: takes this rank's reduced gradient slice once every bucket is in (default: it becomes the
+            optimizer parameter's ``.grad``).
     """
 
-    def __init__(self, fg: FlatGroup, stage: int, wire: torch.dtype | None, bucket_mb: float) -> None:
+    def __init__(
+        self,
+        fg: FlatGroup,
+        stage: int,
+        wire: torch.dtype | None,
+        bucket_mb: float,
+        deliver: Callable[[Tensor], None] | None = None,
+    ) -> None:
         super().__init__(buckets_of(fg.params, bucket_mb))
         self.fg, self.stage = fg, stage
+        self.deliver = deliver if deliver is not None else (lambda grad: setattr(fg.shard, "grad", grad))
+        self.world = dist.get_world_size(fg.group)
+        self.collectives = piece_collectives(dist.get_backend(fg.group), fg.flat_param.device.type)
         offset = {id(p): off for p, off in zip(fg.params, fg.offsets)}
         self.wire = wire if wire not in (None, fg.flat_param.dtype) else None
         self.ranges = []  # each bucket's [lo, hi) in the flat buffer
@@ -67,11 +119,14 @@ class FlatBuckets(HookedBuckets):
             self.ranges.append((lo, hi))
         last = max(range(len(self.ranges)), key=lambda i: self.ranges[i][1])
         self.ranges[last] = (self.ranges[last][0], fg.flat_param.numel())  # the padding travels with the end
-        self._sent: list[tuple[Tensor, Tensor, list[dist.Work]] | None] = [None] * len(self.ranges)
+        # per launched bucket: its buffer, what travels, the works, and this rank's piece of the sum (lo, tensor)
+        self._sent: list[tuple[Tensor, Tensor, list[dist.Work], tuple[int, Tensor] | None] | None] = [None] * len(
+            self.ranges
+        )
         self._gathers: list[list[dist.Work]] = [[] for _ in self.ranges]
         self.waited_in_forward = 0  # gathers a forward pre-hook waited for, over the run (observability, tests)
 
-    def pieces(self, index: int) -> list[tuple[int, int, int]]:
+    def pieces(self, index: int) -> list[Piece]:
         """(owner's rank in the group, lo, hi) of every piece of bucket ``index`` in one rank's range."""
         lo, hi = self.ranges[index]
         n, out = self.fg.shard_numel, []
@@ -99,13 +154,31 @@ class FlatBuckets(HookedBuckets):
         flat.div_(fg.divisor)  # divide first: the sum stays in range for low-precision gradients
         sent = flat.to(self.wire) if self.wire is not None else flat
         if self.stage == 1:
-            works = [dist.all_reduce(sent, group=fg.group, async_op=True)]
+            works, mine = [dist.all_reduce(sent, group=fg.group, async_op=True)], None
         else:
+            works, mine = self._reduce_pieces(index, sent)
+        self._sent[index] = (flat, sent, works, mine)
+
+    def _reduce_pieces(self, index: int, sent: Tensor) -> tuple[list[dist.Work], tuple[int, Tensor] | None]:
+        """Stage 2: each piece of bucket ``index`` (``sent``) reduced to its owner. Returns the works, and where
+        this rank's piece of the sum will be once they are done: (its start in the flat buffer, the tensor)."""
+        fg, lo, pieces = self.fg, self.ranges[index][0], self.pieces(index)
+        mine = next(((a, sent[a - lo : b - lo]) for owner, a, b in pieces if owner == fg.rank), None)
+        if not self.collectives.reduce_scatter:
             works = [
                 dist.reduce(sent[a - lo : b - lo], group_dst=owner, group=fg.group, async_op=True)
-                for owner, a, b in self.pieces(index)
+                for owner, a, b in pieces
             ]
-        self._sent[index] = (flat, sent, works)
+            return works, mine
+        inputs = [sent[:0]] * self.world  # a rank owning nothing of this bucket gets an empty piece
+        for owner, a, b in pieces:
+            inputs[owner] = sent[a - lo : b - lo]
+        out = torch.empty_like(inputs[fg.rank])
+        if even(pieces, self.world):  # the bucket is the concatenation of the pieces, in rank order
+            work = dist.reduce_scatter_single(out, sent, group=fg.group, async_op=True)
+        else:
+            work = dist.reduce_scatter(out, inputs, group=fg.group, async_op=True)
+        return [work], (mine[0], out) if mine is not None else None
 
     def _views(self, params: list[nn.Parameter], flat: Tensor, lo: int) -> Iterable[tuple[nn.Parameter, Tensor]]:
         offsets = dict(zip(map(id, self.fg.params), self.fg.offsets))
@@ -122,33 +195,41 @@ class FlatBuckets(HookedBuckets):
             grad = fg.flat_grad[start:end]  # the views were averaged in place, bucket by bucket
         else:
             grad = torch.empty(end - start, dtype=fg.flat_param.dtype, device=fg.flat_param.device)
-        for index, (lo, _) in enumerate(self.ranges):
+        for index in range(len(self.ranges)):
             entry = self._sent[index]
             assert entry is not None
-            flat, sent, works = entry
+            flat, sent, works, mine = entry
             for work in works:
                 work.wait()
-            self._waited(index)
+            self._waited(index, works)
             if self.stage == 1:
                 if sent is not flat:
                     flat.copy_(sent)
-            else:
-                for owner, a, b in self.pieces(index):
-                    if owner == fg.rank:
-                        grad[a - start : b - start].copy_(sent[a - lo : b - lo])
+            elif mine is not None:
+                a, piece = mine
+                grad[a - start : a - start + piece.numel()].copy_(piece)
             self._sent[index] = None
-        fg.shard.grad = grad.to(fg.shard.device)  # offload: onto the host, where the step runs
+        self.deliver(grad)  # offload: onto the host, where the step runs (FlatZero._deliver)
 
     # ----- parameters -----
 
     def gather(self) -> None:
-        """After the step: broadcast each bucket's pieces from their owners, first layers first (async)."""
+        """After the step: each bucket's pieces sent from their owners to every rank, first layers first (async)."""
         self.settle()
         for index in sorted(range(len(self.ranges)), key=lambda i: self.ranges[i][0]):
-            self._gathers[index] = [
-                dist.broadcast(self.fg.flat_param[a:b], group_src=owner, group=self.fg.group, async_op=True)
-                for owner, a, b in self.pieces(index)
-            ]
+            self._gathers[index] = self._gather_pieces(index)
+
+    def _gather_pieces(self, index: int) -> list[dist.Work]:
+        fg, (lo, hi), pieces = self.fg, self.ranges[index], self.pieces(index)
+        flat = fg.flat_param
+        if not self.collectives.all_gather:
+            return [dist.broadcast(flat[a:b], group_src=owner, group=fg.group, async_op=True) for owner, a, b in pieces]
+        outputs = [flat[lo:lo]] * self.world  # a rank owning nothing of this bucket sends an empty piece
+        for owner, a, b in pieces:
+            outputs[owner] = flat[a:b]
+        if even(pieces, self.world):  # the input is copied because it aliases the output buffer
+            return [dist.all_gather_single(flat[lo:hi], outputs[fg.rank].clone(), group=fg.group, async_op=True)]
+        return [dist.all_gather(outputs, outputs[fg.rank], group=fg.group, async_op=True)]
 
     def wait_gather(self, index: int) -> None:
         works, self._gathers[index] = self._gathers[index], []

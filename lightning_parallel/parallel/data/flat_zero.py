@@ -18,8 +18,7 @@ Gradients are reduced once per optimizer step, after accumulation (the caller in
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -28,63 +27,17 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_parallel._compat import set_local_tensor
+from lightning_parallel.parallel.data.flat_group import SCALAR_STATE_KEYS, FlatGroup, pack
 from lightning_parallel.parallel.data.flat_overlap import FlatBuckets, flat_overlap_stats
 from lightning_parallel.parallel.data.fsdp import fsdp_units
+from lightning_parallel.parallel.data.offload import HostSlice
 from lightning_parallel.parallel.data.overlap import Prepare
 from lightning_parallel.parallel.data.powersgd import PowerSGD
 from lightning_parallel.parallel.data.sharding import DataParallelSharding, GradPiece
 from lightning_parallel.parallel.dtensor import like, local, placed_like, split_axes
 from lightning_parallel.parallel.expert.apply import is_expert_param
 
-# State entries that are one number per parameter rather than one per element.
-SCALAR_STATE_KEYS = frozenset({"step", "eta", "mu", "mu_product"})
-
-
-@dataclass
-class FlatGroup:
-    """One optimizer group's parameters packed into one flat buffer, and this rank's slice of it. A group with
-    expert parameters (split over ep) has a second flat group for them, sharded over the ranks holding the same
-    experts."""
-
-    params: list[nn.Parameter]  # trainable model parameters, in group order
-    offsets: list[int]  # start of each parameter in the flat buffer
-    shard_numel: int  # padded numel / world size
-    flat_param: Tensor  # (shard_numel * N,) the model parameters are views into it
-    flat_grad: Tensor | None  # stage 1: (shard_numel * N,) full gradients; stage 2: None
-    shard: Tensor  # the optimizer's parameter: this rank's slice (a host copy under offload)
-    group: dist.ProcessGroup | None = None  # the ranks the buffer is sharded over
-    rank: int = 0  # this rank's index in it
-    divisor: int = 1  # what the summed gradients are divided by (every data-parallel rank)
-    expert: bool = False
-
-    def local_range(self, rank: int | None = None) -> tuple[int, int]:
-        rank = self.rank if rank is None else rank
-        return rank * self.shard_numel, (rank + 1) * self.shard_numel
-
-    def views(self, flat: Tensor) -> Iterator[tuple[nn.Parameter, Tensor]]:
-        for p, off in zip(self.params, self.offsets):
-            shard = local(p)
-            yield p, flat[off : off + shard.numel()].view(shard.shape)
-
-
-def _pack(params: list[nn.Parameter], world: int) -> tuple[list[int], int, Tensor]:
-    locals_ = [local(p) for p in params]
-    devices = {t.device for t in locals_}
-    dtypes = {t.dtype for t in locals_}
-    if len(devices) > 1 or len(dtypes) > 1:
-        raise ValueError(
-            f"ZeRO packs each optimizer group into one buffer, but a group mixes devices {devices} or dtypes "
-            f"{dtypes}: put parameters of different devices or dtypes into separate param groups."
-        )
-    offsets, total = [], 0
-    for t in locals_:
-        offsets.append(total)
-        total += t.numel()
-    shard_numel = -(-total // world)
-    flat = torch.zeros(shard_numel * world, dtype=locals_[0].dtype, device=locals_[0].device)
-    for t, off in zip(locals_, offsets):
-        flat[off : off + t.numel()].copy_(t.detach().reshape(-1))
-    return offsets, shard_numel, flat
+__all__ = ["SCALAR_STATE_KEYS", "FlatGroup", "FlatSharding", "FlatZero", "ShardGradients", "ShardOptimizer"]
 
 
 class FlatZero:
@@ -95,7 +48,8 @@ class FlatZero:
         group: the data-parallel process group to shard over.
         stage: 1 or 2.
         offload: keep this rank's slice of parameters, gradients and optimizer state on the host and
-            step there (stage 2 only, as ZeRO-Offload).
+            step there (stage 2 only, as ZeRO-Offload; pinned, asynchronous copies with an accelerator:
+            offload.py).
     """
 
     def __init__(
@@ -128,7 +82,8 @@ class FlatZero:
         self._overlap: dict[int, FlatBuckets] = {}
         if overlap_bucket_mb is not None:
             for fg in self.flat_groups:
-                self._overlap[id(fg)] = FlatBuckets(fg, stage, wire_dtype, overlap_bucket_mb)
+                deliver = partial(self._deliver, fg)
+                self._overlap[id(fg)] = FlatBuckets(fg, stage, wire_dtype, overlap_bucket_mb, deliver)
         self.forward_waits = False  # forward pre-hooks wait for the gathers (else _after_step waits at once)
         self._reduced = False
         optimizer.register_step_pre_hook(self._before_step)
@@ -144,14 +99,13 @@ class FlatZero:
     def _flat_group(self, params: list[nn.Parameter], expert: int) -> FlatGroup:
         group = self.expert_group if expert else self.group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        offsets, shard_numel, flat_param = _pack(params, world)
+        offsets, shard_numel, flat_param = pack(params, world)
         flat_grad = torch.zeros_like(flat_param) if self.stage == 1 else None
-        start, end = rank * shard_numel, (rank + 1) * shard_numel
-        shard = flat_param[start:end]
-        if self.offload:
-            shard = shard.to("cpu", copy=True)
+        shard = flat_param[rank * shard_numel : (rank + 1) * shard_numel]
+        host = HostSlice(shard) if self.offload else None
+        shard = host.param if host is not None else shard
         fg = FlatGroup(
-            params, offsets, shard_numel, flat_param, flat_grad, shard, group, rank, self.world, bool(expert)
+            params, offsets, shard_numel, flat_param, flat_grad, shard, group, rank, self.world, bool(expert), host
         )
         for p, view in fg.views(flat_param):
             if isinstance(p, DTensor):
@@ -207,34 +161,47 @@ class FlatZero:
             overlapped = self._overlap.get(id(fg))
             if overlapped is not None and overlapped.finish():
                 continue  # reduced bucket by bucket during backward
-            flat = fg.flat_grad if fg.flat_grad is not None else torch.zeros_like(fg.flat_param)
-            for p, view in fg.views(flat):
-                if p.grad is not None and local(p.grad).data_ptr() != view.data_ptr():
-                    view.add_(local(placed_like(p, p.grad)))  # a gradient autograd allocated itself
-                if fg.flat_grad is not None:
-                    p.grad = like(p, view)
-                else:
-                    p.grad = None  # stage 2: the full gradient is freed once reduced
-            start, end = fg.local_range()
-            if self.powersgd is not None:  # every view averaged in place (matrices by their factors): take the slice
-                self.powersgd.reduce(list(fg.views(flat)), fg.group, fg.divisor)
-                grad = flat[start:end] if fg.flat_grad is not None else flat[start:end].clone()
-                fg.shard.grad = grad.to(fg.shard.device) if self.offload else grad
-                continue
-            flat.div_(fg.divisor)  # divide first: the sum stays in range for low-precision gradients
-            wire = self.wire_dtype if self.wire_dtype not in (None, flat.dtype) else None
-            sent = flat.to(wire) if wire is not None else flat
-            if fg.flat_grad is not None:
-                dist.all_reduce(sent, group=fg.group)
-                if wire is not None:
-                    flat.copy_(sent)
-                grad = flat[start:end]
-            else:
-                grad = torch.empty(fg.shard_numel, dtype=sent.dtype, device=flat.device)
-                dist.reduce_scatter_single(grad, sent, group=fg.group)
-                grad = grad.to(flat.dtype)
-            fg.shard.grad = grad.to(fg.shard.device) if self.offload else grad
+            self._deliver(fg, self._reduce_flat(fg, self._collect(fg)))
+        for fg in self.flat_groups:
+            if fg.host is not None:
+                fg.host.wait()  # offload: the host reads the gradients from here on (clipping, the step)
         self._reduced = True
+
+    def _collect(self, fg: FlatGroup) -> Tensor:
+        """The flat group's local gradients in one flat buffer (stage 1: ``flat_grad``, which autograd filled)."""
+        flat = fg.flat_grad if fg.flat_grad is not None else torch.zeros_like(fg.flat_param)
+        for p, view in fg.views(flat):
+            if p.grad is not None and local(p.grad).data_ptr() != view.data_ptr():
+                view.add_(local(placed_like(p, p.grad)))  # a gradient autograd allocated itself
+            if fg.flat_grad is not None:
+                p.grad = like(p, view)
+            else:
+                p.grad = None  # stage 2: the full gradient is freed once reduced
+        return flat
+
+    def _reduce_flat(self, fg: FlatGroup, flat: Tensor) -> Tensor:
+        """``flat`` averaged over the group; returns this rank's slice of the average (on the device)."""
+        start, end = fg.local_range()
+        if self.powersgd is not None:  # every view averaged in place (matrices by their factors): take the slice
+            self.powersgd.reduce(list(fg.views(flat)), fg.group, fg.divisor)
+            return flat[start:end] if fg.flat_grad is not None else flat[start:end].clone()
+        flat.div_(fg.divisor)  # divide first: the sum stays in range for low-precision gradients
+        wire = self.wire_dtype if self.wire_dtype not in (None, flat.dtype) else None
+        sent = flat.to(wire) if wire is not None else flat
+        if fg.flat_grad is not None:
+            dist.all_reduce(sent, group=fg.group)
+            if wire is not None:
+                flat.copy_(sent)
+            return flat[start:end]
+        grad = torch.empty(fg.shard_numel, dtype=sent.dtype, device=flat.device)
+        dist.reduce_scatter_single(grad, sent, group=fg.group)
+        return grad.to(flat.dtype)
+
+    def _deliver(self, fg: FlatGroup, grad: Tensor) -> None:
+        """This rank's reduced gradient slice (on the device) becomes what the optimizer steps with: under offload
+        copied into the host buffer (async with an accelerator: waited for at the end of ``reduce_gradients``).
+        Every collective on it must come before (HSDP's replica all-reduce: hybrid_shard.py)."""
+        fg.shard.grad = fg.host.grad_from(grad) if fg.host is not None else grad
 
     def shard_grad_segments(self) -> list[tuple[Tensor, nn.Parameter, FlatGroup]]:
         """This rank's reduced gradient slice cut at parameter boundaries: (view, parameter, its flat group).
@@ -258,8 +225,8 @@ class FlatZero:
         for fg in self.flat_groups:
             start, end = fg.local_range()
             local = fg.flat_param[start:end]
-            if self.offload:
-                local.copy_(fg.shard)
+            if fg.host is not None:
+                fg.host.param_to(local)  # queued before the gathers that read it, in stream order
             overlapped = self._overlap.get(id(fg))
             if overlapped is not None:
                 overlapped.gather()  # async, bucket by bucket: each waited for before the forward uses it
@@ -291,11 +258,10 @@ class FlatZero:
     def reload_offloaded(self) -> None:
         """After the flat buffers were loaded in place: refresh the host copy of this rank's slice (offload),
         which is what the optimizer steps."""
-        if not self.offload:
-            return
         for fg in self.flat_groups:
-            start, end = fg.local_range()
-            fg.shard.data.copy_(fg.flat_param[start:end])
+            if fg.host is not None:
+                start, end = fg.local_range()
+                fg.host.param_from(fg.flat_param[start:end])
 
 
 class FlatSharding(DataParallelSharding):

@@ -140,7 +140,19 @@ def set_prefetch(root: nn.Module, units: list[str]) -> list[tuple[str, str]]:
 
 
 class ShardParameters(DataParallelSharding):
-    """Stage 3: parameters too, with torch's FSDP2; gradients arrive reduce-scattered as DTensors."""
+    """Stage 3: parameters too, with torch's FSDP2; gradients arrive reduce-scattered as DTensors.
+
+    Units whose gradients are divided by something other than their group's size (expert units: every data-parallel
+    rank; HSDP: both steps, hybrid_shard.py) reduce with a plain sum and one division after it, on every device
+    (``set_force_sum_reduction_for_comms``). Without it FSDP2 (torch 2.13, ``_get_gradient_divide_factors``) takes
+    another path on CUDA than on the CPU: a ``PREMUL_SUM(1/f)`` reduce-scatter (gloo has none) for expert units and
+    NCCL's ``AVG`` at each HSDP step. Both are the same mean, sum(g_i / f) against sum(g_i) / f, equal bitwise
+    when f is a power of two and within float rounding otherwise; forcing the sum makes CUDA run exactly the
+    arithmetic the CPU parity tests check, for one division of the reduced shard (1/dp of the gradients; fp16 takes
+    this path anyway). Not on a group of one: torch's copy for a single rank divides, and the forced post-divide
+    would divide again; unforced, it divides once on every device (pre- and post-factors stay None for fp32/bf16).
+    Plain units keep FSDP2's default ``AVG``, which gloo 2.13 has too.
+    """
 
     stage = 3
     sharded = frozenset({"optimizer", "grads", "params"})
@@ -157,18 +169,19 @@ class ShardParameters(DataParallelSharding):
         # experts split over ep first, as units of their own over the ranks holding the same experts (torchtitan's
         # dp_mod_ep); the enclosing units then leave their parameters alone
         experts = expert_units(root)
+        alone = self.expert_mesh.size() == 1
         for path in experts:
             settings = {
                 "reshard_after_forward": self.reshard_after_forward,
                 "offload": self.offload,
-                "reduce_dtype": self.wire_dtype,
+                # nothing travels on a group of one, and an fp16 reduce dtype there would divide by f^2, not f (torch
+                # 2.13 pre- and post-divides fp16 by factors of f, and its copy for a single rank divides by f too)
+                "reduce_dtype": None if alone else self.wire_dtype,
             }
             apply_fsdp(root, self.expert_mesh, units=[path], **settings)
             unit = root.get_submodule(path)
             unit.set_gradient_divide_factor(float(self.data_parallel_size))  # type: ignore[operator]
-            # gloo has no PREMUL_SUM: sum, then divide. Not on a group of one, where torch 2.13 would divide twice
-            # (its copy for a single rank divides, then the post-divide runs as well)
-            if self.expert_mesh.device_type == "cpu" and self.expert_mesh.size() > 1:
+            if not alone:
                 unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         return experts + apply_fsdp(
             root,

@@ -11,7 +11,8 @@ Parameters are gathered inside the replica only.
 - ZeRO-3: torch's FSDP2 on the 2-D (replicate, shard) mesh is HSDP (``fully_shard`` reduce-scatters over the
   shard dimension, then all-reduces over the replicate one: ``foreach_reduce`` in torch's ``_fully_shard``).
 - ZeRO-1/2: :class:`HybridFlatZero`, the flat buffers of :mod:`~lightning_parallel.parallel.data.flat_zero` over
-  the shard group, with the replica all-reduce of each shard added after the reduction. Under ZeRO-1 a
+  the shard group, with the replica all-reduce of each shard added after the reduction, on the device (under
+  offload the slice goes to the host only after it: on CUDA the groups are NCCL only). Under ZeRO-1 a
   parameter's whole ``.grad`` outside this rank's slice is its replica's mean only: the step and clipping read the
   slice, which is the whole data-parallel mean.
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
@@ -96,9 +97,10 @@ class HybridShardParameters(_Hybrid, ShardParameters):
 
     def shard_module(self, root: nn.Module, units: list[str] | None = None) -> list[str]:
         made = super().shard_module(root, units)
-        if self.hsdp.device_type == "cpu":  # gloo's all-reduce has no AVG: sum both steps, divide once after
-            for path in made:
-                root.get_submodule(path).set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+        # sum both steps and divide once after, on every device: CUDA then runs the arithmetic the CPU tests check
+        # (FSDP2 would otherwise average each step, NCCL's AVG, never run here); see fsdp.py for why
+        for path in made:
+            root.get_submodule(path).set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         return made
 
 
@@ -116,19 +118,15 @@ class HybridFlatZero(FlatZero):
         fg.divisor = self.divisor  # the replica's sum divided by every data-parallel rank; replicas then add up
         return fg
 
-    def reduce_gradients(self) -> None:
-        if self._reduced:
-            return
-        super().reduce_gradients()
-        for fg in self.flat_groups:
-            grad = fg.shard.grad
-            if grad is None:
-                continue
-            wire = self.wire_dtype if self.wire_dtype not in (None, grad.dtype) else None
-            sent = grad.to(wire) if wire is not None else grad
-            dist.all_reduce(sent, group=self.replicate_group)  # the only collective that crosses replicas
-            if wire is not None:
-                grad.copy_(sent)
+    def _deliver(self, fg: FlatGroup, grad: Tensor) -> None:
+        # the replica all-reduce runs on the replica's slice while it is still on the device, before offload copies
+        # it to the host: on CUDA the replicate group is NCCL only and has no backend for host tensors
+        wire = self.wire_dtype if self.wire_dtype not in (None, grad.dtype) else None
+        sent = grad.to(wire) if wire is not None else grad
+        dist.all_reduce(sent, group=self.replicate_group)  # the only collective that crosses replicas
+        if wire is not None:
+            grad.copy_(sent)
+        super()._deliver(fg, grad)
 
 
 class _HybridFlat(_Hybrid):

@@ -20,24 +20,59 @@ the same elementwise sums as the reduction after backward: bitwise equal at 2 ra
 in an order that depends on where an element sits in the buffer, so equal bitwise to the same buckets reduced
 after backward and within float rounding of one flat reduction. While a timeline recorder is active
 (:mod:`~lightning_parallel.parallel.measure.timeline`), each bucket is recorded from its launch to the end of
-its wait (kind ``"reduce"``).
+its collective (kind ``"reduce"``): host clocks on the CPU, CUDA events on a GPU (:func:`record_waited`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parallel.parallel.dtensor import local, placed_like
-from lightning_parallel.parallel.measure.timeline import TimelineEvent, active_recorder
+from lightning_parallel.parallel.measure.timeline import active_recorder
 
 DEFAULT_BUCKET_MB = 25.0  # DDP's default
 
 Prepare = Callable[[nn.Parameter], None]
+
+
+@dataclass
+class Launched:
+    """A bucket's collective was launched; ``mark``: when, on the active timeline's clock (None: none records)."""
+
+    mark: Any = None
+
+
+def launch_mark() -> Launched:
+    """Mark a bucket's launch: on a recording timeline's clock (on CUDA an event on the current stream, which the
+    process group's stream passes before it starts the collective), nothing otherwise."""
+    recorder = active_recorder()
+    return Launched(recorder.mark() if recorder is not None else None)
+
+
+def record_waited(index: int, launched: Launched, works: Sequence[dist.Work], device: torch.device) -> None:
+    """Bucket ``index``'s ``works`` were just waited for: its bar onto the recording timeline, if any, from its
+    launch to the end of its collective.
+
+    On the CPU (gloo) ``wait()`` blocked the host until the collective ended: now is its end. On CUDA ``wait()`` only
+    makes the current stream wait for the process group's, so host clocks around it measure nothing: the end is an
+    event recorded on a side stream made to wait for the works, which completes when the collective does."""
+    recorder = active_recorder()
+    if recorder is None or launched.mark is None:
+        return
+    if device.type == "cuda":
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            for work in works:
+                work.wait()
+            end = recorder.mark()
+    else:
+        end = recorder.mark()
+    recorder.add("reduce", -1, index, launched.mark, end)
 
 
 def buckets_of(params: Sequence[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
@@ -67,7 +102,9 @@ class HookedBuckets:
         self.bucket_params = [list(ps) for ps in buckets]
         self._index = {id(p): i for i, ps in enumerate(self.bucket_params) for p in ps}
         self._ready: list[set[int]] = [set() for _ in self.bucket_params]
-        self._started: list[float | None] = [None] * len(self.bucket_params)  # launch time, None: not launched
+        self._started: list[Launched | None] = [None] * len(self.bucket_params)  # None: not launched
+        first = next((local(p) for ps in self.bucket_params for p in ps), None)
+        self.device = first.device if first is not None else torch.device("cpu")  # where the gradients are
         self._armed: set[int] = set()
         self._prepare: Prepare | None = None
         self.active = False  # between arm() and finish(): finish() reduces
@@ -109,7 +146,7 @@ class HookedBuckets:
             self.launched += 1
 
     def _start(self, index: int) -> None:
-        self._started[index] = time.time()
+        self._started[index] = launch_mark()
         self._launch(index)
 
     def finish(self) -> bool:
@@ -124,11 +161,11 @@ class HookedBuckets:
         self._complete()
         return True
 
-    def _waited(self, index: int) -> None:
-        """Bucket ``index`` has been waited for: onto the timeline, if one is recording."""
-        recorder, started = active_recorder(), self._started[index]
-        if recorder is not None and started is not None:
-            recorder.events.append(TimelineEvent("reduce", -1, index, started, time.time()))
+    def _waited(self, index: int, works: Sequence[dist.Work]) -> None:
+        """Bucket ``index``'s ``works`` have been waited for: onto the timeline, if one is recording."""
+        launched = self._started[index]
+        if launched is not None:
+            record_waited(index, launched, works, self.device)
 
     def _launch(self, index: int) -> None:
         raise NotImplementedError
@@ -185,7 +222,7 @@ class BucketedReduction(HookedBuckets):
             assert entry is not None
             flat, wire, work = entry
             work.wait()
-            self._waited(index)
+            self._waited(index, [work])
             if wire is not flat:
                 flat.copy_(wire)
             offset = 0

@@ -1,7 +1,8 @@
 """ZeRO stage 0: plain data parallelism for parameters that may be tensor-parallel DTensors. Pure torch.
 
 Hand-written because torch's DDP does not take DTensor parameters: after the last backward of a step,
-the local gradients are averaged over the dp group in one flat bucket per dtype.
+the local gradients are averaged over the dp group in flat buckets of 25 MB per dtype (DDP's size; one flat copy of
+every gradient would double gradient memory).
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_parallel.parallel.data.overlap import BucketedReduction, Prepare, overlap_summary
+from lightning_parallel.parallel.data.overlap import (
+    DEFAULT_BUCKET_MB,
+    BucketedReduction,
+    Prepare,
+    buckets_of,
+    overlap_summary,
+)
 from lightning_parallel.parallel.data.sharding import DataParallelSharding, trainable
 from lightning_parallel.parallel.dtensor import local, placed_like
 from lightning_parallel.parallel.expert.apply import is_expert_param
@@ -37,10 +44,13 @@ def all_reduce_gradients(
     group: dist.ProcessGroup,
     divide_by: int | None = None,
     wire: torch.dtype | None = None,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
 ) -> None:
     """Average every parameter's (local) gradient over ``group`` in place; missing gradients count as 0.
     ``divide_by``: the sum's divisor when it is not the group's size (expert parameters: every data-parallel rank);
-    ``wire``: the dtype the sum travels in (gradient compression)."""
+    ``wire``: the dtype the sum travels in (gradient compression); ``bucket_mb``: the gradients travel in flat
+    buckets of about this size per dtype (a larger gradient alone), so the copies add one bucket, not a second
+    set of gradients."""
     world = dist.get_world_size(group)
     divisor = world if divide_by is None else divide_by
     if world == 1 and divisor == 1:
@@ -49,19 +59,21 @@ def all_reduce_gradients(
     for _, grad in local_grads(params):
         by_dtype[grad.dtype].append(grad)
     for dtype in sorted(by_dtype, key=str):
-        grads = by_dtype[dtype]
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(divisor)
-        if world > 1:
-            if wire is not None and wire != flat.dtype:
-                low = flat.to(wire)
-                dist.all_reduce(low, group=group)
-                flat.copy_(low)
-            else:
-                dist.all_reduce(flat, group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for bucket in buckets_of(by_dtype[dtype], bucket_mb):
+            _all_reduce_bucket(bucket, group, divisor, wire)
+
+
+def _all_reduce_bucket(grads: list[Tensor], group: dist.ProcessGroup, divisor: int, wire: torch.dtype | None) -> None:
+    flat = torch.cat([g.reshape(-1) for g in grads]).div_(divisor)
+    if dist.get_world_size(group) > 1:
+        sent = flat.to(wire) if wire not in (None, flat.dtype) else flat
+        dist.all_reduce(sent, group=group)
+        if sent is not flat:
+            flat.copy_(sent)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 class Replicate(DataParallelSharding):
