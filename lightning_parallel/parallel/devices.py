@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_parallel import _compat
+import lightning_parallel._compat as _compat
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
