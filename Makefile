@@ -1,16 +1,36 @@
-# The README names these targets. `install` pins the CPU torch wheel before anything else can pull a CUDA build.
+# The README names these targets. `install` pins torch 2.13.0 before anything else can pull another build:
+# the CPU wheel (TORCH=cpu), or the CUDA build from TORCH_CUDA_INDEX (TORCH=cuda; a CUDA torch 2.13 already
+# installed is kept). TORCH defaults to cuda where `nvidia-smi -L` lists a GPU, else cpu.
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
+TORCH_CUDA_INDEX ?= https://download.pytorch.org/whl/cu128
+ifeq ($(origin TORCH),undefined)
+TORCH := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+endif
 # pyproject's litgpt extra, installed without its dependencies (they conflict with transformers')
 LITGPT_VERSION ?= 0.5.13
+OUT ?= gpu_check_out
 
-.PHONY: install train test test-full lint soak bench
+.PHONY: install install-torch train test test-full lint soak bench gpu-check gpu-wheels
 
-install:
-	$(PYTHON) -m pip install --quiet torch==$(TORCH_VERSION)
+install: install-torch
 	$(PYTHON) -m pip install --quiet -e ".[dev,hf]"
 	$(PYTHON) -m pip install --quiet --no-deps litgpt==$(LITGPT_VERSION) psutil==7.2.2  # see the litgpt extra
+ifeq ($(TORCH),cuda)
+	$(PYTHON) -c "import torch; assert torch.version.cuda, 'TORCH=cuda but torch ' + torch.__version__ + ' is a CPU build'"
+else
 	$(PYTHON) -c "import torch; assert '+cpu' in torch.__version__ or not torch.version.cuda, torch.__version__"
+endif
+
+install-torch:
+ifeq ($(TORCH),cuda)
+	$(PYTHON) -c "import torch, sys; sys.exit(not (torch.version.cuda and torch.__version__.startswith('$(TORCH_VERSION)')))" \
+		2>/dev/null || $(PYTHON) -m pip install --quiet torch==$(TORCH_VERSION) --index-url $(TORCH_CUDA_INDEX)
+else ifeq ($(TORCH),cpu)
+	$(PYTHON) -m pip install --quiet torch==$(TORCH_VERSION)
+else
+	$(error TORCH=$(TORCH) is unknown: use TORCH=cpu or TORCH=cuda)
+endif
 
 train: install
 	$(PYTHON) recipes/train_gpt.py
@@ -33,3 +53,19 @@ soak: install
 # throughput, memory, communication and pipeline bubble against Lightning's own strategies: BENCHMARKS.md
 bench: install
 	$(PYTHON) benchmarks/bench.py
+
+# one prepared check for a lent GPU (at most 8 minutes on one H100): the gpu test tier at world 1, the fast kernels
+# against their math twins, MFU of GPT-2 small (ours, a plain PyTorch loop, Lightning's own) and peak memory against
+# the planner; OUT/gpu_check.json and OUT/gpu_check.md, written after each section. Installs a CUDA torch first
+# when torch is missing or a CPU build; a CUDA torch of another version is kept (and reported). `--dry-run`: CPU.
+gpu-check:
+	@$(PYTHON) -c "import torch, sys; sys.exit(not torch.version.cuda)" 2>/dev/null \
+		|| $(MAKE) --no-print-directory install TORCH=cuda \
+		|| echo "gpu-check: the CUDA install failed; checking with what is installed"
+	PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1 $(PYTHON) -m benchmarks.gpu_check --out $(OUT)
+
+# the pure-Python packages a lent GPU machine's image lacks (it reaches no index): download them here into .whl/ and
+# carry that folder to the device; gpu-check installs them from there (benchmarks/gpu_check/deps.py)
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: -d .whl hydra-core==1.3.8 omegaconf==2.3.1
+	$(PYTHON) -m pip wheel --quiet --no-deps -w .whl antlr4-python3-runtime==4.9.3  # an sdist on PyPI

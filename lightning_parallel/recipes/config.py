@@ -131,7 +131,7 @@ class ImageDataConf:
 class TrainerConf:
     devices: int = 1  # processes per node
     num_nodes: int = 1  # more than 1 needs processes started on every node: hydra/launcher=slurm or torchrun
-    accelerator: str = "cpu"
+    accelerator: str = "auto"  # a GPU per process where CUDA is there, else CPU; or cpu, gpu (cuda), mps
     max_steps: int = 200
     log_every_n_steps: int = 10
     val_check_interval: int = 100

@@ -15,6 +15,7 @@ rank); with a precision set, the loss scale and a checksum of this rank's parame
 
 Also: image_size (VGG: the random images' height and width, default 32), activation_memory (the training batch
 whose activation bytes ActivationMemoryMonitor records, 0: first).
+--accelerator (default cpu): "gpu" under tests/gpu/ (NCCL, one device per rank); every case keeps its meaning.
 Strategy specs: a registered name ("zero2"), "hybrid3d:tp=2,..." or "zero3:activation_checkpointing=full".
 With --runs-file, several runs (each a strategy and its cases) share one launch: the process start-up and the
 process group are paid once (tests/conftest.py's ``Batch``).
@@ -282,7 +283,7 @@ def build_strategy(spec: str):
 
 
 def _value(key: str, value: str):
-    if key in ("sequence_parallel", "overlap_grad_reduce", "compile"):
+    if key in ("sequence_parallel", "overlap_grad_reduce", "compile", "offload"):
         return bool(int(value))
     if value.isdigit():
         return int(value)
@@ -297,7 +298,7 @@ def batch_ranks(strategy, world: int) -> int:
     return strategy.config.dims(world).role_size("batch") if isinstance(strategy, MeshStrategy) else world
 
 
-def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
+def run_case(case: dict, strategy: str, world: int, out: Path, accelerator: str = "cpu") -> dict:
     pl.seed_everything(case.get("seed", 0), verbose=False)
     steps, accumulate = case.get("steps", 10), case.get("accumulate", 1)
     global_batch = case.get("global_batch", 16)
@@ -349,7 +350,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     if case.get("precision") or case.get("inject_inf") is not None:
         precision_probe = PrecisionProbe(case.get("inject_inf"), case.get("inject_rank", 0))
         callbacks.append(precision_probe)
-    if precision == "16-mixed" and strategy == "auto":
+    if precision == "16-mixed" and strategy == "auto" and accelerator == "cpu":
         # Lightning would run bf16 on CPU: hand it fp16 autocast with torch's own GradScaler (the reference)
         precision, plugins = None, [MixedPrecision("16-mixed", "cpu")]
     if case.get("sync_bn") == "plugin":
@@ -359,7 +360,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpts", monitor="train_loss", every_n_train_steps=2))
         logger = CSVLogger(out, name="logs")
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=world,
         strategy=strategy_obj,
         max_steps=steps,
@@ -428,6 +429,7 @@ def main() -> None:
         "[{label, strategy, cases}], each writing into OUT/<label>/",
     )
     parser.add_argument("--out", required=True)
+    parser.add_argument("--accelerator", default="cpu", help="cpu (gloo) or gpu (NCCL: tests/gpu/)")
     args = parser.parse_args()
     out = Path(args.out)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -440,7 +442,7 @@ def main() -> None:
     for run in runs:
         run_out = out / run["label"]
         run_out.mkdir(parents=True, exist_ok=True)
-        results = [run_case(case, run["strategy"], world, run_out) for case in run["cases"]]
+        results = [run_case(case, run["strategy"], world, run_out, args.accelerator) for case in run["cases"]]
         (run_out / f"rank{rank}.json").write_text(json.dumps(results))  # each run's results as soon as it ends
     if args.runs_file:
         (out / f"rank{rank}.json").write_text(json.dumps([run["label"] for run in runs]))

@@ -1,0 +1,71 @@
+"""``python -m benchmarks.gpu_check --out DIR [--dry-run] [--budget S] [--only NAME,...]`` (from the repository root;
+``make gpu-check OUT=DIR`` runs it): the sections of :mod:`benchmarks.gpu_check`, each under its time limit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .deps import ensure_packages
+from .report import Report
+from .watchdog import Section, progress, run_section
+
+# name, seconds on one H100 (the sum is the 8-minute budget), seconds in a CPU dry run. A section that ends early
+# leaves its time to the ones after it.
+SECTIONS = [
+    Section("environment", 20, 60),
+    Section("gpu_tier", 170, 90),
+    Section("kernels", 45, 60),
+    Section("mfu_plain", 80, 90),
+    Section("mfu_lightning", 70, 90),
+    Section("mfu_ours", 75, 90),
+    Section("memory", 20, 60),
+]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="where gpu_check.json, .md and .log go")
+    p.add_argument("--dry-run", action="store_true", help="CPU, a tiny GPT, a few steps: every section's code path")
+    p.add_argument("--budget", type=float, default=None, help="seconds for all sections (default: their sum)")
+    p.add_argument("--only", default=None, help="comma-separated section names (default: all)")
+    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a new temporary one)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sections = [s for s in SECTIONS if args.only is None or s.name in args.only.split(",")]
+    if not sections:
+        raise SystemExit(f"--only={args.only}: no such section; use some of {', '.join(s.name for s in SECTIONS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.dry_run:  # CPU even on a GPU machine: the sections' children inherit it (the tier's ranks too)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    work = args.work or Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    work.mkdir(parents=True, exist_ok=True)
+    caps = [s.cap(args.dry_run) for s in sections]
+    budget = args.budget if args.budget is not None else sum(caps)
+    report = Report(args.out, dry_run=args.dry_run, budget_s=budget)
+    progress(f"gpu-check{' (dry run, CPU)' if args.dry_run else ''}: {len(sections)} sections, {budget:.0f} s budget")
+    report.set_setup(ensure_packages(ROOT))
+    config = {"dry_run": args.dry_run, "work": str(work), "root": str(ROOT)}
+    config_file = work / "config.json"
+    config_file.write_text(json.dumps(config))
+    deadline = time.monotonic() + budget
+    for i, section in enumerate(sections):
+        later = sum(caps[i + 1 :])
+        limit = max(min(caps[i], 10.0), deadline - time.monotonic() - later)  # earlier sections' savings roll over
+        result = run_section(section, i + 1, len(sections), limit, config_file, report.log_file)
+        report.add(section.name, result)  # json and markdown rewritten after every section
+    progress(f"gpu-check done: {report.counts()}; {args.out / 'gpu_check.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
