@@ -5,7 +5,20 @@ under pp > 1, ``tensor_parallel_plan()`` under tp > 1, ``spatial_gather_modules(
 ``check_parallel_degrees()`` always when present,
 ``materialize(device)`` once the model is split, when parameters are still on the meta device. The
 strategies read them through the functions below, which raise the error that names what is missing; nothing
-else looks methods up by name. Pure Python + torch types; the module need not be a LightningModule.
+else looks methods up by name (``reset_parameters()`` included). Pure Python + torch types; the module need not be
+a LightningModule.
+
+Where a model's initial values come from when a layout shards its parameters (tp > 1, ZeRO-3, pp > 1):
+
+- built on the host, outside any context (``model = MyModule(); trainer.fit(model)``, the usual case): the values
+  it was built with. The host holds the whole model, as the user built it; the layout splits it on the meta device
+  and each rank copies only its slices to its device (``parallel/materialize.py``). No accelerator ever holds it
+  whole. With only ZeRO 0-2 and no tp or pp, parameters are whole on every rank by design and move there whole.
+- built in ``configure_model()`` or under ``Trainer.init_module()``: on the meta device, so it is never whole
+  anywhere; once split, ``materialize(device)`` fills it when the module has one (HFCausalLM reads its slices of a
+  folder), else each :func:`reset_units` unit's ``reset_parameters()`` does, one unit at a time on the host, each
+  rank keeping its slices: the values a single process gets when it builds the module on the host with the same
+  seed (an init that only ``__init__`` runs, outside every ``reset_parameters()``, is not replayed).
 """
 
 from __future__ import annotations
@@ -54,8 +67,8 @@ class ChecksDegrees(Protocol):
 class Materializes(Protocol):
     """Optional: a module built with its parameters on the meta device gives them storage and values itself,
     once the model is split over the layout (pipeline stages kept, tensor and ZeRO-3 shards made), so each rank
-    fills only what it holds (HFCausalLM reads its slices of a pretrained folder). Without it, layers built on
-    meta under pp are initialized by their ``reset_parameters()``."""
+    fills only what it holds (HFCausalLM reads its slices of a pretrained folder). Without it, tensors built on
+    meta are initialized by the ``reset_parameters()`` of their :func:`reset_units`."""
 
     def materialize(self, device: torch.device) -> None: ...
 
@@ -122,13 +135,67 @@ def materializes_itself(module: Any) -> bool:
 
 
 def materialize(module: Any, root: nn.Module, device: torch.device) -> None:
-    """Once the model is split: let ``module`` fill the meta parameters ``root`` still has; a TypeError naming
-    what is missing when some stay on meta."""
+    """Once the model is split: let ``module`` fill the meta parameters ``root`` still has, when it has a
+    ``materialize(device)``."""
     if isinstance(module, Materializes) and any(p.is_meta for p in root.parameters()):
         module.materialize(device)
+
+
+def require_materialized(module: Any, root: nn.Module) -> None:
+    """A TypeError naming the parameters of ``root`` still on the meta device, and the fix."""
     left = [name for name, p in root.named_parameters() if p.is_meta]
     if left:
         raise TypeError(
             f"{type(module).__name__}'s parameters {left[:3]} are still on the meta device once the model is split: "
             "give the module a materialize(device) that fills them, or build them on a real device."
         )
+
+
+def _resettable(module: Any) -> bool:
+    return callable(getattr(module, "reset_parameters", None))
+
+
+def reset_units(module: Any, root: nn.Module, names: set[str]) -> list[tuple[str, nn.Module]]:
+    """The modules whose ``reset_parameters()`` initialize the tensors ``names`` of ``root`` (built on the meta
+    device), as (path, module) in ``root``'s module order: the pipeline layer holding a tensor when ``module`` has
+    ``pipeline_layers()`` and that layer a ``reset_parameters()`` (the GPT's layers seed their own draws), else the
+    module owning it (``nn.Linear``'s own init, as Lightning's meta-device materialization does).
+
+    Raises:
+        TypeError: a tensor whose owner has no ``reset_parameters()`` (naming it and the fix).
+    """
+    paths = {id(m): path for path, m in root.named_modules()}
+    layers = []
+    if has_pipeline_layers(module):
+        layers = [paths[id(layer)] for layer in module.pipeline_layers() if id(layer) in paths and _resettable(layer)]
+    units: dict[str, nn.Module] = {}
+    orphans = []
+    for name in names:
+        owner = name.rpartition(".")[0]
+        layer = next((p for p in layers if p and (owner == p or owner.startswith(p + "."))), None)
+        path = layer if layer is not None else owner
+        unit = root.get_submodule(path)
+        if _resettable(unit):
+            units[path] = unit
+        else:
+            orphans.append(name)
+    if orphans:
+        owner = type(root.get_submodule(sorted(orphans)[0].rpartition(".")[0])).__name__
+        raise TypeError(
+            f"{type(module).__name__}'s {sorted(orphans)[:3]} are built on the meta device (configure_model or "
+            f"Trainer.init_module() under a layout that shards parameters) and {owner} has no reset_parameters() "
+            "to initialize them once the model is split: give it one that fills all its tensors (or return the layer "
+            "holding them from pipeline_layers(), with a reset_parameters()), give the module a materialize(device), "
+            "or build the model in __init__."
+        )
+    order = {path: i for i, path in enumerate(paths.values())}
+    return sorted(units.items(), key=lambda item: order.get(item[0], len(order)))
+
+
+def unfilled_error(module: Any, root: nn.Module, names: list[str]) -> TypeError:
+    """The error for tensors built on meta that their unit's ``reset_parameters()`` ran but did not fill."""
+    return TypeError(
+        f"{type(module).__name__}'s {names[:3]} are built on the meta device and the reset_parameters() that should "
+        "initialize them once the model is split left them unwritten: make reset_parameters() fill every tensor of "
+        "its module (buffers included), give the module a materialize(device), or build the model in __init__."
+    )

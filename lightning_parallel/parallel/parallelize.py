@@ -1,6 +1,10 @@
 """Applying the parallelisms to a model: the one place their order lives. Pure torch.
 
-    1. pipeline split (pp)      this rank keeps its stages' layers (materialized when built on meta)
+    1. pipeline split (pp)      this rank keeps its stages' layers (materialized here when built on meta and
+                                nothing else shards them)
+       placement                the rest of the order runs on the meta device where tp or ZeRO-3 shard parameters
+                                (host-built values set aside, ``materialize.py``); else this rank's tensors move to
+                                the device
     2. expert parallel (ep)     each MoE layer keeps E/ep experts, tokens travel by all-to-all
     3. tensor parallel (tp)     the module's plan, on what this rank holds (experts replicated over tp)
     4. context parallel (cp)    attention cores and position ids switched to the cp group's (ring or Ulysses);
@@ -13,8 +17,9 @@
     6. data-parallel sharding   ZeRO-3 wraps units (each layer, and each stage under pp; experts over the ranks
                                 holding the same experts); stages 0-2 shard the optimizers later, when
                                 ``configure_optimizers`` has built them
-    7. materialization          parameters still on meta (a module that loads its own weights) get storage and
-                                values, each rank only what it holds (``materialize(device)`` of the protocol)
+    7. materialization          tensors still on meta get storage and values, each rank only what it holds: the
+                                module's ``materialize(device)`` (a module that loads its own weights), the values
+                                set aside, else each unit's ``reset_parameters()`` (``materialize.py``)
 
 Each step reads the module through :mod:`lightning_parallel.protocol` and its settings from
 :class:`~lightning_parallel.parallel.config.ParallelConfig`; the meshes come from the roles of
@@ -43,6 +48,7 @@ from lightning_parallel.parallel.context.apply import ContextParallel, apply_con
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.data.stages import zero_stage as sharding_of
 from lightning_parallel.parallel.expert.apply import apply_expert_parallel, require_moe_layers
+from lightning_parallel.parallel.materialize import fill_meta_tensors, move_real, set_aside, splits_parameters
 from lightning_parallel.parallel.mesh import ParallelMesh
 from lightning_parallel.parallel.pipeline.partition import balanced_partition, check_stage_count, uniform_partition
 from lightning_parallel.parallel.pipeline.profile import example_microbatch, profile_layers, profiled_partition
@@ -60,6 +66,7 @@ from lightning_parallel.protocol import (
     materialize,
     materializes_itself,
     pipeline_layers,
+    require_materialized,
     spatial_gather_modules,
     tensor_parallel_plan,
 )
@@ -107,6 +114,7 @@ def parallelize(
     *,
     warn: Warn = warnings.warn,
     info: Warn = print,
+    rng_state: torch.Tensor | None = None,
 ) -> Parallelized:
     """Split ``root`` in place over ``mesh`` as ``config`` says, in the fixed order of this module's docstring.
 
@@ -116,13 +124,19 @@ def parallelize(
         mesh: the world's mesh.
         config: a validated config.
         sharding: the data-parallel sharding of ``config.zero_stage`` over ``mesh["shard"]``.
-        device: this rank's device (meta-built stages are materialized there).
+        device: this rank's device: where its pieces are materialized (``root`` may be on the host, or on meta).
         warn: where to report a setting that found nothing to apply to; info: where to say what was chosen.
+        rng_state: the CPU generator's state when ``root`` was built on the meta device (reset_parameters()
+            replays its draws from there).
     """
     done = Parallelized()
     dims = mesh.dims
+    on_meta = splits_parameters(config)  # tp or ZeRO-3: nothing is whole on any rank, ever
     if dims.pp > 1:
-        done.split = apply_pipeline_split(root, module, mesh, config, device, sharding.stage, info)
+        done.split = apply_pipeline_split(root, module, mesh, config, device, sharding.stage, info, not on_meta)
+    values = set_aside(root) if on_meta else {}  # host-built values, copied slice by slice in step 7
+    if not on_meta:
+        move_real(root, device)  # pp alone: this rank's stages (the other stages' host tensors are dropped)
     if dims.ep > 1:
         done.moe_layers = apply_expert_parallel(root, mesh["expert"])
         require_moe_layers(len(done.moe_layers), dims.ep, type(module).__name__)
@@ -139,6 +153,22 @@ def parallelize(
         done.spatial = apply_spatial_parallel(
             root, mesh.group("context"), gather, synced_group=mesh.group("loss"), example=example
         )
+    _compile_and_checkpoint(done, module, config, warn)
+    if done.split is None:
+        done.fsdp_units = sharding.shard_module(root)
+    else:
+        for index, stage in sorted(done.split.stages.items()):
+            # each layer is a unit; the stage is the root torch's schedules drive
+            made = sharding.shard_module(stage, [f"layers.{i}" for i in range(len(stage.layers))] + [""])
+            done.fsdp_units += [f"stage{index}.{u}" if u else f"stage{index}" for u in made]
+    apply_materialization(root, module, sharding, device, values, rng_state)
+    if done.split is not None:
+        done.tied = TiedGradients(root, done.split.tie_groups, mesh.group("stage")) if done.split.tie_groups else None
+    return done
+
+
+def _compile_and_checkpoint(done: Parallelized, module: Any, config: ParallelConfig, warn: Warn) -> None:
+    """Step 5: this rank's layers compiled (``compile``), then recomputed in backward (activation checkpointing)."""
     layers = done.split.layers() if done.split is not None else module
     if config.compile:  # before activation checkpointing, which then recomputes the compiled forward
         done.compiled = compile_layers(layers)
@@ -154,17 +184,24 @@ def parallelize(
             f"{type(module).__name__}: give it pipeline_layers() (see the README) or keep its "
             "repeated blocks in an nn.ModuleList; nothing is recomputed."
         )
-    if done.split is None:
-        done.fsdp_units = sharding.shard_module(root)
-    else:
-        for index, stage in sorted(done.split.stages.items()):
-            # each layer is a unit; the stage is the root torch's schedules drive
-            made = sharding.shard_module(stage, [f"layers.{i}" for i in range(len(stage.layers))] + [""])
-            done.fsdp_units += [f"stage{index}.{u}" if u else f"stage{index}" for u in made]
+
+
+def apply_materialization(
+    root: nn.Module,
+    module: Any,
+    sharding: DataParallelSharding,
+    device: torch.device,
+    values: dict[str, torch.Tensor],
+    rng_state: torch.Tensor | None,
+) -> None:
+    """Step 7: storage and values for what is still on meta, each rank only its pieces: the module's own
+    ``materialize(device)`` first (HFCausalLM reads its slices of a folder), then the host values set aside, then each
+    unit's ``reset_parameters()`` (``materialize.py``); a TypeError naming anything left."""
     materialize(module, root, device)
-    if done.split is not None:
-        done.tied = TiedGradients(root, done.split.tie_groups, mesh.group("stage")) if done.split.tie_groups else None
-    return done
+    # ZeRO-3 offload keeps the parameter shards on the host
+    params_device = torch.device("cpu") if sharding.offload and "params" in sharding.sharded else device
+    fill_meta_tensors(module, root, device, values, params_device=params_device, rng_state=rng_state)
+    require_materialized(module, root)
 
 
 def compile_layers(layers: Any) -> list[nn.Module]:
@@ -204,15 +241,17 @@ def apply_pipeline_split(
     device: torch.device,
     zero_stage: int,
     info: Warn = print,
+    materialize_now: bool = True,
 ) -> PipelineSplit:
-    """Step 1: keep this rank's stages of ``module.pipeline_layers()`` in ``root``; materialize them if on meta."""
+    """Step 1: keep this rank's stages of ``module.pipeline_layers()`` in ``root``; materialize them if on meta
+    (unless ``materialize_now`` is False: tp or ZeRO-3 shard them first, step 7 fills the shards)."""
     layers = pipeline_layers(module, mesh.dims.pp)
     paths = layer_paths(root, layers)
     dims = mesh.dims
     partition = stage_partition(layers, module, config, dims.pp, dims.dp, dims.tp, zero_stage, device, info=info)
     ranks = config.schedule.stage_ranks(len(partition), mesh.dims.pp)
     split = split_model(root, paths, partition, ranks, mesh.rank("stage"))
-    if not materializes_itself(module):  # else step 5, once tp and ZeRO-3 made the shards
+    if materialize_now and not materializes_itself(module):  # else step 7, once tp and ZeRO-3 made the shards
         materialize_stages(split, device)
     return split
 

@@ -7,7 +7,8 @@ sharding (``parallel/data``) to shard the optimizers and reduce gradients, clips
 model, reduces logs over the ``batch`` role, and saves and loads through :mod:`.checkpointing`.
 
 The strategies themselves (:mod:`.hybrid3d`, :mod:`.zero`) are presets over
-:class:`~lightning_parallel.parallel.config.ParallelConfig`.
+:class:`~lightning_parallel.parallel.config.ParallelConfig`. Where the model is built and placed (the meta device
+under pp, tp and ZeRO-3: no rank holds a whole copy) is :mod:`.model_setup`'s.
 
 May import: Lightning, ``lightning_parallel.parallel``, ``lightning_parallel.plugins``, ``lightning_parallel._compat``
 and the modules of this package below it (launcher, checks, checkpointing, pipelined_step).
@@ -16,7 +17,7 @@ and the modules of this package below it (launcher, checks, checkpointing, pipel
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -51,10 +52,11 @@ from lightning_parallel.protocol import has_loss
 from lightning_parallel.strategies.checkpointing import ShardedCheckpointing, check_checkpoint_format, unwrap_optimizer
 from lightning_parallel.strategies.checks import check_model
 from lightning_parallel.strategies.distributed import DistributedMixin
+from lightning_parallel.strategies.model_setup import ModelPlacement
 from lightning_parallel.strategies.pipelined_step import pipelined_step
 
 
-class MeshStrategy(DistributedMixin, ShardedCheckpointing, ParallelStrategy):
+class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, ParallelStrategy):
     """Base of the strategies that lay the world out on one mesh, as a :class:`ParallelConfig` says.
 
     Args:
@@ -190,6 +192,7 @@ class MeshStrategy(DistributedMixin, ShardedCheckpointing, ParallelStrategy):
             self._full_param_order = [name for name, _ in self.model.named_parameters()]
             self._sync_batchnorm_over_batch()  # before tp, pp and ZeRO-3 wrap the BatchNorms' parameters
             self._parallelize_model()
+            self.place_split_model()
             self._parallelized = self.model
             self._sync_metrics_over_batch()
         self.barrier()
@@ -218,6 +221,7 @@ class MeshStrategy(DistributedMixin, ShardedCheckpointing, ParallelStrategy):
             self.root_device,
             warn=rank_zero_warn,
             info=rank_zero_info,
+            rng_state=self.take_init_rng(),
         )
         tp = self.parallel_dims.tp > 1
         if self._parallel.split is not None:
@@ -267,23 +271,6 @@ class MeshStrategy(DistributedMixin, ShardedCheckpointing, ParallelStrategy):
     def setup_optimizers(self, trainer: Any) -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
-
-    @override
-    @contextlib.contextmanager
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        # under pp, configure_model builds on the meta device: each rank materializes only its stages
-        if self.config.pp == 1:
-            yield
-            return
-        with torch.device("meta"):
-            yield
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        if any(t.is_meta for t in (*self.model.parameters(), *self.model.buffers())):
-            return  # built on meta: each stage is materialized on the device once the model is split
-        self.model.to(self.root_device)
 
     # ----- precision, gradients, clipping -----
 
@@ -392,6 +379,7 @@ class MeshStrategy(DistributedMixin, ShardedCheckpointing, ParallelStrategy):
     @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
+        self.end_failure_watch()
         hidden = self.__dict__.pop("_hidden_example_input", None)
         if hidden is not None and self.lightning_module is not None:
             self.lightning_module.example_input_array = hidden
