@@ -205,19 +205,19 @@ class MoE(nn.Module):
         dropped = (~keep).sum().to(f64) if keep is not None else zero
         aux, z = (zero if v is None else v.to(f64) for v in (self._last_aux, self._last_z))
         row = torch.cat([counts.detach().to(f64), torch.stack([dropped, aux, z])])
-        if self._sums is None:
-            self._sums = torch.zeros_like(row)
-        self._sums = self._sums.to(row.device).add_(row)
+        before = torch.zeros_like(row) if self._sums is None else self._sums.to(row.device)
+        self._sums = before + row  # out of place: forget_last restores ``before`` (placeholder inputs may be NaN)
         self._forwards += 1
         self._choices += choices
-        self._last = (row, choices)
+        self._last = (before, choices)
 
     def forget_last(self) -> None:
-        """Undo the statistics of the last forward (a pipeline's shape inference on placeholder inputs)."""
+        """Undo the statistics of the last forward (a pipeline's shape inference on placeholder inputs, whose
+        uninitialized values may be NaN: the sums before it are put back, not the row subtracted)."""
         if self._last is None or self._sums is None:
             return
-        row, choices = self._last
-        self._sums.sub_(row)
+        before, choices = self._last
+        self._sums = before
         self._forwards -= 1
         self._choices -= choices
         self._last = None
