@@ -171,3 +171,17 @@ def test_failure_watch_ignores_its_own_rank_and_names_a_killed_one():
 def test_world_timeout_is_kept(world):
     _compat.set_group_timeout(world, timedelta(seconds=55))
     assert _compat.group_timeout(world) == timedelta(seconds=55)
+
+
+def test_async_ps_gradients_stay_on_their_device():
+    """G10: a parameter with no gradient adds zeros on its own device (the meta device stands in for a GPU here:
+    the host zeros before the fix made torch.cat mix devices), and a server's state loads on the host."""
+    from lightning_parallel.parallel.async_ps import protocol
+    from lightning_parallel.parallel.async_ps.layout import FlatLayout
+
+    a, b = (nn.Parameter(torch.empty(n, device="meta")) for n in (3, 2))
+    a.grad = torch.empty(3, device="meta")
+    flat = FlatLayout.of(torch.optim.SGD([a, b], lr=0.1), num_servers=1).flat_grads()
+    assert flat.device.type == "meta" and flat.shape == (5,)
+    state = protocol.from_blob(protocol.to_blob({"x": torch.ones(2)}), map_location="cpu")
+    assert state["x"].device.type == "cpu"
