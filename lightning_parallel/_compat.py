@@ -7,7 +7,8 @@ Torch's entries are imported at once (``lightning_parallel.parallel`` uses them 
 Lightning's are imported the first time they are asked for (``from lightning_parallel._compat import
 SubprocessScriptLauncher`` works through the module ``__getattr__`` below).
 
-Pinned against torch 2.13 and Lightning 2.6 (pyproject.toml).
+Pinned against torch 2.13 and Lightning 2.6 (pyproject.toml). torch 2.11 (a lent GPU machine's image) is bridged
+where it differs: each such entry names both versions, and on 2.13 it is the 2.13 API itself.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import importlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.checkpoint._traverse import set_element  # noqa: F401
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401  (hf: fused qkv)
@@ -30,11 +33,54 @@ from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401
 
 # ----- torch -----
 
+# Even collectives into / out of one flat tensor (public API). torch 2.13 names them ``all_gather_single`` and
+# ``reduce_scatter_single`` (the old names warn: deprecated); torch 2.11 has only ``all_gather_into_tensor`` and
+# ``reduce_scatter_tensor``, with the same arguments.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 # ``torch.Tensor`` subclasses that must not intercept torch functions (DCP's chunked views)
 disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 
-# ``PipelineStage`` runs this once after inferring shapes; pipeline/runner.py overrides it to restore buffers
-PIPELINE_STAGE_SHAPE_CLEANUP = "_post_metadata_inference_cleanup"
+# The ``PipelineStage`` method that runs once torch has inferred a stage's shapes by running it on placeholder
+# inputs. torch 2.13: ``_post_metadata_inference_cleanup`` (a hook the schedule calls after metadata inference, run
+# under ``fork_rng``). torch 2.11 has no such hook: ``_shape_inference`` (a no_grad forward on zeros, RNG not forked)
+# is the method to wrap. :class:`ShapeInferenceHookStage` overrides whichever this torch has.
+TORCH_2_13_PIPELINE_HOOK = hasattr(PipelineStage, "_post_metadata_inference_cleanup")
+PIPELINE_STAGE_SHAPE_CLEANUP = "_post_metadata_inference_cleanup" if TORCH_2_13_PIPELINE_HOOK else "_shape_inference"
+
+
+class ShapeInferenceHookStage(PipelineStage):
+    """A ``PipelineStage`` that calls :meth:`after_shape_inference` once torch has inferred its shapes (torch runs the
+    stage in train mode on placeholder inputs: a subclass restores what that run changed)."""
+
+    def after_shape_inference(self) -> None:
+        """Called once after each shape inference of this stage; a no-op here."""
+
+    if TORCH_2_13_PIPELINE_HOOK:  # torch 2.13: the schedule calls the hook after forward and backward inference
+
+        def _post_metadata_inference_cleanup(self) -> None:
+            super()._post_metadata_inference_cleanup()
+            self.after_shape_inference()
+
+    else:  # torch 2.11: wrap the forward shape inference, and fork the RNG around it as 2.13's schedules do
+
+        def _shape_inference(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+            if not self.is_first and self.stage_index_to_group_rank[self.stage_index - 1] != self.group_rank:
+                # the step's inputs, given on every pp rank: 2.13 ignores them past the first stage, 2.11 refuses
+                # them on a stage that receives its input shapes from another rank
+                args = ()
+            device = torch.device(self.device)
+            devices = [device] if device.type != "cpu" else []
+            with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+                outputs = super()._shape_inference(args, kwargs)
+            self.after_shape_inference()
+            return outputs
+
+        def _get_init_p2p_neighbors_ops(self) -> list[Any]:
+            # 2.11 warms up every neighbour link, a V schedule's stage pair on this very rank included: gloo
+            # refuses a send to oneself ("Pair is not connected"); 2.13's warm-up skips those links
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 
 
 def set_local_tensor(param: DTensor, local: Tensor) -> None:

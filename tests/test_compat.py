@@ -9,7 +9,9 @@ import re
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_parallel import _compat
@@ -22,6 +24,8 @@ def test_private_apis_resolve():
     for name in _compat.lightning_entries():
         assert callable(getattr(_compat, name)), name
     assert hasattr(PipelineStage, _compat.PIPELINE_STAGE_SHAPE_CLEANUP)
+    hooked = _compat.ShapeInferenceHookStage.__dict__  # the stage overrides the hook this torch calls
+    assert _compat.PIPELINE_STAGE_SHAPE_CLEANUP in hooked
     assert hasattr(_AcceleratorConnector, _compat.ACCELERATOR_CONNECTOR_PRECISION)
     assert "_local_tensor" in torch.distributed.tensor.DTensor.__slots__  # set_local_tensor/local_tensor alias it
     assert callable(_compat.compute_local_shape_and_global_offset) and callable(_compat.set_element)
@@ -33,9 +37,47 @@ def test_private_apis_resolve():
     assert callable(DeviceMesh._flatten)
     world = torch.distributed.group.WORLD  # group_size_of / group_name_of resolve a group by its name
     assert world is None or _compat.group_name_of(world) == world.group_name
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed import distributed_c10d as c10d
 
-    assert callable(_resolve_process_group)
+    for name in ("_resolve_process_group", "_get_default_store", "_device_capability", "_set_pg_timeout"):
+        assert callable(getattr(c10d, name)), name
+    assert callable(c10d._abort_process_group)
+    import torch.distributed.pipelining.schedules as schedules  # measure/timeline.py wraps it while recording
+
+    assert callable(schedules._wait_batch_p2p)
+    assert isinstance(_compat.StridedShard(0, split_factor=2), torch.distributed.tensor.placement_types.Placement)
+    if hasattr(dist, "all_gather_single"):  # torch 2.13: its own names, not the deprecated ones 2.11 has
+        assert _compat.all_gather_single is dist.all_gather_single
+        assert _compat.reduce_scatter_single is dist.reduce_scatter_single
+
+
+def test_version_shims_at_world_1():
+    """The pipeline stage hook runs once per schedule, after shape inference, with the RNG as it was before the step
+    (torch 2.13 forks it around metadata inference; on 2.11 the shim does); the flat collectives run."""
+    from harness import free_port
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    seen = []
+
+    class Stage(_compat.ShapeInferenceHookStage):
+        def after_shape_inference(self) -> None:
+            seen.append(torch.get_rng_state())
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+        schedule = ScheduleGPipe(Stage(module, 0, 1, torch.device("cpu")), 2, loss_fn=lambda out, y: out.sum())
+        before = torch.get_rng_state()
+        schedule.step(torch.randn(4, 4, generator=torch.Generator().manual_seed(1)), target=torch.zeros(4))
+        assert len(seen) == 1 and torch.equal(seen[0], before)
+        flat = torch.zeros(3)  # the flat collectives, whichever name this torch gives them
+        _compat.all_gather_single(flat, torch.arange(3.0))
+        out = torch.zeros(3)
+        _compat.reduce_scatter_single(out, flat)
+        assert out.tolist() == [0.0, 1.0, 2.0]
+    finally:
+        dist.destroy_process_group()
 
 
 def _imports(path: Path, modules: set[str] | None = None) -> set[str]:

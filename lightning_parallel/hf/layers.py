@@ -54,9 +54,8 @@ def _decoder_inputs(config: Any, rotary: nn.Module | None, index: int):
         hidden = args[0]  # (B, T, C)
         position_ids = _positions(hidden)
         extra: dict[str, Any] = {"position_ids": position_ids}
-        extra["attention_mask"] = make_mask(
-            config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
-        )
+        # the cache goes by position: transformers 5.24 names it ``cache``, 5.17 ``past_key_values``
+        extra["attention_mask"] = make_mask(config, hidden, None, None, position_ids=position_ids)
         if rotary is not None:
             rope_kwargs = {"layer_type": kind} if per_type else {}
             extra["position_embeddings"] = rotary(hidden, position_ids=position_ids, **rope_kwargs)

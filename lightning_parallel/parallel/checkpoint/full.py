@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -22,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_parallel._compat import all_gather_single
 from lightning_parallel.parallel.data.flat_zero import SCALAR_STATE_KEYS, FlatZero
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -130,7 +130,7 @@ def flat_full_state_dict(flat: FlatZero) -> dict:
                         entry[key] = value.clone() if torch.is_tensor(value) else value
                     continue
                 full = torch.empty_like(fg.flat_param)
-                dist.all_gather_single(full, value.to(full.device), group=fg.group)
+                all_gather_single(full, value.to(full.device), group=fg.group)
                 for p, view in fg.views(full):
                     per_param[by_param[id(p)]][key] = _to_full(p, view)
             state.update(per_param)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_parallel._compat import all_gather_single, reduce_scatter_single
 from lightning_parallel.parallel.data.flat_group import FlatGroup
 from lightning_parallel.parallel.data.overlap import HookedBuckets, buckets_of, overlap_summary
 from lightning_parallel.parallel.dtensor import like, local, placed_like
@@ -175,7 +176,7 @@ class FlatBuckets(HookedBuckets):
             inputs[owner] = sent[a - lo : b - lo]
         out = torch.empty_like(inputs[fg.rank])
         if even(pieces, self.world):  # the bucket is the concatenation of the pieces, in rank order
-            work = dist.reduce_scatter_single(out, sent, group=fg.group, async_op=True)
+            work = reduce_scatter_single(out, sent, group=fg.group, async_op=True)
         else:
             work = dist.reduce_scatter(out, inputs, group=fg.group, async_op=True)
         return [work], (mine[0], out) if mine is not None else None
@@ -228,7 +229,7 @@ class FlatBuckets(HookedBuckets):
         for owner, a, b in pieces:
             outputs[owner] = flat[a:b]
         if even(pieces, self.world):  # the input is copied because it aliases the output buffer
-            return [dist.all_gather_single(flat[lo:hi], outputs[fg.rank].clone(), group=fg.group, async_op=True)]
+            return [all_gather_single(flat[lo:hi], outputs[fg.rank].clone(), group=fg.group, async_op=True)]
         return [dist.all_gather(outputs, outputs[fg.rank], group=fg.group, async_op=True)]
 
     def wait_gather(self, index: int) -> None:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_parallel._compat import set_local_tensor
+from lightning_parallel._compat import all_gather_single, reduce_scatter_single, set_local_tensor
 from lightning_parallel.parallel.data.flat_group import SCALAR_STATE_KEYS, FlatGroup, pack
 from lightning_parallel.parallel.data.flat_overlap import FlatBuckets, flat_overlap_stats
 from lightning_parallel.parallel.data.fsdp import fsdp_units
@@ -194,7 +194,7 @@ class FlatZero:
                 flat.copy_(sent)
             return flat[start:end]
         grad = torch.empty(fg.shard_numel, dtype=sent.dtype, device=flat.device)
-        dist.reduce_scatter_single(grad, sent, group=fg.group)
+        reduce_scatter_single(grad, sent, group=fg.group)
         return grad.to(flat.dtype)
 
     def _deliver(self, fg: FlatGroup, grad: Tensor) -> None:
@@ -231,7 +231,7 @@ class FlatZero:
             if overlapped is not None:
                 overlapped.gather()  # async, bucket by bucket: each waited for before the forward uses it
             else:  # the input is copied because it aliases the output buffer
-                dist.all_gather_single(fg.flat_param, local.clone(), group=fg.group)
+                all_gather_single(fg.flat_param, local.clone(), group=fg.group)
             if overlapped is not None and not self.forward_waits:
                 overlapped.settle()  # no forward hooks yet: nothing else would wait
             if fg.flat_grad is not None:

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from lightning_parallel._compat import ShapeInferenceHookStage
 from lightning_parallel.parallel.expert.aux import aux_loss_scale
 from lightning_parallel.parallel.expert.moe import moe_layers
 from lightning_parallel.parallel.measure.timeline import active_recorder
@@ -27,7 +27,7 @@ from lightning_parallel.parallel.pipeline.schedules import schedule_spec
 from lightning_parallel.parallel.pipeline.split import PipelineSplit
 
 
-class _Stage(PipelineStage):
+class _Stage(ShapeInferenceHookStage):
     """A ``PipelineStage`` whose shape inference leaves running statistics alone.
 
     To learn shapes, torch runs each stage once in train mode on placeholder inputs (uninitialized memory
@@ -41,8 +41,7 @@ class _Stage(PipelineStage):
         super().__init__(submodule, *args, **kwargs)
         self._buffers_before = [b.detach().clone() for b in submodule.buffers()]
 
-    def _post_metadata_inference_cleanup(self) -> None:  # torch's hook: _compat.PIPELINE_STAGE_SHAPE_CLEANUP
-        super()._post_metadata_inference_cleanup()
+    def after_shape_inference(self) -> None:  # torch's hook, by version: _compat.PIPELINE_STAGE_SHAPE_CLEANUP
         with torch.no_grad():
             for buffer, before in zip(self.submod.buffers(), self._buffers_before):
                 buffer.copy_(before)
