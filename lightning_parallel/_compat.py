@@ -35,9 +35,17 @@ from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401
 
 # Even collectives into / out of one flat tensor (public API). torch 2.13 names them ``all_gather_single`` and
 # ``reduce_scatter_single`` (the old names warn: deprecated); torch 2.11 has only ``all_gather_into_tensor`` and
-# ``reduce_scatter_tensor``, with the same arguments.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# ``reduce_scatter_tensor``, with the same arguments. Looked up at each call, so whatever wraps torch's own (a
+# communication counter, a test's spy) sees the call.
+
+
+def all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
 
 # ``torch.Tensor`` subclasses that must not intercept torch functions (DCP's chunked views)
 disabled_torch_function_impl = torch._C._disabled_torch_function_impl
