@@ -199,7 +199,7 @@ def test_on_cuda_a_bucket_ends_with_its_collective_not_with_the_host(monkeypatch
 # ----- distributed: world 2 -----
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["world2", "world4"])
 def ranks(request, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp(f"data-device-paths-{request.param}")
     return run_distributed("data_worker.py", request.param, [], out, timeout=300)

@@ -128,7 +128,9 @@ def meta_runs(tmp_path_factory) -> Batch:
     return Batch(tmp_path_factory, {label: (w, s, case) for label, (w, s) in META_LAYOUTS.items()}, tag="meta")
 
 
-@pytest.mark.parametrize("label", list(META_LAYOUTS))
+@pytest.mark.parametrize(
+    "label", [pytest.param(k, marks=pytest.mark.slow) if w > 2 else k for k, (w, _) in META_LAYOUTS.items()]
+)
 def test_training_from_a_meta_build_matches_one_process(label, meta_runs, reference):
     world, strategy = META_LAYOUTS[label]
     run = meta_runs[label]

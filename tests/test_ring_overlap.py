@@ -45,7 +45,7 @@ def check_overlap(events: list, cp: int, label: str) -> None:
         assert blocks[g] < posted <= after < waited, f"{label} accumulator hop {g}: {events}"
 
 
-@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_ring_exchanges_are_in_flight_while_blocks_compute(world, tmp_path):
     ranks = run_distributed("context_worker.py", world, ["--cases", json.dumps([CASE])], tmp_path)
     for rank, (got,) in enumerate(ranks):

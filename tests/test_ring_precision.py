@@ -19,6 +19,8 @@ from harness import run_distributed
 
 from lightning_parallel.parallel.context import ring_bytes
 
+pytestmark = pytest.mark.slow  # a measurement at cp=4 against fp64 (cp parity with one process is in make test)
+
 CP = 4
 BASE = {"mode": "ring", "seq_len": 64, "head_dim": 16, "truth": True}
 CASES = [
