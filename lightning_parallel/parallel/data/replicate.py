@@ -54,6 +54,11 @@ def all_reduce_gradients(
     world = dist.get_world_size(group)
     divisor = world if divide_by is None else divide_by
     if world == 1 and divisor == 1:
+        # nothing to average, but a gradient that tensor parallelism left Partial (a replicated weight fed by split
+        # activations: a sequence-parallel norm, a LoRA factor) is summed over tp here, as in local_grads
+        for p in params:
+            if p.grad is not None:
+                p.grad = placed_like(p, p.grad)
         return
     by_dtype: dict[torch.dtype, list[Tensor]] = defaultdict(list)
     for _, grad in local_grads(params):

@@ -50,7 +50,7 @@ def check_tp_plan(root: nn.Module, plan: Mapping[str, ParallelStyle], tp: int, r
     unmatched = dict.fromkeys(plan)
     for path, module in root.named_modules():
         for pattern, style in plan.items():
-            if not _matches(path, pattern):
+            if not path_matches(path, pattern):
                 continue
             unmatched.pop(pattern, None)
             split = _sharded_dim(style, module)
@@ -67,9 +67,16 @@ def check_tp_plan(root: nn.Module, plan: Mapping[str, ParallelStyle], tp: int, r
 
 
 def apply_tp(root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> None:
-    """Shard ``root`` in place over ``tp_mesh`` following ``plan``, keeping tied weights tied."""
+    """Shard ``root`` in place over ``tp_mesh`` following ``plan``, keeping tied weights tied and frozen weights
+    frozen."""
     ties = tied_parameters(root)
+    # torch's styles make each split weight a new nn.Parameter(distribute_tensor(...)), which requires a gradient:
+    # a frozen weight (a LoRA base) would start training
+    frozen = {name for name, p in root.named_parameters(remove_duplicate=False) if not p.requires_grad}
     parallelize_module(root, tp_mesh, dict(plan))
+    for name, p in root.named_parameters(remove_duplicate=False):
+        if name in frozen:
+            p.requires_grad_(False)
     for sites in ties:
         (first_path, first_name), *others = sites
         shared = getattr(root.get_submodule(first_path), first_name)
@@ -87,7 +94,8 @@ def apply_tp(root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelSt
             setattr(module, name, shared)
 
 
-def _matches(path: str, pattern: str) -> bool:
+def path_matches(path: str, pattern: str) -> bool:
+    """Whether a module path matches a plan pattern (``*`` stands for exactly one name)."""
     return fnmatch.fnmatchcase(path, pattern) and path.count(".") == pattern.count(".")
 
 
@@ -97,4 +105,4 @@ def resolvable_plan(
     """The entries of ``plan`` that name a module ``root`` still holds (a pipeline stage holds a part); modules of
     the ``placeholders`` types stand in for layers held elsewhere (a plan may name a pipeline layer itself)."""
     paths = [path for path, m in root.named_modules() if not isinstance(m, placeholders)]
-    return {pattern: style for pattern, style in plan.items() if any(_matches(p, pattern) for p in paths)}
+    return {pattern: style for pattern, style in plan.items() if any(path_matches(p, pattern) for p in paths)}
