@@ -27,8 +27,8 @@ def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
 
 class CausalLM(pl.LightningModule):
     """Next-token training: :func:`causal_lm_loss` per (micro)batch, ``train_loss`` / ``val_loss`` /
-    ``test_loss`` logged over the data-parallel ranks, AdamW without decay on parameters of dimension < 2 (biases,
-    norm weights). Override ``configure_optimizers`` for another optimizer.
+    ``test_loss`` logged over the data-parallel ranks, AdamW over the trainable parameters, without decay on those
+    of dimension < 2 (biases, norm weights). Override ``configure_optimizers`` for another optimizer.
 
     Args:
         lr: AdamW learning rate.
@@ -71,7 +71,10 @@ class CausalLM(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        # only what trains: a frozen base (LoRA) gets no optimizer state, and no gradient buffer under ZeRO 1-2
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in trainable if p.dim() >= 2]
+        no_decay = [p for p in trainable if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]  # LoRA's factors are all matrices
         return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps)

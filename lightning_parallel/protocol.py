@@ -23,6 +23,7 @@ Where a model's initial values come from when a layout shards its parameters (tp
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -58,7 +59,8 @@ class SpatialParallel(Protocol):
 
 @runtime_checkable
 class ChecksDegrees(Protocol):
-    """Optional: refuse degrees the model cannot split, before any process starts."""
+    """Optional: refuse degrees the model cannot split, before any process starts (a method that also names ``cp``
+    or ``ep`` is given those degrees too)."""
 
     def check_parallel_degrees(self, *, pp: int, tp: int) -> None: ...
 
@@ -116,10 +118,13 @@ def spatial_gather_modules(module: Any, spatial: int) -> list[str]:
     return list(module.spatial_gather_modules())
 
 
-def check_parallel_degrees(module: Any, *, pp: int, tp: int) -> None:
-    """Let the module refuse degrees it cannot split (when it has ``check_parallel_degrees``)."""
+def check_parallel_degrees(module: Any, *, pp: int, tp: int, cp: int = 1, ep: int = 1) -> None:
+    """Let the module refuse degrees it cannot split (when it has ``check_parallel_degrees``); ``cp`` and ``ep`` go
+    to a method that names them."""
     if isinstance(module, ChecksDegrees):
-        module.check_parallel_degrees(pp=pp, tp=tp)
+        accepted = inspect.signature(module.check_parallel_degrees).parameters
+        more = {name: degree for name, degree in (("cp", cp), ("ep", ep)) if name in accepted}
+        module.check_parallel_degrees(pp=pp, tp=tp, **more)
 
 
 def has_pipeline_layers(module: Any) -> bool:

@@ -34,11 +34,14 @@ def check_model(model: Any, config: ParallelConfig, dims: ParallelDims) -> None:
     themselves, degrees the model itself refuses."""
     # what configure_model makes, on meta; None when that cannot be known here
     built = as_built(model) if dims.pp > 1 or dims.tp > 1 or dims.ep > 1 or dims.cp > 1 else model
-    if dims.ep > 1 and built is not None:
-        check_expert_layout(built, dims.ep)
     if dims.tp > 1:
         plan = tensor_parallel_plan(model, dims.tp, config.sequence_parallel)
         check_tp_plan(model if built is None else built, plan, dims.tp, require_match=built is not None)
+    # the model's own refusals (after its plan, which notes sequence_parallel) before the generic checks of the other
+    # axes ask it for what it lacks: it names what it cannot take (LoRA adapters under pp, cp or ep)
+    check_parallel_degrees(model, pp=dims.pp, tp=dims.tp, cp=dims.cp, ep=dims.ep)
+    if dims.ep > 1 and built is not None:
+        check_expert_layout(built, dims.ep)
     if dims.pp > 1:
         require_pipelined(model, dims.pp)
         if config.pp_balance == "profile":
@@ -62,7 +65,6 @@ def check_model(model: Any, config: ParallelConfig, dims: ParallelDims) -> None:
         gather = spatial_gather_modules(model, dims.spatial)
         if target is not None:
             check_spatial_layout(target, dims.spatial, gather, example)
-    check_parallel_degrees(model, pp=dims.pp, tp=dims.tp)
 
 
 def as_built(model: pl.LightningModule) -> pl.LightningModule | None:
