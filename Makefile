@@ -14,7 +14,7 @@ OUT ?= gpu_check_out
 .PHONY: install install-torch train test test-full lint soak bench gpu-check gpu-wheels
 
 install: install-torch
-	$(PYTHON) -m pip install --quiet -e ".[dev,hf]"
+	$(PYTHON) -m pip install --quiet -e ".[dev,hf,peft]"
 	$(PYTHON) -m pip install --quiet --no-deps litgpt==$(LITGPT_VERSION) psutil==7.2.2  # see the litgpt extra
 ifeq ($(TORCH),cuda)
 	$(PYTHON) -c "import torch; assert torch.version.cuda, 'TORCH=cuda but torch ' + torch.__version__ + ' is a CPU build'"

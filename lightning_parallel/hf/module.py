@@ -7,6 +7,7 @@ untouched); the parallel protocol methods read HF's own descriptions of it (``ba
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lightning_parallel.causal_lm import IGNORE_INDEX, CausalLM, causal_lm_loss  # noqa: F401  (re-exported)
 from lightning_parallel.hf.layers import ATTENTION_TYPES, attention_type, hf_pipeline_layers, num_decoder_layers
 from lightning_parallel.hf.loading import load_local_weights, parameters_on_meta, safetensors_files, tied_aliases
+from lightning_parallel.hf.lora import apply_peft, base_of, check_peft_degrees
 from lightning_parallel.hf.plan import SP_WITH_PP, hf_tensor_parallel_plan
 
 # config fields whose effect HF's forward applies between the modules of base_model_pp_plan (final logits
@@ -77,9 +79,17 @@ class HFCausalLM(CausalLM):
     slices; :mod:`lightning_parallel.hf.loading`). Under Lightning's own strategies the whole folder is read in
     ``configure_model``; outside a Trainer call :meth:`materialize` first.
 
+    With ``peft_config`` the model is wrapped by peft's ``get_peft_model`` (``self.model`` is the ``PeftModel``: peft's
+    modules and parameter names), the base frozen: only the adapters have gradients and optimizer states. LoRA only,
+    under ZeRO 0-3 and tp with or without sequence parallelism for now (pp, cp and ep are refused).
+
     Args:
         model: a ``PreTrainedModel``, a local folder written by ``save_pretrained`` or a transformers config.
-        lazy_load: False reads a folder's weights whole in every process, now (``from_pretrained``).
+        peft_config: a ``peft.LoraConfig``: train LoRA adapters on a frozen base (the ``peft`` extra).
+        adapter_seed: the seed the adapters are initialized from (the global generator is left alone), so every
+            process builds the same adapters.
+        lazy_load: False reads a folder's weights whole in every process, now (``from_pretrained``). Default: True
+            without ``peft_config``; with it the folder is read whole for now.
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay, not applied to biases and norm weights (parameters of dimension < 2).
         betas: AdamW betas.
@@ -93,16 +103,28 @@ class HFCausalLM(CausalLM):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
-        lazy_load: bool = True,
+        lazy_load: bool | None = None,
+        peft_config: Any = None,
+        adapter_seed: int = 0,
     ) -> None:
         super().__init__(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
-        lazy = lazy_causal_lm(model) if lazy_load else None
-        self.model = lazy if lazy is not None else load_causal_lm(model)
+        if lazy_load and peft_config is not None:
+            msg = "HFCausalLM: lazy_load=True is ignored with peft_config: the folder is read whole for now."
+            warnings.warn(msg, stacklevel=2)
+        lazy = lazy_causal_lm(model) if lazy_load is not False and peft_config is None else None
+        hf = lazy if lazy is not None else load_causal_lm(model)
         # the folder still to read (None once read), the tied names as built, and what this rank read (bytes)
         self._weights_folder = Path(model) if lazy is not None else None
-        self._tied_aliases = tied_aliases(self.model) if lazy is not None else {}
+        self._tied_aliases = tied_aliases(hf) if lazy is not None else {}
         self.weight_bytes_read = 0
-        hf_pipeline_layers(self.model)  # installs the pipeline hooks now: inert under HF's own forward
+        hf_pipeline_layers(hf)  # installs the pipeline hooks now: inert under HF's own forward
+        self.peft_config = peft_config
+        self.model = hf if peft_config is None else apply_peft(hf, peft_config, adapter_seed)
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The Hugging Face model (inside peft's wrapper when there are adapters)."""
+        return base_of(self.model)[0]
 
     def materialize(self, device: torch.device | str = "cpu") -> None:
         """Read the weights of the folder this module was built from into the parameters it holds, on ``device``
@@ -137,20 +159,22 @@ class HFCausalLM(CausalLM):
         return ids, labels, None
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[HF_CONFIG_KEY] = self.model.config.to_dict()  # plain values: read back without unpickling code
+        checkpoint[HF_CONFIG_KEY] = self.hf_model.config.to_dict()  # plain values: read back without unpickling code
 
     # ----- the parallel protocol (lightning_parallel/protocol.py), read from HF's own plans -----
 
     def pipeline_layers(self) -> list[nn.Module]:
-        return hf_pipeline_layers(self.model)
+        return hf_pipeline_layers(self.hf_model)
 
     def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
         self._sequence_parallel = sequence_parallel  # the strategy asks for the plan before the degrees
         plan = hf_tensor_parallel_plan(self.model, sequence_parallel)
         return {f"model.{path}": style for path, style in plan.items()}
 
-    def check_parallel_degrees(self, pp: int, tp: int) -> None:
-        check_hf_degrees(self.model, pp=pp, tp=tp)
+    def check_parallel_degrees(self, pp: int, tp: int, cp: int = 1, ep: int = 1) -> None:
+        if self.peft_config is not None:
+            check_peft_degrees(self.peft_config, pp=pp, tp=tp, cp=cp, ep=ep)
+        check_hf_degrees(self.hf_model, pp=pp, tp=tp)
         if pp > 1 and tp > 1 and getattr(self, "_sequence_parallel", False):
             raise ValueError(SP_WITH_PP)
 

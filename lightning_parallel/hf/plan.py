@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
+from lightning_parallel.hf.lora import base_of, has_lora_layers, lora_tensor_parallel_plan
 from lightning_parallel.hf.styles import Conv1DColwise, Conv1DRowwise, HiddenStatesInput
 from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
 
@@ -159,12 +160,18 @@ def hf_tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -
     Prefix the paths with where the model sits in your LightningModule (``{"model." + k: v ...}``).
 
     Args:
-        model: a ``PreTrainedModel`` with a causal-LM head (Llama-style models, GPT-2).
+        model: a ``PreTrainedModel`` with a causal-LM head (Llama-style models, GPT-2), or one wrapped by peft's
+            ``get_peft_model`` with LoRA: then each LoRA layer follows its base layer's split
+            (:class:`~lightning_parallel.hf.styles.LoraParallel`) and the paths are the peft model's.
         sequence_parallel: split norms and the residual stream along the sequence as well.
 
     Raises:
-        ValueError: a model with no plan, or a style this translation does not know.
+        ValueError: a model with no plan, a style this translation does not know, or a LoRA layer it cannot split.
     """
     if sequence_parallel and any(isinstance(m, ElsewhereLayer) for m in model.modules()):
         raise ValueError(SP_WITH_PP)
-    return gpt2_plan(model, sequence_parallel) if is_gpt2(model) else llama_like_plan(model, sequence_parallel)
+    hf, prefix = base_of(model)
+    plan = gpt2_plan(hf, sequence_parallel) if is_gpt2(hf) else llama_like_plan(hf, sequence_parallel)
+    if has_lora_layers(hf):
+        plan = lora_tensor_parallel_plan(hf, plan)
+    return {prefix + path: style for path, style in plan.items()}

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_parallel._compat import StridedShard
 
@@ -126,3 +126,91 @@ class HiddenStatesInput(ParallelStyle):
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
+
+
+class LoraParallel(ParallelStyle):
+    """A peft LoRA layer (``base_layer``, ``lora_A[name]``, ``lora_B[name]``) split the way ``base_style`` splits its
+    base layer, with one collective for base and adapter together.
+
+    Column-parallel base (torch's ``ColwiseParallel``, :class:`Conv1DColwise`): the base's output columns are split,
+    ``lora_A`` (r, in) is replicated and ``lora_B`` (out, r) split by rows like the base's output (per fused part
+    for GPT-2's c_attn), so ``B A x`` is this rank's columns of the adapter's output and adds to the base's locally;
+    the input gradients of both (partial sums) meet in the one reduction of the input's layout change. Row-parallel
+    base (``RowwiseParallel``, :class:`Conv1DRowwise`): the input features are split, ``lora_A`` split on its input
+    and ``lora_B`` replicated, so ``B A x`` is a partial sum like the base's and the two are reduced once (all-reduce,
+    or reduce-scatter along the sequence). Replicated factors come from the tensor as every rank built it (peft's
+    initialization, drawn from one seed: :func:`lightning_parallel.hf.lora.apply_peft`). The math runs in DTensor.
+
+    Args:
+        base_style: the style the plan gives the base layer.
+    """
+
+    def __init__(self, base_style: ParallelStyle) -> None:
+        super().__init__()
+        self.base_style = base_style
+        self.kind, self.parts, self.input_layout, self.output_layout, self.local_output = _lora_layouts(base_style)
+
+    def _base_placement(self, pname: str, module: nn.Module) -> Placement:
+        from transformers.pytorch_utils import Conv1D
+
+        if pname != "weight":  # the bias: split with the output columns (whole when fused), else added whole
+            return Shard(0) if self.kind == "col" and self.parts == 1 else Replicate()
+        out_dim = 1 if isinstance(module, Conv1D) else 0  # Conv1D's weight is (in, out)
+        if self.kind == "row":
+            return Shard(1 - out_dim)
+        return StridedShard(out_dim, split_factor=self.parts) if self.parts > 1 else Shard(out_dim)
+
+    def _placement(self, name: str, pname: str, module: nn.Module) -> Placement:
+        owner = name.split(".")[0]
+        if owner == "base_layer":
+            return self._base_placement(pname, module)
+        if owner == "lora_A":  # (r, in): the input features split under a row-parallel base
+            return Shard(1) if self.kind == "row" and pname == "weight" else Replicate()
+        if owner == "lora_B" and self.kind == "col":  # (out, r): the output rows, as the base's columns
+            if pname != "weight":
+                return Shard(0) if self.parts == 1 else Replicate()
+            return StridedShard(0, split_factor=self.parts) if self.parts > 1 else Shard(0)
+        if owner == "lora_B":
+            return Replicate()
+        raise ValueError(
+            f"LoRA parameter {name}.{pname} has no tensor-parallel placement here (plain LoRA's base_layer, lora_A "
+            "and lora_B do): use plain LoRA, or tp=1."
+        )
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placement = self._placement(name, pname, module)
+            dist = distribute_tensor(param, mesh, [placement])
+            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        desired = Replicate() if self.kind == "col" else Shard(-1)
+        layout, out_layout, local_output = self.input_layout, self.output_layout, self.local_output
+
+        def prepare_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return (_to_dtensor(inputs[0], mesh, layout, desired), *inputs[1:])
+
+        def prepare_output(mod: nn.Module, output: DTensor, mesh: DeviceMesh) -> Any:
+            # column-parallel: the columns as the base style hands them (a fused Conv1D's strided columns as they
+            # are); row-parallel: base and adapter partial sums reduced here, once
+            if out_layout is not None and output.placements != (out_layout,):
+                output = output.redistribute(placements=(out_layout,))
+            return output.to_local() if local_output else output
+
+        return distribute_module(module, device_mesh, self._partition, prepare_input, prepare_output)
+
+
+def _lora_layouts(style: ParallelStyle) -> tuple[str, int, Placement, Placement | None, bool]:
+    """(col or row, fused parts, input layout, output layout or None to keep it, plain tensor out) of a base style."""
+    if isinstance(style, Conv1DColwise):
+        return "col", style.parts, style.input_layout, None, True
+    if isinstance(style, Conv1DRowwise):
+        return "row", 1, Shard(-1), style.output_layout, True
+    if isinstance(style, ColwiseParallel):
+        return "col", 1, style.input_layouts[0], style.output_layouts[0], style.use_local_output
+    if isinstance(style, RowwiseParallel):
+        return "row", 1, style.input_layouts[0], style.output_layouts[0], style.use_local_output
+    raise ValueError(
+        f"a LoRA layer whose base layer's tensor-parallel style is {type(style).__name__} is not supported (LoRA "
+        "follows ColwiseParallel, RowwiseParallel and GPT-2's Conv1D styles): drop it from target_modules, or use tp=1."
+    )
