@@ -22,12 +22,16 @@ def options(label: str) -> dict:
     return {"clip": CLIP if "clip" in label else None, "accumulate": ACCUMULATE if "accum" in label else 1}
 
 
-def launch(tmp_path_factory, folders: dict[str, str], runs: dict, tag: str, library: str) -> Batch:
-    """Every run of one world size in one hf_worker.py launch; ``library`` "hf" or "litgpt"."""
+def launch(
+    tmp_path_factory, folders: dict[str, str], runs: dict, tag: str, library: str, extra: dict | None = None
+) -> Batch:
+    """Every run of one world size in one hf_worker.py launch; ``library`` "hf" or "litgpt"; ``extra``: more case
+    keys per model name (``lora``: adapters)."""
     case = {"name": "train", "steps": STEPS, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN, "lr": LR}
+    extra = extra or {}
     spec = {
         label: (world, strategy, [{**case, "path": folders[model], "library": library, "tuple_batch": "tuple" in label,
-                                   **options(label)}])
+                                   **options(label), **extra.get(model, {})}])
         for label, (world, strategy, model, _) in runs.items()
     }  # fmt: skip
     return Batch(tmp_path_factory, spec, tag=tag, worker="hf_worker.py")

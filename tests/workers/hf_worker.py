@@ -4,7 +4,9 @@ list of cases; writes rank<N>.json (+ params), as gpt_worker.py does (same ``--r
 so tests/conftest.py's ``Batch`` can launch it).
 
 Case keys: name, path (the model folder), steps, global_batch, seq_len, lr, tuple_batch (batches as
-(input_ids, labels) instead of dicts), accumulate (micro-batches per optimizer step), clip (gradient norm).
+(input_ids, labels) instead of dicts), accumulate (micro-batches per optimizer step), clip (gradient norm), lora
+(LoraConfig keyword arguments: LoRA adapters on the frozen model; the result then says what each rank holds for the
+frozen weights, see ``frozen_report``).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from gpt_worker import ShardedData, batch_ranks, build_strategy
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.data import Dataset
 
 from lightning_parallel.hf import HFCausalLM
+from lightning_parallel.parallel.dtensor import local
 
 
 class RandomTokens(Dataset):
@@ -46,10 +50,17 @@ def recording(module_class: type) -> type:
             super().__init__(*args, **kwargs)
             self.losses: list[float] = []
 
+            self.frozen_with_grad: set[str] = set()  # frozen parameters seen with a gradient before a step
+
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
             self.losses.append(loss.item())
             return loss
+
+        def on_before_optimizer_step(self, optimizer) -> None:
+            self.frozen_with_grad |= {
+                n for n, p in self.named_parameters() if not p.requires_grad and p.grad is not None
+            }
 
     return Recording
 
@@ -67,7 +78,12 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     steps, global_batch, accumulate = case.get("steps", 10), case.get("global_batch", 8), case.get("accumulate", 1)
     strategy_obj = build_strategy(strategy)
     micro = global_batch // (accumulate * batch_ranks(strategy_obj, world))
-    model = recording(module_class(case.get("library", "hf")))(case["path"], lr=case.get("lr", 1e-3), eps=1e-6)
+    peft = {}
+    if case.get("lora"):
+        from peft import LoraConfig
+
+        peft = {"peft_config": LoraConfig(**case["lora"])}
+    model = recording(module_class(case.get("library", "hf")))(case["path"], lr=case.get("lr", 1e-3), eps=1e-6, **peft)
     data = RandomTokens(global_batch * steps, case.get("seq_len", 16), model.model.config.vocab_size)
     data.as_tuple = bool(case.get("tuple_batch"))
     trainer = pl.Trainer(
@@ -91,7 +107,35 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         torch.save({k: v.detach().cpu() for k, v in state.items()}, out / f"{case['name']}_params.pt")
     # one loss per optimizer step: the mean of its micro-batches' (equal token counts: the global batch's loss)
     losses = [sum(model.losses[i : i + accumulate]) / accumulate for i in range(0, len(model.losses), accumulate)]
-    return {"name": case["name"], "losses": losses, "bytes_read": getattr(model, "weight_bytes_read", 0)}
+    result = {"name": case["name"], "losses": losses, "bytes_read": getattr(model, "weight_bytes_read", 0)}
+    return {**result, **(frozen_report(model, trainer) if peft else {})}
+
+
+def frozen_report(model: torch.nn.Module, trainer: pl.Trainer) -> dict:
+    """What this rank holds for the frozen base after training: gradients seen, optimizer-state and flat-buffer
+    elements against the trainable elements, and a checksum of each replicated DTensor adapter (equal on tp ranks)."""
+    optimizer = trainer.optimizers[0]
+    params = list(model.parameters())
+    frozen = {id(p) for p in params if not p.requires_grad}  # ZeRO-1/2's optimizer holds flat slices, not these
+    flat = trainer.strategy.sharding.flat(optimizer) if hasattr(trainer.strategy, "sharding") else None
+    flat_groups = flat.flat_groups if flat is not None else []
+    state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    replicated = {
+        n: local(p).double().sum().item()
+        for n, p in model.named_parameters()
+        if p.requires_grad and isinstance(p, DTensor) and all(isinstance(pl_, Replicate) for pl_ in p.placements)
+    }
+    return {
+        "frozen_with_grad": sorted(model.frozen_with_grad),
+        "frozen_grads_now": [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None],
+        "trainable_numel": sum(p.numel() for p in params if p.requires_grad),
+        "frozen_numel": sum(p.numel() for p in params if not p.requires_grad),
+        "optimizer_params_frozen": sum(id(p) in frozen for g in optimizer.param_groups for p in g["params"]),
+        "state_numel": sum(local(v).numel() for v in state),
+        "flat_numel": sum(fg.flat_param.numel() for fg in flat_groups),
+        "flat_frozen": sum(not p.requires_grad for fg in flat_groups for p in fg.params),
+        "replicated_sums": replicated,
+    }
 
 
 def main() -> None:
