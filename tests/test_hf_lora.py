@@ -37,7 +37,7 @@ MODELS = {name: CONFIGS[name] for name in LORA}
 # label -> (world, strategy spec, model, tp), as tests/test_hf_parity.py; "clip" clips the gradient norm
 FAST = {
     "llama lora zero2 clip": (2, "zero2", "llama", 1),
-    "llama lora tp2": (2, "hybrid3d:tp=2", "llama", 2),
+    "llama lora tp2 clip": (2, "hybrid3d:tp=2", "llama", 2),
 }
 SLOW = {
     "llama lora zero0": (2, "hybrid3d:zero_stage=0", "llama", 1),
@@ -129,11 +129,13 @@ def check_frozen_base_holds_nothing(runs: Batch, label: str, spec: tuple) -> Non
     """On every rank: no frozen parameter ever had a gradient before a step, none is in the optimizer or a ZeRO-1/2
     flat buffer, optimizer state covers at most the adapters (this rank's share under ZeRO 1-3), the frozen base is
     most of the model (so a frozen weight in the state would show); replicated adapters equal on the tp ranks."""
-    world, strategy, _, tp = spec
+    world, strategy, model, tp = spec
     sharded = "zero_stage=0" not in strategy and tp == 1  # ZeRO 1-3 over dp = world
     reports = [runs[label].case("train", rank) for rank in range(world)]
+    adapters = sum(p.numel() for p in apply_peft(small(model), lora_config(model)).parameters() if p.requires_grad)
     for rank, r in enumerate(reports):
         where = f"{label} rank {rank}"
+        assert r["trainable_numel"] == adapters, f"{where}: {r['trainable_numel']} trainable, {adapters} adapters"
         assert r["frozen_with_grad"] == [] and r["frozen_grads_now"] == [], where
         assert r["optimizer_params_frozen"] == 0 and r["flat_frozen"] == 0, where
         assert r["frozen_numel"] > 5 * r["trainable_numel"], where

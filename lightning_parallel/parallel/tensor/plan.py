@@ -70,8 +70,8 @@ def apply_tp(root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelSt
     """Shard ``root`` in place over ``tp_mesh`` following ``plan``, keeping tied weights tied and frozen weights
     frozen."""
     ties = tied_parameters(root)
-    # torch's styles make each split weight a new nn.Parameter(distribute_tensor(...)), which requires a gradient:
-    # a frozen weight (a LoRA base) would start training
+    # a style may make each weight a new nn.Parameter(...), which requires a gradient (torch 2.13's SequenceParallel,
+    # the Conv1D styles): a frozen weight (a LoRA base's norm) would start training
     frozen = {name for name, p in root.named_parameters(remove_duplicate=False) if not p.requires_grad}
     parallelize_module(root, tp_mesh, dict(plan))
     for name, p in root.named_parameters(remove_duplicate=False):
