@@ -108,7 +108,7 @@ def test_fit_then_test_exits_0_under_lightning_s_launcher(tmp_path):
     assert done(output)["step"] == 4
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "lightning"])
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("lightning", marks=pytest.mark.slow)])
 def test_an_error_in_user_code_ends_every_rank_non_zero_printed_once(launcher, tmp_path):
     args = [EXIT_WORKER, "--strategy", "zero2", "--raise-at", "2"]
     if launcher == "torchrun":

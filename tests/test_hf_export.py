@@ -29,6 +29,7 @@ def assert_same_logits(ckpt, folder, config_folder=None) -> None:
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_pipelined_gpt2_recipe_checkpoint_exports(tmp_path):
     """GPT-2 (embedding and head tied, on different pipeline stages) trained by the recipe under pp=2, saved
     sharded; the exported folder loads with its head tied again."""

@@ -28,6 +28,7 @@ def assert_trained(got: dict, world: int) -> None:
     assert math.isfinite(got["final_val_loss"]) and len(got["sample"]) > 0
 
 
+@pytest.mark.slow
 def test_tiny_llama_trains_under_tensor_parallelism(tmp_path):
     got = run_recipe(tmp_path, "model=hf_llama_tiny", "strategy=hybrid3d", "strategy.tp=2", "trainer.devices=2")
     assert_trained(got, world=2)

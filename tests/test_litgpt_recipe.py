@@ -24,6 +24,7 @@ def run_recipe(cwd, *overrides: str) -> dict:
     return _run_recipe(GPT_RECIPE, cwd, *SHORT, *overrides)
 
 
+@pytest.mark.slow
 def test_named_litgpt_trains_under_pipeline_and_tensor_parallelism(tmp_path):
     got = run_recipe(tmp_path, "model=litgpt", "strategy=hybrid3d", "strategy.pp=2", "trainer.devices=2")
     assert got["steps"] == 6 and got["layout"]["pp"] == 2 and got["layout"]["world_size"] == 2

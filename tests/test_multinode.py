@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from harness import free_port
 from recipe_runs import GPT, run_recipe
 from recipe_runs import env as recipe_env
@@ -37,6 +38,7 @@ def node(rank: int, port: int, cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=cwd, env=recipe_env(), stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_two_nodes_by_c10d_rendezvous_train_like_one_process(tmp_path):
     port = free_port()
     nodes = [node(rank, port, tmp_path / f"node{rank}") for rank in (0, 1)]

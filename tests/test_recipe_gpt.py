@@ -47,6 +47,7 @@ def test_same_final_loss_in_other_layouts(overrides, single, tmp_path):
     assert len(got["peak_memory_bytes"]) == got["layout"]["world_size"]
 
 
+@pytest.mark.slow
 def test_moe_recipe_at_ep2_matches_one_process_and_reports_expert_load(tmp_path):
     """model=gpt_moe_tiny: strategy.ep=2 at world 2 ends with the single-process loss; metrics.json has each MoE
     block's load (every routed token: steps x batch x seq x top-2) and balance loss, and the layout's ep."""

@@ -36,7 +36,7 @@ def test_single_process_run_writes_its_metrics(single):
     [
         pytest.param(["strategy=ddp", "trainer.devices=2"], marks=pytest.mark.slow),
         pytest.param(["strategy=zero3", "trainer.devices=2"], marks=pytest.mark.slow),
-        ["strategy=hybrid3d", "strategy.tp=2", "trainer.devices=4"],
+        pytest.param(["strategy=hybrid3d", "strategy.tp=2", "trainer.devices=4"], marks=pytest.mark.slow),
         # one microbatch: BatchNorm sees each step's whole batch, as in one process
         pytest.param(
             [
@@ -71,6 +71,7 @@ def write_cifar10(folder: Path, per_batch: int = 40) -> None:
             pickle.dump(batch, f, protocol=4)  # a Python 3 re-save (tests/test_image_data.py writes Python 2 files)
 
 
+@pytest.mark.slow
 def test_cifar10_from_a_local_folder(tmp_path):
     write_cifar10(tmp_path / "cifar-10-batches-py")
     overrides = ["data=cifar10", f"data.path={tmp_path}", "data.global_batch_size=32", "trainer=debug"]
