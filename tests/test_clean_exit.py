@@ -77,7 +77,9 @@ def test_release_process_groups_ends_gloo_s_threads(tmp_path):
     assert (int(after), initialized) == (int(before), "False"), result.stdout
 
 
-@pytest.mark.parametrize("strategy", FAMILIES)
+@pytest.mark.parametrize(
+    "strategy", [pytest.param(s, marks=pytest.mark.slow) if n > 2 else s for s, n in FAMILIES.items()]
+)  # world 4 in `make test-full` (test budget)
 def test_a_finished_fit_exits_0_under_torchrun(strategy, tmp_path):
     code, output = finished_fit(strategy, tmp_path)
     assert code == 0, output[-4000:]
@@ -132,6 +134,7 @@ ARGS = [*SHORT, f"trainer.max_steps={STEPS}", "strategy=zero2", "trainer.devices
 ARGS += [f"checkpoint.every_n_steps={EVERY}", "checkpoint.keep_last=-1"]
 
 
+@pytest.mark.slow  # test budget (53 s): test_preemption.py stops every rank on SIGTERM in `make test`
 def test_sigterm_to_an_outside_torchrun_saves_exits_0_and_resumes_bitwise(tmp_path):
     """Kubernetes and SLURM signal torchrun; torch elastic forwards SIGTERM to the workers and gives them 30 s."""
     calm, hit = tmp_path / "calm", tmp_path / "hit"

@@ -62,6 +62,7 @@ def test_lightning_launcher_ends_every_rank_and_names_the_failed_one(how, tmp_pa
     assert want in output, output[-4000:]
 
 
+@pytest.mark.slow  # test budget: the world-2 launchers name the failed rank in `make test`
 def test_torchrun_world4_every_survivor_names_the_failed_rank(tmp_path):
     """dp=2 x tp=2: rank 2 shares no group with rank 1, yet ends too and names it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--monitor-interval", "0.5"]
