@@ -142,6 +142,8 @@ def test_litgpt_checkpoint_folder_uses_litgpts_tokenizer(tmp_path, bpe_folder, t
     folder.mkdir()
     save_config(Config(block_size=64, vocab_size=400, padded_vocab_size=448, n_layer=1, n_head=2, n_embd=16), folder)
     assert load_tokenizer(folder)[0] is None  # a checkpoint without a tokenizer: bytes
+    with pytest.raises(ValueError, match="data.tokenizer=.* holds no tokenizer.json or tokenizer.model"):
+        load_tokenizer(None, folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((bpe_folder / name).read_bytes())
     found, reason = load_tokenizer(folder)
@@ -199,6 +201,9 @@ def test_sft_prompt_completion_from_jsonl_parquet_csv(tmp_path, tok):
     assert len({c.folder for c in caches}) == 3  # the files are in the key
     for cache in caches[1:]:
         assert cache.ids.tolist() == caches[0].ids.tolist() and cache.loss.tolist() == caches[0].loss.tolist()
+    numbers = tmp_path / "numbers.csv"
+    numbers.write_text("prompt,completion\nWhat is 2+2?,4\nAnd 3+3?,6\n")  # datasets reads the answers as int64
+    assert _labeled_text(tok, text_dataset(build_token_cache(_sft(numbers), tok, tmp_path / "c"), 48)[1]) == "6<|end|>"
     data = text_dataset(caches[0], seq_len=48)
     for item, (prompt, completion) in zip(data, PAIRS):
         n = len(tok.encode([prompt])[0])
@@ -271,15 +276,17 @@ class _Counting:
         monkeypatch.setattr(TextTokenizer, "encode", counted)
 
 
-def test_cache_built_once_reused_and_rebuilt_when_the_files_change(tmp_path, tok, monkeypatch):
+def test_cache_built_once_reused_and_rebuilt_when_the_files_change(tmp_path, tok, bpe_folder, monkeypatch):
     path = _jsonl(tmp_path / "a.jsonl", _prompt_rows())
     counter = _Counting(monkeypatch)
     first = build_token_cache(_sft(path), tok, tmp_path / "c")
     assert counter.calls > 0
     counter.calls = 0
-    again = build_token_cache(_sft(path, num_proc=1, packing=True), tok, tmp_path / "c")
+    fresh = load_tokenizer(None, bpe_folder)[0]  # as a later run reads it again
+    again = build_token_cache(_sft(path, num_proc=1, packing=True), fresh, tmp_path / "c")
     assert counter.calls == 0 and again.folder == first.folder  # packing is applied when read: same cache
     assert open_token_cache(first.folder).ids.tolist() == first.ids.tolist()
+    assert first.meta["tokens_per_second"] > 0 and first.meta["tokens"] == len(first.ids)
     assert build_token_cache(_sft(path, seq_len=40), tok, tmp_path / "c").folder != first.folder
     assert counter.calls > 0
     counter.calls = 0

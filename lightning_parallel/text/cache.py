@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import uuid
 import warnings
 from dataclasses import asdict, dataclass
@@ -42,7 +43,8 @@ class TokenCache:
         ids: every sample's (``sft``) or document's (``hf_text``) token ids, one after the other.
         loss: ``sft``: 1 where the token is trained on (the answers), else 0; None for ``hf_text``.
         offsets: ``sft``: sample i is ``ids[offsets[i]:offsets[i + 1]]``; None for ``hf_text``.
-        meta: what ``meta.json`` says (counts, dtype, the tokenizer's eos and pad ids, the settings).
+        meta: what ``meta.json`` says (counts, dtype, the tokenizer's eos and pad ids, the columns read, the build's
+            time and throughput: ``build_seconds``, ``tokens_per_second``).
     """
 
     folder: Path
@@ -112,6 +114,7 @@ def _build(
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.mkdir(parents=True)
     try:
+        started = time.perf_counter()
         rows = load_rows(files, fmt, settings.sample_by, tmp / "hf")
         columns = check_columns(rows.column_names, f"{settings.kind}", settings.column_options())
         function, kwargs = tokenize_function(settings, columns, tokenizer)
@@ -127,7 +130,9 @@ def _build(
             desc=f"tokenizing {settings.path}",
         )
         meta = _write(tmp, tokens, settings, tokenizer)
+        seconds = time.perf_counter() - started  # reading, tokenizing and writing: what a first run waits for
         meta.update(files=[str(f) for f in files], format=fmt, columns=columns, tokenizer=tokenizer.source)
+        meta.update(build_seconds=round(seconds, 3), tokens_per_second=round(meta["tokens"] / seconds))
         del rows, tokens
         shutil.rmtree(tmp / "hf")  # the Arrow copies: the cache is the memory map
         (tmp / META).write_text(json.dumps(meta, indent=1))

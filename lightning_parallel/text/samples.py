@@ -64,13 +64,18 @@ class TextDataSettings:
         return [[self.messages_column], [self.prompt_column, self.completion_column]]
 
 
+def _text(value: Any) -> str:
+    """A cell as text: "" for an empty one; a csv column of numbers is read as numbers."""
+    return "" if value is None else str(value)
+
+
 def _with_eos(ids: list[int], eos: int | None) -> list[int]:
     return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
 
 
 def tokenize_documents(batch: dict[str, list], tokenizer: TextTokenizer, column: str) -> dict[str, list]:
     """``hf_text``: each document's ids with EOS after it (empty documents dropped)."""
-    texts = [t for t in batch[column] if t]  # None (a csv's empty cell) and "" hold nothing
+    texts = [_text(t) for t in batch[column] if _text(t)]  # None (a csv's empty cell) and "" hold nothing
     return {"ids": [_with_eos(ids, tokenizer.eos_id) for ids in tokenizer.encode(texts)]}
 
 
@@ -86,8 +91,8 @@ def tokenize_prompts(
 ) -> dict[str, list]:
     """``sft`` from prompt / completion columns: prompt ids (the tokenizer's special tokens, e.g. BOS), answer ids
     and EOS; loss mask 1 on the answer and the EOS (the model learns to stop)."""
-    prompts = tokenizer.encode([p or "" for p in batch[prompt]])
-    answers = tokenizer.encode([c or "" for c in batch[completion]], special=False)
+    prompts = tokenizer.encode([_text(p) for p in batch[prompt]])
+    answers = tokenizer.encode([_text(c) for c in batch[completion]], special=False)
     out: dict[str, list] = {"ids": [], "loss": [], "truncated": []}
     for p, a in zip(prompts, answers):
         a = _with_eos(a, tokenizer.eos_id)

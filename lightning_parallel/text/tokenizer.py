@@ -111,9 +111,13 @@ def _hf_tokenizer(folder: Path, setting: str) -> TextTokenizer:
     return TextTokenizer(backend, str(folder))
 
 
-def _litgpt_tokenizer(folder: Path) -> TextTokenizer:
+def _litgpt_tokenizer(folder: Path, setting: str) -> TextTokenizer:
     from litgpt import Tokenizer
 
+    if not any((folder / f).is_file() for f in LITGPT_TOKENIZER_FILES):
+        raise ValueError(
+            f"{setting}={str(folder)!r} holds no {' or '.join(LITGPT_TOKENIZER_FILES)}: give a folder with one."
+        )
     return TextTokenizer(Tokenizer(folder), str(folder))
 
 
@@ -152,14 +156,18 @@ def load_tokenizer(
         path = Path(tokenizer).expanduser()
         if not path.is_dir():
             raise ValueError(f"data.tokenizer={str(tokenizer)!r} is not a folder: give a local tokenizer folder.")
-        found = _litgpt_tokenizer(path) if (path / LITGPT_CONFIG).is_file() else _hf_tokenizer(path, "data.tokenizer")
+        litgpt = (path / LITGPT_CONFIG).is_file()
+        found = _litgpt_tokenizer(path, "data.tokenizer") if litgpt else _hf_tokenizer(path, "data.tokenizer")
         reason = f"the tokenizer of data.tokenizer={str(path)!r}"
     elif folder is None:
         return None, "no model folder and no data.tokenizer: the data are UTF-8 bytes (vocabulary 256)"
     elif (folder / LITGPT_CONFIG).is_file():
         if not any((folder / f).is_file() for f in LITGPT_TOKENIZER_FILES):
             return None, _bytes_reason(folder, LITGPT_TOKENIZER_FILES)
-        found, reason = _litgpt_tokenizer(folder), f"LitGPT's tokenizer of the checkpoint folder {str(folder)!r}"
+        found, reason = (
+            _litgpt_tokenizer(folder, "model.path"),
+            f"LitGPT's tokenizer of the checkpoint folder {str(folder)!r}",
+        )
     elif any((folder / f).is_file() for f in HF_TOKENIZER_FILES):
         found, reason = _hf_tokenizer(folder, "model.path"), f"the tokenizer of the model folder {str(folder)!r}"
     else:
