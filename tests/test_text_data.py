@@ -299,6 +299,12 @@ def test_cache_built_once_reused_and_rebuilt_when_the_files_change(tmp_path, tok
 
 def test_cache_appears_whole_or_not_at_all(tmp_path, tok, monkeypatch):
     path = _jsonl(tmp_path / "a.jsonl", _prompt_rows())
+    built = build_token_cache(_sft(path), tok, tmp_path / "first")
+    before = (built.folder / "meta.json").read_text()
+    files = cache_module.data_files(path)
+    key = cache_module.cache_key(_sft(path), files, "json", tok)
+    cache_module._build(built.folder, _sft(path), files, "json", tok, key)  # a second builder, finishing last
+    assert (built.folder / "meta.json").read_text() == before and len(list((tmp_path / "first").iterdir())) == 1
 
     def broken(*args):
         raise RuntimeError("disk full")

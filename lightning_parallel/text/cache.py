@@ -116,7 +116,7 @@ def _build(
     try:
         started = time.perf_counter()
         rows = load_rows(files, fmt, settings.sample_by, tmp / "hf")
-        columns = check_columns(rows.column_names, f"{settings.kind}", settings.column_options())
+        columns = check_columns(rows.column_names, settings.kind, settings.column_options())
         function, kwargs = tokenize_function(settings, columns, tokenizer)
         tokens = rows.map(
             function,

@@ -42,6 +42,7 @@ class TextTokenizer:
 
     @property
     def eos_id(self) -> int | None:
+        """The end-of-text id (after each document, each answer), None when the tokenizer has none."""
         return self.backend.eos_id if self.is_litgpt else self.backend.eos_token_id
 
     @property
@@ -52,6 +53,7 @@ class TextTokenizer:
 
     @property
     def has_chat_template(self) -> bool:
+        """Whether ``messages`` can be rendered (transformers tokenizers with a chat template only)."""
         return not self.is_litgpt and getattr(self.backend, "chat_template", None) is not None
 
     def encode(self, texts: list[str], special: bool = True) -> list[list[int]]:
@@ -63,6 +65,7 @@ class TextTokenizer:
         return self.backend(texts, add_special_tokens=special, verbose=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
+        """The text of ``ids`` (special tokens written out)."""
         if self.is_litgpt:
             import torch
 
@@ -164,10 +167,8 @@ def load_tokenizer(
     elif (folder / LITGPT_CONFIG).is_file():
         if not any((folder / f).is_file() for f in LITGPT_TOKENIZER_FILES):
             return None, _bytes_reason(folder, LITGPT_TOKENIZER_FILES)
-        found, reason = (
-            _litgpt_tokenizer(folder, "model.path"),
-            f"LitGPT's tokenizer of the checkpoint folder {str(folder)!r}",
-        )
+        found = _litgpt_tokenizer(folder, "model.path")
+        reason = f"LitGPT's tokenizer of the checkpoint folder {str(folder)!r}"
     elif any((folder / f).is_file() for f in HF_TOKENIZER_FILES):
         found, reason = _hf_tokenizer(folder, "model.path"), f"the tokenizer of the model folder {str(folder)!r}"
     else:
