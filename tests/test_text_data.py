@@ -60,9 +60,8 @@ CHATS = [
 
 
 def _save_tokenizer(tok: Tokenizer, folder: Path, chat_template: str | None = CHAT_TEMPLATE) -> Path:
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|end|>", pad_token="<|pad|>", chat_template=chat_template
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|pad|>")
+    fast.chat_template = chat_template
     fast.save_pretrained(folder)
     return folder
 
@@ -71,11 +70,9 @@ def _bpe() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=alphabet, show_progress=False
     )
     tok.train_from_iterator([topics[k] for k in sorted(topics)[:30]], trainer)
     return tok
@@ -89,8 +86,7 @@ def bpe_folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tok(bpe_folder) -> TextTokenizer:
-    tokenizer, _ = load_tokenizer(None, bpe_folder)
-    return tokenizer
+    return load_tokenizer(None, bpe_folder)[0]
 
 
 def _tiny_llama(vocab_size: int) -> LlamaConfig:
@@ -111,9 +107,6 @@ def _prompt_rows() -> list[dict]:
 
 def _sft(path: Path, seq_len: int = 48, **kw) -> TextDataSettings:
     return TextDataSettings(kind="sft", path=str(path), seq_len=seq_len, **kw)
-
-
-# ----- tokenizers -----
 
 
 def test_tokenizer_of_model_folder_explicit_folder_or_bytes(tmp_path, bpe_folder):
@@ -163,9 +156,6 @@ def test_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path, bpe_fo
     assert load_tokenizer(model, bpe_folder, vocab_size=512)[0].vocab_size == 400  # the model's own override
 
 
-# ----- hf_text -----
-
-
 def test_hf_text_documents_with_eos_between_packed_into_blocks(tmp_path, tok):
     docs = [topics[k] for k in sorted(topics)[40:48]]
     path = _jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs] + [{"text": ""}])
@@ -180,9 +170,6 @@ def test_hf_text_documents_with_eos_between_packed_into_blocks(tmp_path, tok):
     text.write_text("\n\n".join(docs))  # a text file: one document per paragraph
     by_paragraph = build_token_cache(TextDataSettings(kind="hf_text", path=str(text), seq_len=64), tok, tmp_path / "c")
     assert by_paragraph.meta["samples"] > len(docs) and tok.eos_id in by_paragraph.ids
-
-
-# ----- sft -----
 
 
 def _labeled_text(tok: TextTokenizer, item: dict) -> str:
@@ -224,9 +211,6 @@ def test_sft_messages_through_the_chat_template_train_on_assistant_turns_only(tm
     assert _labeled_text(tok, data[1]) == "A mapping.<|end|>"
 
 
-# ----- packing and the model -----
-
-
 def test_packed_rows_restart_positions_and_give_the_padded_loss(tmp_path, tok):
     """Padded rows (attention mask) and packed rows (position ids restarting per sample, no attention mask) give
     a tiny Llama the same token-mean loss over the answers; plain positions across the packed samples do not."""
@@ -258,9 +242,6 @@ def test_packed_rows_restart_positions_and_give_the_padded_loss(tmp_path, tok):
     torch.testing.assert_close(packed_loss, padded_loss, rtol=1e-6, atol=0)
     assert (plain[0, n0 : n0 + n1] - alone[0]).abs().max() > 1e-2  # the test can fail: crossing attention shows
     assert abs(module.loss(plain, packed_batch["labels"]) - padded_loss) > 1e-5
-
-
-# ----- the cache -----
 
 
 class _Counting:
@@ -347,9 +328,6 @@ def test_no_network_is_attempted(tmp_path, tok, monkeypatch):
     monkeypatch.setattr(socket, "create_connection", refuse)
     path = _jsonl(tmp_path / "a.jsonl", _prompt_rows())
     assert build_token_cache(_sft(path), tok, tmp_path / "c").meta["samples"] == len(PAIRS)
-
-
-# ----- bad input -----
 
 
 def test_missing_columns_are_listed(tmp_path, tok):
