@@ -110,6 +110,8 @@ def chat_sample(tokenizer: TextTokenizer, messages: list[dict[str, Any]]) -> tup
 
     Each assistant turn's span is found by rendering the conversation up to it (with the generation prompt) and
     through it: its tokens are those after the first rendering's shared prefix with the whole, up to the second's.
+    A template that writes earlier turns differently once later ones follow (one that drops past reasoning, say)
+    trains from the first token where the renderings differ.
     """
     full = tokenizer.encode([tokenizer.render_chat(messages, add_generation_prompt=False)], special=False)[0]
     loss = [0] * len(full)
