@@ -144,6 +144,9 @@ def test_litgpt_checkpoint_folder_uses_litgpts_tokenizer(tmp_path, bpe_folder, t
     text = topics["if"][:300]
     assert found.encode([text]) == tok.encode([text]) and found.eos_id == tok.eos_id
     assert found.decode(found.encode([text])[0]) == text
+    path = _jsonl(tmp_path / "a.jsonl", _prompt_rows())
+    lit, hf = (build_token_cache(_sft(path), t, tmp_path / "c") for t in (found, tok))
+    assert lit.ids.tolist() == hf.ids.tolist() and lit.loss.tolist() == hf.loss.tolist() and lit.folder != hf.folder
     with pytest.raises(ValueError, match="has 400 tokens but the model's vocabulary holds 300"):
         load_tokenizer(folder, vocab_size=300)
 
