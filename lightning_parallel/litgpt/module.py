@@ -8,6 +8,7 @@ The model stays LitGPT's own object (``self.model``: parameter names, ``lit_mode
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.causal_lm import CausalLM
 from lightning_parallel.litgpt.layers import litgpt_pipeline_layers
+from lightning_parallel.litgpt.lora import build_lora_gpt, check_lora_degrees, lora_config
 from lightning_parallel.litgpt.plan import SP_WITH_PP, litgpt_tensor_parallel_plan
 
 # the checkpoint key of the model's LitGPT config (``dataclasses.asdict``): ``Config(**checkpoint[key])``
@@ -26,12 +28,13 @@ LITGPT_CONFIG_KEY = "litgpt_config"
 CONFIG_FILE, WEIGHTS_FILE = "model_config.yaml", "lit_model.pth"
 
 
-def load_gpt(source: Any, **overrides: Any) -> nn.Module:
-    """A litgpt ``GPT`` as it is, or one built from a ``Config``, a config name or a local checkpoint folder.
+def read_source(source: Any, **overrides: Any) -> tuple[Any, dict[str, torch.Tensor] | None]:
+    """(config, base weights or None) of a ``Config``, a config name or a local checkpoint folder (a ``GPT``: its
+    config and state dict).
 
-    A folder holds ``model_config.yaml`` (and ``lit_model.pth``, loaded when present): what litgpt writes. A
-    GPT built from a config or a name has ``GPT(config)``'s own initialization. ``overrides`` change fields of
-    a named or folder config (``n_layer=2``), as ``Config.from_name(name, **overrides)`` does.
+    A folder holds ``model_config.yaml`` (and ``lit_model.pth``, read when present): what litgpt writes.
+    ``overrides`` change fields of a named or folder config (``n_layer=2``), as ``Config.from_name(name,
+    **overrides)`` does.
     """
     from litgpt.config import Config
     from litgpt.model import GPT
@@ -42,7 +45,7 @@ def load_gpt(source: Any, **overrides: Any) -> nn.Module:
                 f"LitGPTCausalLM: config overrides {sorted(overrides)} apply to a config name or folder, not to a "
                 f"{type(source).__name__}: change the Config before passing it."
             )
-        return source if isinstance(source, GPT) else GPT(source)
+        return (source.config, source.state_dict()) if isinstance(source, GPT) else (source, None)
     if isinstance(source, (str, Path)):
         folder = Path(source)
         if folder.is_dir():
@@ -51,13 +54,13 @@ def load_gpt(source: Any, **overrides: Any) -> nn.Module:
                     f"LitGPTCausalLM({str(source)!r}): the folder has no {CONFIG_FILE}. Pass a litgpt checkpoint "
                     "folder (this package never downloads), a config name such as 'pythia-14m', a Config or a GPT."
                 )
-            model = GPT(Config.from_file(folder / CONFIG_FILE, **overrides))
-            if (folder / WEIGHTS_FILE).is_file():
-                state = torch.load(folder / WEIGHTS_FILE, map_location="cpu", weights_only=True, mmap=True)
-                model.load_state_dict(state.get("model", state))  # litgpt's training checkpoints nest it
-            return model
+            config = Config.from_file(folder / CONFIG_FILE, **overrides)
+            if not (folder / WEIGHTS_FILE).is_file():
+                return config, None
+            state = torch.load(folder / WEIGHTS_FILE, map_location="cpu", weights_only=True, mmap=True)
+            return config, state.get("model", state)  # litgpt's training checkpoints nest it
         try:
-            return GPT(Config.from_name(str(source), **overrides))
+            return Config.from_name(str(source), **overrides), None
         except ValueError as error:
             if "not a supported config name" not in str(error):
                 raise
@@ -71,6 +74,35 @@ def load_gpt(source: Any, **overrides: Any) -> nn.Module:
     )
 
 
+def load_gpt(source: Any, lora: Mapping[str, Any] | None = None, adapter_seed: int = 0, **overrides: Any) -> nn.Module:
+    """A litgpt ``GPT`` as it is, or one built from a ``Config``, a config name or a local checkpoint folder (see
+    :func:`read_source`); with LoRA (``lora`` settings, or a ``litgpt.lora`` config or GPT with ``lora_r > 0``) a
+    ``litgpt.lora.GPT`` with the base frozen (:func:`~lightning_parallel.litgpt.lora.build_lora_gpt`). A GPT built
+    from a config or a name without LoRA has ``GPT(config)``'s own initialization."""
+    from litgpt.lora import GPT as LoRAGPT
+    from litgpt.lora import mark_only_lora_as_trainable
+    from litgpt.model import GPT
+
+    if isinstance(source, LoRAGPT) and source.config.lora_r > 0:
+        if lora is not None:
+            raise ValueError(
+                "LitGPTCausalLM(lora=...) got a litgpt.lora.GPT that has adapters already: pass lora=None to train "
+                "those, or pass its base model (a GPT, Config, name or folder) with the settings."
+            )
+        mark_only_lora_as_trainable(source)  # its adapters as the caller drew them
+        return source
+    config, weights = read_source(source, **overrides)
+    adapted = lora_config(config, lora)
+    if adapted is not None:
+        return build_lora_gpt(adapted, weights, adapter_seed)
+    if isinstance(source, GPT):
+        return source
+    model = GPT(config)
+    if weights is not None:
+        model.load_state_dict(weights)
+    return model
+
+
 class LitGPTCausalLM(CausalLM):
     """Next-token training of LitGPT's ``GPT`` under any strategy of this package.
 
@@ -79,9 +111,21 @@ class LitGPTCausalLM(CausalLM):
     -100 is ignored, the loss is a token mean per (micro)batch. ``GPT`` takes no attention mask (attention is
     causal): mark padding with ``labels=-100``.
 
+    With LoRA the model is LitGPT's own ``litgpt.lora.GPT`` (its ``LoRALinear`` / ``LoRAQKVLinear`` layers and
+    parameter names, ``lora_A`` / ``lora_B``), built and loaded as ``litgpt finetune_lora`` does, the base frozen:
+    only the adapters have gradients and optimizer states. ZeRO 0-3 and tp (with or without sequence parallelism)
+    for now; pp, cp and ep are refused (:mod:`lightning_parallel.litgpt.lora`).
+
     Args:
         model: a ``litgpt.model.GPT``, a ``litgpt.config.Config``, a litgpt config name (``"pythia-14m"``) or a
-            local litgpt checkpoint folder (``model_config.yaml``, optionally ``lit_model.pth``).
+            local litgpt checkpoint folder (``model_config.yaml``, optionally ``lit_model.pth``). A
+            ``litgpt.lora.Config`` or ``litgpt.lora.GPT`` with ``lora_r > 0`` means LoRA with its own settings.
+        lora: LitGPT's LoRA settings by their names in ``litgpt.lora.Config`` (and ``litgpt finetune_lora``):
+            ``{"lora_r": 8, "lora_alpha": 16, "lora_query": True, "lora_value": True}``; ``lora_dropout``,
+            ``lora_key``, ``lora_projection``, ``lora_mlp``, ``lora_head`` as well. None: no adapters (unless
+            ``model`` carries them).
+        adapter_seed: the seed a LoRA model is drawn from (adapters, and the base where no weights are loaded; the
+            global generator is left alone), so every process builds the same adapters.
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay, not applied to biases and norm weights (parameters of dimension < 2).
         betas: AdamW betas.
@@ -96,10 +140,12 @@ class LitGPTCausalLM(CausalLM):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
+        lora: Mapping[str, Any] | None = None,
+        adapter_seed: int = 0,
         **config_overrides: Any,
     ) -> None:
         super().__init__(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
-        self.model = load_gpt(model, **config_overrides)
+        self.model = load_gpt(model, lora, adapter_seed, **config_overrides)
         litgpt_pipeline_layers(self.model)  # installs the pipeline hooks now: inert under GPT.forward
 
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -131,7 +177,14 @@ class LitGPTCausalLM(CausalLM):
         plan = litgpt_tensor_parallel_plan(self.model, sequence_parallel)
         return {f"model.{path}": style for path, style in plan.items()}
 
-    def check_parallel_degrees(self, pp: int, tp: int) -> None:
+    @property
+    def has_lora(self) -> bool:
+        """Whether the model is a ``litgpt.lora.GPT`` with adapters (the base frozen)."""
+        return getattr(self.model.config, "lora_r", 0) > 0
+
+    def check_parallel_degrees(self, pp: int, tp: int, cp: int = 1, ep: int = 1) -> None:
+        if self.has_lora:
+            check_lora_degrees(self.model.config, pp=pp, tp=tp, cp=cp, ep=ep)
         check_litgpt_degrees(self.model, pp=pp, tp=tp)
         if pp > 1 and tp > 1 and getattr(self, "_sequence_parallel", False):
             raise ValueError(SP_WITH_PP)

@@ -8,7 +8,11 @@ attention the three parts differ in size, so no one (strided) shard of the rows 
 :class:`GroupedQKVColwise` shards the rows evenly (memory and matmul split) and all-gathers the q/k/v output, of
 which each rank keeps its heads' columns. The attention module's ``config`` is swapped for a copy with this rank's
 head counts (LitGPT views q/k/v with them); the class, the parameters and their names stay LitGPT's.
-Pure functions of the model: no process group.
+
+A ``litgpt.lora.GPT`` (LoRA) gets the same plan: each ``LoRALinear`` follows its base ``linear``'s style
+(:class:`LitLoRAParallel`, torch's ``ColwiseParallel`` / ``RowwiseParallel`` through
+:class:`~lightning_parallel.hf.styles.LoraParallel`), and the fused ``LoRAQKVLinear`` keeps its adapter whole on
+every rank (see :class:`GroupedQKVColwise`). Pure functions of the model: no process group.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from lightning_parallel.hf.styles import HiddenStatesInput
+from lightning_parallel.hf.styles import HiddenStatesInput, LoraParallel
 from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
 
 SP_WITH_PP = "sequence_parallel=True with pp > 1 is not supported for LitGPT models yet: set one of them off."
@@ -55,6 +59,13 @@ class GroupedQKVColwise(ParallelStyle):
     (:func:`qkv_columns`), a plain tensor. Backward: the kept columns' gradient is a partial sum over the tensor
     ranks, reduce-scattered back onto the row shards.
 
+    LitGPT's ``LoRAQKVLinear`` (LoRA): the base ``linear`` is split as above; ``lora_A`` (r * parts, in) and
+    ``lora_B`` (q/k/v rows it adapts, r) stay whole on every rank, as drawn from one seed. ``lora_B``'s q, k and v
+    parts differ in size under grouped-query attention, so no even row split lines them up with the base's rows:
+    each rank computes the whole adapter output (B, T, out) (r is small), adds it to its row shard of the base's
+    output, and the sum is gathered by the one all-gather. Backward: the adapter output's gradient is gathered
+    whole, so every rank computes the same gradients for the replicated factors.
+
     Args:
         n_head, n_query_groups, head_size: the model's (``config``), before the split.
     """
@@ -66,7 +77,13 @@ class GroupedQKVColwise(ParallelStyle):
     @staticmethod
     def _partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for pname, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+            placement = Replicate() if pname.startswith("lora_") else Shard(0)
+            dist = distribute_tensor(param, mesh, [placement])
+            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+        if hasattr(module, "enable_lora") and not all(module.enable_lora):
+            # LoRAQKVLinear pads the adapter output into the q/k/v columns it adapts with this index: a DTensor here
+            index = DTensor.from_local(module.lora_ind.to(mesh.device_type), mesh, [Replicate()], run_check=False)
+            module.register_buffer("_lora_ind", index, persistent=False)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         columns = qkv_columns(*self.sizes, device_mesh.size(), device_mesh.get_local_rank())
@@ -94,6 +111,35 @@ class LocalHeadsAttention(HiddenStatesInput):
         local.n_query_groups //= device_mesh.size()
         module.config = local
         return super()._apply(module, device_mesh)
+
+
+class LitLoRAParallel(LoraParallel):
+    """LitGPT's ``LoRALinear`` (base ``linear``; ``lora_A`` (r, in) and ``lora_B`` (out, r), the module's own
+    parameters) split as :class:`~lightning_parallel.hf.styles.LoraParallel` splits a peft LoRA layer with the
+    base style ``base_style``: the same placements, one collective for base and adapter. A ``LoRALinear`` with
+    ``r=0`` (not adapted) holds the base alone, split as ``base_style`` splits it.
+
+    Args:
+        base_style: the style the plan gives the base layer (``ColwiseParallel`` or ``RowwiseParallel``).
+    """
+
+    def _placement(self, name: str, pname: str, module: nn.Module) -> Placement:
+        if name == "linear":
+            return super()._placement("base_layer", pname, module)
+        return super()._placement(pname, "weight", module)  # lora_A / lora_B sit on the LoRALinear itself
+
+
+def _with_lora(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """``plan`` for a ``litgpt.lora.GPT``: every linear layer is a ``LoRALinear`` there (``r=0`` where not adapted),
+    so each torch style is given as :class:`LitLoRAParallel` of it."""
+    from litgpt.lora import GPT
+
+    if not isinstance(model, GPT):
+        return plan
+    linear = (ColwiseParallel, RowwiseParallel)
+    embedding = "transformer.wte"  # an nn.Embedding in both models
+    return {path: LitLoRAParallel(style) if isinstance(style, linear) and path != embedding else style
+            for path, style in plan.items()}  # fmt: skip
 
 
 def _mlp_split(config: Any) -> tuple[tuple[str, ...], str]:
@@ -150,4 +196,4 @@ def litgpt_tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = Fals
         plan["transformer.h.0"] = HiddenStatesInput(Replicate(), Shard(1), use_local_output=True)
         plan.update({f"{block}.{name}": SequenceParallel() for name in _norm_names(config)})
         plan["transformer.ln_f"] = SequenceParallel()
-    return plan
+    return _with_lora(model, plan)

@@ -5,8 +5,8 @@ so tests/conftest.py's ``Batch`` can launch it).
 
 Case keys: name, path (the model folder), steps, global_batch, seq_len, lr, tuple_batch (batches as
 (input_ids, labels) instead of dicts), accumulate (micro-batches per optimizer step), clip (gradient norm), lora
-(LoraConfig keyword arguments: LoRA adapters on the frozen model; the result then says what each rank holds for the
-frozen weights, see ``frozen_report``).
+(LoraConfig keyword arguments; with ``library: litgpt`` LitGPT's lora_* settings: LoRA adapters on the frozen
+model; the result then says what each rank holds for the frozen weights, see ``frozen_report``).
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     strategy_obj = build_strategy(strategy)
     micro = global_batch // (accumulate * batch_ranks(strategy_obj, world))
     peft = {}
-    if case.get("lora"):
+    if case.get("lora") and case.get("library") == "litgpt":
+        peft = {"lora": case["lora"]}  # LitGPT's own settings (litgpt.lora.Config's lora_* fields)
+    elif case.get("lora"):
         from peft import LoraConfig
 
         peft = {"peft_config": LoraConfig(**case["lora"])}
