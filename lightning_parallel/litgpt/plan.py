@@ -80,15 +80,12 @@ class GroupedQKVColwise(ParallelStyle):
             placement = Replicate() if pname.startswith("lora_") else Shard(0)
             dist = distribute_tensor(param, mesh, [placement])
             module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
-        if hasattr(module, "enable_lora") and not all(module.enable_lora):
-            # LoRAQKVLinear pads the adapter output into the q/k/v columns it adapts with this index: a DTensor here
-            index = DTensor.from_local(module.lora_ind.to(mesh.device_type), mesh, [Replicate()], run_check=False)
-            module.register_buffer("_lora_ind", index, persistent=False)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         columns = qkv_columns(*self.sizes, device_mesh.size(), device_mesh.get_local_rank())
 
         def prepare_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            _replicate_lora_index(mod, mesh)
             x = inputs[0]
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
@@ -99,6 +96,16 @@ class GroupedQKVColwise(ParallelStyle):
             return whole.index_select(-1, columns.to(whole.device))  # (B, T, local q + k + v)
 
         return distribute_module(module, device_mesh, self._partition, prepare_input, prepare_output)
+
+
+def _replicate_lora_index(module: nn.Module, mesh: DeviceMesh) -> None:
+    """A ``LoRAQKVLinear`` adapting some of q, k, v pads the adapter output into their columns with an index it
+    builds on first use and caches (``_lora_ind``, a plain tensor): give it a replicated DTensor instead, at the first
+    forward (the model may be built on meta and materialized after the split)."""
+    if all(getattr(module, "enable_lora", (True,))) or isinstance(getattr(module, "_lora_ind", None), DTensor):
+        return
+    index = DTensor.from_local(module.lora_ind, mesh, [Replicate()], run_check=False)
+    module.register_buffer("_lora_ind", index, persistent=False)
 
 
 class LocalHeadsAttention(HiddenStatesInput):
