@@ -5,6 +5,7 @@ Runs are ``label -> (world, strategy spec, model name, tp)``."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -81,3 +82,26 @@ def assert_clipping_active(references: dict, model: str) -> None:
     """The "clip" cases test something: clipping at CLIP changes where the reference ends."""
     plain, clipped = references[model, None][1], references[model, CLIP][1]
     assert max((plain[k] - clipped[k]).abs().max().item() for k in plain) > 1e-3
+
+
+def check_frozen_base(runs: Batch, label: str, spec: tuple, adapters: int) -> None:
+    """What every rank of a LoRA run holds for the frozen base (hf_worker.py's ``frozen_report``): no frozen parameter
+    ever had a gradient before a step, none is in the optimizer or a ZeRO-1/2 flat buffer, the trainable elements
+    are the ``adapters``', optimizer state covers at most this rank's share of them (ZeRO 1-3), the frozen base is
+    most of the model (so a frozen weight in the state would show); replicated adapters equal on the tp ranks (not
+    under ZeRO-3, which shards them over dp)."""
+    world, strategy, _, tp = spec
+    sharded = "zero_stage=0" not in strategy and tp == 1  # ZeRO 1-3 over dp = world
+    reports = [runs[label].case("train", rank) for rank in range(world)]
+    for rank, r in enumerate(reports):
+        where = f"{label} rank {rank}"
+        assert r["trainable_numel"] == adapters, f"{where}: {r['trainable_numel']} trainable, {adapters} adapters"
+        assert r["frozen_with_grad"] == [] and r["frozen_grads_now"] == [], where
+        assert r["optimizer_params_frozen"] == 0 and r["flat_frozen"] == 0, where
+        assert r["frozen_numel"] > 5 * r["trainable_numel"], where
+        share = math.ceil(r["trainable_numel"] / (world if sharded else 1))
+        assert 0 < r["state_numel"] <= 2 * (share + world), f"{where}: {r['state_numel']} optimizer-state elements"
+        assert r["flat_numel"] <= r["trainable_numel"] + world, f"{where}: flat buffer {r['flat_numel']}"
+        if tp > 1 and "zero_stage=3" not in strategy:
+            assert r["replicated_sums"], f"{where}: no replicated adapter factor"
+            assert r["replicated_sums"] == reports[rank - rank % tp]["replicated_sums"], where

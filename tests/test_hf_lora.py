@@ -5,13 +5,11 @@ worker starts."""
 
 from __future__ import annotations
 
-import math
-
 import peft  # a test dependency: make install installs the peft extra
 import pytest
 import torch
 import transformers
-from causal_lm_parity import CLIP, check, launch, train_reference
+from causal_lm_parity import CLIP, check, check_frozen_base, launch, train_reference
 from conftest import Batch
 from parity import PARAM_ATOL
 from test_hf_parity import CONFIGS
@@ -126,25 +124,9 @@ def test_clipping_is_active_in_the_lora_reference(model, references):
 
 
 def check_frozen_base_holds_nothing(runs: Batch, label: str, spec: tuple) -> None:
-    """On every rank: no frozen parameter ever had a gradient before a step, none is in the optimizer or a ZeRO-1/2
-    flat buffer, optimizer state covers at most the adapters (this rank's share under ZeRO 1-3), the frozen base is
-    most of the model (so a frozen weight in the state would show); replicated adapters equal on the tp ranks."""
-    world, strategy, model, tp = spec
-    sharded = "zero_stage=0" not in strategy and tp == 1  # ZeRO 1-3 over dp = world
-    reports = [runs[label].case("train", rank) for rank in range(world)]
+    model = spec[2]
     adapters = sum(p.numel() for p in apply_peft(small(model), lora_config(model)).parameters() if p.requires_grad)
-    for rank, r in enumerate(reports):
-        where = f"{label} rank {rank}"
-        assert r["trainable_numel"] == adapters, f"{where}: {r['trainable_numel']} trainable, {adapters} adapters"
-        assert r["frozen_with_grad"] == [] and r["frozen_grads_now"] == [], where
-        assert r["optimizer_params_frozen"] == 0 and r["flat_frozen"] == 0, where
-        assert r["frozen_numel"] > 5 * r["trainable_numel"], where
-        share = math.ceil(r["trainable_numel"] / (world if sharded else 1))
-        assert 0 < r["state_numel"] <= 2 * (share + world), f"{where}: {r['state_numel']} optimizer-state elements"
-        assert r["flat_numel"] <= r["trainable_numel"] + world, f"{where}: flat buffer {r['flat_numel']}"
-        if tp > 1:
-            assert r["replicated_sums"], f"{where}: no replicated adapter factor"
-            assert r["replicated_sums"] == reports[rank - rank % tp]["replicated_sums"], where
+    check_frozen_base(runs, label, spec, adapters)
 
 
 @pytest.mark.parametrize("label", list(FAST))
