@@ -247,6 +247,7 @@ def test_lora_on_a_model_with_adapters_already_is_refused():
     [
         ({"pp": 2}, r"pp=2 with LitGPTCausalLM\(lora=...\) is not supported yet.*set pp=1"),
         ({"cp": 2}, r"cp=2 with LitGPTCausalLM\(lora=...\) is not supported yet.*set cp=1"),
+        ({"ep": 2}, r"ep=2 with LitGPTCausalLM\(lora=...\) is not supported yet.*set ep=1"),
         ({"tp": 2}, r"lora_dropout=0.05 with tp=2 is not supported yet: set lora_dropout=0.0"),
     ],
 )
