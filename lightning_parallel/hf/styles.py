@@ -7,6 +7,7 @@ keyword). All math stays in DTensor: the styles only place the parameters and th
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch import nn
@@ -151,11 +152,9 @@ class LoraParallel(ParallelStyle):
         self.kind, self.parts, self.input_layout, self.output_layout, self.local_output = _lora_layouts(base_style)
 
     def _base_placement(self, pname: str, module: nn.Module) -> Placement:
-        from transformers.pytorch_utils import Conv1D
-
         if pname != "weight":  # the bias: split with the output columns (whole when fused), else added whole
             return Shard(0) if self.kind == "col" and self.parts == 1 else Replicate()
-        out_dim = 1 if isinstance(module, Conv1D) else 0  # Conv1D's weight is (in, out)
+        out_dim = 1 if _is_conv1d(module) else 0  # Conv1D's weight is (in, out)
         if self.kind == "row":
             return Shard(1 - out_dim)
         return StridedShard(out_dim, split_factor=self.parts) if self.parts > 1 else Shard(out_dim)
@@ -214,3 +213,12 @@ def _lora_layouts(style: ParallelStyle) -> tuple[str, int, Placement, Placement 
         f"a LoRA layer whose base layer's tensor-parallel style is {type(style).__name__} is not supported (LoRA "
         "follows ColwiseParallel, RowwiseParallel and GPT-2's Conv1D styles): drop it from target_modules, or use tp=1."
     )
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's ``Conv1D`` (transformers), without importing transformers where it was never imported (LitGPT)."""
+    if "transformers" not in sys.modules:
+        return False
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, Conv1D)
