@@ -12,6 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig
+from torch import nn
 
 from lightning_parallel import AsyncPSStrategy, Hybrid3DStrategy, ZeroStrategy
 from lightning_parallel.callbacks.activation import ActivationCheckpointing, ActivationMemoryMonitor
@@ -361,6 +362,14 @@ def _moe_metrics(trainer: pl.Trainer) -> dict[str, Any]:
 def _activation_bytes(trainer: pl.Trainer) -> int | None:
     monitor = next((c for c in trainer.callbacks if isinstance(c, ActivationMemoryMonitor)), None)
     return monitor.bytes if monitor is not None else None
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """metrics.json's ``trainable_params`` and ``frozen_params`` of the whole model (a tied weight once; meta
+    tensors counted by their shapes), before any strategy splits it."""
+    params = list(model.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    return {"trainable_params": trainable, "frozen_params": sum(p.numel() for p in params) - trainable}
 
 
 def write_metrics(trainer: pl.Trainer, metrics: dict[str, Any], run_dir: Path) -> None:

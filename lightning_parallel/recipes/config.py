@@ -91,6 +91,20 @@ class LitGPTModelConf(TextModelConf):
 
 
 @dataclass
+class PeftConf:
+    """Parameter-efficient fine-tuning of ``model=hf*`` (the ``peft`` library's LoRA): ``peft=lora``."""
+
+    method: str = "none"  # none: every weight trains; lora: low-rank adapters train, the base stays frozen
+    r: int = 8  # the adapters' rank
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / r
+    dropout: float = 0.0  # dropout on each adapter's input (0 under tp > 1)
+    # module names (or a regex) the adapters go on; null: every linear layer but the output head (peft's
+    # "all-linear": the attention and MLP projections)
+    target_modules: Any = None
+    base_dtype: str | None = None  # the frozen base's dtype (bfloat16: half its bytes); null: as loaded
+
+
+@dataclass
 class VGGModelConf:
     name: str = "vgg11"  # vgg11 (8 convs) or vgg16 (13 convs); pipeline layers are the convs plus the head
     width: int = 64  # channels of the first convs (the paper's 64); tp must divide it
@@ -177,6 +191,7 @@ class GPTRecipeConf(RecipeConf):
 
     model: TextModelConf = MISSING  # GPTModelConf (model=gpt_*), HFModelConf (model=hf*), LitGPTModelConf
     data: TextDataConf = MISSING
+    peft: PeftConf = MISSING  # peft=none (default) or peft=lora
     sample_tokens: int = 200  # generated at the end of training; 0 for none
 
 
@@ -200,6 +215,7 @@ SCHEMAS = {
     ("data", "images_schema"): ImageDataConf,
     ("trainer", "schema"): TrainerConf,
     ("checkpoint", "schema"): CheckpointConf,
+    ("peft", "schema"): PeftConf,
 }
 
 

@@ -24,6 +24,7 @@ from lightning_parallel.recipes.common import (
     build_trainer,
     check_run_settings,
     micro_batch_size,
+    parameter_counts,
     run_metrics,
     sampler_kwargs,
     world_size,
@@ -43,6 +44,12 @@ from lightning_parallel.recipes.litgpt import (
     check_litgpt_model,
     is_litgpt_model,
     litgpt_config,
+)
+from lightning_parallel.recipes.lora import (
+    check_hf_lora,
+    check_peft_settings,
+    refuse_lora,
+    wants_lora,
 )
 from lightning_parallel.recipes.text_data import TokenWindows, load_tokens
 from lightning_parallel.strategies.pipelined_step import PipelineInput
@@ -75,14 +82,24 @@ MOE_KEYS = (
 
 def check_config(cfg: DictConfig) -> None:
     """Everything that can be refused before a worker starts: names, degrees, sizes, batch splits."""
+    check_peft_settings(cfg)
     if is_hf_model(cfg.model):
         meta = check_hf_model(cfg)
-        return _check_library_model(cfg, meta, len(hf_pipeline_layers(meta)), check_hf_layout)
+        strategy = _check_library_model(cfg, meta, len(hf_pipeline_layers(meta)), check_hf_layout)
+        if wants_lora(cfg):  # last: the adapters are injected into the meta model
+            dims = _dims(cfg, strategy)
+            degrees = {"pp": dims.pp, "tp": dims.tp, "cp": dims.cp, "ep": dims.ep} if dims else {"tp": 1}
+            check_hf_lora(cfg, meta, degrees, dims is not None and strategy.config.sequence_parallel)
+        return
     if is_litgpt_model(cfg.model):
         from lightning_parallel.litgpt import litgpt_pipeline_layers
 
+        # the hook for LitGPT's own LoRA (LitGPTCausalLM(lora=...)) once the module takes it
+        refuse_lora(cfg, "litgpt")
         meta = check_litgpt_model(cfg)
-        return _check_library_model(cfg, meta, len(litgpt_pipeline_layers(meta)), check_litgpt_layout)
+        _check_library_model(cfg, meta, len(litgpt_pipeline_layers(meta)), check_litgpt_layout)
+        return
+    refuse_lora(cfg, cfg.model.get("name", "gpt_*"))
     strategy = check_run_settings(cfg, num_layers=cfg.model.n_layer + 2)  # embedding, blocks, head
     m = cfg.model
     for key in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
@@ -119,16 +136,22 @@ def check_config(cfg: DictConfig) -> None:
     check_text_data(cfg)
 
 
-def _check_library_model(cfg: DictConfig, meta: Any, num_layers: int, check_layout: Any) -> None:
+def _check_library_model(cfg: DictConfig, meta: Any, num_layers: int, check_layout: Any) -> Any:
     """``model=hf*`` / ``model=litgpt``: the same checks, on the model built on the meta device;
-    ``check_layout(meta, pp=, tp=, sequence_parallel=)`` the checks its module runs in the workers."""
+    ``check_layout(meta, pp=, tp=, sequence_parallel=)`` the checks its module runs in the workers. Returns the
+    strategy (checked, not yet used)."""
     strategy = check_run_settings(cfg, num_layers=num_layers)
-    if isinstance(strategy, Hybrid3DStrategy):
-        dims = strategy.config.dims(world_size(cfg))
+    if dims := _dims(cfg, strategy):
         check_layout(meta, pp=dims.pp, tp=dims.tp, sequence_parallel=strategy.config.sequence_parallel)
     if cfg.trainer.sync_batchnorm:
         raise ValueError("trainer.sync_batchnorm=true: the model has no BatchNorm to sync (its norms need none).")
     check_text_data(cfg)
+    return strategy
+
+
+def _dims(cfg: DictConfig, strategy: Any) -> Any:
+    """The hybrid3d layout's degrees (None under the other strategies: they split data only)."""
+    return strategy.config.dims(world_size(cfg)) if isinstance(strategy, Hybrid3DStrategy) else None
 
 
 def check_text_data(cfg: DictConfig) -> None:
@@ -229,9 +252,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     micro = micro_batch_size(cfg, world_size(cfg))
     m = cfg.model
     if is_hf_model(m):
-        model = build_hf_module(m)  # a folder's weights are read after the split; fresh ones seeded alike
+        model = build_hf_module(cfg)  # a folder's weights are read after the split; fresh ones seeded alike
+        counts = parameter_counts(model)
     elif is_litgpt_model(m):
         model = build_litgpt_module(m)
+        counts = parameter_counts(model)
     else:
         model = LitGPT(
             gpt_config(m),
@@ -240,12 +265,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             warmup_steps=m.warmup_steps,
             build_in_configure_model=True,
         )
+        with torch.device("meta"):  # the model is built in configure_model: count the same one, allocating nothing
+            counts = parameter_counts(GPT(gpt_config(m)))
     trainer = build_trainer(cfg, run_dir)
     data = TextData(cfg, micro, cache_dir=Path.cwd() / "data")  # the default corpus is written there once
     start = time.perf_counter()
     trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
     wall = time.perf_counter() - start
-    metrics = run_metrics(trainer, cfg, wall, cfg.data.global_batch_size * m.seq_len, "tokens/s")
+    metrics = run_metrics(trainer, cfg, wall, cfg.data.global_batch_size * m.seq_len, "tokens/s") | counts
     if cfg.sample_tokens > 0:
         sample = generate(model, b"The ", cfg.sample_tokens, seed=cfg.seed, seq_len=m.seq_len)
         metrics["sample"] = sample.decode("utf-8", errors="replace")

@@ -133,13 +133,23 @@ def check_hf_layout(model: Any, pp: int, tp: int, sequence_parallel: bool) -> No
         raise ValueError(SP_WITH_PP)
 
 
-def build_hf_module(m: DictConfig) -> Any:
-    """The HFCausalLM a worker trains: a folder's weights, or fresh weights from the config (seeded)."""
+def build_hf_module(cfg: DictConfig) -> Any:
+    """The HFCausalLM a worker trains: a folder's weights, or fresh weights from the config (seeded); with
+    ``peft=lora`` LoRA adapters drawn from ``seed`` on the frozen base."""
     from lightning_parallel.hf import HFCausalLM
+    from lightning_parallel.recipes.lora import base_dtype_kwargs, lora_config, wants_lora
 
+    m = cfg.model
     config = hf_config(m)
     source = m.path if m.path is not None and _weights_in(_folder(m)) else config
-    return HFCausalLM(source, lr=m.lr, weight_decay=m.weight_decay)
+    if not wants_lora(cfg):
+        return HFCausalLM(source, lr=m.lr, weight_decay=m.weight_decay)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # what the adapters' settings depend on (GPT-2's Conv1D), allocating nothing
+        meta = AutoModelForCausalLM.from_config(config)
+    adapters = {"peft_config": lora_config(cfg.peft, meta), "adapter_seed": cfg.seed, **base_dtype_kwargs(cfg.peft)}
+    return HFCausalLM(source, lr=m.lr, weight_decay=m.weight_decay, **adapters)
 
 
 def model_vocab_size(m: DictConfig) -> int:

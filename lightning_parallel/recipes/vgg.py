@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
@@ -24,6 +25,7 @@ from lightning_parallel.recipes.common import (
     build_trainer,
     check_run_settings,
     micro_batch_size,
+    parameter_counts,
     run_metrics,
     sampler_kwargs,
     world_size,
@@ -159,11 +161,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         lr_schedule=m.lr_schedule,
         build_in_configure_model=True,
     )
+    with torch.device("meta"):  # the model is built in configure_model: count the same one, allocating nothing
+        counts = parameter_counts(VGG(vgg_config(m)))
     trainer = build_trainer(cfg, run_dir, **sync_batchnorm_args(cfg))
     start = time.perf_counter()
     trainer.fit(model, datamodule=ImageData(cfg, micro), ckpt_path=cfg.ckpt_path)
     wall = time.perf_counter() - start
-    metrics = run_metrics(trainer, cfg, wall, cfg.data.global_batch_size, "samples/s")
+    metrics = run_metrics(trainer, cfg, wall, cfg.data.global_batch_size, "samples/s") | counts
     if "val_acc" in trainer.callback_metrics:
         metrics["final_val_accuracy"] = float(trainer.callback_metrics["val_acc"])
     write_metrics(trainer, metrics, run_dir)
