@@ -11,15 +11,17 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 import lightning_parallel  # noqa: F401
+from lightning_parallel.hf.lora import apply_peft
 from lightning_parallel.models import GPTConfig, LitVGG
 from lightning_parallel.recipes.common import build_strategy, micro_batch_size
 from lightning_parallel.recipes.config import register_configs
 from lightning_parallel.recipes.hf import check_hf_model, is_hf_model
 from lightning_parallel.recipes.litgpt import check_litgpt_model, is_litgpt_model
+from lightning_parallel.recipes.lora import lora_config, wants_lora
 from lightning_parallel.recipes.vgg import scaled_lr, vgg_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ["strategy", "precision", "model", "data", "trainer", "checkpoint"]
+GROUPS = ["strategy", "precision", "model", "data", "trainer", "checkpoint", "peft"]
 
 register_configs()
 
@@ -50,7 +52,9 @@ def compose_vgg(*overrides: str):
 def build_model(cfg) -> None:
     if is_hf_model(cfg.model):  # on the meta device; model=hf names no model until model.path (test_hf_recipe)
         if cfg.model.path is not None or cfg.model.config:
-            check_hf_model(cfg)
+            meta = check_hf_model(cfg)
+            if wants_lora(cfg):
+                apply_peft(meta, lora_config(cfg.peft, meta))
     elif is_litgpt_model(cfg.model):
         check_litgpt_model(cfg)  # on the meta device
     elif "vocab_size" in cfg.model:
@@ -62,6 +66,7 @@ def build_model(cfg) -> None:
 @pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_composes_and_builds(group, option):
     overrides = [f"{group}={option}"] + (["data.path=/nowhere"] if option == "cifar10" else [])
+    overrides += ["model=hf_llama_tiny"] if group == "peft" else []  # adapters go on model=hf* (test_recipe_peft)
     cfg = compose_recipe(recipe_of(group, option), *overrides)
     build_model(cfg)
     strategy = build_strategy(cfg.strategy)

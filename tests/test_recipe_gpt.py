@@ -8,6 +8,7 @@ import json
 import pytest
 from recipe_runs import GPT, assert_fails_before_workers, default_run_metrics, run
 from recipe_runs import run_recipe as _run_recipe
+from test_recipe_configs import compose_gpt
 
 SHORT = ["trainer=debug", "trainer.max_steps=6", "sample_tokens=8"]
 
@@ -27,6 +28,18 @@ def test_single_process_run_writes_its_metrics(single):
     assert single["final_val_loss"] is not None and single["throughput"] > 0
     assert len(single["peak_memory_bytes"]) == 1 and "sample" in single
     assert single["activation_memory_bytes"][0] > 0 and single["activation_checkpointing"] == "none"
+    assert (single["trainable_params"], single["frozen_params"]) == (gpt_params(), 0)  # no adapters: all train
+
+
+def gpt_params() -> int:
+    """Parameters of the recipe's default GPT, counted on a model built on the meta device."""
+    import torch
+
+    from lightning_parallel.models.gpt import GPT
+    from lightning_parallel.recipes.gpt import gpt_config
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(gpt_config(compose_gpt(*SHORT).model)).parameters())
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from recipe_runs import VGG, assert_fails_before_workers, default_run_metrics, run
 from recipe_runs import run_recipe as _run_recipe
+from test_recipe_configs import compose_vgg
+
+from lightning_parallel.models.vgg import VGG as VGGNet
+from lightning_parallel.recipes.vgg import vgg_config
 
 SHORT = ["trainer=debug", "trainer.max_steps=6", "data.num_train=512", "data.num_val=64", "data.global_batch_size=32"]
 
@@ -29,6 +34,9 @@ def test_single_process_run_writes_its_metrics(single):
     assert 1.0 < single["final_train_loss"] < 3.0  # about ln 10 = 2.303, a uniform guess over 10 classes
     assert single["final_val_loss"] is not None and 0.0 <= single["final_val_accuracy"] <= 1.0
     assert single["throughput_unit"] == "samples/s" and single["throughput"] > 0
+    with torch.device("meta"):
+        params = sum(p.numel() for p in VGGNet(vgg_config(compose_vgg(*SHORT).model)).parameters())
+    assert (single["trainable_params"], single["frozen_params"]) == (params, 0)
 
 
 @pytest.mark.parametrize(
