@@ -26,7 +26,15 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_parallel.models.gpt import GPT, GPTConfig, gpt_tp_plan
 from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, schedule_spec
-from lightning_parallel.planning.estimate import OPTIMIZER_STATES, PRECISIONS, Estimate, Settings, recommend
+from lightning_parallel.planning.adapters import lora_params
+from lightning_parallel.planning.estimate import (
+    OPTIMIZER_STATES,
+    PRECISIONS,
+    Estimate,
+    Settings,
+    element_bytes,
+    recommend,
+)
 from lightning_parallel.planning.profile import ModelSpec, plan_layouts
 from lightning_parallel.recipes.config import GPTModelConf, ImageDataConf, TextDataConf, VGGModelConf
 from lightning_parallel.recipes.gpt import MOE_KEYS
@@ -59,7 +67,15 @@ def load_model_config(model: str) -> tuple[str, DictConfig]:
     raise ValueError(f"{path} extends neither gpt_schema nor vgg_schema: start it with `defaults: [gpt_schema]`.")
 
 
-def gpt_spec(m: DictConfig) -> ModelSpec:
+# LoRA's targets in the recipe GPT (--lora-rank): the attention and MLP linears (a shared expert's too), not the
+# router nor the routed experts (grouped weights, no linear layers), nor the embedding and head
+GPT_LORA_TARGETS = r"^blocks\.\d+\.(attn\.(q|k|v|proj)|mlp\.(fc|proj|shared\.\d+))$"
+BASE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def gpt_spec(m: DictConfig, lora_rank: int = 0) -> ModelSpec:
+    """The planner's view of a recipe GPT; ``lora_rank`` > 0: LoRA adapters on :data:`GPT_LORA_TARGETS`, the
+    base frozen."""
     moe = {key: m[key] for key in MOE_KEYS}
     config = GPTConfig(m.vocab_size, m.seq_len, m.n_layer, m.n_head, m.d_model, m.mlp_ratio, m.dropout, **moe)
     with torch.device("meta"):
@@ -78,6 +94,8 @@ def gpt_spec(m: DictConfig) -> ModelSpec:
         check_tp=lambda tp: GPT.check_tensor_parallel_config(config, tp),
         optimizer_states=OPTIMIZER_STATES["adamw"],
         num_experts=config.moe_experts,
+        lora_rank=lora_rank,
+        lora_targets=GPT_LORA_TARGETS,
     )
 
 
@@ -114,6 +132,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--margin", type=float, default=0.1, help="fraction of device memory to keep free")
     p.add_argument("--device-flops", type=float, default=100e12, help="sustained FLOP/s per device (cost model)")
     p.add_argument("--bandwidth", type=float, default=50e9, help="bytes/s each rank sends (cost model)")
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="LoRA adapters of this rank on the attention and MLP "
+        "linears, the base frozen (GPT models; default 0: full fine-tuning)",
+    )
+    p.add_argument(
+        "--lora-base-dtype",
+        choices=list(BASE_DTYPE_BYTES),
+        help="the frozen base's dtype with --lora-rank (default: the precision's parameters)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p.parse_args(argv)
 
@@ -123,7 +153,8 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     if args.world_size < 1:
         raise ValueError(f"--world-size={args.world_size} must be at least 1.")
     kind, m = load_model_config(args.model)
-    spec = gpt_spec(m) if kind == "gpt" else vgg_spec(m)
+    _check_lora_args(args, kind)
+    spec = gpt_spec(m, args.lora_rank) if kind == "gpt" else vgg_spec(m)
     default_batch = (TextDataConf if kind == "gpt" else ImageDataConf).global_batch_size
     virtual = schedule_spec(args.pp_schedule).stages_per_rank(args.pp_virtual_stages)
     settings = Settings(
@@ -137,18 +168,34 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         margin=args.margin,
         device_flops=args.device_flops,
         bandwidth=args.bandwidth,
+        base_bytes_per_param=BASE_DTYPE_BYTES.get(args.lora_base_dtype),
     )
     estimates = plan_layouts(spec, args.world_size, settings)
     best = recommend(estimates, settings.device_memory, settings.margin)
     params = sum(p.numel() for p in spec.model.parameters())
+    adapters = lora_params(spec.model, "", spec.lora_rank, spec.lora_targets) if spec.lora_rank else 0
     return {
         "model": args.model,
         "num_params": params,
+        "lora_rank": spec.lora_rank,
+        "adapter_params": adapters,  # besides num_params (then the frozen base's)
         "world_size": args.world_size,
         "settings": asdict(settings),
         "layouts": [_row(e) for e in estimates],
         "recommended": _row(best) if best else None,
     }
+
+
+def _check_lora_args(args: argparse.Namespace, kind: str) -> None:
+    if args.lora_rank < 0:
+        raise ValueError(f"--lora-rank={args.lora_rank} is not a rank: give 1 or more (0: full fine-tuning).")
+    if args.lora_rank and kind != "gpt":
+        raise ValueError(
+            f"--lora-rank={args.lora_rank} puts adapters on attention and MLP linears, and {args.model} (a {kind}) "
+            "has none: drop --lora-rank."
+        )
+    if args.lora_base_dtype and not args.lora_rank:
+        raise ValueError(f"--lora-base-dtype={args.lora_base_dtype} is the frozen base's dtype: add --lora-rank R.")
 
 
 def _row(e: Estimate) -> dict[str, Any]:
@@ -169,7 +216,14 @@ def format_table(plan: dict[str, Any]) -> str:
     lines = [
         f"{plan['model']}: {plan['num_params'] / 1e6:.2f}M parameters, world size {plan['world_size']}, "
         f"device memory {_size(s['device_memory'])}, global batch {s['global_batch']}, {s['precision']}, "
-        f"pp schedule {s['schedule']}",
+        f"pp schedule {s['schedule']}"
+        + (
+            f", LoRA rank {plan['lora_rank']}: {plan['adapter_params'] / 1e6:.3f}M adapter parameters (16 bytes "
+            f"each), the base frozen ({s['base_bytes_per_param'] or element_bytes(s['precision'])} bytes per "
+            "parameter)"
+            if plan["lora_rank"]
+            else ""
+        ),
         f"{'pp':>3} {'dp':>3} {'tp':>3} {'zero':>4} {'ep':>3} {'m':>3} {'mem/rank':>10} {'states':>10} "
         f"{'experts':>10} {'activ.':>10} {'bubble':>6} {'dp comm':>10} {'tp comm':>10} {'pp comm':>10} "
         f"{'ep comm':>10} {'step ms':>8}  note",

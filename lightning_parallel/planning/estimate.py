@@ -10,6 +10,8 @@ rank, measured by :mod:`lightning_parallel.planning.profile`), so it is unit-tes
 - expert parameters (MoE): split over ep, their ZeRO states sharded over the dp/ep ranks holding the same experts;
   the all-to-all of tokens: each MoE layer's rows (tokens x k x d) sent 4 times a step (dispatch and combine,
   forward and backward), (ep-1)/ep of them leaving the rank;
+- with LoRA adapters (:mod:`lightning_parallel.planning.adapters`): the frozen base's parameters alone, sharded
+  over dp only under ZeRO-3, and the adapters' 16 bytes per parameter sharded as the stage shards them;
 - communication bytes per step per rank, and a step time under a simple cost model.
 """
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 from lightning_parallel.parallel.data.stages import zero_stage as zero_stage_of
 from lightning_parallel.parallel.pipeline.schedules import schedule_spec
+from lightning_parallel.planning.adapters import adapter_comm_bytes, adapter_model_state_bytes
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 # optimizer states per parameter: AdamW keeps exp_avg and exp_avg_sq, SGD with momentum its momentum buffer
@@ -60,6 +63,8 @@ class LayerCost:
         expert_params: the keys of ``params`` that are MoE expert weights (split over ep).
         a2a_per_sample: bytes of the token rows the layer's MoE layers send to their experts (tokens x k x d),
             one all-to-all's payload.
+        adapter_params: LoRA adapter elements on this tp rank (0: every parameter trains; else ``params`` are the
+            frozen base's).
     """
 
     params: dict[str, int]
@@ -73,6 +78,7 @@ class LayerCost:
     tp_payload_per_sample: float = 0.0
     expert_params: frozenset[str] = frozenset()
     a2a_per_sample: float = 0.0
+    adapter_params: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,7 @@ class Settings:
         optimizer_states: optimizer-state tensors per parameter (:data:`OPTIMIZER_STATES`).
         device_memory: bytes per device; margin: the fraction to keep free for what is not estimated.
         device_flops, bandwidth: sustained FLOP/s and bytes/s per rank for the step-time model.
+        base_bytes_per_param: with adapters, bytes of one frozen base parameter (None: the precision's element).
     """
 
     global_batch: int
@@ -99,6 +106,7 @@ class Settings:
     margin: float = 0.1
     device_flops: float = 100e12
     bandwidth: float = 50e9
+    base_bytes_per_param: int | None = None
 
 
 @dataclass
@@ -171,7 +179,7 @@ def estimate_layout(
     batch = s.global_batch / dp / m  # samples per microbatch (the whole dp share when pp == 1)
     elem = element_bytes(s.precision)
     est = Estimate(pp, dp, tp, zero_stage, ep=ep, microbatches=m)
-    schedule, sharding = schedule_spec(s.schedule), zero_stage_of(zero_stage)
+    schedule = schedule_spec(s.schedule)
     worst = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "ep": 0.0}
     flops = 0.0
     for rank, layers in enumerate(rank_layers(len(costs), stages, stage_ranks, pp)):
@@ -182,8 +190,8 @@ def estimate_layout(
             expert_keys |= costs[i].expert_params
         experts = sum(n for k, n in keys.items() if k in expert_keys) // ep  # E/ep experts on this rank
         params = sum(n for k, n in keys.items() if k not in expert_keys)
-        expert_states = sharding.state_bytes_exact(experts, dp // ep, elem, s.optimizer_states) if experts else 0
-        states = sharding.state_bytes_exact(params, dp, elem, s.optimizer_states) + expert_states
+        adapters = sum(costs[i].adapter_params for i in layers)
+        states, expert_states, dp_sent = _model_states(params, experts, adapters, (dp, ep, zero_stage), elem, s)
         est.expert_state_per_rank.append(expert_states)
         act = sum(costs[i].act_fixed + costs[i].act_per_sample * batch for i in layers)
         act *= schedule.in_flight(pp, m, rank, virtual)
@@ -194,18 +202,42 @@ def estimate_layout(
         est.model_state_per_rank.append(states)
         est.activation_per_rank.append(act)
         est.memory_per_rank.append(states + act)
-        dp_sent = sharding.comm_bytes(params * elem, dp) + sharding.comm_bytes(experts * elem, dp // ep)
         worst["dp"] = max(worst["dp"], dp_sent)
         a2a = sum(costs[i].a2a_per_sample for i in layers) * batch * m
         worst["ep"] = max(worst["ep"], 4 * a2a * (ep - 1) / ep)
         tp_payload = sum(costs[i].tp_payload_per_sample for i in layers) * batch * m
         worst["tp"] = max(worst["tp"], all_reduce_bytes(tp_payload, tp) if tp > 1 else 0.0)
         worst["pp"] = max(worst["pp"], _pp_sent(costs, stages, stage_ranks, rank, batch * m) if pp > 1 else 0.0)
-        flops = max(flops, 3 * m * batch * sum(costs[i].flops_per_sample for i in layers))  # fwd + 2x bwd
+        # forward + backward at twice its cost; a frozen base skips its weight gradients: backward about a forward
+        passes = 2 if adapters else 3
+        flops = max(flops, passes * m * batch * sum(costs[i].flops_per_sample for i in layers))
     est.comm = worst
     est.bubble = schedule.bubble(pp, m, virtual)
     est.step_time = flops / s.device_flops / (1 - est.bubble) + sum(worst.values()) / s.bandwidth
     return est
+
+
+def _model_states(
+    params: int, experts: int, adapters: int, degrees: tuple[int, int, int], elem: int, s: Settings
+) -> tuple[float, float, float]:
+    """(model-state bytes, the experts' part of them, dp bytes sent per step) of one rank holding ``params``
+    non-expert and ``experts`` expert elements (its tp shard of its layers), ``degrees`` = (dp, ep, zero_stage).
+    With ``adapters`` the parameters are a frozen base (:mod:`lightning_parallel.planning.adapters`); the experts
+    are sharded over the dp / ep ranks holding the same ones."""
+    dp, ep, stage = degrees
+    sharding = zero_stage_of(stage)
+    if not adapters:
+        expert_states = sharding.state_bytes_exact(experts, dp // ep, elem, s.optimizer_states) if experts else 0
+        states = sharding.state_bytes_exact(params, dp, elem, s.optimizer_states) + expert_states
+        sent = sharding.comm_bytes(params * elem, dp) + sharding.comm_bytes(experts * elem, dp // ep)
+        return states, expert_states, sent
+    base = s.base_bytes_per_param or elem
+    frozen = {"zero_stage": stage, "tp": 1, "pp": 1, "base_bytes_per_param": base}  # counts are this rank's already
+    expert_states = adapter_model_state_bytes(experts, 0, dp=dp // ep, **frozen)
+    states = adapter_model_state_bytes(params, adapters, dp=dp, **frozen) + expert_states
+    sent = adapter_comm_bytes(params * base, adapters, zero_stage=stage, dp=dp)
+    sent += adapter_comm_bytes(experts * base, 0, zero_stage=stage, dp=dp // ep)
+    return states, expert_states, sent
 
 
 def _recv_buffers(costs: Sequence[LayerCost], stages: Sequence[range], ranks: Sequence[int], rank: int) -> float:

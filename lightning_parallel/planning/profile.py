@@ -31,6 +31,7 @@ from lightning_parallel.parallel.expert.moe import GroupedExperts, MoE
 from lightning_parallel.parallel.measure.memory import ActivationMemory
 from lightning_parallel.parallel.pipeline.partition import uniform_partition
 from lightning_parallel.parallel.tensor.conv import ChannelInParallel, ChannelNormParallel, ChannelOutParallel
+from lightning_parallel.planning.adapters import lora_params
 from lightning_parallel.planning.estimate import Estimate, LayerCost, Settings, check_precision, estimate_layout
 
 
@@ -47,6 +48,8 @@ class ModelSpec:
         check_tp: raises ValueError when the model cannot split over that tp.
         optimizer_states: optimizer-state tensors per parameter (2 for Adam, 1 for SGD with momentum).
         num_experts: experts of each MoE layer (0: a dense model); ep runs over the divisors of dp that divide it.
+        lora_rank: LoRA adapters of that rank on a frozen base (0: every parameter trains).
+        lora_targets: with ``lora_rank``, a regex on module paths: the linear layers the adapters go on.
     """
 
     model: nn.Module
@@ -57,6 +60,8 @@ class ModelSpec:
     check_tp: Callable[[int], None]
     optimizer_states: int = 2
     num_experts: int = 0
+    lora_rank: int = 0
+    lora_targets: str = ""
 
 
 def _matches(path: str, pattern: str) -> bool:
@@ -215,7 +220,10 @@ def layer_costs(spec: ModelSpec, tp: int, precision: str = "32-true") -> list[La
             run, shape, dtype = cache[key]
             runs[b] = {**run, "in": x.nbytes}
             inputs[b] = torch.zeros(shape, dtype=dtype, requires_grad=dtype.is_floating_point)  # the next input
-        costs.append(dataclasses.replace(_layer_cost(params, runs, inputs), expert_params=experts))
+        adapters = lora_params(local, prefix, spec.lora_rank, spec.lora_targets) if spec.lora_rank else 0
+        costs.append(
+            dataclasses.replace(_layer_cost(params, runs, inputs), expert_params=experts, adapter_params=adapters)
+        )
     return costs
 
 
