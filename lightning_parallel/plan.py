@@ -2,6 +2,8 @@
 
     python -m lightning_parallel.plan gpt_small --world-size 8 --device-memory 80GB
     python -m lightning_parallel.plan conf/model/vgg16.yaml --world-size 4 --device-memory 16GB --json
+    python -m lightning_parallel.plan gpt2_350m --world-size 8 --device-memory 24GB --lora-rank 16 \
+        --lora-base-dtype bfloat16  # LoRA: a frozen bf16 base, fp32 adapters
 
 Builds the model on the meta device from its config (a name under ``conf/model/`` or a YAML path), measures
 each pipeline layer as one tp rank runs it (see :mod:`lightning_parallel.planning.profile`), and prints one row

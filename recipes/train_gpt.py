@@ -4,8 +4,9 @@
     python recipes/train_gpt.py strategy=zero3 trainer.devices=2
     python recipes/train_gpt.py strategy=hybrid3d strategy.pp=2 strategy.tp=2 trainer.devices=8
     torchrun --nproc-per-node 4 recipes/train_gpt.py strategy=zero2 trainer.devices=4
+    python recipes/train_gpt.py model=hf_llama_tiny peft=lora peft.r=16 strategy=zero3 trainer.devices=2
 
-The config groups live in conf/ (strategy, precision, model, data, trainer, checkpoint, experiment); the
+The config groups live in conf/ (strategy, precision, model, data, trainer, checkpoint, peft, experiment); the
 run directory gets metrics.json, logs and, with checkpoint.dir, checkpoints.
 """
 

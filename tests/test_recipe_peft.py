@@ -155,3 +155,19 @@ def test_a_bf16_base_is_passed_only_where_the_module_takes_it():
 def test_bad_peft_settings_are_refused_before_workers(overrides, message):
     with pytest.raises(ValueError, match=message):
         check_config(compose_gpt(*overrides))
+
+
+def test_sweep_summary_lists_the_parameter_counts(tmp_path):
+    import json
+
+    from lightning_parallel.recipes.summary import summarize
+
+    layout = {"world_size": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 2, "precision": "32-true"}
+    for job, counts in enumerate([(16384, 106816), (123200, 0)]):
+        (tmp_path / str(job)).mkdir()
+        metrics = {"layout": layout, "peak_memory_bytes": [1, 2], "steps": 6, "throughput": 1.0}
+        metrics |= dict(zip(("trainable_params", "frozen_params"), counts))
+        (tmp_path / str(job) / "metrics.json").write_text(json.dumps(metrics))
+    rows = summarize(tmp_path)
+    assert [(r["trainable_params"], r["frozen_params"]) for r in rows] == [(16384, 106816), (123200, 0)]
+    assert "trainable_params,frozen_params" in (tmp_path / "summary.csv").read_text().splitlines()[0]

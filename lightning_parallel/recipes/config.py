@@ -5,7 +5,8 @@ have one per recipe), so a misspelled key or a value of the wrong type fails whe
 config, before anything is launched. The keys are the stable CLI of the recipes (listed in
 the README): ``trainer.devices``, ``trainer.max_steps``, ``strategy.dp|pp|tp|zero_stage|pp_schedule|
 microbatches``, ``precision=...``, ``data.global_batch_size``, ``seed``, ``checkpoint.dir``,
-``checkpoint.every_n_steps``, ``ckpt_path``.
+``checkpoint.every_n_steps``, ``ckpt_path``, and with ``peft=lora`` ``peft.r|alpha|dropout|target_modules|
+base_dtype``.
 """
 
 from __future__ import annotations

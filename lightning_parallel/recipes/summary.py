@@ -19,6 +19,8 @@ COLUMNS = [
     "tp",
     "zero_stage",
     "precision",
+    "trainable_params",  # with peft=lora: the adapters' (frozen_params: the base's)
+    "frozen_params",
     "steps",
     "final_train_loss",
     "final_val_loss",
@@ -40,7 +42,8 @@ def summarize(sweep_dir: Path) -> list[dict[str, Any]]:
         if metrics_file.is_file():
             m = json.loads(metrics_file.read_text())
             row |= {k: m["layout"][k] for k in ("world_size", "dp", "pp", "tp", "zero_stage", "precision")}
-            row |= {k: m.get(k) for k in ("steps", "final_train_loss", "final_val_loss", "throughput", "wall_seconds")}
+            row |= {k: m.get(k) for k in ("trainable_params", "frozen_params", "steps", "final_train_loss")}
+            row |= {k: m.get(k) for k in ("final_val_loss", "throughput", "wall_seconds")}
             row["max_peak_memory_bytes"] = max(m["peak_memory_bytes"])
             row["throughput_unit"] = m.get("throughput_unit", "")
         rows.append(row)
