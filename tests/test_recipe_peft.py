@@ -70,6 +70,22 @@ def test_recipe_module_counts_the_adapters_and_the_frozen_base():
     assert plain == {"trainable_params": expected_counts(LORA)[1], "frozen_params": 0}
 
 
+def test_litgpt_gets_litgpt_s_own_lora_settings():
+    """model=litgpt peft=lora: LitGPTCausalLM(lora=...) by LitGPT's names, every linear of the blocks by default."""
+    from lightning_parallel.recipes.litgpt import build_litgpt_module
+
+    cfg = compose_gpt("model=litgpt", "peft=lora", "peft.r=4", "peft.target_modules=[query,value]")
+    check_config(cfg)
+    module = build_litgpt_module(cfg)
+    config = module.model.config
+    assert (config.lora_r, config.lora_alpha, config.lora_query, config.lora_value) == (4, 16, True, True)
+    assert not (config.lora_key or config.lora_mlp or config.lora_head)
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    default = build_litgpt_module(compose_gpt("model=litgpt", "peft=lora")).model.config
+    assert default.lora_mlp and default.lora_projection and not default.lora_head
+
+
 def test_gpt2_conv1d_layers_get_fan_in_fan_out():
     from lightning_parallel.recipes.hf import build_hf_module
 
@@ -114,7 +130,12 @@ def test_a_bf16_base_is_passed_only_where_the_module_takes_it():
     [
         (["model=hf_llama_tiny", "peft.r=4"], r"peft.r=4 applies to LoRA adapters, and peft=none trains every weight"),
         (["peft=lora"], r"peft=lora with model=gpt_\* is not supported yet: .* or peft=none"),
-        (["model=litgpt", "peft=lora"], r"peft=lora with model=litgpt is not supported yet"),
+        (["model=litgpt", "peft=lora", "peft.target_modules=[q_proj]"], r"LitGPT's LoRA adapts \['query', .*q_proj"),
+        (["model=litgpt", "peft=lora", "peft.base_dtype=bfloat16"], r"peft.base_dtype=bfloat16 with model=litgpt"),
+        (
+            ["model=litgpt", "peft=lora", "strategy=hybrid3d", "strategy.pp=2", "trainer.devices=2"],
+            r"pp=2 with LitGPTCausalLM\(lora=...\) is not supported yet.*pp is strategy.pp",
+        ),
         (["model=hf_llama_tiny", "peft=lora", "peft.r=0"], r"peft.r=0 is not a rank: set peft.r to 1 or more"),
         (["model=hf_llama_tiny", "peft=lora", "peft.alpha=0"], r"peft.alpha=0.0 must be positive"),
         (["model=hf_llama_tiny", "peft=lora", "peft.dropout=1.0"], r"peft.dropout=1.0 is not a probability"),
@@ -140,7 +161,9 @@ def test_a_bf16_base_is_passed_only_where_the_module_takes_it():
     ids=[
         "key-without-lora",
         "native-gpt",
-        "litgpt",
+        "litgpt-targets",
+        "litgpt-base-dtype",
+        "litgpt-pp",
         "rank",
         "alpha",
         "dropout",

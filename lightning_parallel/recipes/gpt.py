@@ -47,6 +47,7 @@ from lightning_parallel.recipes.litgpt import (
 )
 from lightning_parallel.recipes.lora import (
     check_hf_lora,
+    check_litgpt_lora,
     check_peft_settings,
     refuse_lora,
     wants_lora,
@@ -87,17 +88,15 @@ def check_config(cfg: DictConfig) -> None:
         meta = check_hf_model(cfg)
         strategy = _check_library_model(cfg, meta, len(hf_pipeline_layers(meta)), check_hf_layout)
         if wants_lora(cfg):  # last: the adapters are injected into the meta model
-            dims = _dims(cfg, strategy)
-            degrees = {"pp": dims.pp, "tp": dims.tp, "cp": dims.cp, "ep": dims.ep} if dims else {"tp": 1}
-            check_hf_lora(cfg, meta, degrees, dims is not None and strategy.config.sequence_parallel)
+            check_hf_lora(cfg, meta, _degrees(cfg, strategy), _sequence_parallel(strategy))
         return
     if is_litgpt_model(cfg.model):
         from lightning_parallel.litgpt import litgpt_pipeline_layers
 
-        # the hook for LitGPT's own LoRA (LitGPTCausalLM(lora=...)) once the module takes it
-        refuse_lora(cfg, "litgpt")
         meta = check_litgpt_model(cfg)
-        _check_library_model(cfg, meta, len(litgpt_pipeline_layers(meta)), check_litgpt_layout)
+        strategy = _check_library_model(cfg, meta, len(litgpt_pipeline_layers(meta)), check_litgpt_layout)
+        if wants_lora(cfg):
+            check_litgpt_lora(cfg, meta.config, _degrees(cfg, strategy))
         return
     refuse_lora(cfg, cfg.model.get("name", "gpt_*"))
     strategy = check_run_settings(cfg, num_layers=cfg.model.n_layer + 2)  # embedding, blocks, head
@@ -147,6 +146,16 @@ def _check_library_model(cfg: DictConfig, meta: Any, num_layers: int, check_layo
         raise ValueError("trainer.sync_batchnorm=true: the model has no BatchNorm to sync (its norms need none).")
     check_text_data(cfg)
     return strategy
+
+
+def _degrees(cfg: DictConfig, strategy: Any) -> dict[str, int]:
+    """The layout's pp, tp, cp and ep (1 under the strategies that split data only)."""
+    dims = _dims(cfg, strategy)
+    return {"pp": dims.pp, "tp": dims.tp, "cp": dims.cp, "ep": dims.ep} if dims else {"tp": 1}
+
+
+def _sequence_parallel(strategy: Any) -> bool:
+    return isinstance(strategy, Hybrid3DStrategy) and bool(strategy.config.sequence_parallel)
 
 
 def _dims(cfg: DictConfig, strategy: Any) -> Any:
@@ -255,7 +264,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         model = build_hf_module(cfg)  # a folder's weights are read after the split; fresh ones seeded alike
         counts = parameter_counts(model)
     elif is_litgpt_model(m):
-        model = build_litgpt_module(m)
+        model = build_litgpt_module(cfg)
         counts = parameter_counts(model)
     else:
         model = LitGPT(

@@ -114,8 +114,12 @@ def check_litgpt_layout(model: Any, pp: int, tp: int, sequence_parallel: bool) -
         raise ValueError(SP_WITH_PP)
 
 
-def build_litgpt_module(m: DictConfig) -> Any:
-    """The LitGPTCausalLM a worker trains: a folder's weights, or a named config's fresh ones (seeded)."""
+def build_litgpt_module(cfg: DictConfig) -> Any:
+    """The LitGPTCausalLM a worker trains: a folder's weights, or a named config's fresh ones (seeded); with
+    ``peft=lora`` LitGPT's own LoRA adapters, drawn from ``seed``, on the frozen base."""
     from lightning_parallel.litgpt import LitGPTCausalLM
+    from lightning_parallel.recipes.lora import litgpt_lora_settings, wants_lora
 
-    return LitGPTCausalLM(_source(m), lr=m.lr, weight_decay=m.weight_decay, **_overrides(m))
+    m = cfg.model
+    lora = {"lora": litgpt_lora_settings(cfg.peft), "adapter_seed": cfg.seed} if wants_lora(cfg) else {}
+    return LitGPTCausalLM(_source(m), lr=m.lr, weight_decay=m.weight_decay, **lora, **_overrides(m))

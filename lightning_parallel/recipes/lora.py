@@ -123,7 +123,7 @@ def check_hf_lora(cfg: DictConfig, meta: nn.Module, degrees: dict[str, int], seq
 
 
 # what the LoraConfig fields and layout degrees the shared checks name are called in the recipe
-RECIPE_NAMES = {"target_modules": "peft.target_modules", "lora_dropout": "peft.dropout"}
+RECIPE_NAMES = {"target_modules": "peft.target_modules", "lora_dropout": "peft.dropout", "lora_r": "peft.r"}
 RECIPE_NAMES |= {axis: f"strategy.{axis}" for axis in ("pp", "tp", "cp", "ep")}
 
 
@@ -133,10 +133,55 @@ def _module_arguments() -> set[str]:
     return set(inspect.signature(HFCausalLM).parameters)
 
 
+# ``peft.target_modules`` names for ``model=litgpt`` -> litgpt.lora.Config's flags; null: every linear of the blocks
+LITGPT_TARGETS = {name: f"lora_{name}" for name in ("query", "key", "value", "projection", "mlp", "head")}
+LITGPT_DEFAULT = ("query", "key", "value", "projection", "mlp")
+
+
+def litgpt_lora_settings(p: DictConfig) -> dict[str, Any]:
+    """``LitGPTCausalLM(lora=...)``'s settings (LitGPT's own names) for ``peft=lora``: ``peft.target_modules`` names
+    LitGPT's adapted layers (query, key, value, projection, mlp, head; null: all but the head).
+
+    Raises:
+        ValueError: a target LitGPT does not adapt, or ``peft.base_dtype`` (not taken by LitGPT's LoRA yet).
+    """
+    if p.base_dtype is not None:
+        raise ValueError(
+            f"peft.base_dtype={p.base_dtype} with model=litgpt is not supported yet (the frozen base keeps its dtype): "
+            "set peft.base_dtype=null, or use model=hf*."
+        )
+    targets = p.target_modules
+    names = list(LITGPT_DEFAULT) if targets is None else OmegaConf.to_object(targets) if _is_names(targets) else None
+    unknown = sorted(set(names or [targets]) - set(LITGPT_TARGETS))
+    if names is None or unknown:
+        raise ValueError(
+            f"peft.target_modules={targets} with model=litgpt: LitGPT's LoRA adapts {list(LITGPT_TARGETS)} by name "
+            f"(not {unknown}); e.g. peft.target_modules=[query,value], or null for {list(LITGPT_DEFAULT)}."
+        )
+    return {"lora_r": p.r, "lora_alpha": p.alpha, "lora_dropout": p.dropout, **{LITGPT_TARGETS[n]: True for n in names}}
+
+
+def check_litgpt_lora(cfg: DictConfig, config: Any, degrees: dict[str, int]) -> None:
+    """``peft=lora`` on ``model=litgpt`` (``config``: its litgpt ``Config``): the settings LitGPT takes and the layout,
+    as LitGPTCausalLM checks them in the workers.
+
+    Raises:
+        ValueError: naming the ``peft.*`` or ``strategy.*`` setting and the fix.
+    """
+    from lightning_parallel.litgpt.lora import check_lora_degrees, lora_config
+
+    try:
+        check_lora_degrees(lora_config(config, litgpt_lora_settings(cfg.peft)), **degrees)
+    except ValueError as err:
+        named = [f"{name} is {key}" for name, key in RECIPE_NAMES.items() if re.search(rf"\b{name}\b", str(err))]
+        raise ValueError(f"peft=lora: {err}" + (f" (in the recipe: {', '.join(named)})" if named else "")) from None
+
+
 def refuse_lora(cfg: DictConfig, model: str) -> None:
     """``peft=lora`` with a model that takes no adapters here yet."""
     if wants_lora(cfg):
         raise ValueError(
-            f"peft=lora with model={model} is not supported yet: LoRA adapters train on model=hf* (HFCausalLM) "
-            "for now; use model=hf_llama_tiny, model=hf_gpt2_tiny or model=hf model.path=FOLDER, or peft=none."
+            f"peft=lora with model={model} is not supported yet: LoRA adapters train on model=hf* (HFCausalLM) and "
+            "model=litgpt (LitGPTCausalLM) for now; use model=hf_llama_tiny, model=hf model.path=FOLDER or "
+            "model=litgpt, or peft=none."
         )
