@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from causal_lm_parity import CLIP, launch, options, train_reference
 from conftest import Batch
@@ -90,17 +91,34 @@ def half_batches(m, ids):
     return sum(m(input_ids=part, labels=part).loss for part in ids.chunk(2)) / 2
 
 
+def row_partials(model: torch.nn.Module) -> None:
+    """Every row-parallel base layer (Llama's o_proj and down_proj) computes its output as tp=2 does: two partial
+    products over halves of the input features, each rounded to bf16, then summed in bf16."""
+
+    def split(module, args, output):
+        x, half = args[0], args[0].shape[-1] // 2
+        w = module.weight
+        return F.linear(x[..., :half], w[:, :half]) + F.linear(x[..., half:], w[:, half:])
+
+    for name, module in model.named_modules():
+        if name.endswith(("o_proj.base_layer", "down_proj.base_layer")):
+            module.register_forward_hook(split)
+
+
 class References:
-    """The one-process trainings, each run once when first asked for: (model, clip, loss) -> (losses, params)."""
+    """The one-process trainings, each run once when first asked for: (model, clip[, variant]) -> (losses,
+    params); variant "halves": the loss as :func:`half_batches`, "row partials": :func:`row_partials`."""
 
     def __init__(self, folders: dict) -> None:  # noqa: F811
         self.folders, self.done = folders, {}
 
     def __getitem__(self, key: tuple) -> tuple:
-        name, clip, *split = key
+        name, clip, *variant = key
         if key not in self.done:
             model = bf16_peft_model(name, self.folders[name])
-            loss_of = half_batches if split else (lambda m, ids: m(input_ids=ids, labels=ids).loss)
+            if variant == ["row partials"]:
+                row_partials(model)
+            loss_of = half_batches if variant == ["halves"] else (lambda m, ids: m(input_ids=ids, labels=ids).loss)
             self.done[key] = train_reference(model, model.config.vocab_size, loss_of,
                                              HFCausalLM.__init__.__defaults__, clip)  # fmt: skip
         return self.done[key]
@@ -111,15 +129,25 @@ def references(folders) -> References:  # noqa: F811
     return References(folders)
 
 
-def test_bars_cover_the_rounding_noise_of_one_process(references):
-    """The dp bars against what the sum order alone does in one process (same batch, two accumulated halves): more
-    than fp32's bars (which a correct bf16 run would fail), and the bars at most 10x above it."""
-    (want_losses, want), (got_losses, got) = references["llama", CLIP], references["llama", CLIP, "halves"]
+def distance(references: References, key: tuple) -> tuple[float, float]:
+    """(largest loss relative, largest adapter absolute) difference of the variant ``key`` from its reference."""
+    (want_losses, want), (got_losses, got) = references[key[:2]], references[key]
     loss_rel = max(abs(g - w) / abs(w) for g, w in zip(got_losses, want_losses))
-    param_abs = max((got[k] - want[k]).abs().max().item() for k in want if "lora_" in k)
-    print(f"one process, two halves: losses {loss_rel:.1e} relative, adapters {param_abs:.1e} apart")
-    assert PARAM_ATOL < param_abs and 10 * param_abs >= BARS["dp"][1], param_abs
-    assert loss_rel <= BARS["dp"][0] and param_abs <= BARS["dp"][1]
+    return loss_rel, max((got[k] - want[k]).abs().max().item() for k in want if "lora_" in k)
+
+
+@pytest.mark.parametrize(
+    ("variant", "layout"), [("halves", "dp"), pytest.param("row partials", "tp", marks=pytest.mark.slow)]
+)
+def test_bars_cover_the_rounding_noise_of_one_process(variant, layout, references):
+    """The bars against what one process does with only the rounding changed: the global batch as two
+    accumulated halves (dp's sum order), the row-parallel products as two bf16 partial sums (tp's). Above fp32's
+    bars (which a correct bf16 run would fail), within the layout's bars, and the adapter bar at most 10x above."""
+    loss_rel, param_abs = distance(references, ("llama", CLIP, variant))
+    print(f"one process, {variant}: losses {loss_rel:.1e} relative, adapters {param_abs:.1e} apart")
+    loss_bar, param_bar = BARS[layout]
+    assert PARAM_ATOL < param_abs <= param_bar and 10 * param_abs >= param_bar, param_abs
+    assert loss_rel <= loss_bar, loss_rel
 
 
 def check_bf16_run(runs: Batch, label: str, spec: tuple, references: dict, folders: dict) -> None:  # noqa: F811
