@@ -191,10 +191,12 @@ def counts(model: str) -> tuple[int, int]:
     return frozen, sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
 
 
-def stage_of(strategy: str) -> int:
-    if strategy.startswith("zero"):
-        return int(strategy[4])
-    return int(strategy.partition("zero_stage=")[2][:1] or 0)  # hybrid3d's default: 0
+def layout(runs: Batch, label: str, spec: tuple) -> tuple[int, int, list[tuple[str, dict]]]:
+    """(ZeRO stage, dp, [(rank label, that rank's memory report)]) of a run."""
+    world, strategy, _, tp = spec
+    stage = int(strategy[4]) if strategy.startswith("zero") else int(strategy.partition("zero_stage=")[2][:1] or 0)
+    reports = [(f"{label} rank {rank}", runs[label].case("train", rank)["memory"]) for rank in range(world)]
+    return stage, world // tp, reports
 
 
 def check_model_state_bytes(runs: Batch, label: str, spec: tuple) -> None:
@@ -202,12 +204,10 @@ def check_model_state_bytes(runs: Batch, label: str, spec: tuple) -> None:
     bf16 base's 2 bytes per element, sharded only by ZeRO-3 (and split by tp), plus the adapters' 16 sharded by
     the stage. Without tp the counts are the one-process model's; under tp each rank's own (its replicated tensors
     are whole on every tp rank), and the even split the planner assumes must not be above them."""
-    world, strategy, model, tp = spec
+    model, tp = spec[2:]
     base, adapters = counts(model)
-    stage, dp = stage_of(strategy), world // tp
-    for rank in range(world):
-        mem = runs[label].case("train", rank)["memory"]
-        where = f"{label} rank {rank}"
+    stage, dp, reports = layout(runs, label, spec)
+    for where, mem in reports:
         assert mem["frozen_dtypes"] == ["torch.bfloat16"], where
         if tp == 1:
             rank_base, rank_adapters = base, adapters
@@ -222,7 +222,7 @@ def check_model_state_bytes(runs: Batch, label: str, spec: tuple) -> None:
         assert got["grads"] == 4 * rank_adapters // (dp if "grads" in sharded else 1), f"{where}: {got}"
         assert got["optimizer"] == 8 * rank_adapters // (dp if "optimizer" in sharded else 1), f"{where}: {got}"
         assert got["total"] == want, f"{where}: {got} bytes held, the formula says {want}"
-        if rank == 0:
+        if where.endswith(" 0"):
             print(f"{label}: rank 0 holds {got} (formula {want}; step counters apart: {mem['step_scalars']})")
 
 
@@ -232,12 +232,10 @@ def check_no_full_size_gradient(runs: Batch, label: str, spec: tuple) -> None:
     parameter ever holds a gradient; no gradient buffer is larger than the adapters (after every backward), and
     after the step the gradient storages held add up to no more than the stage's share of the adapters (ZeRO-2/3:
     1/dp; ZeRO 0-1 keep them whole)."""
-    world, strategy, model, tp = spec
+    model, tp = spec[2:]
     _, adapters = counts(model)
-    stage, dp = stage_of(strategy), world // tp
-    for rank in range(world):
-        mem = runs[label].case("train", rank)["memory"]
-        where = f"{label} rank {rank}"
+    stage, dp, reports = layout(runs, label, spec)
+    for where, mem in reports:
         local = adapters if tp == 1 else mem["adapter_local_numel"]
         share = local // dp if "grads" in ZERO_STAGES[stage].sharded else local
         assert mem["leaf_numels"] and set(mem["leaf_numels"]) == {adapters}, f"{where}: {mem['leaf_numels']}"
