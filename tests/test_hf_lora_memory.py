@@ -192,10 +192,10 @@ def counts(model: str) -> tuple[int, int]:
 
 
 def layout(runs: Batch, label: str, spec: tuple) -> tuple[int, int, list[tuple[str, dict]]]:
-    """(ZeRO stage, dp, [(rank label, that rank's memory report)]) of a run."""
+    """(ZeRO stage, dp, [(rank label, that rank's result: its ``memory`` report, hf_worker.py's frozen_report)])."""
     world, strategy, _, tp = spec
     stage = int(strategy[4]) if strategy.startswith("zero") else int(strategy.partition("zero_stage=")[2][:1] or 0)
-    reports = [(f"{label} rank {rank}", runs[label].case("train", rank)["memory"]) for rank in range(world)]
+    reports = [(f"{label} rank {rank}", runs[label].case("train", rank)) for rank in range(world)]
     return stage, world // tp, reports
 
 
@@ -207,7 +207,8 @@ def check_model_state_bytes(runs: Batch, label: str, spec: tuple) -> None:
     model, tp = spec[2:]
     base, adapters = counts(model)
     stage, dp, reports = layout(runs, label, spec)
-    for where, mem in reports:
+    for where, result in reports:
+        mem = result["memory"]
         assert mem["frozen_dtypes"] == ["torch.bfloat16"], where
         if tp == 1:
             rank_base, rank_adapters = base, adapters
@@ -235,7 +236,8 @@ def check_no_full_size_gradient(runs: Batch, label: str, spec: tuple) -> None:
     model, tp = spec[2:]
     _, adapters = counts(model)
     stage, dp, reports = layout(runs, label, spec)
-    for where, mem in reports:
+    for where, result in reports:
+        mem = result["memory"]
         local = adapters if tp == 1 else mem["adapter_local_numel"]
         share = local // dp if "grads" in ZERO_STAGES[stage].sharded else local
         assert mem["leaf_numels"] and set(mem["leaf_numels"]) == {adapters}, f"{where}: {mem['leaf_numels']}"
@@ -243,6 +245,7 @@ def check_no_full_size_gradient(runs: Batch, label: str, spec: tuple) -> None:
         for i, held in enumerate([*mem["after_backward"], mem["after_step"]]):
             assert held and not [w for w, _, _ in held if w.startswith("frozen:")], f"{where} backward {i}: {held}"
             assert max(size for _, _, size in held) <= 4 * local, f"{where} backward {i}: {held}"
+        assert result["flat_frozen"] == 0, f"{where}: {result['flat_frozen']} frozen parameters in a flat buffer"
         storages = {address: size for _, address, size in mem["after_step"]}
         assert sum(storages.values()) == 4 * share, f"{where}: {mem['after_step']} (share {share} elements)"
 
