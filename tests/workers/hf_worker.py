@@ -6,8 +6,7 @@ so tests/conftest.py's ``Batch`` can launch it).
 Case keys: name, path (the model folder), steps, global_batch, seq_len, lr, tuple_batch (batches as
 (input_ids, labels) instead of dicts), accumulate (micro-batches per optimizer step), clip (gradient norm), lora
 (LoraConfig keyword arguments: LoRA adapters on the frozen model; the result then says what each rank holds for the
-frozen weights, see ``frozen_report``), base_dtype (HFCausalLM's, with lora), memory (what each rank holds, read
-from its tensors: lora_memory.py).
+frozen weights, see ``frozen_report``).
 """
 
 from __future__ import annotations
@@ -85,6 +84,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         from peft import LoraConfig
 
         peft = {"peft_config": LoraConfig(**case["lora"])}
+        # case keys base_dtype (HFCausalLM's) and memory (what each rank holds, from its tensors: lora_memory.py)
         peft.update({"base_dtype": case["base_dtype"]} if case.get("base_dtype") else {})
     model = recording(module_class(case.get("library", "hf")))(case["path"], lr=case.get("lr", 1e-3), eps=1e-6, **peft)
     data = RandomTokens(global_batch * steps, case.get("seq_len", 16), model.model.config.vocab_size)
