@@ -27,9 +27,10 @@ def test_adapters_are_fp32_adam_under_zero_and_the_base_is_its_parameters(stage,
 
 
 def test_tp_and_pp_split_base_and_adapters_and_the_shards_round_up():
-    # 1000 base and 96 adapter elements over tp=2 x pp=2: 250 and 24 a rank; ZeRO-3 over dp=3 pads both
+    # 1000 base and 96 adapter elements over tp=2 x pp=2: 250 and 24 a rank; ZeRO-3 over dp=3 pads both (by
+    # elements: FSDP2 and the flat buffers pad a tensor's elements, not its bytes)
     got = adapter_model_state_bytes(1000, 96, zero_stage=3, dp=3, tp=2, pp=2, base_bytes_per_param=4)
-    assert got == -(-250 * 4 // 3) + -(-24 * 16 // 3)
+    assert got == -(-250 // 3) * 4 + -(-24 * 16 // 3)
     assert adapter_model_state_bytes(1000, 96, zero_stage=0, dp=3, tp=2, pp=2, base_bytes_per_param=4) == 1000 + 384
 
 

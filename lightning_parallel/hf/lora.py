@@ -22,6 +22,8 @@ from lightning_parallel.hf.styles import LoraParallel
 from lightning_parallel.parallel.tensor.plan import path_matches
 
 SUPPORTED = "LoraConfig (LoRA)"
+# HFCausalLM(base_dtype=...): the dtypes a frozen base may be kept in, by the names a config gives them
+BASE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 # layouts an adapted model cannot take yet, with the degree's setting name
 NOT_YET = ("pp", "cp", "ep")
 
@@ -70,6 +72,38 @@ def apply_peft(model: nn.Module, config: Any, seed: int = 0) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return get_peft_model(model, config)
+
+
+def resolve_base_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    """The dtype ``HFCausalLM(base_dtype=...)`` names: ``torch.bfloat16`` / ``torch.float32`` or one of the strings
+    of :data:`BASE_DTYPES`; None keeps the base as loaded.
+
+    Raises:
+        ValueError: another dtype or string (fp16 would need a loss scale for the activations' gradients).
+        TypeError: neither a dtype nor a string.
+    """
+    if value is None or value in BASE_DTYPES.values():
+        return value  # type: ignore[return-value]
+    if isinstance(value, str) and value.lower() in BASE_DTYPES:
+        return BASE_DTYPES[value.lower()]
+    if not isinstance(value, (str, torch.dtype)):
+        raise TypeError(f"HFCausalLM(base_dtype=...) takes a torch.dtype or a string, not {type(value).__name__}.")
+    raise ValueError(
+        f"HFCausalLM(base_dtype={value!r}) is not supported: use one of {sorted(BASE_DTYPES)} (or torch.bfloat16 / "
+        "torch.float32), or None to keep the base as loaded."
+    )
+
+
+def cast_frozen_base(model: nn.Module, dtype: torch.dtype) -> int:
+    """Every frozen floating-point parameter of ``model`` converted to ``dtype`` in place; the trainable ones (the
+    adapters, and so their gradients and optimizer states) and the buffers stay as they are. peft's LoRA layers
+    cast their input to the adapter's dtype (``Linear.forward``: ``_cast_input_dtype(x, lora_A.weight.dtype)``) and
+    their sum back to the base output's, so a bf16 base with fp32 adapters computes each adapter in fp32 and
+    keeps the residual stream in bf16. Returns the number of parameters converted."""
+    frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point() and p.dtype != dtype]
+    for p in frozen:  # tied weights are one Parameter: converted once, still tied
+        p.data = p.data.to(dtype)
+    return len(frozen)
 
 
 def is_peft_model(model: nn.Module) -> bool:

@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lightning_parallel.causal_lm import IGNORE_INDEX, CausalLM, causal_lm_loss  # noqa: F401  (re-exported)
 from lightning_parallel.hf.layers import ATTENTION_TYPES, attention_type, hf_pipeline_layers, num_decoder_layers
 from lightning_parallel.hf.loading import load_local_weights, parameters_on_meta, safetensors_files, tied_aliases
-from lightning_parallel.hf.lora import apply_peft, base_of, check_peft_degrees
+from lightning_parallel.hf.lora import apply_peft, base_of, cast_frozen_base, check_peft_degrees, resolve_base_dtype
 from lightning_parallel.hf.plan import SP_WITH_PP, hf_tensor_parallel_plan
 
 # config fields whose effect HF's forward applies between the modules of base_model_pp_plan (final logits
@@ -88,6 +88,9 @@ class HFCausalLM(CausalLM):
         peft_config: a ``peft.LoraConfig``: train LoRA adapters on a frozen base (the ``peft`` extra).
         adapter_seed: the seed the adapters are initialized from (the global generator is left alone), so every
             process builds the same adapters.
+        base_dtype: with ``peft_config``, the dtype the frozen base is kept in (``torch.bfloat16`` or "bf16" /
+            "bfloat16", ``torch.float32`` or "fp32" / "float32"); the adapters, their gradients and optimizer
+            states stay as loaded (fp32). None: the base as loaded.
         lazy_load: False reads a folder's weights whole in every process, now (``from_pretrained``). Default: True
             without ``peft_config``; with it the folder is read whole for now.
         lr: AdamW learning rate.
@@ -106,8 +109,16 @@ class HFCausalLM(CausalLM):
         lazy_load: bool | None = None,
         peft_config: Any = None,
         adapter_seed: int = 0,
+        base_dtype: torch.dtype | str | None = None,
     ) -> None:
         super().__init__(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        dtype = resolve_base_dtype(base_dtype)
+        if dtype is not None and peft_config is None:
+            raise ValueError(
+                f"HFCausalLM(base_dtype={base_dtype!r}) needs peft_config: only a frozen base is kept in another dtype "
+                "than the trained weights. Pass a LoraConfig, or train the whole model in bf16 with precision="
+                "'bf16-true' (or 'bf16-mixed')."
+            )
         if lazy_load and peft_config is not None:
             msg = "HFCausalLM: lazy_load=True is ignored with peft_config: the folder is read whole for now."
             warnings.warn(msg, stacklevel=2)
@@ -120,6 +131,8 @@ class HFCausalLM(CausalLM):
         hf_pipeline_layers(hf)  # installs the pipeline hooks now: inert under HF's own forward
         self.peft_config = peft_config
         self.model = hf if peft_config is None else apply_peft(hf, peft_config, adapter_seed)
+        if dtype is not None:
+            cast_frozen_base(self.model, dtype)
 
     @property
     def hf_model(self) -> nn.Module:

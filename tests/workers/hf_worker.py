@@ -19,6 +19,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from gpt_worker import ShardedData, batch_ranks, build_strategy
+from lora_memory import LoraMemoryProbe
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.data import Dataset
 
@@ -85,9 +86,12 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         from peft import LoraConfig
 
         peft = {"peft_config": LoraConfig(**case["lora"])}
+        # case keys base_dtype (HFCausalLM's) and memory (what each rank holds, from its tensors: lora_memory.py)
+        peft.update({"base_dtype": case["base_dtype"]} if case.get("base_dtype") else {})
     model = recording(module_class(case.get("library", "hf")))(case["path"], lr=case.get("lr", 1e-3), eps=1e-6, **peft)
     data = RandomTokens(global_batch * steps, case.get("seq_len", 16), model.model.config.vocab_size)
     data.as_tuple = bool(case.get("tuple_batch"))
+    probes = [LoraMemoryProbe(steps)] if case.get("memory") else []
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
@@ -102,6 +106,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,
+        callbacks=probes,
     )
     trainer.fit(model, datamodule=ShardedData(data, micro))
     state = trainer.strategy.full_state_dict() if hasattr(trainer.strategy, "full_state_dict") else model.state_dict()
@@ -110,6 +115,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     # one loss per optimizer step: the mean of its micro-batches' (equal token counts: the global batch's loss)
     losses = [sum(model.losses[i : i + accumulate]) / accumulate for i in range(0, len(model.losses), accumulate)]
     result = {"name": case["name"], "losses": losses, "bytes_read": getattr(model, "weight_bytes_read", 0)}
+    result.update(probes[0].result() if probes else {})
     return {**result, **(frozen_report(model, trainer) if peft else {})}
 
 
