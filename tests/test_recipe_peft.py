@@ -107,22 +107,19 @@ def test_good_lora_settings_pass_the_checks(overrides):
     check_config(compose_gpt(*overrides))
 
 
-def test_a_bf16_base_is_passed_only_where_the_module_takes_it():
-    """peft.base_dtype goes to HFCausalLM(base_dtype=...) when set; a module without that argument refuses it
-    before any worker starts, and peft.base_dtype=null never passes it."""
-    import inspect
-
-    from lightning_parallel.hf import HFCausalLM
+def test_a_bf16_base_is_passed_to_the_module():
+    """peft.base_dtype goes to HFCausalLM(base_dtype=...) when set (null never passes it): the base's weights in
+    bf16, the adapters in fp32."""
+    from lightning_parallel.recipes.hf import build_hf_module
     from lightning_parallel.recipes.lora import base_dtype_kwargs
 
     cfg = compose_gpt(*LORA, "peft.base_dtype=bfloat16")
     assert base_dtype_kwargs(cfg.peft) == {"base_dtype": torch.bfloat16}
     assert base_dtype_kwargs(compose_gpt(*LORA).peft) == {}
-    if "base_dtype" in inspect.signature(HFCausalLM).parameters:
-        check_config(cfg)
-    else:
-        with pytest.raises(ValueError, match=r"peft.base_dtype=bfloat16 needs HFCausalLM\(base_dtype=...\)"):
-            check_config(cfg)
+    check_config(cfg)
+    dtypes = {p.dtype for n, p in build_hf_module(cfg).named_parameters() if "lora_" not in n and p.dim() > 1}
+    adapters = {p.dtype for n, p in build_hf_module(cfg).named_parameters() if "lora_" in n}
+    assert (dtypes, adapters) == ({torch.bfloat16}, {torch.float32})
 
 
 @pytest.mark.parametrize(

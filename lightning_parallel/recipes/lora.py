@@ -8,7 +8,6 @@ Settings (``PeftConf``): ``peft.r``, ``peft.alpha``, ``peft.dropout``, ``peft.ta
 
 from __future__ import annotations
 
-import inspect
 import re
 from typing import Any
 
@@ -106,11 +105,6 @@ def check_hf_lora(cfg: DictConfig, meta: nn.Module, degrees: dict[str, int], seq
     from lightning_parallel.hf.lora import apply_peft, check_peft_degrees
     from lightning_parallel.hf.plan import hf_tensor_parallel_plan
 
-    if cfg.peft.base_dtype is not None and "base_dtype" not in _module_arguments():
-        raise ValueError(
-            f"peft.base_dtype={cfg.peft.base_dtype} needs HFCausalLM(base_dtype=...), which this version does not "
-            "have: set peft.base_dtype=null (the base as loaded)."
-        )
     config = lora_config(cfg.peft, meta)
     try:
         check_peft_degrees(config, **degrees)
@@ -125,12 +119,6 @@ def check_hf_lora(cfg: DictConfig, meta: nn.Module, degrees: dict[str, int], seq
 # what the LoraConfig fields and layout degrees the shared checks name are called in the recipe
 RECIPE_NAMES = {"target_modules": "peft.target_modules", "lora_dropout": "peft.dropout", "lora_r": "peft.r"}
 RECIPE_NAMES |= {axis: f"strategy.{axis}" for axis in ("pp", "tp", "cp", "ep")}
-
-
-def _module_arguments() -> set[str]:
-    from lightning_parallel.hf import HFCausalLM
-
-    return set(inspect.signature(HFCausalLM).parameters)
 
 
 # ``peft.target_modules`` names for ``model=litgpt`` -> litgpt.lora.Config's flags; null: every linear of the blocks
