@@ -30,6 +30,7 @@ from lightning_parallel.parallel.checkpoint.pipeline import (
     gather_pipeline_optimizer_state,
     pipeline_local_optimizer_state,
 )
+from lightning_parallel.parallel.checkpoint.selection import unsaved_keys
 from lightning_parallel.parallel.data.flat_zero import FlatZero
 from lightning_parallel.strategies import sharded_checkpoint
 from lightning_parallel.strategies.sharded_checkpoint import LOADED_IN_PLACE
@@ -145,11 +146,18 @@ class ShardedCheckpointing:
         assert self.model is not None
         if checkpoint.get(LOADED_IN_PLACE):
             return
-        state = dict(checkpoint["state_dict"])
+        skip = unsaved_keys(self.lightning_module)  # left out of the save (a frozen base): kept as it is
+        state = {k: v for k, v in checkpoint["state_dict"].items() if k not in skip}
         if self._split() is not None:  # this rank's stages only
             mine = set(self.model.state_dict())
             state = {k: v for k, v in state.items() if k in mine}
-        load_full_model_state_dict(self.model, state, strict=strict)
+        if skip and strict:
+            missing = sorted(set(self.model.state_dict()) - skip - set(state))
+            if missing:
+                raise ValueError(
+                    f"the checkpoint lacks the trained tensors {missing[:4]}: resume with the model that saved it."
+                )
+        load_full_model_state_dict(self.model, state, strict=strict and not skip)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.model is not None
