@@ -254,3 +254,32 @@ def test_adapter_checkpoint_is_smaller_than_a_full_one(slow_runs, folders):
     steps_and_order = sum(1 for p in module.parameters() if p.requires_grad) * (4 + 2 * 8)  # fp32 step, int64 pair
     assert tensor_bytes(lora) == 3 * adapters + steps_and_order
     assert on_disk < 0.85 and tensors < 0.2
+
+
+# ----- no process group -----
+
+
+def test_a_base_given_as_an_object_is_named_by_its_tensors(folders, tmp_path, capsys):
+    """No folder: the save names the base by a hash over its tensors; the same weights pass, others are refused;
+    --merge needs --base, and takes a folder with those weights."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folders["base"], local_files_only=True)
+    module = HFCausalLM(hf, peft_config=lora_config(MODEL))
+    checkpoint = {"state_dict": module.state_dict()}
+    module.on_save_checkpoint(checkpoint)
+    assert set(checkpoint["state_dict"]) == {n for n, p in module.named_parameters() if p.requires_grad}
+    assert checkpoint[PEFT_KEY]["base"]["path"] is None and checkpoint[PEFT_KEY]["base"]["over"] == "tensors"
+    same = transformers.AutoModelForCausalLM.from_pretrained(folders["base"], local_files_only=True)
+    HFCausalLM(same, peft_config=lora_config(MODEL)).check_checkpoint(checkpoint)
+    other = transformers.AutoModelForCausalLM.from_pretrained(folders["other"], local_files_only=True)
+    with pytest.raises(ValueError, match=r"trained on the base a model given as an object \(no folder\) \(sha256"):
+        HFCausalLM(other, peft_config=lora_config(MODEL)).check_checkpoint(checkpoint)
+    torch.save(checkpoint, tmp_path / "one.ckpt")
+    assert main(["export-hf", str(tmp_path / "one.ckpt"), str(tmp_path / "a"), "--merge"]) == 2
+    assert "which was given as an object (no folder): pass --base FOLDER" in capsys.readouterr().err
+    assert (
+        main(["export-hf", str(tmp_path / "one.ckpt"), str(tmp_path / "b"), "--merge", "--base", folders["base"]]) == 0
+    )
+    assert (
+        main(["export-hf", str(tmp_path / "one.ckpt"), str(tmp_path / "c"), "--merge", "--base", folders["other"]]) == 2
+    )
+    assert "adapters fit only the base they were trained on" in capsys.readouterr().err

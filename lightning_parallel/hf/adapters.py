@@ -146,7 +146,9 @@ def export_peft(ckpt: str | Path, out: str | Path, config_folder: str | Path | N
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    checkpoint, config = _read(ckpt, out, config_folder)
+    from lightning_parallel.hf.export import read_checkpoint  # export.py imports this module
+
+    checkpoint, config = read_checkpoint(ckpt, Path(out), config_folder)
     record = adapter_record(checkpoint)
     peft_config = peft_config_of(record)
     peft_config.base_model_name_or_path = record["base"]["path"]
@@ -173,9 +175,10 @@ def merged_model(checkpoint: dict[str, Any], config: Any, base: str | Path | Non
     record = adapter_record(checkpoint)
     folder = base or record["base"]["path"]
     if folder is None or not Path(folder).is_dir():
+        where = f"{folder}, is not a folder here" if folder else "was given as an object (no folder)"
         raise ValueError(
-            f"--merge needs the base the adapters were trained on, {folder or 'a model given as an object'}: it is "
-            "not a folder here. Pass --base FOLDER (a save_pretrained folder of that base)."
+            f"--merge needs the base the adapters were trained on, which {where}: pass --base FOLDER, a "
+            "save_pretrained folder of that base (its hash is checked)."
         )
     hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
     found = BaseIdentity(folder, hf).record()
@@ -189,16 +192,3 @@ def merged_model(checkpoint: dict[str, Any], config: Any, base: str | Path | Non
     if unexpected or unfilled:
         raise ValueError(f"the checkpoint's adapters do not fit its config: {(unexpected or unfilled)[:3]}.")
     return model.merge_and_unload()
-
-
-def _read(ckpt: str | Path, out: str | Path, config_folder: str | Path | None) -> tuple[dict[str, Any], Any]:
-    """The consolidated checkpoint and its transformers config, once ``out`` is known to be new or empty."""
-    from lightning_parallel.checkpoint import check_checkpoint_path, consolidated
-    from lightning_parallel.hf.export import hf_config_of
-
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"OUT {out} exists and is not an empty folder: give a new folder to write the adapters in.")
-    check_checkpoint_path(ckpt, "CKPT")
-    checkpoint = consolidated(ckpt)
-    return checkpoint, hf_config_of(checkpoint, config_folder)

@@ -102,6 +102,20 @@ def load_into(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
     model.load_state_dict(full, strict=True)
 
 
+def read_checkpoint(ckpt: str | Path, out: Path, config_folder: str | Path | None) -> tuple[dict[str, Any], Any]:
+    """The checkpoint ``ckpt`` consolidated in this process, and its transformers config, once ``out`` is known to
+    be a new or empty folder (every export checks both before it writes).
+
+    Raises:
+        ValueError: ``out`` holds something, or no config (naming ``--config``).
+    """
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"OUT_DIR {out} exists and is not an empty folder: give a new folder to write the model in.")
+    check_checkpoint_path(ckpt, "CKPT")
+    checkpoint = consolidated(ckpt)
+    return checkpoint, hf_config_of(checkpoint, config_folder)
+
+
 def export_hf(
     ckpt: str | Path,
     out: str | Path,
@@ -125,11 +139,7 @@ def export_hf(
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"OUT_DIR {out} exists and is not an empty folder: give a new folder to write the model in.")
-    check_checkpoint_path(ckpt, "CKPT")
-    checkpoint = consolidated(ckpt)
-    config = hf_config_of(checkpoint, config_folder)
+    checkpoint, config = read_checkpoint(ckpt, out, config_folder)
     if merge or PEFT_KEY in checkpoint:
         if not merge:
             raise ValueError(
