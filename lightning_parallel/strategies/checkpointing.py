@@ -81,13 +81,14 @@ class ShardedCheckpointing:
 
     # ----- saving -----
 
-    def full_state_dict(self) -> dict[str, Any]:
-        """The whole model's state in the single-process format, on rank 0 (collective; every stage's layers)."""
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, Any]:
+        """The whole model's state in the single-process format, on rank 0 (collective; every stage's layers);
+        ``trainable_only``: without the frozen parameters (never gathered)."""
         assert self.model is not None
         self._settle_params()
         if self._split() is None:
-            return full_model_state_dict(self.model)
-        state = full_model_state_dict(self.model, every_rank=True)
+            return full_model_state_dict(self.model, trainable_only=trainable_only)
+        state = full_model_state_dict(self.model, every_rank=True, trainable_only=trainable_only)
         everyone: list[Any] = [None] * dist.get_world_size(self._pp_group())
         dist.all_gather_object(everyone, state, group=self._pp_group())
         merged: dict[str, Any] = {}
@@ -101,7 +102,9 @@ class ShardedCheckpointing:
         self._settle_params()
         if self.checkpoint_format == "sharded":
             return self.model.state_dict()  # the shards as they are: save_checkpoint writes them in place
-        return self.full_state_dict()
+        # a module that leaves its frozen parameters out of checkpoints (a base under adapters): not gathered either
+        frozen = {name for name, p in self.model.named_parameters() if not p.requires_grad}
+        return self.full_state_dict(trainable_only=bool(frozen) and frozen <= unsaved_keys(self.lightning_module))
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self.checkpoint_format == "sharded":
