@@ -126,9 +126,9 @@ def check_saved_adapters(ckpt: str, folders, trained: dict[str, torch.Tensor] | 
     assert dataclasses.replace(config, base_model_name_or_path=None) == lora_config(MODEL)  # peft's own config
 
 
-def trained_module(folder: str, params: dict[str, torch.Tensor]) -> HFCausalLM:
+def trained_module(folder: str, params: dict[str, torch.Tensor], model: str = MODEL) -> HFCausalLM:
     """A one-process HFCausalLM with a run's final (gathered) state."""
-    module = HFCausalLM(folder, peft_config=lora_config(MODEL))
+    module = HFCausalLM(folder, peft_config=lora_config(model))
     module.load_state_dict(params)
     return module.eval()
 
@@ -139,11 +139,11 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
     return out if torch.is_tensor(out) else out.logits
 
 
-def check_exports(ckpt: str, params: dict[str, torch.Tensor], folders, out: Path) -> None:
+def check_exports(ckpt: str, params: dict[str, torch.Tensor], folders, out: Path, model: str = MODEL) -> None:
     """export-peft loaded by peft onto the base, and export-hf --merge loaded by transformers, each with the logits
     of the run's trained model in one process."""
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    want = logits(trained_module(folders["base"], params), ids)
+    want = logits(trained_module(folders["base"], params, model), ids)
     assert main(["export-peft", ckpt, str(out / "peft")]) == 0
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (out / "peft").iterdir()}
     base = transformers.AutoModelForCausalLM.from_pretrained(folders["base"], local_files_only=True)
@@ -283,3 +283,20 @@ def test_a_base_given_as_an_object_is_named_by_its_tensors(folders, tmp_path, ca
         main(["export-hf", str(tmp_path / "one.ckpt"), str(tmp_path / "c"), "--merge", "--base", folders["other"]]) == 2
     )
     assert "adapters fit only the base they were trained on" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_gpt2_adapters_export_with_fan_in_fan_out(tmp_path):
+    """GPT-2's Conv1D layers (peft's fan_in_fan_out): a one-file save of trained adapters exports for peft and merged,
+    each with the module's logits."""
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(MODELS["gpt2"]()).save_pretrained(tmp_path / "base")
+    module = HFCausalLM(str(tmp_path / "base"), peft_config=lora_config("gpt2"))
+    with torch.no_grad():  # trained adapters: B is nonzero
+        for p in (p for p in module.parameters() if p.requires_grad):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+    checkpoint = {"state_dict": module.state_dict()}
+    module.on_save_checkpoint(checkpoint)
+    torch.save(checkpoint, tmp_path / "gpt2.ckpt")
+    check_exports(str(tmp_path / "gpt2.ckpt"), module.state_dict(), {"base": str(tmp_path / "base")}, tmp_path,
+                  model="gpt2")  # fmt: skip
