@@ -49,7 +49,7 @@ def tensors_sha256(model: nn.Module) -> str:
     for name, tensor in sorted(model.state_dict().items()):
         t = tensor.detach().cpu().contiguous()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # any dtype (bf16 too), as raw bytes
     return digest.hexdigest()
 
 
