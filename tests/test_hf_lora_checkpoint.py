@@ -47,6 +47,7 @@ SLOW = {
     "resumed tp2 from one file": (2, "hybrid3d:tp=2", MODEL, 2, "uninterrupted zero3 full format", None),
     "resumed tp2": (2, "hybrid3d:tp=2", MODEL, 2, "uninterrupted zero3", 7),
     "resumed zero3 from tp2": (2, "zero3", MODEL, 1, "resumed tp2", STEPS),
+    "resumed by Lightning's own strategy": (1, "auto", MODEL, 1, "uninterrupted zero3 full format", None),
 }
 
 
@@ -211,8 +212,10 @@ def test_sharded_load_reads_the_adapters_and_refuses_another_base(fast_runs, fol
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "label", ["resumed zero1", "resumed tp2 from one file", "resumed tp2", "resumed zero3 from tp2"]
-)
+    "label",
+    ["resumed zero1", "resumed tp2 from one file", "resumed tp2", "resumed zero3 from tp2",
+     "resumed by Lightning's own strategy"],
+)  # fmt: skip
 def test_lora_checkpoint_resumes_at_other_layouts(label, slow_runs, folders):
     check_resumed(slow_runs[0], SLOW, label, folders)
 
