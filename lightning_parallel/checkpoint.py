@@ -3,6 +3,8 @@
     python -m lightning_parallel.checkpoint consolidate CKPT_DIR OUT.pt   # one file for plain Lightning
     python -m lightning_parallel.checkpoint info CKPT_DIR                 # step, tensors, bytes
     python -m lightning_parallel.checkpoint export-hf CKPT OUT_DIR        # HFCausalLM: a save_pretrained folder
+    python -m lightning_parallel.checkpoint export-hf CKPT OUT_DIR --merge  # with LoRA: base + adapters merged
+    python -m lightning_parallel.checkpoint export-peft CKPT OUT_DIR      # with LoRA: a folder peft loads
 
 The file ``consolidate`` writes is the checkpoint a single-process Lightning run would have written:
 ``state_dict`` by parameter name, ``optimizer_states`` numbered like ``Optimizer.state_dict()``, and the
@@ -127,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("ckpt")
     e.add_argument("out_dir")
     e.add_argument("--config", help="a folder with the model's config.json, for a checkpoint that holds none")
+    e.add_argument("--merge", action="store_true", help="LoRA: merge the adapters into the base the checkpoint names")
+    e.add_argument("--base", help="LoRA with --merge: the base's folder, if not where the checkpoint says")
+    p = commands.add_parser("export-peft", help="LoRA adapters as a folder PeftModel.from_pretrained loads")
+    p.add_argument("ckpt")
+    p.add_argument("out_dir")
+    p.add_argument("--config", help="a folder with the base's config.json, for a checkpoint that holds none")
     args = parser.parse_args(argv)
     try:
         if args.command == "consolidate":
@@ -134,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "export-hf":
             from lightning_parallel.hf.export import export_hf  # needs transformers (the hf extra)
 
-            print(f"wrote {export_hf(args.ckpt, args.out_dir, args.config)}")
+            print(f"wrote {export_hf(args.ckpt, args.out_dir, args.config, merge=args.merge, base=args.base)}")
+        elif args.command == "export-peft":
+            from lightning_parallel.hf.adapters import export_peft  # needs peft (the peft extra)
+
+            print(f"wrote {export_peft(args.ckpt, args.out_dir, args.config)}")
         else:
             print(info(args.ckpt_dir))
     except (FileNotFoundError, ValueError, checkpoint_io.UnsafeCheckpointError) as err:

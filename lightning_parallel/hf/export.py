@@ -1,13 +1,14 @@
 """A checkpoint of :class:`~lightning_parallel.hf.HFCausalLM` as a Hugging Face folder:
 
-    python -m lightning_parallel.checkpoint export-hf CKPT OUT_DIR
+    python -m lightning_parallel.checkpoint export-hf CKPT OUT_DIR [--merge]
 
 writes what ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads (config.json, model.safetensors,
 generation_config.json), with HF's own ``save_pretrained``. CKPT is any checkpoint this package or Lightning
 wrote (a sharded folder is consolidated in this process); the model's transformers config comes from the
 checkpoint (HFCausalLM saves it under ``hf_config``), or from ``--config FOLDER`` for a checkpoint without it.
 The weights are the checkpoint's ``state_dict`` without HFCausalLM's ``model.`` prefix; tied weights (GPT-2's
-embedding and head) are checked to be equal and saved once, as HF saves them.
+embedding and head) are checked to be equal and saved once, as HF saves them. A checkpoint of LoRA training holds
+the adapters only: ``--merge`` writes the base it names with them merged (:mod:`lightning_parallel.hf.adapters`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_parallel.checkpoint import check_checkpoint_path, consolidated
+from lightning_parallel.hf.adapters import PEFT_KEY, merged_model
 from lightning_parallel.hf.module import HF_CONFIG_KEY
 
 PREFIX = "model."  # HFCausalLM keeps the HF model as self.model
@@ -100,13 +102,36 @@ def load_into(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
     model.load_state_dict(full, strict=True)
 
 
-def export_hf(ckpt: str | Path, out: str | Path, config_folder: str | Path | None = None) -> Path:
+def read_checkpoint(ckpt: str | Path, out: Path, config_folder: str | Path | None) -> tuple[dict[str, Any], Any]:
+    """The checkpoint ``ckpt`` consolidated in this process, and its transformers config, once ``out`` is known to
+    be a new or empty folder (every export checks both before it writes).
+
+    Raises:
+        ValueError: ``out`` holds something, or no config (naming ``--config``).
+    """
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"OUT_DIR {out} exists and is not an empty folder: give a new folder to write the model in.")
+    check_checkpoint_path(ckpt, "CKPT")
+    checkpoint = consolidated(ckpt)
+    return checkpoint, hf_config_of(checkpoint, config_folder)
+
+
+def export_hf(
+    ckpt: str | Path,
+    out: str | Path,
+    config_folder: str | Path | None = None,
+    merge: bool = False,
+    base: str | Path | None = None,
+) -> Path:
     """Write the HFCausalLM checkpoint ``ckpt`` as a Hugging Face folder ``out`` (see the module's docstring).
 
     Args:
         ckpt: a checkpoint file or sharded checkpoint folder.
         out: a new (or empty) folder.
         config_folder: a folder with the model's config.json, for a checkpoint that holds none.
+        merge: a LoRA checkpoint (adapters only): merge them into the base it names
+            (:func:`~lightning_parallel.hf.adapters.merged_model`).
+        base: with ``merge``, the base's folder when it is no longer where the checkpoint says.
 
     Returns:
         ``out``.
@@ -114,11 +139,15 @@ def export_hf(ckpt: str | Path, out: str | Path, config_folder: str | Path | Non
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"OUT_DIR {out} exists and is not an empty folder: give a new folder to write the model in.")
-    check_checkpoint_path(ckpt, "CKPT")
-    checkpoint = consolidated(ckpt)
-    config = hf_config_of(checkpoint, config_folder)
+    checkpoint, config = read_checkpoint(ckpt, out, config_folder)
+    if merge or PEFT_KEY in checkpoint:
+        if not merge:
+            raise ValueError(
+                "the checkpoint holds LoRA adapters, not the whole model: pass --merge (the adapters merged into the "
+                "base it names), or use export-peft for a folder peft loads."
+            )
+        merged_model(checkpoint, config, base).save_pretrained(out)
+        return out
     state = hf_state_dict(checkpoint)
     floats = [t.dtype for t in state.values() if t.is_floating_point()]
     dtype = floats[0] if floats else torch.float32  # the trained dtype (bf16-true stays bf16)

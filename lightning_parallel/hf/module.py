@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.causal_lm import IGNORE_INDEX, CausalLM, causal_lm_loss  # noqa: F401  (re-exported)
+from lightning_parallel.hf.adapters import PEFT_KEY, BaseIdentity, check_same_base, save_record
 from lightning_parallel.hf.layers import ATTENTION_TYPES, attention_type, hf_pipeline_layers, num_decoder_layers
 from lightning_parallel.hf.loading import load_local_weights, parameters_on_meta, safetensors_files, tied_aliases
 from lightning_parallel.hf.lora import apply_peft, base_of, cast_frozen_base, check_peft_degrees, resolve_base_dtype
@@ -130,6 +131,8 @@ class HFCausalLM(CausalLM):
         self.weight_bytes_read = 0
         hf_pipeline_layers(hf)  # installs the pipeline hooks now: inert under HF's own forward
         self.peft_config = peft_config
+        # what adapter checkpoints name the frozen base by (hf/adapters.py), taken before any strategy splits it
+        self._base_identity = BaseIdentity(model, hf) if peft_config is not None else None
         self.model = hf if peft_config is None else apply_peft(hf, peft_config, adapter_seed)
         if dtype is not None:
             cast_frozen_base(self.model, dtype)
@@ -173,6 +176,35 @@ class HFCausalLM(CausalLM):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[HF_CONFIG_KEY] = self.hf_model.config.to_dict()  # plain values: read back without unpickling code
+        if self._base_identity is not None:  # the adapters only: the base is named (every save comes through here)
+            skip = self.unsaved_state_keys()
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in skip}
+            checkpoint[PEFT_KEY] = save_record(self.peft_config, self._base_identity)
+
+    def unsaved_state_keys(self) -> set[str]:
+        """The state-dict keys checkpoints leave out: with adapters, all but the trainable ones (the frozen base,
+        named by its folder and hash instead); none without."""
+        if self._base_identity is None:
+            return set()
+        trainable = {name for name, p in self.named_parameters() if p.requires_grad}
+        return {name for name in self.state_dict(keep_vars=True) if name not in trainable}
+
+    def check_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse adapters trained on another base (by hash), before anything is loaded.
+
+        Raises:
+            ValueError: naming both bases and the fix.
+        """
+        if self._base_identity is not None and PEFT_KEY in checkpoint:
+            check_same_base(checkpoint[PEFT_KEY]["base"], self._base_identity.record())
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.check_checkpoint(checkpoint)
+        if self._base_identity is not None and checkpoint.get("state_dict"):
+            # a one-file checkpoint under Lightning's own strategies: the base it names is the one this module holds
+            # (checked), so it loads back as it is (the mesh strategies leave these keys out of the load instead)
+            own = self.state_dict()
+            checkpoint["state_dict"].update({k: own[k] for k in self.unsaved_state_keys() if k in own})
 
     # ----- the parallel protocol (lightning_parallel/protocol.py), read from HF's own plans -----
 

@@ -30,6 +30,7 @@ from lightning_parallel.parallel.checkpoint.pipeline import (
     gather_pipeline_optimizer_state,
     pipeline_local_optimizer_state,
 )
+from lightning_parallel.parallel.checkpoint.selection import unsaved_keys
 from lightning_parallel.parallel.data.flat_zero import FlatZero
 from lightning_parallel.strategies import sharded_checkpoint
 from lightning_parallel.strategies.sharded_checkpoint import LOADED_IN_PLACE
@@ -80,13 +81,14 @@ class ShardedCheckpointing:
 
     # ----- saving -----
 
-    def full_state_dict(self) -> dict[str, Any]:
-        """The whole model's state in the single-process format, on rank 0 (collective; every stage's layers)."""
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, Any]:
+        """The whole model's state in the single-process format, on rank 0 (collective; every stage's layers);
+        ``trainable_only``: without the frozen parameters (never gathered)."""
         assert self.model is not None
         self._settle_params()
         if self._split() is None:
-            return full_model_state_dict(self.model)
-        state = full_model_state_dict(self.model, every_rank=True)
+            return full_model_state_dict(self.model, trainable_only=trainable_only)
+        state = full_model_state_dict(self.model, every_rank=True, trainable_only=trainable_only)
         everyone: list[Any] = [None] * dist.get_world_size(self._pp_group())
         dist.all_gather_object(everyone, state, group=self._pp_group())
         merged: dict[str, Any] = {}
@@ -100,7 +102,9 @@ class ShardedCheckpointing:
         self._settle_params()
         if self.checkpoint_format == "sharded":
             return self.model.state_dict()  # the shards as they are: save_checkpoint writes them in place
-        return self.full_state_dict()
+        # a module that leaves its frozen parameters out of checkpoints (a base under adapters): not gathered either
+        frozen = {name for name, p in self.model.named_parameters() if not p.requires_grad}
+        return self.full_state_dict(trainable_only=bool(frozen) and frozen <= unsaved_keys(self.lightning_module))
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self.checkpoint_format == "sharded":
@@ -145,11 +149,18 @@ class ShardedCheckpointing:
         assert self.model is not None
         if checkpoint.get(LOADED_IN_PLACE):
             return
-        state = dict(checkpoint["state_dict"])
+        skip = unsaved_keys(self.lightning_module)  # left out of the save (a frozen base): kept as it is
+        state = {k: v for k, v in checkpoint["state_dict"].items() if k not in skip}
         if self._split() is not None:  # this rank's stages only
             mine = set(self.model.state_dict())
             state = {k: v for k, v in state.items() if k in mine}
-        load_full_model_state_dict(self.model, state, strict=strict)
+        if skip and strict:
+            missing = sorted(set(self.model.state_dict()) - skip - set(state))
+            if missing:
+                raise ValueError(
+                    f"the checkpoint lacks the trained tensors {missing[:4]}: resume with the model that saved it."
+                )
+        load_full_model_state_dict(self.model, state, strict=strict and not skip)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.model is not None

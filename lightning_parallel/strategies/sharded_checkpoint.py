@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
 from lightning_parallel.parallel.checkpoint import files as checkpoint_io
+from lightning_parallel.parallel.checkpoint.selection import check_checkpoint, unsaved_keys
 from lightning_parallel.parallel.checkpoint.sharded import (
     MODEL,
     install_optimizer_state,
@@ -152,8 +153,10 @@ def load(strategy: Any, path: str | Path, flat_zero: list[FlatZero | None]) -> d
     checkpoint for Lightning's loops, schedulers and callbacks."""
     path = Path(strategy.broadcast(str(path)))
     model: nn.Module = strategy.model
-    targets: dict[str, Any] = model_state(model)
+    skip = {MODEL + k for k in unsaved_keys(strategy.lightning_module)}  # the module's choice (a frozen base)
+    targets: dict[str, Any] = {k: v for k, v in model_state(model).items() if k not in skip}
     meta, saved = _inspect(strategy, path, targets)
+    check_checkpoint(strategy.lightning_module, meta)  # every rank alike: the same files, the same module
     installs = []
     # a weights-only folder has no optimizers: Lightning itself says so if fit() needs them
     optimizers = strategy.optimizers if "optimizer_states" in meta else []

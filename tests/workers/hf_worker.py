@@ -6,7 +6,9 @@ so tests/conftest.py's ``Batch`` can launch it).
 Case keys: name, path (the model folder), steps, global_batch, seq_len, lr, tuple_batch (batches as
 (input_ids, labels) instead of dicts), accumulate (micro-batches per optimizer step), clip (gradient norm), lora
 (LoraConfig keyword arguments; with ``library: litgpt`` LitGPT's lora_* settings: LoRA adapters on the frozen
-model; the result then says what each rank holds for the frozen weights, see ``frozen_report``).
+model; the result then says what each rank holds for the frozen weights, see ``frozen_report``), epoch_steps (steps
+per epoch, default steps), save and save_step (a checkpoint written at the start of the epoch that begins after
+save_step steps, see ``SaveAt``), resume (ckpt_path for fit).
 """
 
 from __future__ import annotations
@@ -66,6 +68,22 @@ def recording(module_class: type) -> type:
     return Recording
 
 
+class SaveAt(pl.Callback):
+    """Saves a checkpoint at the start of the epoch that begins after ``step`` optimizer steps, or at the end.
+    (Lightning 2.6 resumes such a checkpoint with one batch of the epoch it was saved in, then the next epoch:
+    epochs of one step make that the uninterrupted order.)"""
+
+    def __init__(self, path: str, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.on_train_epoch_start(trainer, pl_module)  # save_step = steps: at the end
+
+
 def module_class(library: str) -> type:
     if library == "litgpt":
         from lightning_parallel.litgpt import LitGPTCausalLM
@@ -89,7 +107,8 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         # case keys base_dtype (HFCausalLM's) and memory (what each rank holds, from its tensors: lora_memory.py)
         peft.update({"base_dtype": case["base_dtype"]} if case.get("base_dtype") else {})
     model = recording(module_class(case.get("library", "hf")))(case["path"], lr=case.get("lr", 1e-3), eps=1e-6, **peft)
-    data = RandomTokens(global_batch * steps, case.get("seq_len", 16), model.model.config.vocab_size)
+    epoch = global_batch * case.get("epoch_steps", steps)
+    data = RandomTokens(epoch, case.get("seq_len", 16), model.model.config.vocab_size)
     data.as_tuple = bool(case.get("tuple_batch"))
     probes = [LoraMemoryProbe(steps)] if case.get("memory") else []
     trainer = pl.Trainer(
@@ -106,9 +125,9 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,
-        callbacks=probes,
+        callbacks=probes + ([SaveAt(case["save"], case["save_step"])] if case.get("save") else []),
     )
-    trainer.fit(model, datamodule=ShardedData(data, micro))
+    trainer.fit(model, datamodule=ShardedData(data, micro), ckpt_path=case.get("resume"))
     state = trainer.strategy.full_state_dict() if hasattr(trainer.strategy, "full_state_dict") else model.state_dict()
     if trainer.global_rank == 0:
         torch.save({k: v.detach().cpu() for k, v in state.items()}, out / f"{case['name']}_params.pt")

@@ -8,6 +8,7 @@ the parameter names torch's helpers use.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -29,12 +30,16 @@ _GATHER_EVERYWHERE = StateDictOptions(full_state_dict=True)
 _LOAD = StateDictOptions(full_state_dict=True)
 
 
-def full_model_state_dict(module: nn.Module, every_rank: bool = False) -> dict[str, Any]:
+def full_model_state_dict(module: nn.Module, every_rank: bool = False, trainable_only: bool = False) -> dict[str, Any]:
     """The whole model's state on rank 0, or on every rank; collective.
 
-    On other ranks without ``every_rank`` the result is empty (torch gathers to rank 0 only).
+    On other ranks without ``every_rank`` the result is empty (torch gathers to rank 0 only). ``trainable_only``
+    leaves frozen parameters out, ungathered (buffers stay).
     """
-    state = get_model_state_dict(module, options=_GATHER_EVERYWHERE if every_rank else _GATHER)
+    options = _GATHER_EVERYWHERE if every_rank else _GATHER
+    if trainable_only:
+        options = dataclasses.replace(options, ignore_frozen_params=True)
+    state = get_model_state_dict(module, options=options)
     # clone: parameters may be views into a flat ZeRO buffer that torch.save would write whole
     return {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
 
