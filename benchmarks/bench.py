@@ -10,6 +10,7 @@ benchmarks/results.json.
     python benchmarks/bench.py --only context  # cp=2 ring and Ulysses on the 1024-token GPT: bytes vs theory, time
     python benchmarks/bench.py --only async    # parameter servers, one slowed worker: sync vs stale vs async
     python benchmarks/bench.py --only spatial  # VGG on 128 x 128 images: spatial=2 vs channel tp=2 vs dp=2
+    python benchmarks/bench.py --only lora     # HF Llama, LoRA vs full fine-tuning at zero2, zero3, tp=2
 
 Throughput pairs run interleaved (A, B, A, B, ...) so drifting machine load hits both alike; each figure is
 the median step time over the timed steps of a launch (the first two steps are warm-up, four where layers are
@@ -37,6 +38,7 @@ from async_ps import run_async  # noqa: E402
 from context import run_context  # noqa: E402
 from harness import run_distributed  # noqa: E402
 from hsdp import run_hsdp  # noqa: E402
+from lora import run_lora  # noqa: E402
 from moe import run_moe  # noqa: E402
 from pipeline_split import run_pipeline_split  # noqa: E402
 from report import write_report  # noqa: E402
@@ -242,6 +244,10 @@ def run_sections(args: argparse.Namespace) -> dict[str, Any]:
         "context": ("context parallelism", lambda: run_context(args.out, args.repeats, args.steps, launch, step_time)),
         "spatial": ("spatial parallelism", lambda: run_spatial(args.out, args.repeats, args.steps, launch, step_time)),
         "async": ("parameter servers, one slowed worker", lambda: run_async(args.out, run_distributed)),
+        "lora": (
+            "LoRA against full fine-tuning",
+            lambda: run_lora(args.out, args.repeats, args.steps, launch, step_time),
+        ),
     }
     results = {}
     for key, (title, run) in sections.items():
@@ -271,6 +277,7 @@ def main() -> None:
             "context",
             "spatial",
             "async",
+            "lora",
         ],
         help="run these sections alone; the others' figures are kept from the last results.json",
     )

@@ -9,6 +9,7 @@ from typing import Any
 from async_ps import async_lines
 from context import context_lines
 from hsdp import hsdp_lines
+from lora import lora_lines
 from moe import moe_lines
 from spatial import spatial_lines
 from speed import speed_lines
@@ -280,6 +281,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         lines += context_lines(results["context"])
     if "spatial" in results:
         lines += spatial_lines(results["spatial"])
+    if "lora" in results:
+        lines += lora_lines(results["lora"])
     if FINDINGS.exists():
         lines += ["## Findings", "", FINDINGS.read_text().strip(), ""]
     path.write_text("\n".join(lines))

@@ -41,8 +41,10 @@ from lightning_parallel.parallel.expert.moe import moe_layers  # noqa: E402
 from lightning_parallel.parallel.measure.memory import model_state_bytes  # noqa: E402
 from lightning_parallel.parallel.parallelize import compile_layers  # noqa: E402
 from lightning_parallel.parallel.shutdown import release_process_groups
+from lightning_parallel.recipes.common import parameter_counts  # noqa: E402
 from lightning_parallel.recipes.config import register_configs  # noqa: E402
 from lightning_parallel.recipes.gpt import TextData, gpt_config  # noqa: E402
+from lightning_parallel.recipes.hf import build_hf_module, is_hf_model  # noqa: E402
 from lightning_parallel.recipes.vgg import ImageData, scaled_lr, vgg_config  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -161,6 +163,8 @@ class CompiledGPT(LitGPT):
 
 def build_model(recipe: str, cfg: Any, lightning_2d: bool, compiled: bool = False) -> pl.LightningModule:
     m = cfg.model
+    if recipe == "gpt" and is_hf_model(m):  # model=hf*, with peft=lora its adapters: what the recipe's workers build
+        return build_hf_module(cfg)
     if recipe == "gpt":
         cls = ModelParallelGPT if lightning_2d else CompiledGPT if compiled else LitGPT
         return cls(gpt_config(m), lr=m.lr, weight_decay=m.weight_decay, build_in_configure_model=True)
@@ -202,6 +206,10 @@ def main() -> None:
     strategy, degrees = parse_spec(args.strategy, world)
     micro = cfg.data.global_batch_size // degrees["dp"]
     model = build_model(args.recipe, cfg, isinstance(strategy, ModelParallelStrategy), degrees.pop("compile", False))
+    hf = is_hf_model(cfg.model) if args.recipe == "gpt" else False
+    # model=hf*: trainable (the adapters under peft=lora) and frozen, before the strategy splits it; the native
+    # models are built in configure_model: counted on the meta device, all trainable
+    counts = parameter_counts(model) if hf else {"trainable_params": num_params(args.recipe, cfg), "frozen_params": 0}
     data = TextData(cfg, micro, cache_dir=args.out.parent / "data") if args.recipe == "gpt" else ImageData(cfg, micro)
     timer, states, phases = StepTimer(), ModelStates(), StepPhases()
     activations = ActivationMemoryMonitor(batch=1)  # a warm-up batch: not timed, before the measured steps
@@ -242,7 +250,8 @@ def main() -> None:
         "phases_s": phases.medians(args.warmup),  # the same steps' medians by phase (StepPhases)
         "model_state_bytes": states.bytes,
         "activation_bytes": activations.bytes,  # kept for backward in one training batch on this rank
-        "num_params": num_params(args.recipe, cfg),
+        "num_params": sum(counts.values()),
+        "param_counts": {"trainable": counts["trainable_params"], "frozen": counts["frozen_params"]},
         "micro_batch": micro,
         "model": {k: cfg.model[k] for k in cfg.model if k in MODEL_KEYS},
         "moe_layers": list(moe_layers(trainer.strategy.model)),  # by path, in forward order
