@@ -1,0 +1,186 @@
+"""Instruction fine-tuning batches through HFCausalLM under every layout: ``sft`` samples padded (attention masks)
+and packed (position ids restarting at each sample) from a token cache with a BPE tokenizer made here, against
+the same HF model trained in one process on the same global batches (its own forward and loss: the token mean over
+the global batch's real tokens). The pieces (dp ranks, accumulated micro-batches, pipeline microbatches) hold
+different numbers of real tokens, so a per-piece token mean would fail these tests; prompt tokens get no gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+import transformers
+from conftest import Batch
+from parity import LOSS_RTOL, assert_same_losses, assert_same_params
+from test_text_data import _bpe, _save_tokenizer, _tiny_llama
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_parallel.causal_lm import IGNORE_INDEX, causal_lm_loss, real_tokens
+from lightning_parallel.hf import HFCausalLM
+from lightning_parallel.text import TextDataSettings, build_token_cache, load_tokenizer, open_token_cache, text_dataset
+
+STEPS, GLOBAL_BATCH, SEQ_LEN, LR, EPS = 10, 8, 64, 1e-3, 1e-6
+ACCUMULATE = 2  # "accum" runs: 2 micro-batches per optimizer step
+
+# label -> (world, strategy spec, tp); "packed" / "padded" says the batches, "accum" accumulates ACCUMULATE
+FAST = {
+    "pp2 packed": (2, "hybrid3d:pp=2", 1),
+    "zero2 accum padded": (2, "zero2", 1),
+    "pp2 x tp2 padded": (4, "hybrid3d:pp=2,tp=2", 2),
+    "dp2 x tp2 zero3 packed": (4, "hybrid3d:tp=2,zero_stage=3", 2),
+}
+SLOW = {
+    "pp2 padded": (2, "hybrid3d:pp=2", 1),
+    "pp2 gpipe accum packed": (2, "hybrid3d:pp=2,pp_schedule=gpipe", 1),
+    "zero2 accum packed": (2, "zero2", 1),
+    "zero0 padded": (2, "hybrid3d:zero_stage=0", 1),
+    "zero1 accum packed": (2, "zero1", 1),
+    "tp2 sp padded": (2, "hybrid3d:tp=2,sequence_parallel=1", 2),
+    "tp2 sp packed": (2, "hybrid3d:tp=2,sequence_parallel=1", 2),
+    "pp2 x tp2 packed": (4, "hybrid3d:pp=2,tp=2", 2),
+    "dp2 x tp2 zero3 accum padded": (4, "hybrid3d:tp=2,zero_stage=3", 2),
+    "pp2 x dp2 accum packed": (4, "hybrid3d:pp=2,zero_stage=1", 1),
+}
+WORDS = (
+    "list tuple dict set value name file loop open read write class module import return yield key index string "
+    "number sort print range map filter lambda error raise try"
+).split()
+
+
+@pytest.fixture(scope="module")
+def sft_setup(tmp_path_factory) -> dict[str, str]:
+    """A BPE tokenizer with a chat template, 400 prompt / completion pairs of 2 to 35 tokens, their ``sft`` cache
+    and a tiny Llama saved with save_pretrained."""
+    out = tmp_path_factory.mktemp("sft")
+    tokenizer = load_tokenizer(None, _save_tokenizer(_bpe(), out / "tokenizer"))[0]
+    rng = random.Random(0)
+    rows = [
+        {"prompt": " ".join(rng.choices(WORDS, k=rng.randint(1, 4))) + "?",
+         "completion": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 5)))}
+        for _ in range(400)
+    ]  # fmt: skip
+    (out / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = TextDataSettings(kind="sft", path=str(out / "pairs.jsonl"), seq_len=SEQ_LEN)
+    cache = build_token_cache(settings, tokenizer, out / "cache")
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(_tiny_llama(tokenizer.vocab_size)).save_pretrained(out / "model")
+    return {"model": str(out / "model"), "cache": str(cache.folder)}
+
+
+def launch(tmp_path_factory, setup: dict, runs: dict, tag: str) -> Batch:
+    case = {"name": "train", "steps": STEPS, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN, "lr": LR,
+            "path": setup["model"], "cache": setup["cache"]}  # fmt: skip
+    spec = {
+        label: (world, strategy, [{**case, "packing": "packed" in label, "accumulate": ACCUMULATE if "accum" in label
+                                   else 1}])
+        for label, (world, strategy, _) in runs.items()
+    }  # fmt: skip
+    return Batch(tmp_path_factory, spec, tag=tag, worker="sft_worker.py")
+
+
+@pytest.fixture(scope="module")
+def fast_runs(tmp_path_factory, sft_setup) -> Batch:
+    return launch(tmp_path_factory, sft_setup, FAST, "sft")
+
+
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory, sft_setup) -> Batch:
+    return launch(tmp_path_factory, sft_setup, SLOW, "sft_slow")
+
+
+def global_batches(setup: dict, packing: bool) -> list[dict[str, torch.Tensor]]:
+    """The STEPS global batches, in the order the workers' samplers give the whole world."""
+    data = text_dataset(open_token_cache(setup["cache"]), SEQ_LEN, packing=packing)
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    return [batch for batch, _ in zip(DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler), range(STEPS))]
+
+
+def hf_inputs(batch: dict) -> dict:
+    return {k: batch[k] for k in ("input_ids", "labels", "attention_mask", "position_ids") if k in batch}
+
+
+def plain_training(setup: dict, packing: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The reference: HF's own forward and loss on each whole global batch, torch's AdamW with HFCausalLM's groups."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(setup["model"], local_files_only=True)
+    weight_decay, betas = HFCausalLM.__init__.__defaults__[1:3]
+    groups = [
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=betas, eps=EPS)
+    losses = []
+    for batch in global_batches(setup, packing):
+        loss = model(**hf_inputs(batch), use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def references(sft_setup) -> dict[bool, tuple]:
+    return {packing: plain_training(sft_setup, packing) for packing in (False, True)}
+
+
+def check(runs: Batch, label: str, spec: tuple, references: dict) -> None:
+    world, strategy, tp = spec
+    want_losses, want_params = references["packed" in label]
+    dp = world // tp // (2 if "pp=2" in strategy else 1)
+    run = runs[label]
+    loss_rel = assert_same_losses(run.losses("train", [d * tp for d in range(dp)]), want_losses, label)
+    param_abs = assert_same_params(run.params("train"), want_params, label)
+    print(f"{label}: max loss rel diff {loss_rel:.1e}, max param abs diff {param_abs:.1e}")
+
+
+@pytest.mark.parametrize("label", list(FAST))
+def test_sft_parity(label, fast_runs, references):
+    check(fast_runs, label, FAST[label], references)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(SLOW))
+def test_sft_parity_wider(label, slow_runs, references):
+    check(slow_runs, label, SLOW[label], references)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_pieces_hold_different_token_counts(sft_setup, packing):
+    """The parity runs test the global token mean: the pieces of a global batch (2 dp ranks x 2 micro-batches or 4
+    pipeline microbatches of 2 rows) hold different numbers of real tokens, and the mean of their token means is
+    off from the global token mean by far more than the tolerance."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(sft_setup["model"], local_files_only=True)
+    batch = global_batches(sft_setup, packing)[0]
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in hf_inputs(batch).items() if k != "labels"}, use_cache=False).logits
+    pieces = [slice(i, i + 2) for i in range(0, GLOBAL_BATCH, 2)]
+    counts = [int(real_tokens(batch["labels"][s])) for s in pieces]
+    assert len(set(counts)) > 1, counts
+    per_piece = sum(causal_lm_loss(logits[s], batch["labels"][s]) for s in pieces) / len(pieces)
+    whole = causal_lm_loss(logits, batch["labels"])
+    assert abs(per_piece - whole) / whole > 10 * LOSS_RTOL
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_prompt_tokens_get_no_gradient(sft_setup, packing):
+    """HFCausalLM's training loss on sft batches: the logits at positions that predict a prompt token, padding, or
+    (packed) the next sample's first token get no gradient; every position that predicts an answer token does."""
+    module = HFCausalLM(sft_setup["model"], lazy_load=False)
+    batch = global_batches(sft_setup, packing)[0]
+    logits: list[torch.Tensor] = []
+
+    def keep(module_: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.retain_grad()
+        logits.append(out)
+
+    module.model.lm_head.register_forward_hook(keep)
+    module._count_tokens(batch, 0)  # what training_step does before the forward
+    module._step_loss(batch).backward()
+    grad = logits[-1].grad.abs().sum(-1)  # (B, T)
+    predicts = torch.nn.functional.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:] != IGNORE_INDEX
+    assert (grad[~predicts] == 0).all() and (grad[predicts] > 0).all()
+    prompt_or_padding = batch["labels"] == IGNORE_INDEX
+    assert prompt_or_padding.sum() > predicts.sum() // 2  # the prompts are a sizeable share of the rows
