@@ -42,7 +42,7 @@ SLOW = {
     "tp2 sp packed": (2, "hybrid3d:tp=2,sequence_parallel=1", 2),
     "pp2 x tp2 packed": (4, "hybrid3d:pp=2,tp=2", 2),
     "dp2 x tp2 zero3 accum padded": (4, "hybrid3d:tp=2,zero_stage=3", 2),
-    "pp2 x dp2 accum packed": (4, "hybrid3d:pp=2,zero_stage=1", 1),
+    "pp2 x dp2 accum packed": (4, "hybrid3d:pp=2,zero_stage=1,microbatches=2", 1),
 }
 WORDS = (
     "list tuple dict set value name file loop open read write class module import return yield key index string "
