@@ -43,6 +43,11 @@ SLOW = {
     "pp2 x tp2 packed": (4, "hybrid3d:pp=2,tp=2", 2),
     "dp2 x tp2 zero3 accum padded": (4, "hybrid3d:tp=2,zero_stage=3", 2),
     "pp2 x dp2 accum packed": (4, "hybrid3d:pp=2,zero_stage=1,microbatches=2", 1),
+    # every schedule kind (several stages per rank, split backward), recomputation in backward, Lightning's DDP
+    "pp2 interleaved_1f1b padded": (2, "hybrid3d:pp=2,pp_schedule=interleaved_1f1b", 1),
+    "pp2 zero_bubble packed": (2, "hybrid3d:pp=2,pp_schedule=zero_bubble", 1),
+    "pp2 recompute packed": (2, "hybrid3d:pp=2,activation_checkpointing=full", 1),
+    "ddp accum packed": (2, "ddp", 1),
 }
 WORDS = (
     "list tuple dict set value name file loop open read write class module import return yield key index string "

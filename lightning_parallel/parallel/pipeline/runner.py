@@ -59,14 +59,13 @@ class _Stage(ShapeInferenceHookStage):
     The buffers are restored right after, and MoE layers forget the tokens they counted. While a
     ``pipeline_timeline.TimelineRecorder`` is active, every forward and backward of a microbatch is timed.
     With one stage per rank, each receive is posted one microbatch early (``early_receives``). The step's keyword
-    inputs reach the layers as :func:`stage_inputs` (kept per microbatch for recomputation in backward), never as
-    arguments of the stage.
+    inputs reach the layers as :func:`stage_inputs` in forward, never as arguments of the stage (activation
+    checkpointing recomputes a layer from what its pre-hooks made of them, outside the recomputed region).
     """
 
     def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
         super().__init__(submodule, *args, **kwargs)
         self._buffers_before = [b.detach().clone() for b in submodule.buffers()]
-        self._chunk_inputs: dict[int, dict[str, Any]] = {}
 
     def _prepare_forward_infra(
         self, num_microbatches: int, args: Any, kwargs: Any = None, *rest: Any, **kw: Any
@@ -120,7 +119,6 @@ class _Stage(ShapeInferenceHookStage):
     # Timeline hook: each action is timed while a TimelineRecorder is active (one None check otherwise).
     def forward_one_chunk(self, fwd_chunk_id: int, args: Any, kwargs: Any = None, *rest: Any, **more: Any) -> Any:
         self._wait_early("F", fwd_chunk_id)
-        self._chunk_inputs[fwd_chunk_id] = dict(kwargs or {})
         recorder = active_recorder()
         with _inputs_of_stage(kwargs):
             if recorder is None:
@@ -139,12 +137,11 @@ class _Stage(ShapeInferenceHookStage):
         if last:
             self.on_last_backward(self.stage_index, False)
         recorder = active_recorder()
-        with _inputs_of_stage(self._chunk_inputs.get(bwd_chunk_id)):  # a recomputing layer reads them again
-            if recorder is None:
+        if recorder is None:
+            done = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, **kwargs)
+        else:
+            with recorder.action("B" if full_backward else "I", self.stage_index, bwd_chunk_id):
                 done = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, **kwargs)
-            else:
-                with recorder.action("B" if full_backward else "I", self.stage_index, bwd_chunk_id):
-                    done = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, **kwargs)
         if last:
             self.on_last_backward(self.stage_index, True)
         return done
@@ -154,12 +151,11 @@ class _Stage(ShapeInferenceHookStage):
         if last:
             self.on_last_backward(self.stage_index, False)
         recorder = active_recorder()
-        with _inputs_of_stage(self._chunk_inputs.get(bwd_chunk_id)):
-            if recorder is None:
+        if recorder is None:
+            done = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        else:
+            with recorder.action("W", self.stage_index, bwd_chunk_id):
                 done = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
-            else:
-                with recorder.action("W", self.stage_index, bwd_chunk_id):
-                    done = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
         if last:
             self.on_last_backward(self.stage_index, True)
         return done
@@ -284,7 +280,6 @@ class Pipeline:
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         for stage in self._stages[("train", _signature(args, kwargs, target))]:
             assert not stage.__dict__.get("_early"), f"receives posted early were left unused: {stage._early}"
-            stage._chunk_inputs.clear()
         return self._mean_loss(losses)
 
     def eval_loss(self, args: tuple, kwargs: dict, target: Any) -> Tensor:
