@@ -26,14 +26,15 @@ STEPS, GLOBAL_BATCH, SEQ_LEN, LR, EPS = 10, 8, 64, 1e-3, 1e-6
 ACCUMULATE = 2  # "accum" runs: 2 micro-batches per optimizer step
 
 # label -> (world, strategy spec, tp); "packed" / "padded" says the batches, "accum" accumulates ACCUMULATE
+# "validate": then the validation loss of the first 2 unshuffled batches of 8 (pp2 runs: one dp rank)
 FAST = {
-    "pp2 packed": (2, "hybrid3d:pp=2", 1),
+    "pp2 packed validate": (2, "hybrid3d:pp=2", 1),
     "zero2 accum padded": (2, "zero2", 1),
     "pp2 x tp2 padded": (4, "hybrid3d:pp=2,tp=2", 2),
     "dp2 x tp2 zero3 packed": (4, "hybrid3d:tp=2,zero_stage=3", 2),
 }
 SLOW = {
-    "pp2 padded": (2, "hybrid3d:pp=2", 1),
+    "pp2 padded validate": (2, "hybrid3d:pp=2", 1),
     "pp2 gpipe accum packed": (2, "hybrid3d:pp=2,pp_schedule=gpipe", 1),
     "zero2 accum packed": (2, "zero2", 1),
     "zero0 padded": (2, "hybrid3d:zero_stage=0", 1),
@@ -80,7 +81,7 @@ def launch(tmp_path_factory, setup: dict, runs: dict, tag: str) -> Batch:
             "path": setup["model"], "cache": setup["cache"]}  # fmt: skip
     spec = {
         label: (world, strategy, [{**case, "packing": "packed" in label, "accumulate": ACCUMULATE if "accum" in label
-                                   else 1}])
+                                   else 1, "validate": "validate" in label}])
         for label, (world, strategy, _) in runs.items()
     }  # fmt: skip
     return Batch(tmp_path_factory, spec, tag=tag, worker="sft_worker.py")
@@ -107,8 +108,9 @@ def hf_inputs(batch: dict) -> dict:
     return {k: batch[k] for k in ("input_ids", "labels", "attention_mask", "position_ids") if k in batch}
 
 
-def plain_training(setup: dict, packing: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The reference: HF's own forward and loss on each whole global batch, torch's AdamW with HFCausalLM's groups."""
+def plain_training(setup: dict, packing: bool) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """The reference: HF's own forward and loss on each whole global batch, torch's AdamW with HFCausalLM's groups;
+    then the mean loss of the first 2 unshuffled batches."""
     model = transformers.AutoModelForCausalLM.from_pretrained(setup["model"], local_files_only=True)
     weight_decay, betas = HFCausalLM.__init__.__defaults__[1:3]
     groups = [
@@ -123,7 +125,10 @@ def plain_training(setup: dict, packing: bool) -> tuple[list[float], dict[str, t
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
+    data = text_dataset(open_token_cache(setup["cache"]), SEQ_LEN, packing=packing)
+    with torch.no_grad():
+        val = [model(**hf_inputs(b), use_cache=False).loss.item() for b, _ in zip(DataLoader(data, GLOBAL_BATCH), "ab")]
+    return losses, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}, sum(val) / len(val)
 
 
 @pytest.fixture(scope="module")
@@ -133,11 +138,13 @@ def references(sft_setup) -> dict[bool, tuple]:
 
 def check(runs: Batch, label: str, spec: tuple, references: dict) -> None:
     world, strategy, tp = spec
-    want_losses, want_params = references["packed" in label]
+    want_losses, want_params, want_val = references["packed" in label]
     dp = world // tp // (2 if "pp=2" in strategy else 1)
     run = runs[label]
     loss_rel = assert_same_losses(run.losses("train", [d * tp for d in range(dp)]), want_losses, label)
     param_abs = assert_same_params(run.params("train"), want_params, label)
+    if "validate" in label:
+        assert_same_losses([run.case("train")["val_loss"]], [want_val], f"{label} validation")
     print(f"{label}: max loss rel diff {loss_rel:.1e}, max param abs diff {param_abs:.1e}")
 
 

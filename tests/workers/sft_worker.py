@@ -3,7 +3,8 @@
 params), with the same ``--runs-file`` batching as gpt_worker.py (tests/conftest.py's ``Batch`` launches it).
 
 Case keys: name, path (the model folder), cache (the token cache folder), packing, seq_len, steps, global_batch,
-accumulate (micro-batches per optimizer step), lr.
+accumulate (micro-batches per optimizer step), lr, validate (after training, the validation loss of the first 2
+unshuffled micro-batches: ``val_loss``).
 
 Each step's loss is the global batch's token mean as this rank sees it: the mean of the window's micro-step losses
 times the module's ``window_factor`` (``CausalLM.loss``); averaged over the dp ranks by the test.
@@ -64,12 +65,17 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         use_distributed_sampler=False,
     )
     trainer.fit(model, datamodule=ShardedData(data, micro))
+    validated = {}
+    if case.get("validate"):
+        trainer.limit_val_batches = 2
+        metrics = trainer.validate(model, datamodule=ShardedData(data, micro), verbose=False)
+        validated = {"val_loss": metrics[0]["val_loss"]}
     state = trainer.strategy.full_state_dict() if hasattr(trainer.strategy, "full_state_dict") else model.state_dict()
     if trainer.global_rank == 0:
         torch.save({k: v.detach().cpu() for k, v in state.items()}, out / f"{case['name']}_params.pt")
     windows = [model.micro_losses[i : i + accumulate] for i in range(0, len(model.micro_losses), accumulate)]
     losses = [sum(w) / accumulate * f for w, f in zip(windows, model.factors)]
-    return {"name": case["name"], "losses": losses, "factors": model.factors}
+    return {"name": case["name"], "losses": losses, "factors": model.factors, **validated}
 
 
 def main() -> None:
