@@ -50,9 +50,10 @@ def _loss_pieces(strategy: Any) -> tuple[dist.ProcessGroup | None, int, int]:
 
 
 class CausalLM(pl.LightningModule):
-    """Next-token training: :func:`causal_lm_loss` per (micro)batch, ``train_loss`` / ``val_loss`` /
-    ``test_loss`` logged over the data-parallel ranks, AdamW over the trainable parameters, without decay on those
-    of dimension < 2 (biases, norm weights). Override ``configure_optimizers`` for another optimizer.
+    """Next-token training: the training loss a mean over the global batch's real tokens (:meth:`loss`), validation
+    and test losses :func:`causal_lm_loss` per batch, ``train_loss`` / ``val_loss`` / ``test_loss`` logged over the
+    data-parallel ranks, AdamW over the trainable parameters, without decay on those of dimension < 2 (biases, norm
+    weights). Override ``configure_optimizers`` for another optimizer.
 
     Args:
         lr: AdamW learning rate.
