@@ -49,6 +49,9 @@ SLOW = {
     "pp2 zero_bubble packed": (2, "hybrid3d:pp=2,pp_schedule=zero_bubble", 1),
     "pp2 recompute packed": (2, "hybrid3d:pp=2,activation_checkpointing=full", 1),
     "ddp accum packed": (2, "ddp", 1),
+    # GPT-2: learned positions (its wpe layer reads the packed position ids at its stage)
+    "gpt2 pp2 packed": (2, "hybrid3d:pp=2", 1),
+    "gpt2 pp2 padded": (2, "hybrid3d:pp=2", 1),
 }
 WORDS = (
     "list tuple dict set value name file loop open read write class module import return yield key index string "
@@ -58,8 +61,8 @@ WORDS = (
 
 @pytest.fixture(scope="module")
 def sft_setup(tmp_path_factory) -> dict[str, str]:
-    """A BPE tokenizer with a chat template, 400 prompt / completion pairs of 2 to 35 tokens, their ``sft`` cache
-    and a tiny Llama saved with save_pretrained."""
+    """A BPE tokenizer with a chat template, 400 prompt / completion pairs of 2 to 35 tokens, their ``sft`` cache,
+    a tiny Llama and a tiny GPT-2 saved with save_pretrained."""
     out = tmp_path_factory.mktemp("sft")
     tokenizer = load_tokenizer(None, _save_tokenizer(_bpe(), out / "tokenizer"))[0]
     rng = random.Random(0)
@@ -72,16 +75,20 @@ def sft_setup(tmp_path_factory) -> dict[str, str]:
     settings = TextDataSettings(kind="sft", path=str(out / "pairs.jsonl"), seq_len=SEQ_LEN)
     cache = build_token_cache(settings, tokenizer, out / "cache")
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(_tiny_llama(tokenizer.vocab_size)).save_pretrained(out / "model")
-    return {"model": str(out / "model"), "cache": str(cache.folder)}
+    transformers.AutoModelForCausalLM.from_config(_tiny_llama(tokenizer.vocab_size)).save_pretrained(out / "llama")
+    gpt2 = transformers.GPT2Config(vocab_size=tokenizer.vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                   resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(gpt2).save_pretrained(out / "gpt2")
+    return {"llama": str(out / "llama"), "gpt2": str(out / "gpt2"), "cache": str(cache.folder)}
 
 
 def launch(tmp_path_factory, setup: dict, runs: dict, tag: str) -> Batch:
     case = {"name": "train", "steps": STEPS, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN, "lr": LR,
-            "path": setup["model"], "cache": setup["cache"]}  # fmt: skip
+            "cache": setup["cache"]}  # fmt: skip
     spec = {
-        label: (world, strategy, [{**case, "packing": "packed" in label, "accumulate": ACCUMULATE if "accum" in label
-                                   else 1, "validate": "validate" in label}])
+        label: (world, strategy, [{**case, "path": setup[model_of(label)], "packing": "packed" in label,
+                                   "accumulate": ACCUMULATE if "accum" in label else 1,
+                                   "validate": "validate" in label}])
         for label, (world, strategy, _) in runs.items()
     }  # fmt: skip
     return Batch(tmp_path_factory, spec, tag=tag, worker="sft_worker.py")
@@ -97,6 +104,10 @@ def slow_runs(tmp_path_factory, sft_setup) -> Batch:
     return launch(tmp_path_factory, sft_setup, SLOW, "sft_slow")
 
 
+def model_of(label: str) -> str:
+    return "gpt2" if "gpt2" in label else "llama"
+
+
 def global_batches(setup: dict, packing: bool) -> list[dict[str, torch.Tensor]]:
     """The STEPS global batches, in the order the workers' samplers give the whole world."""
     data = text_dataset(open_token_cache(setup["cache"]), SEQ_LEN, packing=packing)
@@ -108,10 +119,10 @@ def hf_inputs(batch: dict) -> dict:
     return {k: batch[k] for k in ("input_ids", "labels", "attention_mask", "position_ids") if k in batch}
 
 
-def plain_training(setup: dict, packing: bool) -> tuple[list[float], dict[str, torch.Tensor], float]:
+def plain_training(setup: dict, model_name: str, packing: bool) -> tuple[list[float], dict[str, torch.Tensor], float]:
     """The reference: HF's own forward and loss on each whole global batch, torch's AdamW with HFCausalLM's groups;
     then the mean loss of the first 2 unshuffled batches."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(setup["model"], local_files_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(setup[model_name], local_files_only=True)
     weight_decay, betas = HFCausalLM.__init__.__defaults__[1:3]
     groups = [
         {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": weight_decay},
@@ -131,14 +142,26 @@ def plain_training(setup: dict, packing: bool) -> tuple[list[float], dict[str, t
     return losses, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}, sum(val) / len(val)
 
 
+class References(dict):
+    """(model, packing) -> :func:`plain_training`'s result, trained when first asked for."""
+
+    def __init__(self, setup: dict) -> None:
+        super().__init__()
+        self.setup = setup
+
+    def __missing__(self, key: tuple[str, bool]) -> tuple:
+        self[key] = plain_training(self.setup, *key)
+        return self[key]
+
+
 @pytest.fixture(scope="module")
-def references(sft_setup) -> dict[bool, tuple]:
-    return {packing: plain_training(sft_setup, packing) for packing in (False, True)}
+def references(sft_setup) -> References:
+    return References(sft_setup)
 
 
 def check(runs: Batch, label: str, spec: tuple, references: dict) -> None:
     world, strategy, tp = spec
-    want_losses, want_params, want_val = references["packed" in label]
+    want_losses, want_params, want_val = references[model_of(label), "packed" in label]
     dp = world // tp // (2 if "pp=2" in strategy else 1)
     run = runs[label]
     loss_rel = assert_same_losses(run.losses("train", [d * tp for d in range(dp)]), want_losses, label)
@@ -164,7 +187,7 @@ def test_pieces_hold_different_token_counts(sft_setup, packing):
     """The parity runs test the global token mean: the pieces of a global batch (2 dp ranks x 2 micro-batches or 4
     pipeline microbatches of 2 rows) hold different numbers of real tokens, and the mean of their token means is
     off from the global token mean by far more than the tolerance."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(sft_setup["model"], local_files_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(sft_setup["llama"], local_files_only=True)
     batch = global_batches(sft_setup, packing)[0]
     with torch.no_grad():
         logits = model(**{k: v for k, v in hf_inputs(batch).items() if k != "labels"}, use_cache=False).logits
@@ -180,7 +203,7 @@ def test_pieces_hold_different_token_counts(sft_setup, packing):
 def test_prompt_tokens_get_no_gradient(sft_setup, packing):
     """HFCausalLM's training loss on sft batches: the logits at positions that predict a prompt token, padding, or
     (packed) the next sample's first token get no gradient; every position that predicts an answer token does."""
-    module = HFCausalLM(sft_setup["model"], lazy_load=False)
+    module = HFCausalLM(sft_setup["llama"], lazy_load=False)
     batch = global_batches(sft_setup, packing)[0]
     logits: list[torch.Tensor] = []
 
