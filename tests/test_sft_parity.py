@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -219,3 +220,13 @@ def test_prompt_tokens_get_no_gradient(sft_setup, packing):
     assert (grad[~predicts] == 0).all() and (grad[predicts] > 0).all()
     prompt_or_padding = batch["labels"] == IGNORE_INDEX
     assert prompt_or_padding.sum() > predicts.sum() // 2  # the prompts are a sizeable share of the rows
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_cp_refuses_padded_and_packed_batches(sft_setup, packing):
+    """Under cp each rank holds pieces of the samples: attention masks and packed position ids are refused by name."""
+    module = HFCausalLM(sft_setup["llama"], lazy_load=False)
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(parallel_dims=SimpleNamespace(context=2)))
+    name = "position_ids" if packing else "attention_mask"
+    with pytest.raises(ValueError, match=rf"cp=2 does not take {name} yet .* use cp=1"):
+        module._step_loss(global_batches(sft_setup, packing)[0])
