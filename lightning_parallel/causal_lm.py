@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -25,10 +26,34 @@ def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     )
 
 
+def real_tokens(labels: Tensor) -> Tensor:
+    """How many tokens :func:`causal_lm_loss` averages over: the shifted labels that are not -100 (int64)."""
+    return (labels[..., 1:] != IGNORE_INDEX).sum()
+
+
+def _loss_pieces(strategy: Any) -> tuple[dist.ProcessGroup | None, int, int]:
+    """(the group of the ranks that see different samples, its size, the pipeline microbatches of a batch): what a
+    step's gradient is averaged over. A strategy it does not know (and cp, whose ranks hold pieces of samples): one
+    rank, one piece (a token mean per rank's batch)."""
+    dims = getattr(strategy, "parallel_dims", None)
+    if dims is not None and getattr(strategy, "mesh", None) is not None:
+        if dims.context > 1:
+            return None, 1, 1
+        micro = strategy.config.microbatches if dims.pp > 1 else 1
+        size = dims.role_size("batch")
+        return (strategy.mesh.group("batch") if size > 1 else None), size, micro
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if isinstance(strategy, DDPStrategy) and strategy.world_size > 1:
+        return dist.group.WORLD, strategy.world_size, 1
+    return None, 1, 1
+
+
 class CausalLM(pl.LightningModule):
-    """Next-token training: :func:`causal_lm_loss` per (micro)batch, ``train_loss`` / ``val_loss`` /
-    ``test_loss`` logged over the data-parallel ranks, AdamW over the trainable parameters, without decay on those
-    of dimension < 2 (biases, norm weights). Override ``configure_optimizers`` for another optimizer.
+    """Next-token training: the training loss a mean over the global batch's real tokens (:meth:`loss`), validation
+    and test losses :func:`causal_lm_loss` per batch, ``train_loss`` / ``val_loss`` / ``test_loss`` logged over the
+    data-parallel ranks, AdamW over the trainable parameters, without decay on those of dimension < 2 (biases, norm
+    weights). Override ``configure_optimizers`` for another optimizer.
 
     Args:
         lr: AdamW learning rate.
@@ -42,20 +67,91 @@ class CausalLM(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
+        # the global token mean (see loss()): (pieces, global real tokens of the accumulation window's first
+        # micro-step), and this rank's real tokens over the window; None outside training steps
+        self._token_norm: tuple[int, int] | None = None
+        self._window_tokens = 0
+        self.window_factor = 1.0  # the last optimizer step's gradient factor (see loss())
 
-    def unpack(self, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(input_ids, labels, attention_mask or None) of a batch."""
+    def unpack(self, batch: Any) -> tuple[Tensor, Tensor, dict[str, Tensor] | Tensor | None]:
+        """(input_ids, labels, the model's other keyword inputs) of a batch: a dict (``attention_mask``,
+        ``position_ids``), an attention mask, or None."""
         raise NotImplementedError
 
     def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        return causal_lm_loss(logits, labels)
+        """The loss of one piece of the global batch: :func:`causal_lm_loss`, in training scaled so that the
+        optimizer step's gradient is that of the mean over the global batch's real tokens (labels not -100),
+        however the batch is cut into dp ranks, accumulated micro-batches and pipeline microbatches, also when
+        they hold different numbers of real tokens.
+
+        Every step's gradient is averaged over P = dp x microbatches pieces (the dp reduction's mean, the pipeline's
+        1 / microbatches) and over the A micro-batches of gradient accumulation (Lightning's 1 / A). At the window's
+        first micro-step the training step counts N0, the real tokens of its global batch (one all-reduce over the
+        dp ranks, before the forward); each piece of n real tokens then returns its token mean times n * P / N0,
+        i.e. its summed loss / N0 * P, so the window's gradient is the sum of all its token losses / (A * N0). Once
+        the window ends (``on_before_optimizer_step``: after the dp reduction, before clipping), the gradients are
+        multiplied by A * N0 / N, N the window's real tokens (one more all-reduce, only when A > 1): the sum over
+        N. When every piece holds the same number of real tokens both factors are exactly 1 and nothing changes.
+        The returned (and logged) training loss is the piece's scaled one; ``window_factor`` times the mean of the
+        window's step losses over micro-steps and dp ranks is the global token mean. Validation and test losses
+        are token means per batch. Under cp (ranks hold pieces of samples) a token mean per rank's batch.
+        """
+        loss = causal_lm_loss(logits, labels)
+        if self._token_norm is None or not torch.is_grad_enabled():
+            return loss
+        pieces, first = self._token_norm
+        factor = int(real_tokens(labels)) * pieces / first  # integers, one division: exactly 1.0 when all equal
+        return loss if factor == 1.0 else loss * factor
 
     def _step_loss(self, batch: Any) -> Tensor:
-        ids, labels, mask = self.unpack(batch)
-        output = self(ids) if mask is None else self(ids, attention_mask=mask)
+        ids, labels, inputs = self.unpack(batch)
+        inputs = {"attention_mask": inputs} if isinstance(inputs, Tensor) else dict(inputs or {})
+        dims = getattr(self._trainer.strategy, "parallel_dims", None) if self._trainer is not None else None
+        if inputs and dims is not None and dims.context > 1:
+            raise ValueError(
+                f"cp={dims.context} does not take {' or '.join(sorted(inputs))} yet (padded or packed batches: each "
+                "rank holds pieces of the samples): use cp=1 (tp, pp and ZeRO take them), or unpadded hf_text blocks."
+            )
+        output = self(ids, **inputs)
         return self.loss(output, labels)
 
+    def _count_tokens(self, batch: Any, batch_idx: int) -> None:
+        """Before a training step's forward: N0 at an accumulation window's first micro-step, this rank's real
+        tokens added to the window's (see :meth:`loss`)."""
+        trainer = self._trainer
+        group, ranks, micro = _loss_pieces(trainer.strategy) if trainer is not None else (None, 1, 1)
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        labels = self.unpack(batch)[1]
+        mine = int(real_tokens(labels))
+        if batch_idx % accumulate == 0 or self._token_norm is None:
+            total = torch.tensor(mine, dtype=torch.int64, device=labels.device)
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            first = max(int(total), 1)  # a batch without real tokens: its loss is 0 anyway
+            self._token_norm, self._window_tokens = (ranks * micro, first), 0
+        self._window_tokens += mine
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """The accumulation window's factor A * N0 / N on the reduced gradients (see :meth:`loss`)."""
+        trainer, norm = self._trainer, self._token_norm
+        self._token_norm = None
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        self.window_factor = 1.0
+        if norm is None or accumulate == 1:
+            return
+        group = _loss_pieces(trainer.strategy)[0]
+        total = torch.tensor(self._window_tokens, dtype=torch.int64, device=self.device)
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        self.window_factor = accumulate * norm[1] / max(int(total), 1)
+        if self.window_factor != 1.0:
+            for group_ in optimizer.param_groups:  # what the optimizer steps: ZeRO-1/2's flat slices, DTensors
+                for p in group_["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(self.window_factor)
+
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self._count_tokens(batch, batch_idx)
         loss = self._step_loss(batch)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss

@@ -7,6 +7,11 @@ itself (parameter and state-dict names stay HF's, any layout loads any other) wi
 when the layer is called with the hidden state alone (a pipeline stage's call; HF's own forward always passes
 more), rebuilds those inputs with HF's own code (``create_causal_mask``, the model's rotary module). GPT-2's
 learned positions are a layer of their own: ``wpe`` called on the token embeddings adds its rows to them.
+
+The microbatch's ``attention_mask`` (padded batches) and ``position_ids`` (packed ones: positions restarting at
+each document, from which ``create_causal_mask`` keeps every token to its own document) reach every stage as
+:func:`~lightning_parallel.parallel.pipeline.runner.stage_inputs`; without them, positions count from 0 and the
+mask is causal.
 """
 
 from __future__ import annotations
@@ -18,12 +23,17 @@ import torch
 from torch import Tensor, nn
 
 from lightning_parallel.hf.plan import _pp_names, is_gpt2
+from lightning_parallel.parallel.pipeline.runner import stage_inputs
 
 _HOOKED = "_lightning_parallel_pipeline_hooks"
 
 
 def _positions(hidden: Tensor) -> Tensor:
-    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
+    """The microbatch's position ids (B, T) when the step passed them, else 0 .. T-1 (1, T)."""
+    given = stage_inputs().get("position_ids")
+    if given is not None:
+        return given.to(hidden.device)
+    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")  # what a stage can rebuild the mask of
@@ -54,8 +64,10 @@ def _decoder_inputs(config: Any, rotary: nn.Module | None, index: int):
         hidden = args[0]  # (B, T, C)
         position_ids = _positions(hidden)
         extra: dict[str, Any] = {"position_ids": position_ids}
+        padding = stage_inputs().get("attention_mask")  # (B, T) 1 on tokens, 0 on padding; None: none
+        padding = padding.to(hidden.device) if padding is not None else None
         # the cache goes by position: transformers 5.24 names it ``cache``, 5.17 ``past_key_values``
-        extra["attention_mask"] = make_mask(config, hidden, None, None, position_ids=position_ids)
+        extra["attention_mask"] = make_mask(config, hidden, padding, None, position_ids=position_ids)
         if rotary is not None:
             rope_kwargs = {"layer_type": kind} if per_type else {}
             extra["position_embeddings"] = rotary(hidden, position_ids=position_ids, **rope_kwargs)
@@ -67,8 +79,8 @@ def _decoder_inputs(config: Any, rotary: nn.Module | None, index: int):
 def _refuse_extra_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if kwargs or len(args) != 1:
         raise TypeError(
-            "Under pp > 1 the model takes input_ids alone (no attention_mask: the pipeline passes one tensor "
-            "between stages): mark padding with labels=-100 instead, or use pp=1."
+            "Under pp > 1 the first layer takes input_ids alone: pass attention_mask and position_ids as keyword "
+            "arguments of self(input_ids, ...), which reach every stage (stage_inputs())."
         )
 
 

@@ -71,9 +71,10 @@ def load_causal_lm(source: Any) -> nn.Module:
 class HFCausalLM(CausalLM):
     """Next-token training of a Hugging Face causal LM (Llama-style models, GPT-2) under any strategy.
 
-    Batches are a dict with ``input_ids`` (and optionally ``labels``, ``attention_mask``; labels default to the
-    input ids) or a tuple ``(input_ids, labels)``. The loss is a token mean per (micro)batch. Under pp > 1 the
-    attention mask is refused (one tensor travels between stages): mark padding with ``labels=-100``.
+    Batches are a dict with ``input_ids`` (and optionally ``labels``, ``attention_mask``, ``position_ids``; labels
+    default to the input ids) or a tuple ``(input_ids, labels)``: padded and packed batches
+    (:mod:`lightning_parallel.text`) under every layout but cp. The training loss is a mean over the global
+    batch's real tokens (:meth:`~lightning_parallel.causal_lm.CausalLM.loss`).
 
     A folder with safetensors weights is not read here: the parameters are built on the meta device and each
     rank reads only what it holds once the strategy split the model (its stages, its tensor-parallel and ZeRO-3
@@ -157,22 +158,30 @@ class HFCausalLM(CausalLM):
         if self._weights_folder is not None and not isinstance(self.trainer.strategy, MeshStrategy):
             self.materialize(self.trainer.strategy.root_device)  # Lightning's own strategies: the whole folder
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Logits (B, T, V) (split over V under tensor parallelism)."""
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
+        """Logits (B, T, V) (split over V under tensor parallelism). ``attention_mask`` (B, T): 1 on tokens, 0 on
+        padding; ``position_ids`` (B, T): packed documents, positions restarting at each (with no attention mask
+        and no cache, transformers' ``create_causal_mask`` keeps every token to its own document)."""
         if self._weights_folder is not None:
             raise RuntimeError(
                 f"HFCausalLM's weights from {self._weights_folder} are not read yet: train or test it with a Trainer, "
                 "or call .materialize() first (or build it with lazy_load=False)."
             )
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        inputs = {"attention_mask": attention_mask, "position_ids": position_ids}
+        return self.model(input_ids=input_ids, **inputs, use_cache=False).logits
 
-    def unpack(self, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(input_ids, labels, attention_mask) of a dict or tuple batch."""
+    def unpack(self, batch: Any) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """(input_ids, labels, the model's other inputs) of a dict or tuple batch: ``attention_mask`` (padded
+        samples) and ``position_ids`` (packed ones) when the dict has them (``document_ids`` is not needed: the
+        restarting positions mark the documents)."""
         if isinstance(batch, dict):
             ids = batch["input_ids"]
-            return ids, batch.get("labels", ids), batch.get("attention_mask")
+            inputs = {k: batch[k] for k in ("attention_mask", "position_ids") if batch.get(k) is not None}
+            return ids, batch.get("labels", ids), inputs
         ids, labels = batch[0], batch[1]
-        return ids, labels, None
+        return ids, labels, {}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[HF_CONFIG_KEY] = self.hf_model.config.to_dict()  # plain values: read back without unpickling code

@@ -6,12 +6,17 @@ in eval); the pipeline loss (it exists on the last stage only) reduced to every 
 callbacks see the same value everywhere; stage shape inference that leaves BatchNorm statistics alone; and the
 timeline hooks of :mod:`lightning_parallel.parallel.measure.timeline`. The schedule itself comes from the table in
 :mod:`lightning_parallel.parallel.pipeline.schedules`.
+
+Keyword inputs of the step (``self(x, attention_mask=..., position_ids=...)``) are not arguments of the first
+layer: torch cuts them into microbatches as it cuts ``x`` and hands each stage its microbatch's, which the layers
+of every stage read with :func:`stage_inputs` (what a padding mask or packed position ids need at each stage).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -26,6 +31,25 @@ from lightning_parallel.parallel.measure.timeline import active_recorder
 from lightning_parallel.parallel.pipeline.schedules import schedule_spec
 from lightning_parallel.parallel.pipeline.split import PipelineSplit
 
+_STAGE_INPUTS: ContextVar[dict[str, Any]] = ContextVar("stage_inputs", default={})  # noqa: B039  (never mutated)
+
+
+def stage_inputs() -> dict[str, Any]:
+    """The keyword inputs of the microbatch the running pipeline stage computes: the step's ``self(x, **kwargs)``
+    keyword arguments, cut into microbatches as ``x`` is (the whole batch in forward-only runs). Empty outside a
+    pipeline run. Layers that need more than the previous stage's output (an attention mask, position ids) read
+    them here, on every stage."""
+    return _STAGE_INPUTS.get()
+
+
+@contextlib.contextmanager
+def _inputs_of_stage(inputs: dict[str, Any] | None) -> Iterator[None]:
+    token = _STAGE_INPUTS.set(dict(inputs or {}))
+    try:
+        yield
+    finally:
+        _STAGE_INPUTS.reset(token)
+
 
 class _Stage(ShapeInferenceHookStage):
     """A ``PipelineStage`` whose shape inference leaves running statistics alone.
@@ -34,12 +58,20 @@ class _Stage(ShapeInferenceHookStage):
     on every stage but the first); BatchNorm would fold that run into its running statistics (NaN seen).
     The buffers are restored right after, and MoE layers forget the tokens they counted. While a
     ``pipeline_timeline.TimelineRecorder`` is active, every forward and backward of a microbatch is timed.
-    With one stage per rank, each receive is posted one microbatch early (``early_receives``).
+    With one stage per rank, each receive is posted one microbatch early (``early_receives``). The step's keyword
+    inputs reach the layers as :func:`stage_inputs` in forward, never as arguments of the stage (activation
+    checkpointing recomputes a layer from what its pre-hooks made of them, outside the recomputed region).
     """
 
     def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
         super().__init__(submodule, *args, **kwargs)
         self._buffers_before = [b.detach().clone() for b in submodule.buffers()]
+
+    def _prepare_forward_infra(
+        self, num_microbatches: int, args: Any, kwargs: Any = None, *rest: Any, **kw: Any
+    ) -> Any:
+        with _inputs_of_stage(kwargs):  # shape inference runs the layers too
+            return super()._prepare_forward_infra(num_microbatches, args, None, *rest, **kw)
 
     def after_shape_inference(self) -> None:  # torch's hook, by version: _compat.PIPELINE_STAGE_SHAPE_CLEANUP
         with torch.no_grad():
@@ -85,13 +117,14 @@ class _Stage(ShapeInferenceHookStage):
                 work.wait()
 
     # Timeline hook: each action is timed while a TimelineRecorder is active (one None check otherwise).
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+    def forward_one_chunk(self, fwd_chunk_id: int, args: Any, kwargs: Any = None, *rest: Any, **more: Any) -> Any:
         self._wait_early("F", fwd_chunk_id)
         recorder = active_recorder()
-        if recorder is None:
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        with recorder.action("F", self.stage_index, fwd_chunk_id):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        with _inputs_of_stage(kwargs):
+            if recorder is None:
+                return super().forward_one_chunk(fwd_chunk_id, args, None, *rest, **more)
+            with recorder.action("F", self.stage_index, fwd_chunk_id):
+                return super().forward_one_chunk(fwd_chunk_id, args, None, *rest, **more)
 
     # Set by Pipeline: called with (stage index, False) just before the backward that completes the stage's weight
     # gradients for the step (torch's ``last_backward``: the last microbatch's full or weight-only backward), and
@@ -284,11 +317,13 @@ class Pipeline:
                 continue
             stage = self.split.stages[index]
             if index == 0:
-                x = stage(*args, **kwargs)
+                with _inputs_of_stage(kwargs):
+                    x = stage(*args)
             else:
                 if ranks[index - 1] != me:
                     x = _recv_activation(dist.get_global_rank(self.group, ranks[index - 1]), self.group, self.device)
-                x = stage(x)
+                with _inputs_of_stage(kwargs):
+                    x = stage(x)
             if index + 1 < len(ranks) and ranks[index + 1] != me:
                 _send_activation(x, dist.get_global_rank(self.group, ranks[index + 1]), self.group, index)
         return x if self.holds_last_stage else None
