@@ -160,6 +160,11 @@ class LitGPTCausalLM(CausalLM):
                     "LitGPT's GPT takes no attention_mask (its attention is causal): drop it from the batch and mark "
                     "padding with labels=-100."
                 )
+            if batch.get("position_ids") is not None:
+                raise ValueError(
+                    "LitGPT's GPT takes no position_ids: packed batches (several documents a row) would attend across "
+                    "their documents; use padded batches (data.packing=false) or unpacked text blocks."
+                )
             ids = batch["input_ids"]
             return ids, batch.get("labels", ids), None
         return batch[0], batch[1], None
