@@ -136,7 +136,7 @@ def test_loss_is_litgpt_loss(make):
     assert torch.equal(module._step_loss((ids, labels)), module._step_loss({"input_ids": ids, "labels": labels}))
     with pytest.raises(ValueError, match=r"takes no attention_mask.*labels=-100"):
         module._step_loss({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-    with pytest.raises(ValueError, match=r"takes no position_ids: packed batches .* data.packing=false"):
+    with pytest.raises(ValueError, match=r"takes no position_ids: packed batches .*data.packing=false"):
         module._step_loss({"input_ids": ids, "position_ids": torch.arange(16).expand(2, 16)})
 
 
