@@ -139,7 +139,8 @@ def distance(references: References, key: tuple) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize(
-    ("variant", "layout"), [("halves", "dp"), pytest.param("row partials", "tp", marks=pytest.mark.slow)]
+    ("variant", "layout"),  # both slow (test budget): one-process reference runs
+    [pytest.param("halves", "dp", marks=pytest.mark.slow), pytest.param("row partials", "tp", marks=pytest.mark.slow)],
 )
 def test_bars_cover_the_rounding_noise_of_one_process(variant, layout, references):
     """The bars against what one process does with only the rounding changed: the global batch as two
