@@ -31,7 +31,7 @@ VARIANTS = {
 FAST = {
     "llama lora pp2 1f1b clip": (2, "hybrid3d:pp=2", "llama", 1),
     "llama lora pp2 x tp2": (4, "hybrid3d:pp=2,tp=2", "llama", 2),
-    "llama lora dp2 x tp2 zero3 clip": (4, "hybrid3d:tp=2,zero_stage=3", "llama", 2),
+    "gpt2 lora dp2 x tp2 zero3 clip": (4, "hybrid3d:tp=2,zero_stage=3", "gpt2", 2),
     "llama lora hsdp 2x2 zero3": (4, "hybrid3d:dp_shard=2,zero_stage=3", "llama", 1),
 }
 SLOW = {
@@ -46,7 +46,7 @@ SLOW = {
     "gpt2 lora pp2 interleaved_1f1b": (2, "hybrid3d:pp=2,pp_schedule=interleaved_1f1b", "gpt2", 1),
     "gpt2 lora pp2 zero_bubble clip": (2, "hybrid3d:pp=2,pp_schedule=zero_bubble", "gpt2", 1),
     "gpt2 lora pp2 x tp2": (4, "hybrid3d:pp=2,tp=2", "gpt2", 2),
-    "gpt2 lora dp2 x tp2 zero3": (4, "hybrid3d:tp=2,zero_stage=3", "gpt2", 2),
+    "llama lora dp2 x tp2 zero3": (4, "hybrid3d:tp=2,zero_stage=3", "llama", 2),
     "llama lora hsdp 2x2 zero2 clip": (4, "hybrid3d:dp_shard=2,zero_stage=2", "llama", 1),
 }
 
