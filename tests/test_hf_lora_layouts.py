@@ -5,6 +5,7 @@ against the same peft model trained in one process (tests/test_hf_lora.py's refe
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers
 from causal_lm_parity import launch
 from test_hf_lora import (
@@ -12,10 +13,19 @@ from test_hf_lora import (
     MODELS,
     check_frozen_base_holds_nothing,
     check_lora_run,
-    folders,  # noqa: F401  (fixtures: the model folders and the single-process references, of LORA's models)
-    references,  # noqa: F401
+    folders,  # noqa: F401  (the fixture: a folder per model of MODELS)
+    lora_config,
+    plain_lora_training,
+    small,
 )
-from test_hf_parity import CONFIGS
+from test_hf_parity import CONFIGS, WORLD8
+from torch import nn
+
+from lightning_parallel import Hybrid3DStrategy
+from lightning_parallel.hf import HFCausalLM
+from lightning_parallel.parallel.pipeline.schedules import SCHEDULES
+from lightning_parallel.parallel.pipeline.split import StageModule
+from lightning_parallel.strategies.checks import check_model
 
 # More adapted models, put into test_hf_lora's LORA and MODELS while this module's tests run
 VARIANTS = {
@@ -50,6 +60,9 @@ SLOW = {
     "llama lora hsdp 2x2 zero2 clip": (4, "hybrid3d:dp_shard=2,zero_stage=2", "llama", 1),
 }
 
+# every (pp, dp, tp) split of world 8 the tiny Llama takes, ZeRO-3 (tests/test_hf_parity.py's), with adapters
+WORLD8_LORA = {label.replace("llama", "llama lora"): spec for label, spec in WORLD8.items()}
+
 
 @pytest.fixture(scope="module", autouse=True)
 def variants():
@@ -58,6 +71,18 @@ def variants():
             patch.setitem(MODELS, name, config)
             patch.setitem(LORA, name, lora)
         yield
+
+
+@pytest.fixture(scope="module")
+def references(folders) -> dict:  # noqa: F811
+    """test_hf_lora's single-process references, each computed the first time a test asks for it."""
+
+    class Lazy(dict):
+        def __missing__(self, key: tuple) -> tuple:
+            self[key] = plain_lora_training(key[0], folders[key[0]], key[1])
+            return self[key]
+
+    return Lazy()
 
 
 def lora_launch(tmp_path_factory, folders: dict, runs: dict, tag: str):  # noqa: F811
@@ -85,3 +110,41 @@ def test_lora_layout_parity(label, fast_runs, references, folders):  # noqa: F81
 def test_lora_layout_parity_wider(label, slow_runs, references, folders):  # noqa: F811
     check_lora_run(slow_runs, label, SLOW[label], references, folders)
     check_frozen_base_holds_nothing(slow_runs, label, SLOW[label])
+
+
+@pytest.fixture(scope="module")
+def world8_runs(tmp_path_factory, folders):  # noqa: F811
+    return lora_launch(tmp_path_factory, folders, WORLD8_LORA, "lora_layouts_w8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(WORLD8_LORA))
+def test_lora_parity_every_world8_split(label, world8_runs, references, folders):  # noqa: F811
+    check_lora_run(world8_runs, label, WORLD8_LORA[label], references, folders)
+    check_frozen_base_holds_nothing(world8_runs, label, WORLD8_LORA[label])
+
+
+# ----- no process group -----
+
+
+def test_pp_with_adapters_passes_the_checks_before_launch():
+    module = HFCausalLM(small("llama"), peft_config=lora_config("llama"))
+    for schedule in SCHEDULES:
+        strategy = Hybrid3DStrategy(pp=2, pp_schedule=schedule)
+        check_model(module, strategy.config, strategy.config.dims(2))
+
+
+@pytest.mark.parametrize("asks", [False, True])
+def test_a_stage_output_no_gradient_flows_into_asks_for_one_under_split_backward(asks):
+    """Zero bubble's input-gradient pass finds the next stage's adapters only through an input that asks for a
+    gradient; a frozen stage's output asks for one only when the schedule splits the backward."""
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    stage = StageModule([frozen])
+    stage.output_asks_grad = asks
+    out = stage(torch.randn(2, 4))
+    assert out.requires_grad == asks and out.is_leaf
+    with torch.no_grad():
+        assert not stage(torch.randn(2, 4)).requires_grad  # forward-only passes stay without autograd
+    trained = StageModule([nn.Linear(4, 4)])
+    trained.output_asks_grad = True
+    assert trained(torch.randn(2, 4)).grad_fn is not None  # a gradient flows in already: the graph is kept
