@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 from causal_lm_parity import launch
+from test_device_hygiene import world  # noqa: F401  (the fixture: a one-rank gloo world)
 from test_hf_lora import (
     LORA,
     MODELS,
@@ -20,11 +21,16 @@ from test_hf_lora import (
 )
 from test_hf_parity import CONFIGS, WORLD8
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_parallel import Hybrid3DStrategy
+from lightning_parallel._compat import StridedShard
 from lightning_parallel.hf import HFCausalLM
+from lightning_parallel.parallel.data.fsdp import shard_dim_of
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES
 from lightning_parallel.parallel.pipeline.split import StageModule
+from lightning_parallel.parallel.pipeline.tied import TiedGradients
 from lightning_parallel.strategies.checks import check_model
 
 # More adapted models, put into test_hf_lora's LORA and MODELS while this module's tests run
@@ -148,3 +154,26 @@ def test_a_stage_output_no_gradient_flows_into_asks_for_one_under_split_backward
     trained = StageModule([nn.Linear(4, 4)])
     trained.output_asks_grad = True
     assert trained(torch.randn(2, 4)).grad_fn is not None  # a gradient flows in already: the graph is kept
+
+
+def test_a_frozen_tied_weight_gets_no_gradient_from_the_pp_reduction(world):  # noqa: F811
+    """A frozen embedding tied to the head (a LoRA base) has no gradient on any stage: the reduction leaves it None
+    (a zero gradient would make it look trained) and still sums the trained tied weights."""
+    root = nn.ModuleDict({"embed": nn.Linear(2, 3), "head": nn.Linear(2, 3)})
+    for layer in root.values():
+        layer.weight.requires_grad_(False)
+        layer.bias.grad = torch.ones(3)
+    tied = TiedGradients(root, [["embed.weight", "head.weight"], ["embed.bias", "head.bias"]], world)
+    tied.reduce()
+    assert all(layer.weight.grad is None for layer in root.values())
+    assert all(torch.equal(layer.bias.grad, torch.full((3,), 2.0)) for layer in root.values())
+
+
+def test_zero3_shards_a_matrix_tp_splits_part_by_part_on_its_other_dim(world):  # noqa: F811
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    fused_b = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [StridedShard(0, split_factor=3)]))
+    assert shard_dim_of(fused_b) == Shard(1)  # LoRA's B of GPT-2's c_attn
+    split_b = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]))
+    fused_bias = nn.Parameter(distribute_tensor(torch.randn(6), mesh, [StridedShard(0, split_factor=3)]))
+    plain = nn.Parameter(torch.ones(2, 2))
+    assert shard_dim_of(split_b) is None and shard_dim_of(fused_bias) is None and shard_dim_of(plain) is None
