@@ -37,6 +37,8 @@ from lightning_parallel.strategies.checks import check_model
 VARIANTS = {
     # the adapters on the head only: pp's first stage (embedding and blocks) holds none
     "llama head": (CONFIGS["llama"], {**LORA["llama"], "target_modules": ["lm_head"]}),
+    # an adapted embedding (peft's lora.Embedding in the first pipeline layer's place)
+    "llama embed": (CONFIGS["llama"], {**LORA["llama"], "target_modules": ["embed_tokens", "q_proj"]}),
     # the frozen embedding tied to the frozen head, on two stages
     "llama tied": (lambda: transformers.LlamaConfig(**{**CONFIGS["llama"]().to_diff_dict(),
                                                         "tie_word_embeddings": True}), LORA["llama"]),
@@ -57,6 +59,7 @@ SLOW = {
     "llama head lora pp2 1f1b": (2, "hybrid3d:pp=2", "llama head", 1),
     "llama head lora pp2 zero_bubble": (2, "hybrid3d:pp=2,pp_schedule=zero_bubble", "llama head", 1),
     "llama tied lora pp2 1f1b clip": (2, "hybrid3d:pp=2", "llama tied", 1),
+    "llama embed lora pp2 zero_bubble": (2, "hybrid3d:pp=2,pp_schedule=zero_bubble", "llama embed", 1),
     "gpt2 lora pp2 1f1b": (2, "hybrid3d:pp=2", "gpt2", 1),
     "gpt2 lora pp2 gpipe clip": (2, "hybrid3d:pp=2,pp_schedule=gpipe", "gpt2", 1),
     "gpt2 lora pp2 interleaved_1f1b": (2, "hybrid3d:pp=2,pp_schedule=interleaved_1f1b", "gpt2", 1),
