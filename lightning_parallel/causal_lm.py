@@ -172,5 +172,7 @@ class CausalLM(pl.LightningModule):
         decay = [p for p in trainable if p.dim() >= 2]
         no_decay = [p for p in trainable if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]  # LoRA's factors are all matrices
+        # LoRA's factors are all matrices; a pipeline stage holding no adapter keeps one empty group (torch refuses
+        # an optimizer without any)
+        groups = [g for g in groups if g["params"]] or groups[:1]
         return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps)

@@ -84,24 +84,40 @@ def assert_clipping_active(references: dict, model: str) -> None:
     assert max((plain[k] - clipped[k]).abs().max().item() for k in plain) > 1e-3
 
 
-def check_frozen_base(runs: Batch, label: str, spec: tuple, adapters: int) -> None:
+def layout_of(strategy: str, world: int, tp: int) -> tuple[int, int]:
+    """(pp, the ranks ZeRO 1-3 shard optimizer states over, 1 without ZeRO) of a worker's strategy spec."""
+    name, _, items = strategy.partition(":")
+    settings = dict(item.split("=") for item in items.split(",") if item)
+    pp = int(settings.get("pp", 1))
+    zero = name != "hybrid3d" or int(settings.get("zero_stage", 0)) > 0  # the registered zero1-3 shard
+    return pp, int(settings.get("dp_shard", world // pp // tp)) if zero else 1
+
+
+def check_frozen_base(runs: Batch, label: str, spec: tuple, adapters: list[Tensor]) -> None:
     """What every rank of a LoRA run holds for the frozen base (hf_worker.py's ``frozen_report``): no frozen parameter
     ever had a gradient before a step, none is in the optimizer or a ZeRO-1/2 flat buffer, the trainable elements
-    are the ``adapters``', optimizer state covers at most this rank's share of them (ZeRO 1-3), the frozen base is
-    most of the model (so a frozen weight in the state would show); replicated adapters equal on the tp ranks (not
-    under ZeRO-3, which shards them over dp)."""
+    are the ``adapters``' (under pp: over the stages of one (dp, tp) position; a stage may hold none, and then no
+    state), optimizer state covers at most this rank's share of them (ZeRO 1-3), the frozen base is most of the
+    model (so a frozen weight in the state would show); adapters replicated over tp equal on the tp ranks."""
     world, strategy, _, tp = spec
-    sharded = "zero_stage=0" not in strategy and tp == 1  # ZeRO 1-3 over dp = world
+    pp, shards = layout_of(strategy, world, tp)
+    total = sum(p.numel() for p in adapters)
+    # the most one rank's share can be: ZeRO-3 splits each tensor on dim 0, the first ranks a row more when the
+    # rows do not divide (at dp=8 a rank holds a quarter of A's 4 rows)
+    padded = sum(math.ceil(p.shape[0] / shards) * p[0].numel() for p in adapters)
     reports = [runs[label].case("train", rank) for rank in range(world)]
     for rank, r in enumerate(reports):
         where = f"{label} rank {rank}"
-        assert r["trainable_numel"] == adapters, f"{where}: {r['trainable_numel']} trainable, {adapters} adapters"
+        stages = [reports[rank % (world // pp) + s * (world // pp)] for s in range(pp)]
+        held = sum(stage["trainable_numel"] for stage in stages)
+        assert held == total, f"{where}: {held} trainable over the stages, {total} adapters"
         assert r["frozen_with_grad"] == [] and r["frozen_grads_now"] == [], where
         assert r["optimizer_params_frozen"] == 0 and r["flat_frozen"] == 0, where
-        assert r["frozen_numel"] > 5 * r["trainable_numel"], where
-        share = math.ceil(r["trainable_numel"] / (world if sharded else 1))
-        assert 0 < r["state_numel"] <= 2 * (share + world), f"{where}: {r['state_numel']} optimizer-state elements"
+        assert sum(stage["frozen_numel"] for stage in stages) > 5 * held, where
+        share = min(r["trainable_numel"], padded)
+        assert (r["state_numel"] > 0) == (share > 0), f"{where}: {r['state_numel']} optimizer-state elements"
+        assert r["state_numel"] <= 2 * (share + world), f"{where}: {r['state_numel']} optimizer-state elements"
         assert r["flat_numel"] <= r["trainable_numel"] + world, f"{where}: flat buffer {r['flat_numel']}"
-        if tp > 1 and "zero_stage=3" not in strategy:
+        if tp > 1 and share:
             assert r["replicated_sums"], f"{where}: no replicated adapter factor"
             assert r["replicated_sums"] == reports[rank - rank % tp]["replicated_sums"], where

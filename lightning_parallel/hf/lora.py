@@ -25,7 +25,7 @@ SUPPORTED = "LoraConfig (LoRA)"
 # HFCausalLM(base_dtype=...): the dtypes a frozen base may be kept in, by the names a config gives them
 BASE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 # layouts an adapted model cannot take yet, with the degree's setting name
-NOT_YET = ("pp", "cp", "ep")
+NOT_YET = ("cp", "ep")
 
 
 def check_peft_config(model: nn.Module, config: Any) -> None:
@@ -132,7 +132,7 @@ def base_of(model: nn.Module) -> tuple[nn.Module, str]:
 
 
 def check_peft_degrees(config: Any, **degrees: int) -> None:
-    """Refuse the layouts adapters cannot take yet (pp, cp, ep), and under tp the LoRA variants whose extra
+    """Refuse the layouts adapters cannot take yet (cp, ep), and under tp the LoRA variants whose extra
     parameters or random masks the split does not follow, before any process group exists.
 
     Raises:
@@ -142,7 +142,7 @@ def check_peft_degrees(config: Any, **degrees: int) -> None:
         if degrees.get(name, 1) > 1:
             raise ValueError(
                 f"{name}={degrees[name]} with HFCausalLM(peft_config=...) is not supported yet: LoRA runs under ZeRO "
-                f"0-3 and tp (with or without sequence_parallel) for now; set {name}=1."
+                f"0-3, HSDP, tp (with or without sequence_parallel) and pp for now; set {name}=1."
             )
     if degrees.get("tp", 1) > 1:
         for setting, neutral in (("use_dora", False), ("lora_dropout", 0.0)):

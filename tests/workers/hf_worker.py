@@ -27,6 +27,7 @@ from torch.utils.data import Dataset
 
 from lightning_parallel.hf import HFCausalLM
 from lightning_parallel.parallel.dtensor import local
+from lightning_parallel.parallel.mesh import TP
 
 
 class RandomTokens(Dataset):
@@ -140,17 +141,15 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
 
 def frozen_report(model: torch.nn.Module, trainer: pl.Trainer) -> dict:
     """What this rank holds for the frozen base after training: gradients seen, optimizer-state and flat-buffer
-    elements against the trainable elements, and a checksum of each replicated DTensor adapter (equal on tp ranks)."""
+    elements against the trainable elements, and a checksum of each adapter replicated over tp (equal on tp ranks)."""
     optimizer = trainer.optimizers[0]
     params = list(model.parameters())
     frozen = {id(p) for p in params if not p.requires_grad}  # ZeRO-1/2's optimizer holds flat slices, not these
     flat = trainer.strategy.sharding.flat(optimizer) if hasattr(trainer.strategy, "sharding") else None
     flat_groups = flat.flat_groups if flat is not None else []
     state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
-    replicated = {
-        n: local(p).double().sum().item()
-        for n, p in model.named_parameters()
-        if p.requires_grad and isinstance(p, DTensor) and all(isinstance(pl_, Replicate) for pl_ in p.placements)
+    replicated = {  # this rank's part of each adapter replicated over tp (its dp shard under ZeRO-3)
+        n: local(p).double().sum().item() for n, p in model.named_parameters() if p.requires_grad and tp_replicated(p)
     }
     return {
         "frozen_with_grad": sorted(model.frozen_with_grad),
@@ -163,6 +162,11 @@ def frozen_report(model: torch.nn.Module, trainer: pl.Trainer) -> dict:
         "flat_frozen": sum(not p.requires_grad for fg in flat_groups for p in fg.params),
         "replicated_sums": replicated,
     }
+
+
+def tp_replicated(p: torch.Tensor) -> bool:
+    names = p.device_mesh.mesh_dim_names or () if isinstance(p, DTensor) else ()
+    return TP in names and isinstance(p.placements[names.index(TP)], Replicate)
 
 
 def main() -> None:

@@ -243,6 +243,7 @@ class Pipeline:
             # scale_grads=False: the loss is scaled instead, so gradients accumulated before survive
             kw: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
             for stage in stages:
+                stage.submod.output_asks_grad = self.spec.split_backward
                 stage.on_last_backward = self._last_backward
                 stage.early_receives = self.microbatches if early_receives(self.spec.name, self.group) else 0
             sched = self.spec.build(stages, self.microbatches, **kw)

@@ -52,7 +52,15 @@ class ElsewhereLayer(nn.Module):
 
 
 class StageModule(nn.Module):
-    """A contiguous run of layers, called in order: what one pipeline stage computes."""
+    """A contiguous run of layers, called in order: what one pipeline stage computes.
+
+    With ``output_asks_grad`` (set under schedules that split the backward, zero bubble), a floating-point output
+    that no gradient would flow into (every weight before it frozen: a LoRA base's first stages) leaves as a leaf
+    that asks for one. torch's input-gradient pass finds a stage's weights through the graph from its inputs, so
+    the next stages' adapters would otherwise get no gradient (torch special-cases stage 0 alone).
+    """
+
+    output_asks_grad = False
 
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         super().__init__()
@@ -62,9 +70,11 @@ class StageModule(nn.Module):
         x = self.layers[0](*args, **kwargs)
         for layer in self.layers[1:]:
             x = layer(x)
-        if isinstance(x, Tensor) and x._is_view():
-            x = x.clone()  # stages detach their outputs in place, which views do not allow
-        return x
+        if not isinstance(x, Tensor):
+            return x
+        if self.output_asks_grad and torch.is_grad_enabled() and x.is_floating_point() and not x.requires_grad:
+            return x.detach().requires_grad_()
+        return x.clone() if x._is_view() else x  # stages detach their outputs in place, which views do not allow
 
 
 @dataclass

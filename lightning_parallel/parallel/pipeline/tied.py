@@ -18,13 +18,15 @@ class TiedGradients:
     """Sums the gradients of weights tied across pipeline stages over the pp axis (collective).
 
     Every pp rank takes part in every tied group, with zeros where it holds no copy, so all ranks issue
-    the same all-reduces. The copy on the lowest pp rank is the one gradient-norm code counts.
+    the same all-reduces. The copy on the lowest pp rank is the one gradient-norm code counts. A frozen tied weight
+    (``requires_grad=False``: a LoRA base's embedding and head) has no gradient on any rank and is left alone: its
+    copies never change, and giving them a zero gradient would make frozen weights look trained.
     """
 
     def __init__(self, root: nn.Module, tie_groups: list[list[str]], group: dist.ProcessGroup) -> None:
         self.root, self.group = root, group
         self.tie_groups = tie_groups
-        self._shapes: list[tuple[torch.Size, torch.dtype]] | None = None
+        self._shapes: list[tuple[torch.Size, torch.dtype] | None] | None = None  # None: a frozen group
         self._counted_elsewhere: set[int] = set()
 
     @property
@@ -45,15 +47,16 @@ class TiedGradients:
         mine = []
         for names in self.tie_groups:
             members = self._members(names)
-            mine.append((tuple(_local(members[0]).shape), _local(members[0]).dtype) if members else None)
+            first = _local(members[0]) if members else None
+            mine.append((tuple(first.shape), first.dtype, members[0].requires_grad) if first is not None else None)
         everyone: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, mine, group=self.group)
         rank = dist.get_rank(self.group)
         self._shapes = []
         for g, names in enumerate(self.tie_groups):
             holders = [r for r, entry in enumerate(everyone) if entry[g] is not None]
-            shape, dtype = everyone[holders[0]][g]
-            self._shapes.append((torch.Size(shape), dtype))
+            shape, dtype, trained = everyone[holders[0]][g]
+            self._shapes.append((torch.Size(shape), dtype) if trained else None)
             members = self._members(names)
             # count the weight once in norms: on the lowest holding rank, its first copy
             skip = members if rank != holders[0] else members[1:]
@@ -73,7 +76,10 @@ class TiedGradients:
         if self._shapes is None:
             self._agree()
         assert self._shapes is not None
-        for names, (shape, dtype) in zip(self.tie_groups, self._shapes):
+        for names, agreed in zip(self.tie_groups, self._shapes):
+            if agreed is None:
+                continue  # frozen on every rank: no gradient anywhere, nothing to sum
+            shape, dtype = agreed
             members = self._members(names)
             # on the device the pp group's backend serves (NCCL: this rank's GPU), whether this rank holds a copy or
             # not (a middle stage at pp >= 3) and wherever its copies' gradients are (offloaded to the host)
