@@ -196,6 +196,25 @@ def test_target_modules_matching_nothing_are_refused_with_what_the_model_has():
         HFCausalLM(small("gpt2"), peft_config=peft.LoraConfig(r=4, target_modules=["q_proj"]))
 
 
+def test_adapters_on_moe_experts_are_refused_by_name():
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=32,
+    )  # fmt: skip
+    mixtral = transformers.AutoModelForCausalLM.from_config(config)  # peft injects into the model it wraps: config
+    with pytest.raises(ValueError, match=r"MoE routers or experts \(model.layers.0.mlp.experts\) is not supported"):
+        HFCausalLM(mixtral, peft_config=peft.LoraConfig(r=4, target_modules=["experts"]))
+    parameters = peft.LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
+    with pytest.raises(ValueError, match=r"MoE routers or experts \(target_parameters=.*target_modules=\['q_proj'"):
+        HFCausalLM(mixtral, peft_config=parameters)
+    with pytest.raises(
+        ValueError, match=r"MoE routers or experts \(base_model.model.model.layers.0.mlp.(gate|experts)\)"
+    ):
+        HFCausalLM(config, peft_config=peft.LoraConfig(r=4, target_modules="all-linear"))  # peft reaches them
+    adapted = HFCausalLM(config, peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert not any("experts" in n for n, p in adapted.named_parameters() if p.requires_grad)
+
+
 def test_other_peft_methods_are_refused_naming_lora():
     with pytest.raises(TypeError, match=r"supports LoraConfig \(LoRA\), not IA3Config"):
         HFCausalLM(small("llama"), peft_config=peft.IA3Config(target_modules=["k_proj"], feedforward_modules=[]))

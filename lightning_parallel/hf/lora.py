@@ -26,6 +26,11 @@ SUPPORTED = "LoraConfig (LoRA)"
 BASE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 # layouts an adapted model cannot take yet, with the degree's setting name
 NOT_YET = ("cp", "ep")
+EXPERTS = (
+    "LoRA on MoE routers or experts ({where}) is not supported yet: adapt the attention projections and dense or "
+    "shared MLPs by name (e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']; peft's 'all-linear' reaches "
+    "the experts)."
+)
 
 
 def check_peft_config(model: nn.Module, config: Any) -> None:
@@ -44,6 +49,7 @@ def check_peft_config(model: nn.Module, config: Any) -> None:
             f"HFCausalLM(peft_config=...) supports {SUPPORTED}, not {type(config).__name__}: pass a "
             "peft.LoraConfig(r=..., lora_alpha=..., target_modules=[...])."
         )
+    _refuse_expert_adapters(model, config)
     targets = config.target_modules
     if targets is None or (isinstance(targets, str) and targets.lower() == "all-linear"):
         return  # peft picks the model type's defaults (or every linear layer) and says so if it has none
@@ -54,6 +60,21 @@ def check_peft_config(model: nn.Module, config: Any) -> None:
             f"LoraConfig(target_modules={targets!r}) matches no module of {type(model).__name__} (with its "
             f"layers_to_transform / exclude_modules): its adaptable modules are {leaves}. Name some of those."
         )
+
+
+def _refuse_expert_adapters(model: nn.Module, config: Any) -> None:
+    """Adapters on MoE experts (transformers 5 keeps each layer's experts as 3-D parameters: Mixtral, Qwen-MoE,
+    DeepSeek), named by module or by peft's ``target_parameters``, are refused by name."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    experts = [
+        name for name, m in model.named_modules()
+        if name and any(p.dim() == 3 for p in m.parameters(recurse=False))
+    ]  # fmt: skip
+    named = [name for name in experts if config.target_modules and check_target_module_exists(config, name)]
+    if named or getattr(config, "target_parameters", None):
+        where = named[0] if named else f"target_parameters={config.target_parameters!r}"
+        raise ValueError(EXPERTS.format(where=where))
 
 
 def _adaptable(module: nn.Module) -> bool:
@@ -67,11 +88,16 @@ def apply_peft(model: nn.Module, config: Any, seed: int = 0) -> nn.Module:
     was): every process that builds the model gets the same adapters, so replicated factors agree on every rank
     whatever the caller seeded, and a single-process reference with the same seed starts from the same values."""
     from peft import get_peft_model
+    from peft.tuners.lora import ParamWrapper
 
     check_peft_config(model, config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return get_peft_model(model, config)
+        adapted = get_peft_model(model, config)
+    on_experts = [name for name, m in adapted.named_modules() if isinstance(m, ParamWrapper)]
+    if on_experts:  # "all-linear" reaches a MoE model's experts through peft's target_parameters
+        raise ValueError(EXPERTS.format(where=on_experts[0]))
+    return adapted
 
 
 def resolve_base_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
