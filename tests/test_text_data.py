@@ -233,7 +233,8 @@ def test_packed_rows_restart_positions_and_give_the_padded_loss(tmp_path, tok):
     module = HFCausalLM(_tiny_llama(tok.vocab_size)).double()  # float64: equal up to rounding, not by luck
     collate = torch.utils.data.default_collate
     padded_batch, packed_batch = collate(list(padded)), collate(list(packed))
-    assert module.unpack(padded_batch)[2] is padded_batch["attention_mask"]
+    assert module.unpack(padded_batch)[2]["attention_mask"] is padded_batch["attention_mask"]
+    assert module.unpack(packed_batch)[2]["position_ids"] is packed_batch["position_ids"]
     with torch.no_grad():
         padded_loss = module._step_loss(padded_batch)
         # use_cache=False as HFCausalLM's forward: transformers finds the samples from the positions only then
@@ -243,6 +244,8 @@ def test_packed_rows_restart_positions_and_give_the_padded_loss(tmp_path, tok):
     torch.testing.assert_close(packed[0, n0 : n0 + n1], alone[0], rtol=0, atol=1e-12)  # no attention across samples
     packed_loss = module.loss(packed, packed_batch["labels"])
     torch.testing.assert_close(packed_loss, padded_loss, rtol=1e-6, atol=0)
+    with torch.no_grad():  # HFCausalLM passes the batch's position ids on
+        torch.testing.assert_close(module._step_loss(packed_batch), packed_loss, rtol=0, atol=0)
     assert (plain[0, n0 : n0 + n1] - alone[0]).abs().max() > 1e-2  # the test can fail: crossing attention shows
     assert abs(module.loss(plain, packed_batch["labels"]) - padded_loss) > 1e-5
 
