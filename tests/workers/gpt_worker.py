@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -417,6 +418,26 @@ def run_case(case: dict, strategy: str, world: int, out: Path, accelerator: str 
         result["val_loss"] = metrics[0]["val_loss"]
         result["val_samples"] = int(model.val_samples.compute().item())
     return result
+
+
+def run_batches(run_case: Callable[[dict, str, int, Path], dict]) -> None:
+    """The main of a worker that takes ``--runs-file`` (a JSON ``[{label, strategy, cases}]``, conftest's ``Batch``)
+    and ``--out``: every run one after another in this process group, ``run_case(case, strategy, world, out)``'s
+    results in ``OUT/<label>/rank<R>.json``, the labels in ``OUT/rank<R>.json``."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs-file", required=True, help="JSON [{label, strategy, cases}], each into OUT/<label>/")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    torch.set_num_threads(1)
+    runs = json.loads(Path(args.runs_file).read_text())
+    for run in runs:
+        run_out = out / run["label"]
+        run_out.mkdir(parents=True, exist_ok=True)
+        results = [run_case(case, run["strategy"], world, run_out) for case in run["cases"]]
+        (run_out / f"rank{rank}.json").write_text(json.dumps(results))
+    (out / f"rank{rank}.json").write_text(json.dumps([run["label"] for run in runs]))
 
 
 def main() -> None:

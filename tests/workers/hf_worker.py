@@ -13,14 +13,11 @@ save_step steps, see ``SaveAt``), resume (ckpt_path for fit).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from gpt_worker import ShardedData, batch_ranks, build_strategy
+from gpt_worker import ShardedData, batch_ranks, build_strategy, run_batches
 from lora_memory import LoraMemoryProbe
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.data import Dataset
@@ -169,22 +166,5 @@ def tp_replicated(p: torch.Tensor) -> bool:
     return TP in names and isinstance(p.placements[names.index(TP)], Replicate)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--runs-file", required=True, help="JSON [{label, strategy, cases}], each into OUT/<label>/")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    out = Path(args.out)
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    torch.set_num_threads(1)
-    runs = json.loads(Path(args.runs_file).read_text())
-    for run in runs:
-        run_out = out / run["label"]
-        run_out.mkdir(parents=True, exist_ok=True)
-        results = [run_case(case, run["strategy"], world, run_out) for case in run["cases"]]
-        (run_out / f"rank{rank}.json").write_text(json.dumps(results))
-    (out / f"rank{rank}.json").write_text(json.dumps([run["label"] for run in runs]))
-
-
 if __name__ == "__main__":
-    main()
+    run_batches(run_case)

@@ -12,14 +12,11 @@ times the module's ``window_factor`` (``CausalLM.loss``); averaged over the dp r
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from gpt_worker import ShardedData, batch_ranks, build_strategy
+from gpt_worker import ShardedData, batch_ranks, build_strategy, run_batches
 
 from lightning_parallel.hf import HFCausalLM
 from lightning_parallel.text import open_token_cache, text_dataset
@@ -78,22 +75,5 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     return {"name": case["name"], "losses": losses, "factors": model.factors, **validated}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--runs-file", required=True, help="JSON [{label, strategy, cases}], each into OUT/<label>/")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    out = Path(args.out)
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    torch.set_num_threads(1)
-    runs = json.loads(Path(args.runs_file).read_text())
-    for run in runs:
-        run_out = out / run["label"]
-        run_out.mkdir(parents=True, exist_ok=True)
-        results = [run_case(case, run["strategy"], world, run_out) for case in run["cases"]]
-        (run_out / f"rank{rank}.json").write_text(json.dumps(results))
-    (out / f"rank{rank}.json").write_text(json.dumps([run["label"] for run in runs]))
-
-
 if __name__ == "__main__":
-    main()
+    run_batches(run_case)
