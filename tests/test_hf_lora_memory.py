@@ -1,8 +1,8 @@
-"""A frozen bf16 base with fp32 LoRA adapters (``HFCausalLM(..., base_dtype=torch.bfloat16)``) under ZeRO-1/2/3,
-tp=2, pp=2 and HSDP 2x2, against the same peft model (bf16 base, fp32 adapters, same initialization) trained in one process by a plain
-loop; and what each rank holds, read from its tensors: model-state bytes equal to
-:func:`~lightning_parallel.planning.adapters.adapter_model_state_bytes`, no gradient for a frozen weight and no
-gradient buffer beyond the adapters' share, on any rank."""
+"""A frozen bf16 base with fp32 LoRA adapters (``HFCausalLM(..., base_dtype=torch.bfloat16)``) under ZeRO-1/2/3, tp=2,
+pp=2 and HSDP 2x2, against the same peft model (bf16 base, fp32 adapters, same initialization) trained in one process by
+a plain loop; and what each rank holds, read from its tensors: model-state bytes equal to
+:func:`~lightning_parallel.planning.adapters.adapter_model_state_bytes`, no gradient for a frozen weight and no gradient
+buffer beyond the adapters' share, on any rank."""
 
 from __future__ import annotations
 
