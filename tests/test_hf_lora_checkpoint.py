@@ -1,7 +1,8 @@
 """Checkpoints of HFCausalLM(peft_config=LoraConfig(...)): a save holds the adapters and their optimizer states and
-names the frozen base (folder and sha256) instead of copying it; a ZeRO-3 save's adapters are whole; it resumes at
-other layouts with the next losses of an uninterrupted run; another base is refused; export-peft writes a folder peft
-loads and export-hf --merge one transformers loads, each with the trained model's logits.
+names the frozen base (folder and sha256) instead of copying it; a ZeRO-3 save's adapters are whole, so are a pp=2
+save's over its stages; it resumes at other layouts with the next losses of an uninterrupted run; another base is
+refused; export-peft writes a folder peft loads and export-hf --merge one transformers loads, each with the trained
+model's logits.
 
 The uninterrupted run is zero3 at world 2 (its parity with one process: tests/test_hf_lora.py); it saves after
 ``SAVE`` steps. Epochs of one step: Lightning resumes a checkpoint with one batch of the epoch it was saved in and then
@@ -48,6 +49,8 @@ SLOW = {
     "resumed tp2": (2, "hybrid3d:tp=2", MODEL, 2, "uninterrupted zero3", 7),
     "resumed zero3 from tp2": (2, "zero3", MODEL, 1, "resumed tp2", STEPS),
     "resumed by Lightning's own strategy": (1, "auto", MODEL, 1, "uninterrupted zero3 full format", None),
+    "uninterrupted pp2": (2, "hybrid3d:pp=2", MODEL, 1, None, SAVE),
+    "resumed zero2 from pp2": (2, "zero2", MODEL, 1, "uninterrupted pp2", None),
 }
 
 
@@ -214,7 +217,7 @@ def test_sharded_load_reads_the_adapters_and_refuses_another_base(fast_runs, fol
 @pytest.mark.parametrize(
     "label",
     ["resumed zero1", "resumed tp2 from one file", "resumed tp2", "resumed zero3 from tp2",
-     "resumed by Lightning's own strategy"],
+     "resumed by Lightning's own strategy", "resumed zero2 from pp2"],
 )  # fmt: skip
 def test_lora_checkpoint_resumes_at_other_layouts(label, slow_runs, folders):
     check_resumed(slow_runs[0], SLOW, label, folders)
@@ -226,6 +229,18 @@ def test_zero3_end_save_holds_the_runs_gathered_adapters_and_exports(slow_runs, 
     ckpt, params = saves["resumed zero3 from tp2"], batch["resumed zero3 from tp2"].params("train")
     check_saved_adapters(ckpt, folders, params)
     check_exports(ckpt, params, folders, tmp_path)
+
+
+@pytest.mark.slow
+def test_pp2_save_holds_every_stages_adapters_whole(slow_runs, folders):
+    """Saved mid-run under pp=2: each stage's adapters and their moments, together the whole set; the run itself is
+    the uninterrupted zero3 run (losses and final parameters)."""
+    batch, saves = slow_runs
+    check_saved_adapters(saves["uninterrupted pp2"], folders)
+    whole = batch["uninterrupted zero3"].losses("train")
+    assert_same_losses(batch["uninterrupted pp2"].losses("train", [0]), whole, "uninterrupted pp2: losses")
+    final = batch["uninterrupted zero3"].params("train")
+    assert_same_params(batch["uninterrupted pp2"].params("train"), final, "uninterrupted pp2: final parameters")
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """LitGPTCausalLM(lora={...}): LitGPT's own LoRA (``litgpt.lora.GPT``, its settings by their names) on a frozen base
-under ZeRO 0-3 and tp=2 (with and without sequence parallelism), against the same LitGPT LoRA model (same adapter
-initialization, loaded as litgpt's finetune/lora.py loads it) trained in one process by a plain loop; what each rank
-holds for the frozen base; the plan each LoRA layer gets; bad input refused before any worker starts."""
+under ZeRO 0-3, tp=2 (with and without sequence parallelism) and pp=2 (1f1b, zero bubble, interleaved; x tp=2),
+against the same LitGPT LoRA model (same adapter initialization, loaded as litgpt's finetune/lora.py loads it) trained
+in one process by a plain loop; what each rank holds for the frozen base; the plan each LoRA layer gets; bad input
+refused before any worker starts."""
 
 from __future__ import annotations
 
@@ -51,6 +52,10 @@ SLOW = {
     "neox lora tp2 sp clip": (2, "hybrid3d:tp=2,sequence_parallel=1", "neox", 2),
     "neox lora zero2": (2, "zero2", "neox", 1),
     "llama lora dp2 x tp2 zero3 accum": (4, "hybrid3d:tp=2,zero_stage=3", "llama", 2),
+    "llama lora pp2 1f1b clip": (2, "hybrid3d:pp=2", "llama", 1),
+    "neox lora pp2 zero_bubble": (2, "hybrid3d:pp=2,pp_schedule=zero_bubble", "neox", 1),
+    "llama qv head lora pp2 interleaved_1f1b": (2, "hybrid3d:pp=2,pp_schedule=interleaved_1f1b", "llama qv head", 1),
+    "llama lora pp2 x tp2": (4, "hybrid3d:pp=2,tp=2", "llama", 2),
 }
 
 
@@ -245,7 +250,6 @@ def test_lora_on_a_model_with_adapters_already_is_refused():
 @pytest.mark.parametrize(
     ("layout", "match"),
     [
-        ({"pp": 2}, r"pp=2 with LitGPTCausalLM\(lora=...\) is not supported yet.*set pp=1"),
         ({"cp": 2}, r"cp=2 with LitGPTCausalLM\(lora=...\) is not supported yet.*set cp=1"),
         ({"ep": 2}, r"ep=2 with LitGPTCausalLM\(lora=...\) is not supported yet.*set ep=1"),
         ({"tp": 2}, r"lora_dropout=0.05 with tp=2 is not supported yet: set lora_dropout=0.0"),

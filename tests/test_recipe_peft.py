@@ -100,8 +100,9 @@ def test_gpt2_conv1d_layers_get_fan_in_fan_out():
         ["model=hf_llama_tiny", "peft=lora", "peft.target_modules=[q_proj,v_proj]"],
         ["model=hf_gpt2_tiny", "peft=lora", "strategy=zero3", "trainer.devices=2"],
         ["model=hf_llama_tiny", "peft=lora", "strategy=hybrid3d", "strategy.tp=2", "trainer.devices=2"],
+        ["model=litgpt", "peft=lora", "strategy=hybrid3d", "strategy.pp=2", "trainer.devices=2"],
     ],
-    ids=["named-targets", "gpt2-zero3", "llama-tp2"],
+    ids=["named-targets", "gpt2-zero3", "llama-tp2", "litgpt-pp2"],
 )
 def test_good_lora_settings_pass_the_checks(overrides):
     check_config(compose_gpt(*overrides))
@@ -130,8 +131,8 @@ def test_a_bf16_base_is_passed_to_the_module():
         (["model=litgpt", "peft=lora", "peft.target_modules=[q_proj]"], r"LitGPT's LoRA adapts \['query', .*q_proj"),
         (["model=litgpt", "peft=lora", "peft.base_dtype=bfloat16"], r"peft.base_dtype=bfloat16 with model=litgpt"),
         (
-            ["model=litgpt", "peft=lora", "strategy=hybrid3d", "strategy.pp=2", "trainer.devices=2"],
-            r"pp=2 with LitGPTCausalLM\(lora=...\) is not supported yet.*pp is strategy.pp",
+            ["model=litgpt", "peft=lora", "strategy=hybrid3d", "strategy.cp=2", "trainer.devices=2"],
+            r"cp=2 with LitGPTCausalLM\(lora=...\) is not supported yet.*cp is strategy.cp",
         ),
         (["model=hf_llama_tiny", "peft=lora", "peft.r=0"], r"peft.r=0 is not a rank: set peft.r to 1 or more"),
         (["model=hf_llama_tiny", "peft=lora", "peft.alpha=0"], r"peft.alpha=0.0 must be positive"),
@@ -160,7 +161,7 @@ def test_a_bf16_base_is_passed_to_the_module():
         "native-gpt",
         "litgpt-targets",
         "litgpt-base-dtype",
-        "litgpt-pp",
+        "litgpt-cp",
         "rank",
         "alpha",
         "dropout",

@@ -22,7 +22,7 @@ from torch import nn
 # the settings a LoRA layer reads, and the flags that choose the adapted layers (litgpt.lora.Config's fields)
 TARGETS = ("lora_query", "lora_key", "lora_value", "lora_projection", "lora_mlp", "lora_head")
 # layouts LoRA on a LitGPT model cannot take yet, by the degree's setting name
-NOT_YET = ("pp", "cp", "ep")
+NOT_YET = ("cp", "ep")
 
 
 def lora_fields() -> list[str]:
@@ -87,7 +87,7 @@ def build_lora_gpt(config: Any, weights: Mapping[str, torch.Tensor] | None, seed
 
 
 def check_lora_degrees(config: Any, **degrees: int) -> None:
-    """Refuse the layouts LoRA on a LitGPT model cannot take yet (pp, cp, ep), and under tp LoRA dropout (each tp
+    """Refuse the layouts LoRA on a LitGPT model cannot take yet (cp, ep), and under tp LoRA dropout (each tp
     rank would draw its own mask for the split input), before any process group exists.
 
     Raises:
@@ -97,7 +97,7 @@ def check_lora_degrees(config: Any, **degrees: int) -> None:
         if degrees.get(name, 1) > 1:
             raise ValueError(
                 f"{name}={degrees[name]} with LitGPTCausalLM(lora=...) is not supported yet: LitGPT LoRA runs under "
-                f"ZeRO 0-3 and tp (with or without sequence_parallel) for now; set {name}=1."
+                f"ZeRO 0-3, tp (with or without sequence_parallel) and pp for now; set {name}=1."
             )
     if degrees.get("tp", 1) > 1 and config.lora_dropout:
         raise ValueError(

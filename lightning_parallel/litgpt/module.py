@@ -113,8 +113,8 @@ class LitGPTCausalLM(CausalLM):
 
     With LoRA the model is LitGPT's own ``litgpt.lora.GPT`` (its ``LoRALinear`` / ``LoRAQKVLinear`` layers and
     parameter names, ``lora_A`` / ``lora_B``), built and loaded as ``litgpt finetune_lora`` does, the base frozen:
-    only the adapters have gradients and optimizer states. ZeRO 0-3 and tp (with or without sequence parallelism)
-    for now; pp, cp and ep are refused (:mod:`lightning_parallel.litgpt.lora`).
+    only the adapters have gradients and optimizer states. ZeRO 0-3, tp (with or without sequence parallelism)
+    and pp for now; cp and ep are refused (:mod:`lightning_parallel.litgpt.lora`).
 
     Args:
         model: a ``litgpt.model.GPT``, a ``litgpt.config.Config``, a litgpt config name (``"pythia-14m"``) or a
