@@ -140,6 +140,8 @@ def test_the_gpt_recipe_uses_a_model_folders_tokenizer(tmp_path, assets, monkeyp
         check_config(cfg)
     assert cfg.data.cache is None
     assert "the tokenizer of the model folder" in caplog.text and "the data are UTF-8 bytes" in caplog.text
+    with pytest.raises(ValueError, match=r"data=sft trains Hugging Face models \(model=hf\*"):
+        check_config(compose_gpt("data=sft", f"data.path={text}", f"data.tokenizer={assets / 'tiny_llama'}"))
 
 
 def test_answers_with_the_tokenizer_and_a_kv_cache(assets):

@@ -66,7 +66,14 @@ def prepare_tokenized_data(cfg: DictConfig) -> None:
     Raises:
         ValueError: no tokenizer for ``data=hf_text/sft``, bad files or columns, splits too small for a batch.
     """
+    from lightning_parallel.recipes.hf import is_hf_model
+
     d = cfg.data
+    if d.kind in TOKENIZED_KINDS and not is_hf_model(cfg.model):
+        raise ValueError(
+            f"data={d.kind} trains Hugging Face models (model=hf*, e.g. model=hf model.path=FOLDER): the other models "
+            "read byte-level data=text or data=tokens."
+        )
     tokenizer, reason = recipe_tokenizer(cfg)
     if d.kind not in TOKENIZED_KINDS:  # data=text: a model folder's tokenizer, else bytes
         log.info(f"Tokenizer: {reason}.")
@@ -94,24 +101,36 @@ def prepare_tokenized_data(cfg: DictConfig) -> None:
 
 def splits(cfg: DictConfig) -> tuple[Dataset, Dataset]:
     """The training and validation datasets of the built caches: ``data.val_cache``'s, else the last
-    ``data.val_fraction`` of the samples (rows once packed, blocks for ``hf_text``)."""
+    ``data.val_fraction`` of the samples (rows once packed, blocks for ``hf_text``), at least one validation batch
+    of every dp rank (``data.global_batch_size / trainer.accumulate_grad_batches`` rows)."""
     d, seq = cfg.data, cfg.model.seq_len
     packing = bool(d.get("packing", False))
     train = text_dataset(open_token_cache(d.cache), seq, packing)
     if d.get("val_cache"):
         return train, text_dataset(open_token_cache(d.val_cache), seq, packing)
-    n_val = max(1, int(len(train) * d.val_fraction))
+    n_val = max(int(len(train) * d.val_fraction), _val_rows(cfg))
     return Subset(train, range(len(train) - n_val)), Subset(train, range(len(train) - n_val, len(train)))
+
+
+def _val_rows(cfg: DictConfig) -> int:
+    """Rows one validation step reads over all dp ranks (the loaders keep whole batches only)."""
+    return max(1, cfg.data.global_batch_size // cfg.trainer.accumulate_grad_batches)
 
 
 def _check_splits(cfg: DictConfig) -> None:
     train, val = splits(cfg)
-    batch = cfg.data.global_batch_size
-    if len(train) < batch or len(val) < 1:
+    d, batch = cfg.data, cfg.data.global_batch_size
+    if len(train) < batch or len(val) < _val_rows(cfg):
+        where = f"data.path={d.path!r}" + (f" and data.val_path={d.val_path!r}" if d.get("val_path") else "")
         raise ValueError(
-            f"data.path={cfg.data.path!r} gives {len(train)} training and {len(val)} validation rows of "
-            f"model.seq_len={cfg.model.seq_len}, fewer than one data.global_batch_size={batch}: give more data, or "
-            "lower data.global_batch_size (or data.val_fraction)."
+            f"{where} give {len(train)} training and {len(val)} validation rows of model.seq_len={cfg.model.seq_len}, "
+            f"fewer than one data.global_batch_size={batch} (validation: {_val_rows(cfg)} rows): give more data, or "
+            "lower data.global_batch_size."
+        )
+    if not d.get("val_path") and len(val) > int((len(train) + len(val)) * d.val_fraction):
+        log.warning(
+            f"data.val_fraction={d.val_fraction} of {len(train) + len(val)} rows is less than one validation batch: "
+            f"validating on the last {len(val)} rows."
         )
 
 
