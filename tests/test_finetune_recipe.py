@@ -64,7 +64,7 @@ def test_the_parent_builds_the_cache_and_splits_it(tmp_path, assets, packing, mo
     assert Path(cfg.data.cache).parent == tmp_path / "data" / "token_cache" and cache.meta["kind"] == "sft"
     train, val = splits(cfg)
     n = len(train) + len(val)
-    assert len(val) == max(1, int(n * 0.1)) and len(train) >= cfg.data.global_batch_size
+    assert len(val) == max(int(n * 0.1), cfg.data.global_batch_size) and len(train) >= cfg.data.global_batch_size
     assert set(train[0]) >= {"input_ids", "labels", "position_ids" if packing else "attention_mask"}
 
 
@@ -73,7 +73,9 @@ def test_hf_text_and_a_validation_file(tmp_path, assets, monkeypatch):
     docs = tmp_path / "docs.txt"
     docs.write_text("\n\n".join(f"{p} {a}" for p, a in instruction_pairs()))
     val = _jsonl(tmp_path / "val.jsonl", [{"text": f"{p} {a}"} for p, a in instruction_pairs()[:40]])
-    cfg = compose_finetune(assets, "data=hf_text", f"data.path={docs}", f"data.val_path={val}")
+    cfg = compose_finetune(
+        assets, "data=hf_text", f"data.path={docs}", f"data.val_path={val}", "data.global_batch_size=8"
+    )
     check_finetune_config(cfg)
     train, val_set = splits(cfg)
     assert open_token_cache(cfg.data.val_cache).meta["kind"] == "hf_text" and len(val_set) >= 1
@@ -130,8 +132,9 @@ def test_the_gpt_recipe_uses_a_model_folders_tokenizer(tmp_path, assets, monkeyp
     monkeypatch.chdir(tmp_path)
     text = tmp_path / "t.txt"
     text.write_text("\n".join(f"{p} {a}" for p, a in instruction_pairs()))
+    batch = ["data.global_batch_size=4"]
     with caplog.at_level(logging.INFO, logger="lightning_parallel.recipes.finetune_data"):
-        cfg = compose_gpt("model=hf", f"model.path={assets / 'tiny_llama'}", f"data.path={text}")
+        cfg = compose_gpt("model=hf", f"model.path={assets / 'tiny_llama'}", f"data.path={text}", *batch)
         check_config(cfg)
         assert open_token_cache(cfg.data.cache).meta["vocab_size"] == 512
         bare = tmp_path / "bare"
