@@ -187,8 +187,16 @@ def test_out_of_the_box(tmp_path):
 
 
 @pytest.mark.slow
-def test_world_2_packed_under_zero2(tmp_path, assets):
-    overrides = ["strategy=zero2", "trainer.devices=2", "data.packing=true", "trainer.max_steps=20"]
-    got = run_recipe(FINETUNE, tmp_path, f"assets={assets}", *overrides, "trainer.val_check_interval=10")
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["strategy=zero2", "data.packing=true"],
+        ["strategy=hybrid3d", "strategy.tp=2"],  # the adapters' DTensors gathered for the answers
+        ["strategy=hybrid3d", "strategy.pp=2", "peft=none", "data.packing=true"],  # every stage's layers gathered
+    ],
+    ids=["zero2-packed", "tp2-lora", "pp2-packed"],
+)
+def test_world_2(tmp_path, assets, layout):
+    overrides = [*layout, "trainer.devices=2", "trainer.max_steps=20", "trainer.val_check_interval=10"]
+    got = run_recipe(FINETUNE, tmp_path, f"assets={assets}", *overrides)
     _assert_finetuned(tmp_path / "run", got, steps=20, world=2)
-    assert got["layout"]["dp"] == 2
