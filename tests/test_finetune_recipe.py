@@ -183,7 +183,7 @@ def test_out_of_the_box(tmp_path):
     (run_dir,) = (tmp_path / "outputs").glob("*/*/")
     _assert_finetuned(run_dir, metrics, steps=200, world=1)
     assert "answers before -> after training" in result.stdout
-    assert metrics["final_val_loss"] < math.log(512)  # below a uniform guess over the vocabulary
+    assert metrics["final_val_loss"] < math.log(512) - 3  # far below a uniform guess over the vocabulary (6.2)
 
 
 @pytest.mark.slow

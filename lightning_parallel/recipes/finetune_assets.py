@@ -70,6 +70,7 @@ def _save_llama_config(folder: Path, vocab_size: int) -> None:
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, pad_token_id=SPECIALS.index("<|pad|>"),
         eos_token_id=SPECIALS.index("<|end|>"), bos_token_id=None, tie_word_embeddings=False,
+        initializer_range=0.1,  # a frozen fresh head at the default 0.02 gives logits too flat for LoRA to sharpen
     )  # fmt: skip
     config.save_pretrained(folder)
 
