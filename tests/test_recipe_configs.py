@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import tempfile
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -15,6 +17,7 @@ from lightning_parallel.hf.lora import apply_peft
 from lightning_parallel.models import GPTConfig, LitVGG
 from lightning_parallel.recipes.common import build_strategy, micro_batch_size
 from lightning_parallel.recipes.config import register_configs
+from lightning_parallel.recipes.finetune_assets import make_default_assets
 from lightning_parallel.recipes.hf import check_hf_model, is_hf_model
 from lightning_parallel.recipes.litgpt import check_litgpt_model, is_litgpt_model
 from lightning_parallel.recipes.lora import lora_config, wants_lora
@@ -31,12 +34,25 @@ def options(group: str) -> list[str]:
 
 
 def recipe_of(group: str, option: str) -> str:
-    """The recipe an option belongs to: model/ and data/ options extend one recipe's schema."""
+    """The recipe an option belongs to: model/ and data/ options extend one recipe's schema (the fine-tuning
+    recipe's: its default model folder, the tokenized data)."""
     text = (CONF / group / f"{option}.yaml").read_text()
+    if "${assets}" in text or "tokenized_schema" in text:
+        return "finetune"
     return "train_vgg" if "vgg_schema" in text or "images_schema" in text else "train_gpt"
 
 
+@functools.cache
+def finetune_assets() -> Path:
+    """The fine-tuning recipe's default model and instruction set, made once for these tests."""
+    folder = Path(tempfile.mkdtemp(prefix="finetune-assets-")) / "finetune"
+    make_default_assets(folder)
+    return folder
+
+
 def compose_recipe(recipe: str, *overrides: str):
+    if recipe == "finetune" and not any(o.startswith("assets=") for o in overrides):
+        overrides = (f"assets={finetune_assets()}", *overrides)
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name=recipe, overrides=list(overrides))
 
@@ -65,7 +81,7 @@ def build_model(cfg) -> None:
 
 @pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_composes_and_builds(group, option):
-    overrides = [f"{group}={option}"] + (["data.path=/nowhere"] if option == "cifar10" else [])
+    overrides = [f"{group}={option}"] + (["data.path=/nowhere"] if option in ("cifar10", "hf_text") else [])
     overrides += ["model=hf_llama_tiny"] if group == "peft" else []  # adapters go on model=hf* (test_recipe_peft)
     cfg = compose_recipe(recipe_of(group, option), *overrides)
     build_model(cfg)
@@ -100,11 +116,13 @@ def test_every_experiment_composes(experiment):
     pl.Trainer(accelerator="cpu", devices=cfg.trainer.devices, strategy=build_strategy(cfg.strategy), logger=False)
 
 
-@pytest.mark.parametrize("recipe", ["train_gpt", "train_vgg"])
+@pytest.mark.parametrize("recipe", ["train_gpt", "train_vgg", "finetune"])
 def test_each_recipe_composes_with_its_defaults(recipe):
     cfg = compose_recipe(recipe)
     build_model(cfg)
     assert cfg.trainer.devices == 1 and cfg.strategy.name == "ddp"
+    if recipe == "finetune":  # a tiny Llama with a tokenizer, data=sft, LoRA
+        assert cfg.data.kind == "sft" and cfg.peft.method == "lora" and cfg.model.path.startswith(cfg.assets)
 
 
 def test_a_model_of_the_other_recipe_is_refused_while_composing():

@@ -129,6 +129,29 @@ class TextDataConf:
     global_batch_size: int = 32  # samples per optimizer step, whatever the layout
     val_fraction: float = 0.05
     num_workers: int = 0
+    # set by the recipe, not by hand: the token cache the parent built (a model folder's tokenizer, data=hf_text/sft)
+    cache: str | None = None
+    val_cache: str | None = None  # the cache of data.val_path, when given
+
+
+@dataclass
+class TokenizedDataConf(TextDataConf):
+    """``data=hf_text`` (documents, EOS between them, cut into model.seq_len blocks) and ``data=sft`` (instruction
+    samples: a ``messages`` column through the chat template, or prompt / completion columns; loss on the answers),
+    from local json, jsonl, parquet, csv or text files, tokenized once by the parent into a token cache."""
+
+    kind: str = "sft"  # hf_text or sft
+    format: str | None = None  # null: from the files' suffixes
+    tokenizer: str | None = None  # a tokenizer folder; null: the model folder's own
+    packing: bool = False  # sft: several samples per row (no attention across them); false: padded
+    val_path: str | None = None  # validation files; null: the last data.val_fraction of the samples
+    text_column: str = "text"
+    messages_column: str = "messages"
+    prompt_column: str = "prompt"
+    completion_column: str = "completion"
+    sample_by: str = "paragraph"  # text files: line, paragraph or document
+    num_proc: int = 1  # processes tokenizing in parallel
+    cache_dir: str | None = None  # null: data/token_cache under the working directory
 
 
 @dataclass
@@ -197,6 +220,17 @@ class GPTRecipeConf(RecipeConf):
 
 
 @dataclass
+class FinetuneRecipeConf(GPTRecipeConf):
+    """The fine-tuning recipe's root (conf/finetune.yaml): the GPT recipe's groups, prompts answered before and
+    after training."""
+
+    assets: str = "data/finetune"  # where the default tiny model and instruction set are made on first use
+    sample_prompts: list[str] = field(default_factory=list)  # answered greedily before and after training
+    sample_tokens: int = 24  # new tokens per answer
+    temperature: float = 0.0  # 0: greedy; above: sampled
+
+
+@dataclass
 class VGGRecipeConf(RecipeConf):
     """The VGG recipe's root; conf/train_vgg.yaml picks each group's option."""
 
@@ -213,6 +247,7 @@ SCHEMAS = {
     ("model", "litgpt_schema"): LitGPTModelConf,
     ("model", "vgg_schema"): VGGModelConf,
     ("data", "text_schema"): TextDataConf,
+    ("data", "tokenized_schema"): TokenizedDataConf,
     ("data", "images_schema"): ImageDataConf,
     ("trainer", "schema"): TrainerConf,
     ("checkpoint", "schema"): CheckpointConf,
@@ -227,3 +262,4 @@ def register_configs() -> None:
         cs.store(group=group, name=name, node=schema)
     cs.store(name="gpt_recipe_schema", node=GPTRecipeConf)
     cs.store(name="vgg_recipe_schema", node=VGGRecipeConf)
+    cs.store(name="finetune_recipe_schema", node=FinetuneRecipeConf)

@@ -31,6 +31,7 @@ from lightning_parallel.recipes.common import (
     write_metrics,
 )
 from lightning_parallel.recipes.config import GPTModelConf
+from lightning_parallel.recipes.finetune_data import TOKENIZED_KINDS, prepare_tokenized_data, splits
 from lightning_parallel.recipes.hf import (
     build_hf_module,
     check_hf_layout,
@@ -166,6 +167,10 @@ def _dims(cfg: DictConfig, strategy: Any) -> Any:
 def check_text_data(cfg: DictConfig) -> None:
     """The data file exists and holds a training and a validation window (read by its size only)."""
     d, seq = cfg.data, cfg.model.seq_len
+    if d.kind in TOKENIZED_KINDS or (is_hf_model(cfg.model) and cfg.model.path is not None):
+        prepare_tokenized_data(cfg)  # the tokenizer (logged) and the token cache, or bytes when there is none
+        if d.cache is not None:
+            return
     if not 0 < d.val_fraction < 1:
         raise ValueError(f"data.val_fraction={d.val_fraction} must lie between 0 and 1: e.g. data.val_fraction=0.05.")
     if d.kind not in ("text", "tokens"):
@@ -201,6 +206,9 @@ class TextData(pl.LightningDataModule):
         self.cfg, self.micro_batch, self.cache_dir = cfg, micro_batch, cache_dir
 
     def setup(self, stage: str) -> None:
+        if self.cfg.data.get("cache"):  # tokenized by the parent (finetune_data.py)
+            self.train_set, self.val_set = splits(self.cfg)
+            return
         tokens = load_tokens(self.cfg.data.kind, self.cfg.data.path, self.cache_dir)
         m = self.cfg.model
         vocab = litgpt_config(m).padded_vocab_size if is_litgpt_model(m) else model_vocab_size(m)
@@ -255,6 +263,20 @@ def generate(
     return bytes(idx[0].tolist())
 
 
+def tokenized_sample(trainer: pl.Trainer, model: pl.LightningModule, cfg: DictConfig) -> str | None:
+    """A greedy continuation of "The " with the run's tokenizer, on rank 0 (collective: the weights are gathered)."""
+    from lightning_parallel.recipes.finetune import trained_copy
+    from lightning_parallel.recipes.finetune_data import decode_new, tokenizer_of
+
+    trained = trained_copy(trainer, model, cfg)
+    if trained is None:
+        return None
+    tokenizer = tokenizer_of(cfg)
+    ids = torch.tensor([tokenizer.encode(["The "])[0]])
+    out = trained.model.generate(input_ids=ids, max_new_tokens=cfg.sample_tokens, do_sample=False, use_cache=True)
+    return "The " + decode_new(tokenizer, out[0].tolist(), ids.shape[1])
+
+
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Train as ``cfg`` says; returns the metrics written to ``run_dir/metrics.json`` (by rank 0)."""
     pl.seed_everything(cfg.seed, verbose=False)
@@ -282,7 +304,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
     wall = time.perf_counter() - start
     metrics = run_metrics(trainer, cfg, wall, cfg.data.global_batch_size * m.seq_len, "tokens/s") | counts
-    if cfg.sample_tokens > 0:
+    if cfg.sample_tokens > 0 and cfg.data.get("cache"):  # tokenized: the tokenizer's text
+        metrics["sample"] = tokenized_sample(trainer, model, cfg)
+    elif cfg.sample_tokens > 0:
         sample = generate(model, b"The ", cfg.sample_tokens, seed=cfg.seed, seq_len=m.seq_len)
         metrics["sample"] = sample.decode("utf-8", errors="replace")
     write_metrics(trainer, metrics, run_dir)

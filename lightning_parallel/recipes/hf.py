@@ -4,8 +4,9 @@ starts, and the :class:`~lightning_parallel.hf.HFCausalLM` each worker trains on
 
 Settings (``HFModelConf``): ``model.path`` a local ``save_pretrained`` folder (its weights, or its config.json
 alone for fresh weights), else ``model.config`` (``model_type`` and the config's fields); ``model.vocab_size``
-overrides the config's vocabulary (not that of a folder with weights). A tokenizer in the folder is not used:
-the recipe's data are bytes, so the vocabulary must hold at least 256 ids.
+overrides the config's vocabulary (not that of a folder with weights). A tokenizer in the folder (or
+``data.tokenizer``) tokenizes the data (recipes/finetune_data.py); without one the data are bytes, so the vocabulary
+must hold at least 256 ids.
 """
 
 from __future__ import annotations

@@ -1,0 +1,41 @@
+"""Fine-tune a Hugging Face causal LM with its tokenizer: python recipes/finetune.py [group=option ...] [key=value ...]
+
+    python recipes/finetune.py                                  # tiny Llama + LoRA on a small instruction set
+    python recipes/finetune.py data.packing=true strategy=zero2 trainer.devices=2
+    python recipes/finetune.py model=hf model.path=FOLDER data.path=chats.jsonl peft=none
+    python recipes/finetune.py data=hf_text data.path=docs/ data.tokenizer=TOKENIZER_FOLDER
+
+The defaults make a tiny Llama (a BPE tokenizer with a chat template, fresh weights) and a small instruction set
+under data/finetune on first use; the answers to sample_prompts are printed before and after training and saved as
+samples.json beside metrics.json (validation loss and perplexity). Config groups: conf/ (those of train_gpt.py).
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from lightning_parallel.recipes.config import register_configs
+
+register_configs()
+
+
+@hydra.main(config_path="../conf", config_name="finetune", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    import lightning_parallel  # noqa: F401  (registers the strategy names)
+    from lightning_parallel.recipes.finetune import check_finetune_config
+    from lightning_parallel.recipes.launch import run
+
+    try:
+        check_finetune_config(cfg)  # bad settings and data fail here, before any worker starts
+    except (ValueError, TypeError, OSError, pickle.UnpicklingError) as err:
+        raise SystemExit(f"Error in the config ({type(err).__name__}): {err}") from None
+    run(cfg, Path(HydraConfig.get().runtime.output_dir), entry="lightning_parallel.recipes.finetune.train")
+
+
+if __name__ == "__main__":
+    main()
