@@ -161,9 +161,11 @@ def test_bad_degrees_refused_before_launch():
         check_model(module, strategy.config, strategy.config.dims(2))
 
 
-def test_attention_mask_refused_under_pipeline():
+def test_a_mask_given_to_the_first_pipeline_layer_is_refused_naming_the_way():
+    """Under pp the mask and position ids reach every stage as keyword inputs of the step (stage_inputs), not as
+    arguments of the first layer."""
     embed = hf_pipeline_layers(llama())[0]
-    with pytest.raises(TypeError, match=r"Under pp > 1 the model takes input_ids alone.*labels=-100"):
+    with pytest.raises(TypeError, match=r"Under pp > 1 the first layer takes input_ids alone.*reach every stage"):
         embed(torch.zeros(1, 4, dtype=torch.long), attention_mask=torch.ones(1, 4))
 
 
