@@ -66,8 +66,22 @@ def test_a_save_pretrained_folder_trains_from_its_weights(tmp_path):
             ["model=hf_gpt2_tiny", "strategy=hybrid3d", "strategy.pp=8", "trainer.devices=8"],
             r"strategy.pp=8",  # 6 pipeline layers (2 blocks)
         ),
+        (
+            ["model=hf_llama_tiny", "strategy=hybrid3d", "strategy.cp=2", "trainer.devices=2"],
+            r"strategy.cp=2 with model=hf: context parallelism reaches the recipe's own GPT only .*strategy.cp=1",
+        ),
     ],
-    ids=["vocab", "no-source", "no-folder", "positions", "model-type", "flash-on-cpu", "tp-kv-heads", "pp-layers"],
+    ids=[
+        "vocab",
+        "no-source",
+        "no-folder",
+        "positions",
+        "model-type",
+        "flash-on-cpu",
+        "tp-kv-heads",
+        "pp-layers",
+        "cp",
+    ],
 )
 def test_bad_hf_settings_are_refused_before_workers(overrides, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):

@@ -142,6 +142,12 @@ def _check_library_model(cfg: DictConfig, meta: Any, num_layers: int, check_layo
     strategy (checked, not yet used)."""
     strategy = check_run_settings(cfg, num_layers=num_layers)
     if dims := _dims(cfg, strategy):
+        if dims.cp > 1:  # what the workers' check_model would refuse, said before any of them starts
+            raise ValueError(
+                f"strategy.cp={dims.cp} with model={'hf' if is_hf_model(cfg.model) else 'litgpt'}: context parallelism "
+                "reaches the recipe's own GPT only for now (its attention has the attention_core the ring splits); "
+                "set strategy.cp=1, or use model=gpt_* for long sequences."
+            )
         check_layout(meta, pp=dims.pp, tp=dims.tp, sequence_parallel=strategy.config.sequence_parallel)
     if cfg.trainer.sync_batchnorm:
         raise ValueError("trainer.sync_batchnorm=true: the model has no BatchNorm to sync (its norms need none).")
