@@ -49,6 +49,20 @@ def _loss_pieces(strategy: Any) -> tuple[dist.ProcessGroup | None, int, int]:
     return None, 1, 1
 
 
+def refuse_adapter_layouts(not_yet: tuple[str, ...], module: str, works: str, **degrees: int) -> None:
+    """The layouts adapters on ``module`` (``HFCausalLM(peft_config=...)``, ``LitGPTCausalLM(lora=...)``) cannot
+    take yet, refused by the degree's setting name before any process group exists; ``works``: what they run under.
+
+    Raises:
+        ValueError: naming the setting and the fix.
+    """
+    for name in not_yet:
+        if degrees.get(name, 1) > 1:
+            raise ValueError(
+                f"{name}={degrees[name]} with {module} is not supported yet: {works} for now; set {name}=1."
+            )
+
+
 class CausalLM(pl.LightningModule):
     """Next-token training: the training loss a mean over the global batch's real tokens (:meth:`loss`), validation
     and test losses :func:`causal_lm_loss` per batch, ``train_loss`` / ``val_loss`` / ``test_loss`` logged over the

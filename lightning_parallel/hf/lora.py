@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_parallel.causal_lm import refuse_adapter_layouts
 from lightning_parallel.hf.styles import LoraParallel
 from lightning_parallel.parallel.tensor.plan import path_matches
 
@@ -164,12 +165,8 @@ def check_peft_degrees(config: Any, **degrees: int) -> None:
     Raises:
         ValueError: naming the setting and what works.
     """
-    for name in NOT_YET:
-        if degrees.get(name, 1) > 1:
-            raise ValueError(
-                f"{name}={degrees[name]} with HFCausalLM(peft_config=...) is not supported yet: LoRA runs under ZeRO "
-                f"0-3, HSDP, tp (with or without sequence_parallel) and pp for now; set {name}=1."
-            )
+    works = "LoRA runs under ZeRO 0-3, HSDP, tp (with or without sequence_parallel) and pp"
+    refuse_adapter_layouts(NOT_YET, "HFCausalLM(peft_config=...)", works, **degrees)
     if degrees.get("tp", 1) > 1:
         for setting, neutral in (("use_dora", False), ("lora_dropout", 0.0)):
             value = getattr(config, setting, neutral)

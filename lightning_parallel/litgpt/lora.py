@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_parallel.causal_lm import refuse_adapter_layouts
+
 # the settings a LoRA layer reads, and the flags that choose the adapted layers (litgpt.lora.Config's fields)
 TARGETS = ("lora_query", "lora_key", "lora_value", "lora_projection", "lora_mlp", "lora_head")
 # layouts LoRA on a LitGPT model cannot take yet, by the degree's setting name
@@ -93,12 +95,8 @@ def check_lora_degrees(config: Any, **degrees: int) -> None:
     Raises:
         ValueError: naming the setting and what works.
     """
-    for name in NOT_YET:
-        if degrees.get(name, 1) > 1:
-            raise ValueError(
-                f"{name}={degrees[name]} with LitGPTCausalLM(lora=...) is not supported yet: LitGPT LoRA runs under "
-                f"ZeRO 0-3, tp (with or without sequence_parallel) and pp for now; set {name}=1."
-            )
+    works = "LitGPT LoRA runs under ZeRO 0-3, tp (with or without sequence_parallel) and pp"
+    refuse_adapter_layouts(NOT_YET, "LitGPTCausalLM(lora=...)", works, **degrees)
     if degrees.get("tp", 1) > 1 and config.lora_dropout:
         raise ValueError(
             f"lora_dropout={config.lora_dropout} with tp={degrees['tp']} is not supported yet: set lora_dropout=0.0, "
