@@ -198,6 +198,7 @@ AC_CASES = [{**PARITY_CASES[0], "activation_memory": 1}, PARITY_CASES[2]]  # pla
 
 
 HYBRID = {
+    "w2-pp2-1f1b-full": (Layout(2, 2, 1, 1, schedule="1f1b", microbatches=2), "full"),
     "w4-pp2-tp2-1f1b-full": (Layout(4, 2, 1, 2, schedule="1f1b", microbatches=2), "full"),
     "w4-dp2-tp2-zero3-sp-selective": (Layout(4, 1, 2, 2, zero=3, sp=True), "selective"),
 }
@@ -224,7 +225,9 @@ def test_zero3_full(reference, dist_runs):
     print("zero3 full activation bytes per rank:", [run.case("plain", r)["activation_bytes"] for r in range(2)])
 
 
-@pytest.mark.parametrize("name", list(HYBRID))
+@pytest.mark.parametrize(
+    "name", [pytest.param(k, marks=pytest.mark.slow) if v[0].world > 2 else k for k, v in HYBRID.items()]
+)
 def test_hybrid3d(name, reference, dist_runs):
     layout, mode = HYBRID[name]
     run = dist_runs[name]

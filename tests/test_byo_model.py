@@ -31,7 +31,10 @@ def runs(tmp_path_factory) -> Batch:
     return Batch(tmp_path_factory, {**runs, "single": (1, "auto", BYO_CASES)}, tag="byo")
 
 
-@pytest.mark.parametrize(("strategy", "world", "dp"), LAYOUTS)
+@pytest.mark.parametrize(
+    ("strategy", "world", "dp"),
+    [pytest.param(*layout, marks=pytest.mark.slow) if layout[1] > 2 else layout for layout in LAYOUTS],
+)
 def test_byo_model_parity(strategy, world, dp, runs):
     run, single = runs[strategy], runs["single"]
     tp = world // dp // (2 if "pp=2" in strategy else 1)

@@ -48,11 +48,11 @@ VARIANTS = {
 # head) holds no adapter in every "llama" run
 FAST = {
     "llama lora pp2 1f1b clip": (2, "hybrid3d:pp=2", "llama", 1),
+}
+SLOW = {
     "llama lora pp2 x tp2": (4, "hybrid3d:pp=2,tp=2", "llama", 2),
     "gpt2 lora dp2 x tp2 zero3 clip": (4, "hybrid3d:tp=2,zero_stage=3", "gpt2", 2),
     "llama lora hsdp 2x2 zero3": (4, "hybrid3d:dp_shard=2,zero_stage=3", "llama", 1),
-}
-SLOW = {
     "llama lora pp2 gpipe": (2, "hybrid3d:pp=2,pp_schedule=gpipe", "llama", 1),
     "llama lora pp2 interleaved_1f1b clip": (2, "hybrid3d:pp=2,pp_schedule=interleaved_1f1b", "llama", 1),
     "llama lora pp2 zero_bubble": (2, "hybrid3d:pp=2,pp_schedule=zero_bubble", "llama", 1),

@@ -42,11 +42,11 @@ FAST = {
     "llama tp2 sp": (2, "hybrid3d:tp=2,sequence_parallel=1", "llama", 2),
     "llama pp2": (2, "hybrid3d:pp=2", "llama", 1),
     "neox pp2 interleaved_1f1b": (2, "hybrid3d:pp=2,pp_schedule=interleaved_1f1b", "neox", 1),
+}
+SLOW = {
     "llama pp2 x tp2": (4, "hybrid3d:pp=2,tp=2", "llama", 2),
     "llama dp2 x tp2 zero3 accum": (4, "hybrid3d:tp=2,zero_stage=3", "llama", 2),
     "neox zero2 accum tuple": (4, "zero2", "neox", 1),
-}
-SLOW = {
     "llama pp2 gpipe": (2, "hybrid3d:pp=2,pp_schedule=gpipe", "llama", 1),
     "llama pp2 zero_bubble": (2, "hybrid3d:pp=2,pp_schedule=zero_bubble", "llama", 1),
     "neox zero3": (2, "zero3", "neox", 1),

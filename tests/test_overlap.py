@@ -26,10 +26,10 @@ LAYOUTS = {  # label: (world, strategy, cases, bitwise)
     "dp2-zero0": (2, "hybrid3d:dp=2", CASES, True),
     "dp2-zero1": (2, "hybrid3d:dp=2,zero_stage=1", CASES, True),
     "dp2-zero2": (2, "hybrid3d:dp=2,zero_stage=2", SHORT + FEATURES, True),
-    "dp2-tp2-zero0": (4, "hybrid3d:dp=2,tp=2", CASES, True),  # DTensor gradients, placed before they travel
     "pp2-dp2-zero1-1f1b": (4, f"hybrid3d:{PP}1f1b,zero_stage=1", SHORT, True),
 }
 WIDE = {  # make test-full
+    "dp2-tp2-zero0": (4, "hybrid3d:dp=2,tp=2", CASES, True),  # DTensor gradients, placed before they travel
     "dp4-zero1": (4, "hybrid3d:dp=4,zero_stage=1", CASES, False),
     "pp2-dp2-zero0-gpipe": (4, f"hybrid3d:{PP}gpipe", SHORT, True),  # these two from `make test` (test budget)
     "dp2-zero2-plain": (2, "hybrid3d:dp=2,zero_stage=2", CASES[:1], True),

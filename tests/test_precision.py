@@ -231,7 +231,9 @@ def _rel(got: list[float], want: list[float]) -> list[float]:
     return [abs(g - w) / abs(w) for g, w in zip(got, want)]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout", [pytest.param(k, marks=pytest.mark.slow) if v[1] > 2 else k for k, v in LAYOUTS.items()]
+)
 def test_precision_parity_with_one_process(layout, runs):
     spec, world, dp, tp, cases = LAYOUTS[layout]
     run, single_process = runs[layout], runs["single"]

@@ -218,7 +218,9 @@ def check_parity(layout: Layout, one_process: Run, tmp_path_factory, tag: str, *
     assert min(loss_gap, weight_gap, stats_gap) > MUST_DIFFER, f"{tag}: without the sync the run should differ"
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "name", [pytest.param(k, marks=pytest.mark.slow) if v.world > 2 else k for k, v in LAYOUTS.items()]
+)
 def test_training_with_sync_equals_one_process(name, one_process, tmp_path_factory):
     check_parity(LAYOUTS[name], one_process, tmp_path_factory, name)
 
