@@ -1,4 +1,4 @@
-# The README names these targets. `install` pins torch 2.13.0 before anything else can pull another build:
+# The README and docs/install.md name these targets. `install` pins torch 2.13.0 before anything else can pull another build:
 # the CPU wheel (TORCH=cpu), or the CUDA build from TORCH_CUDA_INDEX (TORCH=cuda; a CUDA torch 2.13 already
 # installed is kept). TORCH defaults to cuda where `nvidia-smi -L` lists a GPU, else cpu.
 PYTHON ?= python3
@@ -11,10 +11,10 @@ endif
 LITGPT_VERSION ?= 0.5.13
 OUT ?= gpu_check_out
 
-.PHONY: install install-torch train test test-full lint soak bench gpu-check gpu-wheels
+.PHONY: install install-torch train test test-full lint docs soak bench gpu-check gpu-wheels
 
 install: install-torch
-	$(PYTHON) -m pip install --quiet -e ".[dev,hf,peft]"
+	$(PYTHON) -m pip install --quiet -e ".[dev,hf,peft,docs]"
 	$(PYTHON) -m pip install --quiet --no-deps litgpt==$(LITGPT_VERSION) psutil==7.2.2  # see the litgpt extra
 ifeq ($(TORCH),cuda)
 	$(PYTHON) -c "import torch; assert torch.version.cuda, 'TORCH=cuda but torch ' + torch.__version__ + ' is a CPU build'"
@@ -44,6 +44,10 @@ test-full: install
 lint: install
 	$(PYTHON) -m ruff check lightning_parallel tests examples recipes benchmarks
 	$(PYTHON) -m ruff format --check lightning_parallel tests examples recipes benchmarks
+
+# the documentation site (docs/, mkdocs.yml) into site/; strict: a broken link, anchor, include or docstring fails
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --quiet
 
 # world 8 (pp=2 x dp=2 x tp=2), 300 steps, two workers SIGKILLed and restarted by torchrun: same final state
 # as an undisturbed run (measured 12 minutes on 2 cores; SOAK_STEPS=... SOAK_EVERY=... change its length)

@@ -92,8 +92,8 @@ def require_pipelined(module: Any, pp: int) -> None:
     if missing:
         raise TypeError(
             f"pp={pp} needs {type(module).__name__}.{' and .'.join(missing)}(): pipeline_layers() returns "
-            "the layers forward runs in order, loss(output, target) the loss. Add them (see the README's "
-            "bring-your-own-model section) or set pp=1."
+            "the layers forward runs in order, loss(output, target) the loss. Add them (see docs/custom-models.md) or "
+            "set pp=1."
         )
 
 
@@ -102,7 +102,7 @@ def tensor_parallel_plan(module: Any, tp: int, sequence_parallel: bool) -> dict[
     if not isinstance(module, TensorParallel):
         raise TypeError(
             f"tp={tp} needs {type(module).__name__}.tensor_parallel_plan(sequence_parallel) returning "
-            "{module path: ParallelStyle}: add it (see the README's bring-your-own-model section) or set tp=1."
+            "{module path: ParallelStyle}: add it (see docs/custom-models.md) or set tp=1."
         )
     return dict(module.tensor_parallel_plan(sequence_parallel))
 

@@ -181,7 +181,7 @@ def _compile_and_checkpoint(done: Parallelized, module: Any, config: ParallelCon
     if config.activation_checkpointing != "none" and not done.checkpointed:
         warn(
             f"activation_checkpointing={config.activation_checkpointing!r} found no layers in "
-            f"{type(module).__name__}: give it pipeline_layers() (see the README) or keep its "
+            f"{type(module).__name__}: give it pipeline_layers() (see docs/custom-models.md) or keep its "
             "repeated blocks in an nn.ModuleList; nothing is recomputed."
         )
 

@@ -268,7 +268,7 @@ def all_ranks(value: Any) -> list[Any]:
 
 
 def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_step: int, unit: str) -> dict[str, Any]:
-    """The metrics.json fields the README lists, from what the workers saw (collective)."""
+    """The metrics.json fields docs/recipes.md lists, from what the workers saw (collective)."""
     logged = trainer.callback_metrics
     steps = trainer.global_step
     _ASYNC_PS_RUN["active"] = isinstance(trainer.strategy, AsyncPSStrategy)

@@ -3,7 +3,7 @@
 Every YAML file under ``conf/<group>/`` starts from a schema of its group here (``model/`` and ``data/``
 have one per recipe), so a misspelled key or a value of the wrong type fails when Hydra composes the
 config, before anything is launched. The keys are the stable CLI of the recipes (listed in
-the README): ``trainer.devices``, ``trainer.max_steps``, ``strategy.dp|pp|tp|zero_stage|pp_schedule|
+docs/recipes.md): ``trainer.devices``, ``trainer.max_steps``, ``strategy.dp|pp|tp|zero_stage|pp_schedule|
 microbatches``, ``precision=...``, ``data.global_batch_size``, ``seed``, ``checkpoint.dir``,
 ``checkpoint.every_n_steps``, ``ckpt_path``, and with ``peft=lora`` ``peft.r|alpha|dropout|target_modules|
 base_dtype``.

@@ -1,6 +1,6 @@
 """The GPT recipe's ``train(cfg, run_dir)``, what recipes/train_gpt.py runs in each worker process: a
 LitGPT on byte-level text, trained with the strategy, precision and checkpointing the config picks; it
-writes ``metrics.json`` (the fields the README lists) and prints a generated sample.
+writes ``metrics.json`` (the fields docs/recipes.md lists) and prints a generated sample.
 """
 
 from __future__ import annotations

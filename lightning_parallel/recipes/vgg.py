@@ -1,7 +1,7 @@
 """The VGG recipe's ``train(cfg, run_dir)``, what recipes/train_vgg.py runs in each worker process: a
 LitVGG with BatchNorm on 32x32 images (a generated 10-class set by default, or CIFAR-10 from a local
 folder), trained with the strategy, precision and checkpointing the config picks; it writes ``metrics.json``
-(the fields the README lists) with the final validation accuracy.
+(the fields docs/recipes.md lists) with the final validation accuracy.
 """
 
 from __future__ import annotations

@@ -60,8 +60,8 @@ class AsyncPSStrategy(WorkerCollectives, ParallelStrategy):
         slow_worker_rank: which worker sleeps (global rank; None: the last worker).
         timeout: a ``timedelta`` or seconds: torch's collectives at start-up, and how long a server waits for a
             worker to connect before counting it as dead.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend: Lightning's.
+        accelerator: Lightning's (as are ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+            ``precision_plugin`` and ``process_group_backend``).
     """
 
     strategy_name = "async_ps"

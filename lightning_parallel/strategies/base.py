@@ -66,8 +66,8 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
             layout resumes it) or ``"full"`` (one file gathered on rank 0 in the single-process format).
         timeout: a ``timedelta`` or seconds (torch's default: 30 minutes) bounding every collective: when a rank
             fails, the others end within it and name the rank that failed first (``parallel/failure.py``).
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend: Lightning's.
+        accelerator: Lightning's (as are ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+            ``precision_plugin`` and ``process_group_backend``).
     """
 
     strategy_name = "mesh"

@@ -41,13 +41,12 @@ class ZeroStrategy(MeshStrategy):
         activation_checkpointing: ``"none"``, ``"full"`` (recompute each layer in backward, keep only its input)
             or ``"selective"`` (keep matmul, conv and attention outputs, recompute the rest). The layers are the
             module's ``pipeline_layers()`` if it has them, else its repeated blocks.
-        **settings: the other ParallelConfig settings a ZeRO layout has (:data:`ZERO_SETTINGS`:
+        **kwargs: the other ParallelConfig settings a ZeRO layout has (:data:`ZERO_SETTINGS`:
             ``dp_shard`` (HSDP: shard over dp_shard ranks, replicate across dp / dp_shard), ``grad_compression``,
-            ``powersgd_rank``, ``overlap_grad_reduce``, ``bucket_mb``, ``compile``); any other
-            setting (pp, tp, ...) is refused with the fix.
-        Lightning's arguments are passed to :class:`~lightning_parallel.strategies.base.MeshStrategy`
-            (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``process_group_backend``,
-            ``timeout``, ``checkpoint_format``, ...).
+            ``powersgd_rank``, ``overlap_grad_reduce``, ``bucket_mb``, ``compile``; any other setting (pp, tp,
+            ...) is refused with the fix), and Lightning's arguments, passed to
+            :class:`~lightning_parallel.strategies.base.MeshStrategy` (``accelerator``, ``parallel_devices``,
+            ``cluster_environment``, ``process_group_backend``, ``timeout``, ``checkpoint_format``, ...).
     """
 
     strategy_name = "zero"

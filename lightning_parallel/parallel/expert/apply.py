@@ -34,7 +34,7 @@ def check_expert_layout(root: nn.Module, ep: int) -> None:
     if not layers:
         raise ValueError(
             f"ep={ep} splits the experts of MoE layers, and {type(root).__name__} has none: use "
-            "lightning_parallel.MoE for its FFNs (see the README's MoE section), or set ep=1."
+            "lightning_parallel.MoE for its FFNs (see docs/moe.md), or set ep=1."
         )
     for name, layer in layers.items():
         check_expert_degree(layer.num_experts, ep, f" of {name}")
@@ -65,7 +65,7 @@ def require_moe_layers(found: int, ep: int, model_name: str) -> None:
     if int(total.item()) == 0:
         raise ValueError(
             f"ep={ep} splits the experts of MoE layers, and {model_name} has none: use lightning_parallel.MoE "
-            "for its FFNs (see the README's MoE section), or set ep=1."
+            "for its FFNs (see docs/moe.md), or set ep=1."
         )
 
 
