@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"wrote {export_hf(args.ckpt, args.out_dir, args.config, merge=args.merge, base=args.base)}")
         elif args.command == "export-peft":
-            from lightning_parallel.hf.adapters import export_peft  # needs peft (the peft extra)
+            from lightning_parallel.hf.export import export_peft  # needs peft (the peft extra)
 
             print(f"wrote {export_peft(args.ckpt, args.out_dir, args.config)}")
         else:

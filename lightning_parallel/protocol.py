@@ -139,6 +139,13 @@ def materializes_itself(module: Any) -> bool:
     return isinstance(module, Materializes)
 
 
+def strategy_calls_materialize(strategy: Any) -> bool:
+    """Whether ``strategy`` fills a split model's meta parameters through the module's ``materialize(device)``
+    (this package's mesh strategies: their ``calls_materialize``); Lightning's own strategies do not, so a module
+    that defers reading its weights reads them whole in ``configure_model`` there."""
+    return bool(getattr(strategy, "calls_materialize", False))
+
+
 def materialize(module: Any, root: nn.Module, device: torch.device) -> None:
     """Once the model is split: let ``module`` fill the meta parameters ``root`` still has, when it has a
     ``materialize(device)``."""

@@ -152,14 +152,3 @@ def test_every_package_says_what_it_owns():
     for init in PACKAGE.rglob("__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc, f"{init.relative_to(PACKAGE)} has no docstring"
-
-
-def test_import_paths_of_earlier_releases_still_work():
-    import lightning_parallel
-    from lightning_parallel.preemption import Preemption
-    from lightning_parallel.resume import ExactResume, ResumableDataLoader
-    from lightning_parallel.strategies.observability import TrainingMonitor
-
-    assert Preemption is lightning_parallel.Preemption and ExactResume is lightning_parallel.ExactResume
-    assert ResumableDataLoader is lightning_parallel.ResumableDataLoader
-    assert TrainingMonitor is lightning_parallel.TrainingMonitor

@@ -132,36 +132,6 @@ def adapter_state(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_peft(ckpt: str | Path, out: str | Path, config_folder: str | Path | None = None) -> Path:
-    """Write a LoRA run's checkpoint as a folder ``PeftModel.from_pretrained(base, out)`` loads.
-
-    Args:
-        ckpt: a checkpoint file or sharded checkpoint folder of ``HFCausalLM(peft_config=...)``.
-        out: a new (or empty) folder.
-        config_folder: a folder with the base's config.json, for a checkpoint that holds none.
-
-    Returns:
-        ``out``.
-    """
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from lightning_parallel.hf.export import read_checkpoint  # export.py imports this module
-
-    checkpoint, config = read_checkpoint(ckpt, Path(out), config_folder)
-    record = adapter_record(checkpoint)
-    peft_config = peft_config_of(record)
-    peft_config.base_model_name_or_path = record["base"]["path"]
-    with torch.device("meta"):  # shapes only: the base is never read, and peft saves the tensors given
-        model = get_peft_model(AutoModelForCausalLM.from_config(config), peft_config)
-    state = adapter_state(checkpoint)
-    missing = sorted(k for k in model.state_dict() if "lora_" in k and k not in state)
-    if missing:
-        raise ValueError(f"the checkpoint lacks adapter tensors {missing[:3]}: is it a checkpoint of this run?")
-    model.save_pretrained(out, state_dict=state, save_embedding_layers=False)
-    return Path(out)
-
-
 def merged_model(checkpoint: dict[str, Any], config: Any, base: str | Path | None = None) -> nn.Module:
     """The base the checkpoint names (or ``base``; checked against the saved hash) with the checkpoint's adapters
     merged into it (peft's ``merge_and_unload``): a plain transformers model.

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_parallel.checkpoint import check_checkpoint_path, consolidated
-from lightning_parallel.hf.adapters import PEFT_KEY, merged_model
+from lightning_parallel.hf.adapters import PEFT_KEY, adapter_record, adapter_state, merged_model, peft_config_of
 from lightning_parallel.hf.module import HF_CONFIG_KEY
 
 PREFIX = "model."  # HFCausalLM keeps the HF model as self.model
@@ -155,3 +155,31 @@ def export_hf(
     load_into(model, state)
     model.save_pretrained(out)
     return out
+
+
+def export_peft(ckpt: str | Path, out: str | Path, config_folder: str | Path | None = None) -> Path:
+    """Write a LoRA run's checkpoint as a folder ``PeftModel.from_pretrained(base, out)`` loads.
+
+    Args:
+        ckpt: a checkpoint file or sharded checkpoint folder of ``HFCausalLM(peft_config=...)``.
+        out: a new (or empty) folder.
+        config_folder: a folder with the base's config.json, for a checkpoint that holds none.
+
+    Returns:
+        ``out``.
+    """
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    checkpoint, config = read_checkpoint(ckpt, Path(out), config_folder)
+    record = adapter_record(checkpoint)
+    peft_config = peft_config_of(record)
+    peft_config.base_model_name_or_path = record["base"]["path"]
+    with torch.device("meta"):  # shapes only: the base is never read, and peft saves the tensors given
+        model = get_peft_model(AutoModelForCausalLM.from_config(config), peft_config)
+    state = adapter_state(checkpoint)
+    missing = sorted(k for k in model.state_dict() if "lora_" in k and k not in state)
+    if missing:
+        raise ValueError(f"the checkpoint lacks adapter tensors {missing[:3]}: is it a checkpoint of this run?")
+    model.save_pretrained(out, state_dict=state, save_embedding_layers=False)
+    return Path(out)

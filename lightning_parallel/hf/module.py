@@ -21,6 +21,7 @@ from lightning_parallel.hf.layers import ATTENTION_TYPES, attention_type, hf_pip
 from lightning_parallel.hf.loading import load_local_weights, parameters_on_meta, safetensors_files, tied_aliases
 from lightning_parallel.hf.lora import apply_peft, base_of, cast_frozen_base, check_peft_degrees, resolve_base_dtype
 from lightning_parallel.hf.plan import SP_WITH_PP, hf_tensor_parallel_plan
+from lightning_parallel.protocol import strategy_calls_materialize
 
 # config fields whose effect HF's forward applies between the modules of base_model_pp_plan (final logits
 # softcapping: Gemma 2/3; logit_scale: Cohere; logits_scaling and embedding_multiplier: Granite), with their
@@ -154,9 +155,7 @@ class HFCausalLM(CausalLM):
         self._weights_folder = None
 
     def configure_model(self) -> None:
-        from lightning_parallel.strategies.base import MeshStrategy
-
-        if self._weights_folder is not None and not isinstance(self.trainer.strategy, MeshStrategy):
+        if self._weights_folder is not None and not strategy_calls_materialize(self.trainer.strategy):
             self.materialize(self.trainer.strategy.root_device)  # Lightning's own strategies: the whole folder
 
     def forward(

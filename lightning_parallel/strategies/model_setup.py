@@ -33,6 +33,7 @@ class ModelPlacement:
     """Mixin of :class:`~lightning_parallel.strategies.base.MeshStrategy`: the model's build device and placement."""
 
     config: Any  # ParallelConfig
+    calls_materialize = True  # protocol.strategy_calls_materialize: each rank's pieces filled through materialize()
     _init_rng: Tensor | None = None  # the CPU generator's state when building on meta began
     _meta_depth: int = 0  # Lightning nests tensor_init_context and model_sharded_context around configure_model
 
