@@ -5,12 +5,13 @@ and logit scalings): the same 10 AdamW steps as the plain HF model trained in on
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
-import torch
 import transformers  # a test dependency: make install installs the hf extra
 from causal_lm_parity import CLIP, check, launch
 from conftest import Batch
-from test_hf_parity import SMALL, plain_hf_training
+from test_hf_parity import SMALL, plain_hf_training, save_folders
 
 NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 # the extras at sizes that change the logits (tests/test_hf_families.py::test_forward_extras_matter); Gemma's
@@ -18,7 +19,7 @@ NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id":
 CONFIGS = {
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, **NO_SPECIAL_TOKENS, head_dim=8),
     "gemma3": lambda: transformers.Gemma3TextConfig(
-        **SMALL, **NO_SPECIAL_TOKENS, head_dim=8, sliding_window=4, final_logit_softcapping=1.0
+        **SMALL, **NO_SPECIAL_TOKENS, head_dim=8, sliding_window=4, final_logit_softcapping=0.5
     ),
     "gemma2": lambda: transformers.Gemma2Config(
         **SMALL, **NO_SPECIAL_TOKENS, head_dim=8, sliding_window=4, final_logit_softcapping=0.5
@@ -54,28 +55,21 @@ SLOW = {
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
-    """Each tiny model written once by save_pretrained: the workers and the reference load the same weights."""
-    out = {}
-    for name, config in CONFIGS.items():
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config())
-        folder = tmp_path_factory.mktemp(f"hf_{name}")
-        model.save_pretrained(folder)
-        out[name] = str(folder)
-    return out
+    return save_folders(tmp_path_factory, CONFIGS)
 
 
 @pytest.fixture(scope="module")
-def references(folders) -> dict:
-    return {}
+def references(folders) -> Callable[[str, tuple], dict]:
+    """The plain HF trainings ``check`` compares a run against, each (model, clip) computed when first asked for."""
+    done: dict = {}
 
+    def of(label: str, spec: tuple) -> dict:
+        model, clip = spec[2], CLIP if "clip" in label else None
+        if (model, clip) not in done:
+            done[model, clip] = plain_hf_training(folders[model], clip)
+        return done
 
-def reference_of(references: dict, folders: dict[str, str], label: str, spec: tuple) -> dict:
-    """The plain HF training ``check`` compares ``label`` against, computed once per (model, clip)."""
-    model, clip = spec[2], CLIP if "clip" in label else None
-    if (model, clip) not in references:
-        references[model, clip] = plain_hf_training(folders[model], clip)
-    return references
+    return of
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +83,11 @@ def slow_runs(tmp_path_factory, folders) -> Batch:
 
 
 @pytest.mark.parametrize("label", list(FAST))
-def test_tp_extras_parity(label, fast_runs, folders, references):
-    check(fast_runs, label, FAST[label], reference_of(references, folders, label, FAST[label]))
+def test_tp_extras_parity(label, fast_runs, references):
+    check(fast_runs, label, FAST[label], references(label, FAST[label]))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("label", list(SLOW))
-def test_tp_extras_parity_wider(label, slow_runs, folders, references):
-    check(slow_runs, label, SLOW[label], reference_of(references, folders, label, SLOW[label]))
+def test_tp_extras_parity_wider(label, slow_runs, references):
+    check(slow_runs, label, SLOW[label], references(label, SLOW[label]))
