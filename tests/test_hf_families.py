@@ -11,6 +11,7 @@ import torch
 import transformers  # a test dependency: make install installs the hf extra
 
 from lightning_parallel.hf import check_hf_degrees, hf_pipeline_layers, hf_tensor_parallel_plan
+from lightning_parallel.hf.layers import PIPELINE_EXTRAS
 from lightning_parallel.hf.module import FORWARD_EXTRAS
 from lightning_parallel.hf.styles import ReplicatedWithPartialGrad
 from lightning_parallel.parallel.tensor.plan import check_tp_plan
@@ -32,6 +33,7 @@ WORKS = {
         {"residual_multiplier": 0.5, "attention_multiplier": 0.3, "embedding_multiplier": 2.0, "logits_scaling": 3.0},
     ),
     "cohere (logit_scale)": ("cohere", {"logit_scale": 0.5}),
+    "cohere2 (logit_scale, sliding window)": ("cohere2", {"logit_scale": 0.5, "sliding_window": 4}),
     "starcoder2": ("starcoder2", {}),
     "olmo": ("olmo", {}),
     "helium": ("helium", {"head_dim": 8}),
@@ -82,9 +84,7 @@ def test_a_sliding_window_matters_here():
         assert (windowed(input_ids=ids).logits - full(input_ids=ids).logits).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize(
-    "label", ["gemma2 (logit softcap)", "granite", "cohere (logit_scale)", "gemma3 (logit softcap)"]
-)
+@pytest.mark.parametrize("label", [label for label in WORKS if WORKS[label][0] in PIPELINE_EXTRAS])
 def test_forward_extras_matter(label):
     """The extras at these sizes change the logits: pipeline layers without them would not match HF's forward."""
     model_type, extra = WORKS[label]
