@@ -1,7 +1,8 @@
 """Decoder-only families other than Llama and GPT-2 whose transformers config carries both plans: their
-pipeline layers compute HF's own forward exactly (sliding-window layers and per-type rotary tables included), their
-tensor-parallel plan resolves at tp=2, and what a stage cannot rebuild is refused by name before any process
-starts. (Distributed parity for Qwen2 and Mistral with sliding windows: tests/test_hf_parity.py, slow tier.)"""
+pipeline layers compute HF's own forward exactly (sliding-window layers, per-type rotary tables and the forward
+extras included), their tensor-parallel plan resolves at tp=2, and what a stage cannot rebuild is refused by name
+before any process starts. (Distributed parity for Qwen2 and Mistral with sliding windows: tests/test_hf_parity.py,
+Qwen3, Gemma 2/3, Cohere and Granite: tests/test_hf_tp_extras.py.)"""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import torch
 import transformers  # a test dependency: make install installs the hf extra
 
 from lightning_parallel.hf import check_hf_degrees, hf_pipeline_layers, hf_tensor_parallel_plan
+from lightning_parallel.hf.layers import PIPELINE_EXTRAS
+from lightning_parallel.hf.module import FORWARD_EXTRAS
+from lightning_parallel.hf.styles import ReplicatedWithPartialGrad
 from lightning_parallel.parallel.tensor.plan import check_tp_plan
 
 COMMON = {
@@ -22,16 +26,23 @@ WORKS = {
     "qwen2 (a sliding layer)": ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
     "mistral (sliding window)": ("mistral", {"sliding_window": 4}),
     "gemma": ("gemma", {"head_dim": 8}),
-    "gemma2 (no logit softcap)": ("gemma2", {"head_dim": 8, "sliding_window": 4, "final_logit_softcapping": None}),
-    "granite": ("granite", {"residual_multiplier": 0.5, "attention_multiplier": 0.3}),
+    # the forward extras at sizes that change the logits by more than the tolerance (test_forward_extras_matter)
+    "gemma2 (logit softcap)": ("gemma2", {"head_dim": 8, "sliding_window": 4, "final_logit_softcapping": 0.5}),
+    "granite": (
+        "granite",
+        {"residual_multiplier": 0.5, "attention_multiplier": 0.3, "embedding_multiplier": 2.0, "logits_scaling": 3.0},
+    ),
+    "cohere (logit_scale)": ("cohere", {"logit_scale": 0.5}),
+    "cohere2 (logit_scale, sliding window)": ("cohere2", {"logit_scale": 0.5, "sliding_window": 4}),
     "starcoder2": ("starcoder2", {}),
     "olmo": ("olmo", {}),
     "helium": ("helium", {"head_dim": 8}),
     "phi3 (fused q/k/v, gathered)": ("phi3", {}),
     "olmo2 (q/k norms over all heads)": ("olmo2", {}),
+    # q/k norms per head: "replicated_with_grad_allreduce"
+    "gemma3 (logit softcap)": ("gemma3_text", {"head_dim": 8, "sliding_window": 4, "final_logit_softcapping": 0.5}),
+    "qwen3": ("qwen3", {"head_dim": 8}),
 }
-# pipeline layers exact; tp refused by name (q/k norms per head: "replicated_with_grad_allreduce", not translated)
-PP_ONLY = {"gemma3": ("gemma3_text", {"head_dim": 8, "sliding_window": 4}), "qwen3": ("qwen3", {"head_dim": 8})}
 
 
 def build(model_type: str, extra: dict):
@@ -58,15 +69,10 @@ def test_family_pipeline_layers_and_plan(label):
     check_hf_degrees(model, pp=2, tp=2)
 
 
-@pytest.mark.parametrize("label", list(PP_ONLY))
-def test_family_pipeline_layers_with_tp_refused_by_name(label):
-    model = build(*PP_ONLY[label])
-    assert_pipeline_layers_compute_forward(model)
-    check_hf_degrees(model, pp=2, tp=1)
-    with pytest.raises(
-        ValueError, match=r"style 'replicated_with_grad_allreduce' for 'model.layers.\*.self_attn.q_norm'"
-    ):
-        hf_tensor_parallel_plan(model)
+def test_qk_norms_per_head_are_replicated_with_partial_gradients():
+    plan = hf_tensor_parallel_plan(build(*WORKS["qwen3"]), sequence_parallel=True)
+    for norm in ("q_norm", "k_norm"):
+        assert isinstance(plan[f"model.layers.*.self_attn.{norm}"], ReplicatedWithPartialGrad)
 
 
 def test_a_sliding_window_matters_here():
@@ -78,21 +84,23 @@ def test_a_sliding_window_matters_here():
         assert (windowed(input_ids=ids).logits - full(input_ids=ids).logits).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize(
-    ("model_type", "extra", "pp", "tp", "message"),
-    [
-        ("gemma2", {"head_dim": 8}, 2, 1, r"pp=2 cannot split a model whose config.final_logit_softcapping=30.0"),
-        ("cohere", {}, 2, 1, r"config.logit_scale=0.0625: its forward applies it outside"),
-        ("granite", {"embedding_multiplier": 2.0}, 2, 1, r"config.embedding_multiplier=2.0"),
-        ("granite", {"logits_scaling": 2.0}, 2, 1, r"config.logits_scaling=2.0"),
-    ],
-    ids=["gemma2-softcap", "cohere-logit-scale", "granite-embedding", "granite-logits"],
-)
-def test_forward_extras_are_refused_under_pp(model_type, extra, pp, tp, message):
-    model = build(model_type, extra)
+@pytest.mark.parametrize("label", [label for label in WORKS if WORKS[label][0] in PIPELINE_EXTRAS])
+def test_forward_extras_matter(label):
+    """The extras at these sizes change the logits: pipeline layers without them would not match HF's forward."""
+    model_type, extra = WORKS[label]
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    neutral = {name: value for name, value in FORWARD_EXTRAS.items() if name in extra}
+    with_extras, without = build(model_type, extra), build(model_type, {**extra, **neutral})
+    with torch.no_grad():
+        assert (with_extras(input_ids=ids).logits - without(input_ids=ids).logits).abs().max() > 1e-3
+
+
+def test_forward_extras_of_other_families_are_refused_under_pp():
+    """VaultGemma softcaps its logits too, but its forward was not read here: refused by name under pp."""
+    model = build("vaultgemma", {"head_dim": 8})
     check_hf_degrees(model, pp=1, tp=2)  # HF's own forward under tp: accepted
-    with pytest.raises(ValueError, match=message):
-        check_hf_degrees(model, pp=pp, tp=tp)
+    with pytest.raises(ValueError, match=r"pp=2 cannot split a vaultgemma model whose config.final_logit_softcapping"):
+        check_hf_degrees(model, pp=2, tp=1)
 
 
 def test_a_config_without_a_pipeline_plan_is_named():

@@ -82,17 +82,22 @@ WORLD8 = {
 }
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, str]:
-    """Each tiny model written once by save_pretrained: the workers and the reference load the same weights."""
+def save_folders(tmp_path_factory, configs: dict) -> dict[str, str]:
+    """Each tiny model of ``configs`` (name -> config factory) written once by save_pretrained: the workers and the
+    reference load the same weights."""
     out = {}
-    for name, config in CONFIGS.items():
+    for name, config in configs.items():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config())
         folder = tmp_path_factory.mktemp(f"hf_{name}")
         model.save_pretrained(folder)
         out[name] = str(folder)
     return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    return save_folders(tmp_path_factory, CONFIGS)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,11 @@ when the layer is called with the hidden state alone (a pipeline stage's call; H
 more), rebuilds those inputs with HF's own code (``create_causal_mask``, the model's rotary module). GPT-2's
 learned positions are a layer of their own: ``wpe`` called on the token embeddings adds its rows to them.
 
+What HF's forward computes between those modules (the forward extras: Gemma 2/3's final logit softcapping,
+Cohere's ``logit_scale``, Granite's ``embedding_multiplier`` and ``logits_scaling``) is applied by hooks on the
+embedding and the head, so the stage holding them applies it; under HF's own forward, which applies it itself,
+they do nothing (:class:`_OwnForward`).
+
 The microbatch's ``attention_mask`` (padded batches) and ``position_ids`` (packed ones: positions restarting at
 each document, from which ``create_causal_mask`` keeps every token to its own document) reach every stage as
 :func:`~lightning_parallel.parallel.pipeline.runner.stage_inputs`; without them, positions count from 0 and the
@@ -17,6 +22,7 @@ mask is causal.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,6 +82,66 @@ def _decoder_inputs(config: Any, rotary: nn.Module | None, index: int):
     return hook
 
 
+def _softcap(model: nn.Module, logits: Tensor) -> Tensor:
+    cap = model.config.final_logit_softcapping
+    return logits if cap is None else torch.tanh(logits / cap) * cap  # HF's three steps, in its order
+
+
+# the forward extras applied at the pipeline layers, per model type: config field -> (the layer it follows,
+# what the head model's forward (the base model's, for the embedding) does to that layer's output); the forwards
+# were read in transformers 5.24: other families with these fields may apply them otherwise (Falcon-H1 has more
+# multipliers), so they stay refused under pp (check_hf_degrees)
+Extra = tuple[str, Callable[[nn.Module, Tensor], Tensor]]
+_SOFTCAP: dict[str, Extra] = {"final_logit_softcapping": ("head", _softcap)}
+_LOGIT_SCALE: dict[str, Extra] = {"logit_scale": ("head", lambda model, logits: logits * model.logit_scale)}
+PIPELINE_EXTRAS: dict[str, dict[str, Extra]] = {
+    "gemma2": _SOFTCAP,
+    "gemma3_text": _SOFTCAP,
+    "cohere": _LOGIT_SCALE,
+    "cohere2": _LOGIT_SCALE,
+    "granite": {
+        "embedding_multiplier": ("embedding", lambda base, embeds: embeds * base.embedding_multiplier),
+        "logits_scaling": ("head", lambda model, logits: logits / model.config.logits_scaling),
+    },
+}
+
+
+class _OwnForward:
+    """Whether HF's own forward (the head model's or the base model's) is running: it applies the forward extras
+    itself, so the layers' hooks leave them alone. A pipeline stage calls the layers outside it."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        self.depth += 1
+
+    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.depth -= 1
+
+    def watch(self, *modules: nn.Module) -> None:
+        for module in modules:
+            module.register_forward_pre_hook(self.enter)
+            module.register_forward_hook(self.leave, always_call=True)
+
+
+def _install_forward_extras(model: nn.Module, base: nn.Module, embed: nn.Module, head: nn.Module) -> None:
+    """Hooks on ``embed`` and ``head`` applying the model's forward extras (PIPELINE_EXTRAS) outside HF's forward."""
+    extras = PIPELINE_EXTRAS.get(model.config.model_type, {})
+    if not extras:
+        return
+    own = _OwnForward()
+    own.watch(model, base)
+    owners = {"embedding": (embed, base), "head": (head, model)}  # the module HF's forward reads the value from
+    for where, apply in extras.values():
+        layer, owner = owners[where]
+
+        def hook(layer: nn.Module, args: tuple, output: Tensor, apply=apply, owner=owner) -> Tensor | None:
+            return None if own.depth else apply(owner, output)
+
+        layer.register_forward_hook(hook)
+
+
 def _refuse_extra_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if kwargs or len(args) != 1:
         raise TypeError(
@@ -120,6 +186,7 @@ def _llama_like_layers(model: nn.Module) -> list[nn.Module]:
 
     def install() -> None:
         embed.register_forward_pre_hook(_refuse_extra_inputs, with_kwargs=True)
+        _install_forward_extras(model, base, embed, heads[-1])
         rotary = getattr(base, "rotary_emb", None)
         for index, block in enumerate(blocks):
             block.register_forward_pre_hook(_decoder_inputs(model.config, rotary, index), with_kwargs=True)

@@ -17,7 +17,13 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.causal_lm import IGNORE_INDEX, CausalLM, causal_lm_loss  # noqa: F401  (re-exported)
 from lightning_parallel.hf.adapters import PEFT_KEY, BaseIdentity, check_same_base, save_record
-from lightning_parallel.hf.layers import ATTENTION_TYPES, attention_type, hf_pipeline_layers, num_decoder_layers
+from lightning_parallel.hf.layers import (
+    ATTENTION_TYPES,
+    PIPELINE_EXTRAS,
+    attention_type,
+    hf_pipeline_layers,
+    num_decoder_layers,
+)
 from lightning_parallel.hf.loading import load_local_weights, parameters_on_meta, safetensors_files, tied_aliases
 from lightning_parallel.hf.lora import apply_peft, base_of, cast_frozen_base, check_peft_degrees, resolve_base_dtype
 from lightning_parallel.hf.plan import SP_WITH_PP, hf_tensor_parallel_plan
@@ -25,7 +31,8 @@ from lightning_parallel.protocol import strategy_calls_materialize
 
 # config fields whose effect HF's forward applies between the modules of base_model_pp_plan (final logits
 # softcapping: Gemma 2/3; logit_scale: Cohere; logits_scaling and embedding_multiplier: Granite), with their
-# neutral values: under pp a model must have those
+# neutral values: under pp the pipeline layers apply them for the families of layers.PIPELINE_EXTRAS, other
+# families must have the neutral values
 FORWARD_EXTRAS = {
     "final_logit_softcapping": None,
     "logit_scale": 1.0,
@@ -254,13 +261,15 @@ def check_hf_degrees(model: nn.Module, *, pp: int, tp: int) -> None:
                 + (" (or pad the vocabulary: resize_token_embeddings)." if name == "vocab_size" else ".")
             )
     if pp > 1:
+        applied = PIPELINE_EXTRAS.get(config.model_type, {})
         for name, neutral in FORWARD_EXTRAS.items():
             value = getattr(config, name, neutral)
-            if value is not None and value != neutral:
+            if value is not None and value != neutral and name not in applied:
                 raise ValueError(
-                    f"pp={pp} cannot split a model whose config.{name}={value!r}: its forward applies it outside the "
-                    "modules base_model_pp_plan lists, so no pipeline stage would. Use pp=1 (tp and ZeRO run HF's own "
-                    f"forward), or {name}={neutral!r} if the model was trained without it."
+                    f"pp={pp} cannot split a {config.model_type} model whose config.{name}={value!r}: its forward "
+                    "applies it outside the modules base_model_pp_plan lists, and the pipeline layers apply it for "
+                    f"{', '.join(PIPELINE_EXTRAS)} only. Use pp=1 (tp and ZeRO run HF's own forward), or "
+                    f"{name}={neutral!r} if the model was trained without it."
                 )
     layers = num_decoder_layers(model)
     if pp > 1:

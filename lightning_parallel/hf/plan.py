@@ -18,14 +18,15 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_parallel.hf.lora import base_of, has_lora_layers, lora_tensor_parallel_plan
-from lightning_parallel.hf.styles import Conv1DColwise, Conv1DRowwise, HiddenStatesInput
+from lightning_parallel.hf.styles import Conv1DColwise, Conv1DRowwise, HiddenStatesInput, ReplicatedWithPartialGrad
 from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
 
 # HF's names for a head whose output columns are gathered (v5.0 "colwise_rep", v5.1+ "colwise_gather_output")
 GATHERED_COLWISE = ("colwise_rep", "colwise_gather_output")
 # "rowwise_split_input" (Phi-3, OLMo 2): a row split whose input arrives whole (after a gathered colwise) and is
-# sliced locally, no communication
-TRANSLATED = ("colwise", "rowwise", "rowwise_split_input", *GATHERED_COLWISE)
+# sliced locally, no communication; "replicated_with_grad_allreduce" (Qwen3, Gemma 3: per-head q/k norms): whole
+# on every rank, fed this rank's heads, its gradient summed over tp
+TRANSLATED = ("colwise", "rowwise", "rowwise_split_input", "replicated_with_grad_allreduce", *GATHERED_COLWISE)
 # a stage rebuilds positions from the hidden state it receives, which sequence parallelism splits
 SP_WITH_PP = (
     "sequence_parallel=True with pp > 1 is not supported for Hugging Face models yet: set sequence_parallel=False "
@@ -64,6 +65,8 @@ def translate_tp_plan(
             plan[path] = RowwiseParallel(output_layouts=seq)
         elif style == "rowwise_split_input":
             plan[path] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        elif style == "replicated_with_grad_allreduce":
+            plan[path] = ReplicatedWithPartialGrad()
         elif is_head:  # the head: logits stay split over the vocabulary for the vocabulary-parallel loss
             plan[path] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
         else:

@@ -1,7 +1,8 @@
 """Tensor-parallel styles Hugging Face models need beyond torch's own: GPT-2's ``Conv1D`` (weight laid out
 (in, out), the transpose of ``nn.Linear``) split by columns or rows, its fused q/k/v projection split per part,
-and a module input given as the first argument or as the ``hidden_states`` keyword (HF calls attention with the
-keyword). All math stays in DTensor: the styles only place the parameters and the inputs/outputs, as torch's
+a module input given as the first argument or as the ``hidden_states`` keyword (HF calls attention with the
+keyword), and a module replicated over tp that sees this rank's heads only (Qwen3's and Gemma 3's per-head q/k
+norms). All math stays in DTensor: the styles only place the parameters and the inputs/outputs, as torch's
 ``ColwiseParallel``/``RowwiseParallel`` do for ``nn.Linear`` (which reject a ``Conv1D``).
 """
 
@@ -12,7 +13,15 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_parallel._compat import StridedShard
@@ -126,6 +135,44 @@ class HiddenStatesInput(ParallelStyle):
             return args, {**kwargs, "hidden_states": convert(kwargs["hidden_states"])}
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class ReplicatedWithPartialGrad(ParallelStyle):
+    """transformers' ``replicated_with_grad_allreduce``: the module's parameters replicated over tp, its input
+    and output this rank's plain tensors, its parameter gradients summed over tp.
+
+    For a module between a column split and a row split that sees this rank's heads only: Qwen3's and Gemma 3's
+    q/k norms (weight (head_dim,)) normalize each head of the q/k projection's output, of which a rank holds its
+    own heads (with or without sequence parallelism: attention gets the whole sequence). The forward is HF's own on
+    plain tensors (no collective); each parameter enters it as its local value whose gradient is declared
+    ``Partial`` (this rank's heads' share), so the parameter's gradient arrives a Partial DTensor and is all-reduced
+    where every DTensor gradient is brought to its parameter's placement
+    (:func:`~lightning_parallel.parallel.dtensor.placed_like`, FSDP2's own reduction under ZeRO-3).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                dist = distribute_tensor(param, mesh, [Replicate()])
+                mod.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+        distribute_module(module, device_mesh, partition)
+        # the DTensor parameters as they are before the forward (ZeRO-3 swaps its gathered ones in before it)
+        held: dict[str, DTensor] = {}
+
+        def to_local(mod: nn.Module, args: tuple) -> None:
+            for pname, param in list(mod._parameters.items()):
+                if isinstance(param, DTensor):
+                    held[pname] = param
+                    mod._parameters[pname] = param.to_local(grad_placements=(Partial(),))
+
+        def restore(mod: nn.Module, args: tuple, output: Any) -> None:
+            mod._parameters.update(held)
+            held.clear()
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(restore, always_call=True)
         return module
 
 
