@@ -75,7 +75,10 @@ class _Zygote:
         if cls.proc is not None and cls.proc.poll() is None:
             assert cls.proc.stdin is not None
             cls.proc.stdin.close()
-            cls.proc.wait(timeout=30)
+            try:
+                cls.proc.wait(timeout=120)  # a loaded machine: it ends after its last fork's bookkeeping
+            except subprocess.TimeoutExpired:
+                cls.proc.kill()
 
 
 def _run_once(script: list[str], world_size: int, timeout: float, log_dir: Path) -> tuple[list[int], list[str], bool]:

@@ -1,5 +1,5 @@
-"""LitGPTCausalLM (a GPT-NeoX-style GPT, and a Llama-style one with grouped-query attention) under zero3 and
-hybrid3d: the same 10 AdamW steps as the plain LitGPT model trained in one process (``GPT.forward`` and litgpt's
+"""LitGPTCausalLM (a GPT-NeoX-style GPT, a Llama-style one with grouped-query attention, and a Qwen3-style one with
+per-head q/k norms) under zero3 and hybrid3d: the same 10 AdamW steps as the plain LitGPT model trained in one process (``GPT.forward`` and litgpt's
 own ``chunked_cross_entropy`` on shifted targets, no Lightning)."""
 
 from __future__ import annotations
@@ -30,6 +30,19 @@ CONFIGS = {
         intermediate_size=64,
         **SIZES,
     ),
+    # Qwen3's per-head q/k norms (norm_qk): replicated over tp, their gradients partial over each rank's heads
+    "qwen3": lambda: litgpt_config.Config(
+        name="tiny-qwen3",
+        n_query_groups=2,
+        rotary_percentage=1.0,
+        parallel_residual=False,
+        bias=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+        intermediate_size=64,
+        norm_qk=True,
+        **SIZES,
+    ),
 }
 
 # label -> (world, strategy spec, model, tp); every run of one world size shares one launch. A label with
@@ -42,6 +55,7 @@ FAST = {
     "llama tp2 sp": (2, "hybrid3d:tp=2,sequence_parallel=1", "llama", 2),
     "llama pp2": (2, "hybrid3d:pp=2", "llama", 1),
     "neox pp2 interleaved_1f1b": (2, "hybrid3d:pp=2,pp_schedule=interleaved_1f1b", "neox", 1),
+    "qwen3 tp2 sp clip": (2, "hybrid3d:tp=2,sequence_parallel=1", "qwen3", 2),
 }
 SLOW = {
     "llama pp2 x tp2": (4, "hybrid3d:pp=2,tp=2", "llama", 2),
@@ -55,6 +69,8 @@ SLOW = {
     "neox pp2": (2, "hybrid3d:pp=2", "neox", 1),
     "neox dp2 x tp2 zero3": (4, "hybrid3d:tp=2,zero_stage=3", "neox", 2),
     "neox pp2 x tp2 clip": (4, "hybrid3d:pp=2,tp=2", "neox", 2),
+    "qwen3 tp2": (2, "hybrid3d:tp=2", "qwen3", 2),
+    "qwen3 dp2 x tp2 zero3": (4, "hybrid3d:tp=2,zero_stage=3", "qwen3", 2),
 }
 
 

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from lightning_parallel.hf.styles import HiddenStatesInput, LoraParallel
+from lightning_parallel.hf.styles import HiddenStatesInput, LoraParallel, ReplicatedWithPartialGrad
 from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
 
 SP_WITH_PP = "sequence_parallel=True with pp > 1 is not supported for LitGPT models yet: set one of them off."
@@ -199,6 +199,8 @@ def litgpt_tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = Fals
         # logits stay split over the vocabulary for the vocabulary-parallel loss
         "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
     }
+    if config.norm_qk:  # per-head q/k norms (Qwen3): whole on every rank, gradients summed over its heads' ranks
+        plan.update({f"{block}.attn.{name}": ReplicatedWithPartialGrad() for name in ("norm_q", "norm_k")})
     if sequence_parallel:
         plan["transformer.h.0"] = HiddenStatesInput(Replicate(), Shard(1), use_local_output=True)
         plan.update({f"{block}.{name}": SequenceParallel() for name in _norm_names(config)})
