@@ -60,7 +60,8 @@ Positions = Callable[[int, torch.device], Tensor]
 class ContextParallelModel(Protocol):
     """Under cp > 1 (each sequence split over the cp ranks, two chunks each): ``context_parallel`` points the model's
     causal attention at ``attention`` (ring or Ulysses over the cp group) and makes its positions (rotary or learned)
-    with ``positions``, and returns the paths of the attention modules switched; ``attention_heads()`` is the query
+    with ``positions``, and returns the paths of the attention modules switched (those this rank holds: skip other
+    pipeline stages' placeholders); ``attention_heads()`` is the query
     heads of one attention (Ulysses splits the heads each tp rank holds over cp)."""
 
     def context_parallel(self, attention: AttentionCore, positions: Positions) -> Sequence[str]: ...
@@ -138,19 +139,14 @@ def _require_context_parallel(module: Any, cp: int) -> None:
 
 
 def context_parallel(module: Any, cp: int, attention: AttentionCore, positions: Positions) -> list[str]:
-    """Switch ``module``'s attention and positions to context parallelism; the attention modules switched.
+    """Switch ``module``'s attention and positions to context parallelism; the attention modules switched (on this
+    rank: under pp a stage may hold none).
 
     Raises:
-        TypeError: ``module`` has no ``context_parallel``, or it switched no attention.
+        TypeError: ``module`` has no ``context_parallel``.
     """
     _require_context_parallel(module, cp)
-    switched = list(module.context_parallel(attention, positions))
-    if not switched:
-        raise TypeError(
-            f"cp={cp}: {type(module).__name__}.context_parallel() switched no attention module, so nothing would "
-            "attend across the split sequence: make it switch the model's attention, or set cp=1."
-        )
-    return switched
+    return list(module.context_parallel(attention, positions))
 
 
 def attention_heads(module: Any, cp: int) -> int:

@@ -3,10 +3,11 @@ trained in one process (tests/test_hf_parity.py's and tests/test_litgpt_parity.p
 switched through the model protocol's ``context_parallel`` (HF: an attention function registered in transformers'
 ``AttentionInterface``; LitGPT: its ``scaled_dot_product_attention``) and the rotary positions of each rank's chunks.
 
-`make test`: the tiny HF Llama (grouped-query attention) at cp=2, ring (plain, accumulated) and Ulysses (clipped), one
-world-2 launch. `make test-full`: cp=2 x tp=2 (ring and Ulysses), cp=2 x pp=2, LitGPT's Llama-style and GPT-NeoX-style
-(a quarter of each head rotary) models at cp=2 ring and Ulysses. Single-process checks: the switched HF and LitGPT
-models give the plain model's logits when the "cp group" is one process, and the bad inputs are refused by name.
+`make test`: the tiny HF Llama (grouped-query attention) at cp=2, ring (accumulating 2 micro-batches) and Ulysses
+(clipped), one world-2 launch. `make test-full`: cp=2 x tp=2 (ring and Ulysses), cp=2 x pp=2, LitGPT's Llama-style
+and GPT-NeoX-style (a quarter of each head rotary) models at cp=2 ring and Ulysses, the recipe at cp=2.
+Single-process checks: the switched HF and LitGPT models give the plain model's logits at the positions given, and
+the bad inputs are refused by name.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from lightning_parallel.parallel.context import check_context_layout
 
 # label -> (world, strategy spec, model, tp); "clip" clips the gradient norm, "accum" accumulates 2 micro-batches
 FAST = {
-    "llama cp2 ring": (2, "hybrid3d:cp=2", "llama", 1),
     "llama cp2 ring accum": (2, "hybrid3d:cp=2", "llama", 1),
     "llama cp2 ulysses clip": (2, "hybrid3d:cp=2,cp_mode=ulysses", "llama", 1),
 }
@@ -52,15 +52,14 @@ def references(folders) -> dict:
     return {("llama", clip): plain_hf_training(folders["llama"], clip) for clip in (None, 0.05)}
 
 
-@pytest.mark.parametrize("label", list(FAST))
-def test_hf_context_parallel_matches_one_process(label, tmp_path_factory, folders, references, request):
-    runs = request.getfixturevalue("fast_runs")
-    check(runs, label, FAST[label], references)
-
-
 @pytest.fixture(scope="module")
 def fast_runs(tmp_path_factory, folders):
     return launch(tmp_path_factory, folders, FAST, "hf_cp", "hf")
+
+
+@pytest.mark.parametrize("label", list(FAST))
+def test_hf_context_parallel_matches_one_process(label, fast_runs, references):
+    check(fast_runs, label, FAST[label], references)
 
 
 @pytest.fixture(scope="module")
@@ -99,20 +98,19 @@ def litgpt_folders(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("label", list(LITGPT))
-def test_litgpt_context_parallel_matches_one_process(label, tmp_path_factory, litgpt_folders, request):
-    from test_litgpt_parity import plain_litgpt_training
-
-    runs = request.getfixturevalue("litgpt_runs")
-    model = LITGPT[label][2]
-    clip = 0.05 if "clip" in label else None
-    check(runs, label, LITGPT[label], {(model, clip): plain_litgpt_training(litgpt_folders[model], clip)})
-
-
 @pytest.fixture(scope="module")
 def litgpt_runs(tmp_path_factory, litgpt_folders):
     return launch(tmp_path_factory, litgpt_folders, LITGPT, "litgpt_cp", "litgpt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(LITGPT))
+def test_litgpt_context_parallel_matches_one_process(label, litgpt_runs, litgpt_folders):
+    from test_litgpt_parity import plain_litgpt_training
+
+    model = LITGPT[label][2]
+    clip = 0.05 if "clip" in label else None
+    check(litgpt_runs, label, LITGPT[label], {(model, clip): plain_litgpt_training(litgpt_folders[model], clip)})
 
 
 # ----- one process: the switch itself, and the refusals -----
@@ -216,3 +214,20 @@ def test_litgpt_sliding_window_is_refused():
         model = GPT(config)
     with pytest.raises(ValueError, match=r"cp=2 cannot run a LitGPT model with config.sliding_window_size=4"):
         check_litgpt_degrees(model, pp=1, tp=1, cp=2)
+
+
+@pytest.mark.slow
+def test_recipe_trains_an_hf_model_at_cp2(tmp_path):
+    """recipes/train_gpt.py model=hf_llama_tiny at cp=2: the byte data split over the cp ranks, the loss falls, and
+    the sample (whole prompts on every cp rank: whole_sequence) is written."""
+    import math
+
+    from recipe_runs import GPT, run_recipe
+
+    got = run_recipe(
+        GPT, tmp_path, "trainer=debug", "trainer.max_steps=6", "sample_tokens=8", "model=hf_llama_tiny",
+        "strategy=hybrid3d", "strategy.cp=2", "trainer.devices=2",
+    )  # fmt: skip
+    assert got["layout"]["cp"] == 2 and got["steps"] == 6
+    assert math.isfinite(got["final_train_loss"]) and got["final_train_loss"] < math.log(256) - 0.5, got
+    assert len(got["sample"]) > 0

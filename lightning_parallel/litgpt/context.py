@@ -63,6 +63,8 @@ def litgpt_context_parallel(
     setattr(model, _POSITIONS, positions)
     switched = []
     for index, block in enumerate(model.transformer.h):
+        if not hasattr(block, "attn"):  # under pp: another stage's block, a placeholder here
+            continue
         block.attn.scaled_dot_product_attention = _attention_method(block.attn, attention)
         if first:  # after the pipeline hook (registered at build): it rebuilds the first T rows, this one replaces them
             block.register_forward_pre_hook(_block_positions(model, index))

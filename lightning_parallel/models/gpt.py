@@ -241,10 +241,12 @@ class GPT(nn.Module):
     def context_parallel(self, attention: Callable[..., Tensor], positions: Callable[..., Tensor]) -> list[str]:
         """Context parallelism (the model protocol's ``context_parallel``): every block's ``attn.attention_core``
         pointed at ``attention``, the embedding's ``position_ids`` at ``positions``; the attention modules' paths."""
-        self.embed.position_ids = positions
-        for block in self.blocks:
+        if isinstance(self.embed, Embedding):  # under pp another stage's layers are placeholders here
+            self.embed.position_ids = positions
+        blocks = [(i, block) for i, block in enumerate(self.blocks) if isinstance(block, Block)]
+        for _, block in blocks:
             block.attn.attention_core = attention
-        return [f"blocks.{i}.attn" for i in range(len(self.blocks))]
+        return [f"blocks.{i}.attn" for i, _ in blocks]
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Tensor parallelism splits heads, the MLP and the vocabulary: each must divide by tp."""
