@@ -133,8 +133,8 @@ def _require_context_parallel(module: Any, cp: int) -> None:
             f"cp={cp} needs {type(module).__name__}.context_parallel(attention, positions) (point the model's "
             "causal attention at attention(q, k, v, dropout_p, scale) and its positions at positions(T, device), "
             "return the attention modules' paths) and .attention_heads() to attend across the split sequence: add "
-            "them (see the README's context parallelism section; the recipe GPT, HFCausalLM and LitGPTCausalLM have "
-            "them), or set cp=1."
+            "them (see docs/context-parallel-models.md; the recipe GPT, HFCausalLM and LitGPTCausalLM have them), or "
+            "set cp=1."
         )
 
 
