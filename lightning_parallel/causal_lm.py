@@ -16,32 +16,41 @@ from torch import Tensor
 IGNORE_INDEX = -100  # HF's label for "no loss here" (padding, prompts)
 
 
-def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """HF's causal-LM loss: labels shifted one token left here (the last position predicts nothing), token-mean
-    cross-entropy over labels that are not -100. ``logits`` (B, T, V) may be split over V (inside
+def shift_labels(labels: Tensor) -> Tensor:
+    """Each position's target: the next token's label (-100 at the last position, which predicts nothing)."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # (B, T)
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor, shifted: bool = False) -> Tensor:
+    """HF's causal-LM loss: labels shifted one token left here (unless ``shifted``: they are targets already),
+    token-mean cross-entropy over labels that are not -100. ``logits`` (B, T, V) may be split over V (inside
     ``loss_parallel``)."""
-    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # (B, T)
+    targets = labels if shifted else shift_labels(labels)
     return F.cross_entropy(
-        logits.flatten(0, -2).float(), shifted.reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX
+        logits.flatten(0, -2).float(), targets.reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX
     )
 
 
-def real_tokens(labels: Tensor) -> Tensor:
+def real_tokens(labels: Tensor, shifted: bool = False) -> Tensor:
     """How many tokens :func:`causal_lm_loss` averages over: the shifted labels that are not -100 (int64)."""
-    return (labels[..., 1:] != IGNORE_INDEX).sum()
+    return ((labels if shifted else labels[..., 1:]) != IGNORE_INDEX).sum()
+
+
+def _context_parallel(strategy: Any) -> int:
+    dims = getattr(strategy, "parallel_dims", None)
+    return dims.context if dims is not None else 1
 
 
 def _loss_pieces(strategy: Any) -> tuple[dist.ProcessGroup | None, int, int]:
-    """(the group of the ranks that see different samples, its size, the pipeline microbatches of a batch): what a
-    step's gradient is averaged over. A strategy it does not know (and cp, whose ranks hold pieces of samples): one
-    rank, one piece (a token mean per rank's batch)."""
+    """(the group of the ranks that hold different tokens, its size, the pipeline microbatches of a batch): what a
+    step's gradient is averaged over: the ``batch`` role, under cp the ``loss`` role (dp x cp: the cp ranks hold
+    pieces of the same samples). A strategy it does not know: one rank, one piece (a token mean per rank's batch)."""
     dims = getattr(strategy, "parallel_dims", None)
     if dims is not None and getattr(strategy, "mesh", None) is not None:
-        if dims.context > 1:
-            return None, 1, 1
         micro = strategy.config.microbatches if dims.pp > 1 else 1
-        size = dims.role_size("batch")
-        return (strategy.mesh.group("batch") if size > 1 else None), size, micro
+        role = "loss" if dims.context > 1 else "batch"
+        size = dims.role_size(role)
+        return (strategy.mesh.group(role) if size > 1 else None), size, micro
     from lightning.pytorch.strategies import DDPStrategy
 
     if isinstance(strategy, DDPStrategy) and strategy.world_size > 1:
@@ -108,24 +117,45 @@ class CausalLM(pl.LightningModule):
         N. When every piece holds the same number of real tokens both factors are exactly 1 and nothing changes.
         The returned (and logged) training loss is the piece's scaled one; ``window_factor`` times the mean of the
         window's step losses over micro-steps and dp ranks is the global token mean. Validation and test losses
-        are token means per batch. Under cp (ranks hold pieces of samples) a token mean per rank's batch.
+        are token means per batch. Under cp the labels were shifted before the strategy split the sequence
+        (:meth:`on_after_batch_transfer`: a rank's last token predicts the first token of the next chunk, which
+        another rank holds) and each cp rank is one of the P pieces; validation and test losses are token means per
+        rank's piece.
         """
-        loss = causal_lm_loss(logits, labels)
+        shifted = self._splits_sequences()
+        loss = causal_lm_loss(logits, labels, shifted)
         if self._token_norm is None or not torch.is_grad_enabled():
             return loss
         pieces, first = self._token_norm
-        factor = int(real_tokens(labels)) * pieces / first  # integers, one division: exactly 1.0 when all equal
+        factor = int(real_tokens(labels, shifted)) * pieces / first  # integers, one division: 1.0 when all equal
         return loss if factor == 1.0 else loss * factor
 
-    def _step_loss(self, batch: Any) -> Tensor:
+    def _splits_sequences(self) -> bool:
+        """Whether the strategy splits each sequence over cp ranks (the labels arrive shifted, see :meth:`loss`)."""
+        return self._trainer is not None and _context_parallel(self._trainer.strategy) > 1
+
+    def _inputs(self, batch: Any) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         ids, labels, inputs = self.unpack(batch)
         inputs = {"attention_mask": inputs} if isinstance(inputs, Tensor) else dict(inputs or {})
-        dims = getattr(self._trainer.strategy, "parallel_dims", None) if self._trainer is not None else None
-        if inputs and dims is not None and dims.context > 1:
+        if inputs and self._splits_sequences():
             raise ValueError(
-                f"cp={dims.context} does not take {' or '.join(sorted(inputs))} yet (padded or packed batches: each "
-                "rank holds pieces of the samples): use cp=1 (tp, pp and ZeRO take them), or unpadded hf_text blocks."
+                f"cp={_context_parallel(self._trainer.strategy)} does not take {' or '.join(sorted(inputs))} yet "
+                "(padded or packed batches: each rank holds pieces of the samples): use cp=1 (tp, pp and ZeRO take "
+                "them), or unpadded hf_text blocks."
             )
+        return ids, labels, inputs
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Under cp, before the strategy splits the sequence: ``{"input_ids", "labels"}`` with the labels shifted
+        (each position's target), so every rank's pieces keep their targets."""
+        batch = super().on_after_batch_transfer(batch, dataloader_idx)
+        if not self._splits_sequences():
+            return batch
+        ids, labels, _ = self._inputs(batch)
+        return {"input_ids": ids, "labels": shift_labels(labels)}
+
+    def _step_loss(self, batch: Any) -> Tensor:
+        ids, labels, inputs = self._inputs(batch)
         output = self(ids, **inputs)
         return self.loss(output, labels)
 
@@ -136,7 +166,7 @@ class CausalLM(pl.LightningModule):
         group, ranks, micro = _loss_pieces(trainer.strategy) if trainer is not None else (None, 1, 1)
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         labels = self.unpack(batch)[1]
-        mine = int(real_tokens(labels))
+        mine = int(real_tokens(labels, self._splits_sequences()))
         if batch_idx % accumulate == 0 or self._token_norm is None:
             total = torch.tensor(mine, dtype=torch.int64, device=labels.device)
             if group is not None:

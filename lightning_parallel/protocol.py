@@ -1,8 +1,8 @@
 """The bring-your-own-model protocol: what a module offers so a layout can split it.
 
 Each method is optional and asked for only by the axis that needs it: ``pipeline_layers()`` and ``loss()``
-under pp > 1, ``tensor_parallel_plan()`` under tp > 1, ``spatial_gather_modules()`` under spatial > 1,
-``check_parallel_degrees()`` always when present,
+under pp > 1, ``tensor_parallel_plan()`` under tp > 1, ``context_parallel()`` and ``attention_heads()`` under cp > 1,
+``spatial_gather_modules()`` under spatial > 1, ``check_parallel_degrees()`` always when present,
 ``materialize(device)`` once the model is split, when parameters are still on the meta device. The
 strategies read them through the functions below, which raise the error that names what is missing; nothing
 else looks methods up by name (``reset_parameters()`` included). Pure Python + torch types; the module need not be
@@ -24,7 +24,7 @@ Where a model's initial values come from when a layout shards its parameters (tp
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -47,6 +47,26 @@ class TensorParallel(Protocol):
     """Under tp > 1: module path (``*`` for one name) -> a torch ``ParallelStyle`` (or this package's conv styles)."""
 
     def tensor_parallel_plan(self, sequence_parallel: bool = False) -> Mapping[str, ParallelStyle]: ...
+
+
+# causal attention over the whole sequence of this rank's pieces of it: (q, k, v, dropout_p=0.0, scale=None) -> out,
+# each (B, H, T, D) with as many key/value heads as query heads (scale None: 1 / sqrt(D))
+AttentionCore = Callable[..., Tensor]
+# (T, device) -> (T,): the positions in the whole sequence of this rank's T tokens
+Positions = Callable[[int, torch.device], Tensor]
+
+
+@runtime_checkable
+class ContextParallelModel(Protocol):
+    """Under cp > 1 (each sequence split over the cp ranks, two chunks each): ``context_parallel`` points the model's
+    causal attention at ``attention`` (ring or Ulysses over the cp group) and makes its positions (rotary or learned)
+    with ``positions``, and returns the paths of the attention modules switched (those this rank holds: skip other
+    pipeline stages' placeholders); ``attention_heads()`` is the query
+    heads of one attention (Ulysses splits the heads each tp rank holds over cp)."""
+
+    def context_parallel(self, attention: AttentionCore, positions: Positions) -> Sequence[str]: ...
+
+    def attention_heads(self) -> int: ...
 
 
 @runtime_checkable
@@ -105,6 +125,34 @@ def tensor_parallel_plan(module: Any, tp: int, sequence_parallel: bool) -> dict[
             "{module path: ParallelStyle}: add it (see docs/custom-models.md) or set tp=1."
         )
     return dict(module.tensor_parallel_plan(sequence_parallel))
+
+
+def _require_context_parallel(module: Any, cp: int) -> None:
+    if not isinstance(module, ContextParallelModel):
+        raise TypeError(
+            f"cp={cp} needs {type(module).__name__}.context_parallel(attention, positions) (point the model's "
+            "causal attention at attention(q, k, v, dropout_p, scale) and its positions at positions(T, device), "
+            "return the attention modules' paths) and .attention_heads() to attend across the split sequence: add "
+            "them (see docs/context-parallel-models.md; the recipe GPT, HFCausalLM and LitGPTCausalLM have them), or "
+            "set cp=1."
+        )
+
+
+def context_parallel(module: Any, cp: int, attention: AttentionCore, positions: Positions) -> list[str]:
+    """Switch ``module``'s attention and positions to context parallelism; the attention modules switched (on this
+    rank: under pp a stage may hold none).
+
+    Raises:
+        TypeError: ``module`` has no ``context_parallel``.
+    """
+    _require_context_parallel(module, cp)
+    return list(module.context_parallel(attention, positions))
+
+
+def attention_heads(module: Any, cp: int) -> int:
+    """``module``'s query heads per attention, or the TypeError naming what cp > 1 needs."""
+    _require_context_parallel(module, cp)
+    return int(module.attention_heads())
 
 
 def spatial_gather_modules(module: Any, spatial: int) -> list[str]:

@@ -381,7 +381,7 @@ MODEL_CASES = [
         "or cp_mode='ring'",
     ),
     Case("cp-attention-dropout", checked(lambda: gpt_model(dropout=0.1), 2, cp=2), "dropout is 0.1", "set it to 0"),
-    Case("cp-without-attention", checked(LayersOnly, 2, cp=2), "cp=2 needs attention modules", "or set cp=1"),
+    Case("cp-without-attention", checked(LayersOnly, 2, cp=2), "cp=2 needs LayersOnly.context_parallel", "or set cp=1"),
     Case(
         "spatial-without-gather-modules",
         checked(LayersOnly, 2, spatial=2),

@@ -67,8 +67,8 @@ def test_a_save_pretrained_folder_trains_from_its_weights(tmp_path):
             r"strategy.pp=8",  # 6 pipeline layers (2 blocks)
         ),
         (
-            ["model=hf_llama_tiny", "strategy=hybrid3d", "strategy.cp=2", "trainer.devices=2"],
-            r"strategy.cp=2 with model=hf: context parallelism reaches the recipe's own GPT only .*strategy.cp=1",
+            ["model=hf_llama_tiny", "strategy=hybrid3d", "strategy.cp=3", "trainer.devices=3"],
+            r"strategy.cp=3 splits each sequence into 2 \* cp = 6 equal chunks .* does not divide by 6",
         ),
     ],
     ids=[

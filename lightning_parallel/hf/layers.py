@@ -28,18 +28,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_parallel.hf.context import default_positions
 from lightning_parallel.hf.plan import _pp_names, is_gpt2
 from lightning_parallel.parallel.pipeline.runner import stage_inputs
 
 _HOOKED = "_lightning_parallel_pipeline_hooks"
 
 
-def _positions(hidden: Tensor) -> Tensor:
-    """The microbatch's position ids (B, T) when the step passed them, else 0 .. T-1 (1, T)."""
+def _positions(hidden: Tensor, model: nn.Module) -> Tensor:
+    """The microbatch's position ids (B, T) when the step passed them, else what HF's forward would make: 0 .. T-1
+    (1, T), or under cp this rank's true positions (B, T)."""
     given = stage_inputs().get("position_ids")
     if given is not None:
         return given.to(hidden.device)
-    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    return default_positions(model, hidden.shape[0], hidden.shape[1], hidden.device)
 
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")  # what a stage can rebuild the mask of
@@ -55,10 +57,11 @@ def attention_type(config: Any, index: int) -> str:
     return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
 
 
-def _decoder_inputs(config: Any, rotary: nn.Module | None, index: int):
+def _decoder_inputs(model: nn.Module, rotary: nn.Module | None, index: int):
     """Pre-hook: what the base model's forward would pass decoder layer ``index``, rebuilt from the hidden state."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+    config = model.config
     kind = attention_type(config, index)
     make_mask = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
     # rotary tables per attention type (Gemma 3) take the type
@@ -68,7 +71,7 @@ def _decoder_inputs(config: Any, rotary: nn.Module | None, index: int):
         if kwargs or len(args) != 1:
             return None  # called by HF's own forward, which passes everything itself
         hidden = args[0]  # (B, T, C)
-        position_ids = _positions(hidden)
+        position_ids = _positions(hidden, model)
         extra: dict[str, Any] = {"position_ids": position_ids}
         padding = stage_inputs().get("attention_mask")  # (B, T) 1 on tokens, 0 on padding; None: none
         padding = padding.to(hidden.device) if padding is not None else None
@@ -154,15 +157,15 @@ class _AddPositions:
     """GPT-2's ``wpe`` as a pipeline layer: called on the token embeddings (floating point, not position ids),
     it returns ``drop(tokens + wpe(positions))``, what GPT2Model computes before its blocks."""
 
-    def __init__(self, drop: nn.Module) -> None:
-        self.drop = drop
+    def __init__(self, drop: nn.Module, model: nn.Module) -> None:
+        self.drop, self.model = drop, model
         self.tokens: Tensor | None = None
 
     def before(self, wpe: nn.Module, args: tuple) -> tuple | None:
         if len(args) != 1 or not torch.is_floating_point(args[0]):
             return None  # position ids: HF's own forward
         self.tokens = args[0]  # (B, T, C)
-        return (_positions(args[0]),)
+        return (_positions(args[0], self.model),)
 
     def after(self, wpe: nn.Module, args: tuple, output: Tensor) -> Tensor | None:
         if self.tokens is None:
@@ -189,7 +192,7 @@ def _llama_like_layers(model: nn.Module) -> list[nn.Module]:
         _install_forward_extras(model, base, embed, heads[-1])
         rotary = getattr(base, "rotary_emb", None)
         for index, block in enumerate(blocks):
-            block.register_forward_pre_hook(_decoder_inputs(model.config, rotary, index), with_kwargs=True)
+            block.register_forward_pre_hook(_decoder_inputs(model, rotary, index), with_kwargs=True)
 
     _hook_once(model, install)
     return [embed, *blocks, norm, *heads]
@@ -200,11 +203,11 @@ def _gpt2_layers(model: nn.Module) -> list[nn.Module]:
 
     def install() -> None:
         base.wte.register_forward_pre_hook(_refuse_extra_inputs, with_kwargs=True)
-        positions = _AddPositions(base.drop)
+        positions = _AddPositions(base.drop, model)
         base.wpe.register_forward_pre_hook(positions.before)
         base.wpe.register_forward_hook(positions.after)
         for index, block in enumerate(base.h):
-            block.register_forward_pre_hook(_decoder_inputs(model.config, None, index), with_kwargs=True)
+            block.register_forward_pre_hook(_decoder_inputs(model, None, index), with_kwargs=True)
 
     _hook_once(model, install)
     return [base.wte, base.wpe, *base.h, base.ln_f, model.lm_head]

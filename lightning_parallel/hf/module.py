@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.causal_lm import IGNORE_INDEX, CausalLM, causal_lm_loss  # noqa: F401  (re-exported)
 from lightning_parallel.hf.adapters import PEFT_KEY, BaseIdentity, check_same_base, save_record
+from lightning_parallel.hf.context import check_hf_context, hf_attention_heads, hf_context_parallel
 from lightning_parallel.hf.layers import (
     ATTENTION_TYPES,
     PIPELINE_EXTRAS,
@@ -81,8 +82,9 @@ class HFCausalLM(CausalLM):
 
     Batches are a dict with ``input_ids`` (and optionally ``labels``, ``attention_mask``, ``position_ids``; labels
     default to the input ids) or a tuple ``(input_ids, labels)``: padded and packed batches
-    (:mod:`lightning_parallel.text`) under every layout but cp. The training loss is a mean over the global
-    batch's real tokens (:meth:`~lightning_parallel.causal_lm.CausalLM.loss`).
+    (:mod:`lightning_parallel.text`) under every layout but cp (there: unpadded rows; the attention and positions
+    switched by :meth:`context_parallel`). The training loss is a mean over the global batch's real tokens
+    (:meth:`~lightning_parallel.causal_lm.CausalLM.loss`).
 
     A folder with safetensors weights is not read here: the parameters are built on the meta device and each
     rank reads only what it holds once the strategy split the model (its stages, its tensor-parallel and ZeRO-3
@@ -232,16 +234,25 @@ class HFCausalLM(CausalLM):
         plan = hf_tensor_parallel_plan(self.model, sequence_parallel)
         return {f"model.{path}": style for path, style in plan.items()}
 
+    def context_parallel(self, attention: Any, positions: Any) -> list[str]:
+        """Under cp > 1: HF's attention through the attention-function interface, positions per chunk
+        (:mod:`lightning_parallel.hf.context`)."""
+        return [f"model.{path}" for path in hf_context_parallel(self.hf_model, attention, positions)]
+
+    def attention_heads(self) -> int:
+        return hf_attention_heads(self.hf_model.config)
+
     def check_parallel_degrees(self, pp: int, tp: int, cp: int = 1, ep: int = 1) -> None:
         if self.peft_config is not None:
             check_peft_degrees(self.peft_config, pp=pp, tp=tp, cp=cp, ep=ep)
-        check_hf_degrees(self.hf_model, pp=pp, tp=tp)
+        check_hf_degrees(self.hf_model, pp=pp, tp=tp, cp=cp)
         if pp > 1 and tp > 1 and getattr(self, "_sequence_parallel", False):
             raise ValueError(SP_WITH_PP)
 
 
-def check_hf_degrees(model: nn.Module, *, pp: int, tp: int) -> None:
-    """Refuse tp that does not divide the heads, key/value heads or vocabulary, and pp beyond the decoder layers.
+def check_hf_degrees(model: nn.Module, *, pp: int, tp: int, cp: int = 1) -> None:
+    """Refuse tp that does not divide the heads, key/value heads or vocabulary, pp beyond the decoder layers, and
+    under cp attention it cannot run (sliding windows, softcapping, attention dropout).
 
     Raises:
         ValueError: naming the setting and the fix.
@@ -283,3 +294,5 @@ def check_hf_degrees(model: nn.Module, *, pp: int, tp: int) -> None:
         raise ValueError(
             f"pp={pp} is more pipeline stages than the model's {layers} decoder layers: use pp <= {layers}."
         )
+    if cp > 1:
+        check_hf_context(config, layers, cp)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.causal_lm import CausalLM
+from lightning_parallel.litgpt.context import check_litgpt_context, litgpt_context_parallel
 from lightning_parallel.litgpt.layers import litgpt_pipeline_layers
 from lightning_parallel.litgpt.lora import build_lora_gpt, check_lora_degrees, lora_config
 from lightning_parallel.litgpt.plan import SP_WITH_PP, litgpt_tensor_parallel_plan
@@ -114,7 +115,8 @@ class LitGPTCausalLM(CausalLM):
     With LoRA the model is LitGPT's own ``litgpt.lora.GPT`` (its ``LoRALinear`` / ``LoRAQKVLinear`` layers and
     parameter names, ``lora_A`` / ``lora_B``), built and loaded as ``litgpt finetune_lora`` does, the base frozen:
     only the adapters have gradients and optimizer states. ZeRO 0-3, tp (with or without sequence parallelism)
-    and pp for now; cp and ep are refused (:mod:`lightning_parallel.litgpt.lora`).
+    and pp for now; cp and ep are refused (:mod:`lightning_parallel.litgpt.lora`). Without LoRA, cp splits each sequence
+    (:mod:`lightning_parallel.litgpt.context`).
 
     Args:
         model: a ``litgpt.model.GPT``, a ``litgpt.config.Config``, a litgpt config name (``"pythia-14m"``) or a
@@ -187,10 +189,17 @@ class LitGPTCausalLM(CausalLM):
         """Whether the model is a ``litgpt.lora.GPT`` with adapters (the base frozen)."""
         return getattr(self.model.config, "lora_r", 0) > 0
 
+    def context_parallel(self, attention: Any, positions: Any) -> list[str]:
+        """Under cp > 1: LitGPT's attention and rotary positions per chunk (:mod:`.context`)."""
+        return [f"model.{path}" for path in litgpt_context_parallel(self.model, attention, positions)]
+
+    def attention_heads(self) -> int:
+        return int(self.model.config.n_head)
+
     def check_parallel_degrees(self, pp: int, tp: int, cp: int = 1, ep: int = 1) -> None:
         if self.has_lora:
             check_lora_degrees(self.model.config, pp=pp, tp=tp, cp=cp, ep=ep)
-        check_litgpt_degrees(self.model, pp=pp, tp=tp)
+        check_litgpt_degrees(self.model, pp=pp, tp=tp, cp=cp)
         if pp > 1 and tp > 1 and getattr(self, "_sequence_parallel", False):
             raise ValueError(SP_WITH_PP)
 
@@ -199,7 +208,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_litgpt_degrees(model: nn.Module, *, pp: int, tp: int) -> None:
+def check_litgpt_degrees(model: nn.Module, *, pp: int, tp: int, cp: int = 1) -> None:
     """Refuse a tp that does not divide the heads, key/value groups or padded vocabulary, a pp beyond the
     blocks, and what the pipeline layers or the plan cannot express (see :func:`litgpt_pipeline_layers`).
 
@@ -207,6 +216,7 @@ def check_litgpt_degrees(model: nn.Module, *, pp: int, tp: int) -> None:
         model: a litgpt ``GPT``.
         pp: pipeline stages.
         tp: tensor-parallel degree.
+        cp: context-parallel degree (attention it cannot run refused: :func:`check_litgpt_context`).
 
     Raises:
         ValueError: naming the setting and the fix.
@@ -246,3 +256,5 @@ def check_litgpt_degrees(model: nn.Module, *, pp: int, tp: int) -> None:
                     f"pp={pp} cannot split a LitGPT model with config.{name}={getattr(config, name)!r} (GPT.forward "
                     "applies it outside every layer): use pp=1."
                 )
+    if cp > 1:
+        check_litgpt_context(config, cp)

@@ -4,6 +4,7 @@ pre-norm blocks, a head tied to the token embedding."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -83,7 +84,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
-        # context parallelism points this at attention across the cp ranks (parallel/context/apply.py)
+        # context parallelism points this at attention across the cp ranks (GPT.context_parallel)
         self.attention_core = causal_attention
 
     def forward(self, x: Tensor) -> Tensor:
@@ -173,7 +174,7 @@ class Embedding(nn.Module):
         self.seq_len = cfg.seq_len
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
-        # context parallelism points this at the positions of this rank's pieces of the sequence
+        # context parallelism points this at the positions of this rank's pieces of the sequence (GPT.context_parallel)
         self.position_ids = arange_positions
 
     def reset_parameters(self) -> None:
@@ -236,6 +237,16 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def context_parallel(self, attention: Callable[..., Tensor], positions: Callable[..., Tensor]) -> list[str]:
+        """Context parallelism (the model protocol's ``context_parallel``): every block's ``attn.attention_core``
+        pointed at ``attention``, the embedding's ``position_ids`` at ``positions``; the attention modules' paths."""
+        if isinstance(self.embed, Embedding):  # under pp another stage's layers are placeholders here
+            self.embed.position_ids = positions
+        blocks = [(i, block) for i, block in enumerate(self.blocks) if isinstance(block, Block)]
+        for _, block in blocks:
+            block.attn.attention_core = attention
+        return [f"blocks.{i}.attn" for i, _ in blocks]
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Tensor parallelism splits heads, the MLP and the vocabulary: each must divide by tp."""

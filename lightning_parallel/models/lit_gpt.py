@@ -4,6 +4,7 @@ zero strategies."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -99,9 +100,23 @@ class LitGPT(pl.LightningModule):
         """Module path -> torch ParallelStyle, applied on the tp axis."""
         return gpt_tp_plan("model.", sequence_parallel, self.config.moe_blocks, self.config.n_layer)
 
-    def check_parallel_degrees(self, pp: int, tp: int) -> None:
+    def context_parallel(self, attention: Callable[..., Tensor], positions: Callable[..., Tensor]) -> list[str]:
+        """Under cp > 1: the blocks' attention and the embedding's positions switched (:meth:`GPT.context_parallel`)."""
+        if self.model is None:
+            raise AttributeError("context_parallel: the GPT is built in configure_model")
+        return [f"model.{path}" for path in self.model.context_parallel(attention, positions)]
+
+    def attention_heads(self) -> int:
+        return self.config.n_head
+
+    def check_parallel_degrees(self, pp: int, tp: int, cp: int = 1) -> None:
         """Refuse degrees this model cannot split into, before any process group exists."""
         GPT.check_tensor_parallel_config(self.config, tp)
+        if cp > 1 and self.config.dropout:
+            raise ValueError(
+                f"cp={cp}: context-parallel attention has no dropout, and the model's attention dropout is "
+                f"{self.config.dropout}: set it to 0 (GPTConfig.dropout), or cp=1."
+            )
 
     def configure_optimizers(self) -> Any:
         decay = [p for p in self.parameters() if p.dim() >= 2]

@@ -146,7 +146,7 @@ def parallelize(
             plan = resolvable_plan(root, plan, placeholders=(ElsewhereLayer,))
         apply_tp(root, mesh["tensor"], plan)
     if dims.context > 1:
-        done.context, done.context_attention = apply_context_parallel(root, mesh["context"], config.cp_mode)
+        done.context, done.context_attention = apply_context_parallel(module, mesh["context"], config.cp_mode)
     if dims.spatial > 1:  # before ZeRO-3 wraps the layers; BatchNorms synced over dp then reduce over dp x spatial
         gather = spatial_gather_modules(module, dims.spatial)
         example = getattr(module, "example_input_array", None)

@@ -138,17 +138,16 @@ def check_config(cfg: DictConfig) -> None:
 
 def _check_library_model(cfg: DictConfig, meta: Any, num_layers: int, check_layout: Any) -> Any:
     """``model=hf*`` / ``model=litgpt``: the same checks, on the model built on the meta device;
-    ``check_layout(meta, pp=, tp=, sequence_parallel=)`` the checks its module runs in the workers. Returns the
+    ``check_layout(meta, pp=, tp=, cp=, sequence_parallel=)`` the checks its module runs in the workers. Returns the
     strategy (checked, not yet used)."""
     strategy = check_run_settings(cfg, num_layers=num_layers)
     if dims := _dims(cfg, strategy):
-        if dims.cp > 1:  # what the workers' check_model would refuse, said before any of them starts
-            raise ValueError(
-                f"strategy.cp={dims.cp} with model={'hf' if is_hf_model(cfg.model) else 'litgpt'}: context parallelism "
-                "reaches the recipe's own GPT only for now (its attention has the attention_core the ring splits); "
-                "set strategy.cp=1, or use model=gpt_* for long sequences."
-            )
-        check_layout(meta, pp=dims.pp, tp=dims.tp, sequence_parallel=strategy.config.sequence_parallel)
+        if dims.context > 1:  # what the workers' check_model would refuse, said before any of them starts
+            check_sequence(cfg.model.seq_len, dims.cp, setting="strategy.cp")
+            if strategy.config.cp_mode == "ulysses":
+                heads = getattr(meta.config, "num_attention_heads", None) or meta.config.n_head  # HF's, LitGPT's
+                check_heads(heads, dims.cp, dims.tp, setting="strategy.cp_mode='ulysses'")
+        check_layout(meta, pp=dims.pp, tp=dims.tp, cp=dims.cp, sequence_parallel=strategy.config.sequence_parallel)
     if cfg.trainer.sync_batchnorm:
         raise ValueError("trainer.sync_batchnorm=true: the model has no BatchNorm to sync (its norms need none).")
     check_text_data(cfg)

@@ -124,12 +124,12 @@ def _check_attention(config: Any, accelerator: str) -> None:
         )
 
 
-def check_hf_layout(model: Any, pp: int, tp: int, sequence_parallel: bool) -> None:
+def check_hf_layout(model: Any, pp: int, tp: int, sequence_parallel: bool, cp: int = 1) -> None:
     """The checks :class:`~lightning_parallel.hf.HFCausalLM` runs in the workers, run on the meta model here."""
     from lightning_parallel.hf import check_hf_degrees
     from lightning_parallel.hf.plan import SP_WITH_PP
 
-    check_hf_degrees(model, pp=pp, tp=tp)
+    check_hf_degrees(model, pp=pp, tp=tp, cp=cp)
     if pp > 1 and tp > 1 and sequence_parallel:
         raise ValueError(SP_WITH_PP)
 

@@ -104,12 +104,12 @@ def _check_weights_fit(model: Any, folder: Path) -> None:
             )
 
 
-def check_litgpt_layout(model: Any, pp: int, tp: int, sequence_parallel: bool) -> None:
+def check_litgpt_layout(model: Any, pp: int, tp: int, sequence_parallel: bool, cp: int = 1) -> None:
     """The checks :class:`~lightning_parallel.litgpt.LitGPTCausalLM` runs in the workers, run on the meta model."""
     from lightning_parallel.litgpt import check_litgpt_degrees
     from lightning_parallel.litgpt.plan import SP_WITH_PP
 
-    check_litgpt_degrees(model, pp=pp, tp=tp)
+    check_litgpt_degrees(model, pp=pp, tp=tp, cp=cp)
     if pp > 1 and tp > 1 and sequence_parallel:
         raise ValueError(SP_WITH_PP)
 
