@@ -28,7 +28,9 @@ COMMON = {
 }  # fmt: skip
 MOE = {  # 4 experts, top 2; DeepSeek-V3: a dense first layer, a shared expert, group-limited routing
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8}),
+    "qwen3_moe": ("qwen3_moe", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8,
+    }),
     "deepseek_v3": ("deepseek_v3", {
         "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_shared_experts": 1,
         "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": None,
