@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_parallel.hf import HFCausalLM
 from lightning_parallel.hf.export import export_hf
-from lightning_parallel.hf.loading import load_local_weights
+from lightning_parallel.hf.loading import load_local_weights, module_expert_ranges
 from lightning_parallel.hf.module import lazy_causal_lm
 
 COMMON = {
@@ -128,8 +128,9 @@ def opened(monkeypatch) -> list[str]:
 @pytest.mark.parametrize("name", list(MOE))
 @pytest.mark.parametrize("half", [0, 1])
 def test_a_rank_holding_half_the_experts_reads_half_their_bytes(name, half, folders, opened):
-    """The expert-parallel split's view: each fused expert parameter holds experts first..last-1 (a plain tensor,
-    ``expert_ranges``); the loader opens only those experts' tensors of the folder."""
+    """The expert-parallel split's view: each fused expert parameter holds experts first..last-1 (a plain tensor;
+    the first half said by ``expert_ranges``, the second by the experts module's ``expert_range`` hook); the loader
+    opens only those experts' tensors of the folder."""
     first, last = half * EXPERTS // 2, (half + 1) * EXPERTS // 2
     model = lazy_causal_lm(folders[name])
     ranges = {}
@@ -139,8 +140,10 @@ def test_a_rank_holding_half_the_experts_reads_half_their_bytes(name, half, fold
             if path.endswith("mlp.experts") and isinstance(param, nn.Parameter):
                 setattr(module, attr, nn.Parameter(param[first:last]))  # still on the meta device
                 ranges[f"{path}.{attr}"] = (first, last)
-    assert ranges
-    read = load_local_weights(model, folders[name], torch.device("cpu"), {}, expert_ranges=ranges)
+                module.expert_range = (first, last) if half else None
+    assert ranges and module_expert_ranges(model) == (ranges if half else {})
+    given = {} if half else {"expert_ranges": ranges}
+    read = load_local_weights(model, folders[name], torch.device("cpu"), {}, **given)
     want = from_pretrained(folders[name]).state_dict()
     for key, value in model.state_dict().items():
         assert torch.equal(value, want[key][first:last] if key in ranges else want[key]), key
@@ -215,3 +218,16 @@ def test_zero3_ranks_read_only_their_experts(fast_runs, folders):
     print(f"mixtral zero3: bytes read per rank {read} of {full} (experts {experts})")
     assert all(r <= full - experts // 2 for r in read), (read, full, experts)
     assert sum(read) < full + experts // 4  # about one copy over the two ranks
+
+
+def test_expert_ranges_for_a_dtensor_is_refused(folders, monkeypatch):
+    """A DTensor says which experts it holds: naming one in ``expert_ranges`` is refused, naming the fix, before
+    anything is allocated (the loader's DTensor check pointed at ``nn.Parameter`` here: no process group)."""
+    from lightning_parallel.hf import loading
+
+    model = lazy_causal_lm(folders["mixtral"])
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    monkeypatch.setattr(loading, "DTensor", nn.Parameter)
+    with pytest.raises(ValueError, match="expert_ranges names .*gate_up_proj.*, a DTensor.*plain tensors only"):
+        load_local_weights(model, folders["mixtral"], torch.device("cpu"), {}, expert_ranges={name: (0, 2)})
+    assert model.get_parameter(name).is_meta

@@ -120,6 +120,18 @@ class WeightReader:
         return value
 
 
+def module_expert_ranges(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Parameter name -> ``(first, last)`` for the parameters of every module with an ``expert_range`` attribute
+    (the hook an expert-parallel split sets on a Hugging Face experts module it cut: each of its parameters holds
+    experts first..last-1 of the folder's on dim 0)."""
+    return {
+        f"{path}.{name}": tuple(module.expert_range)
+        for path, module in model.named_modules()
+        if getattr(module, "expert_range", None) is not None
+        for name, _ in module.named_parameters(recurse=False)
+    }
+
+
 def load_local_weights(
     model: nn.Module,
     folder: str | Path,
@@ -140,17 +152,18 @@ def load_local_weights(
         aliases: :func:`tied_aliases` of the model as built (before a pipeline split cut the ties).
         expert_ranges: parameter name -> the experts ``(first, last)`` (last excluded) a plain tensor holds, its
             dim 0 being those experts of the folder's (an expert-parallel split that keeps plain tensors); a
-            DTensor says what it holds itself.
+            DTensor says what it holds itself. Default: :func:`module_expert_ranges` (modules that say it).
 
     Returns:
         the bytes read from the files.
 
     Raises:
-        ValueError: a parameter the folder does not hold (naming it).
+        ValueError: a parameter the folder does not hold (naming it); ``expert_ranges`` naming a DTensor.
     """
     files = safetensors_files(folder)
     if files is None:
         raise FileNotFoundError(f"{folder}: no {SAFE_WEIGHTS} or {SAFE_INDEX}: save the model with safetensors.")
+    ranges = _checked_ranges(model, expert_ranges)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
     tied = tied_aliases(model)  # the ties as they are now (a pipeline split may have cut some)
     model.to_empty(device=device)
@@ -172,7 +185,7 @@ def load_local_weights(
             target = param.to_local() if isinstance(param, DTensor) else param
             if target.numel() == 0:
                 continue
-            rows = (expert_ranges or {}).get(name)
+            rows = ranges.get(name)
             box = (slice(*rows),) if rows is not None else local_box(param) if isinstance(param, DTensor) else None
             if key in files:
                 value = _read_box(lambda box, key=key: reader.read(key, box), param, box, device)
@@ -184,6 +197,17 @@ def load_local_weights(
             if name in files:
                 buffer.copy_(reader.read(name))
         return reader.bytes_read
+
+
+def _checked_ranges(model: nn.Module, given: Mapping[str, tuple[int, int]] | None) -> dict[str, tuple[int, int]]:
+    ranges = dict(module_expert_ranges(model) if given is None else given)
+    held_whole = [n for n, p in model.named_parameters() if n in ranges and isinstance(p, DTensor)]
+    if held_whole:
+        raise ValueError(
+            f"expert_ranges names {held_whole[0]!r}, a DTensor: its placements say which experts this rank holds. "
+            "Give expert_ranges for plain tensors only."
+        )
+    return ranges
 
 
 def _read_box(read: Callable, param: Tensor, box: tuple[slice, ...] | None, device: torch.device) -> Tensor:
