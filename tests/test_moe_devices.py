@@ -150,3 +150,36 @@ def test_expert_parallel_exchange_reads_its_counts_on_the_host_once(world_of_one
     direct.sum().backward()
     torch.testing.assert_close(out, direct, rtol=0, atol=0)
     torch.testing.assert_close(rows.grad, direct_rows.grad, rtol=0, atol=0)
+
+
+class _StageMesh:
+    """A mesh's part the monitor asks for under pp: two stages; every role's group the world of one here."""
+
+    def size(self, role: str) -> int:
+        return 2 if role == "stage" else 1
+
+    def group(self, role: str):
+        return dist.group.WORLD
+
+
+def test_monitor_under_pp_reports_the_layers_this_stage_holds(world_of_one, monkeypatch):
+    """A model that keeps another stage's MoE layer on the meta device (no statistics, no data): the monitor skips
+    it instead of copying meta tensors ("Cannot copy out of meta tensor"), and gathers the figures of a logging step
+    over the stage group (one gather; rank 0 logs every stage's)."""
+    torch.manual_seed(0)
+    module = _Module()
+    with torch.device("meta"):
+        module.elsewhere = MoE(8, 16, 4, 2)
+    gathers = []
+    real = dist.all_gather_object
+    monkeypatch.setattr(dist, "all_gather_object", lambda *a, **k: gathers.append(k.get("group")) or real(*a, **k))
+    trainer = SimpleNamespace(strategy=SimpleNamespace(mesh=_StageMesh()), global_step=0, log_every_n_steps=1)
+    monitor = MoEMonitor()
+    monitor.on_train_start(trainer, module)
+    module.moe(torch.randn(3, 5, 8))
+    tokens = module.moe.stats()["tokens_per_expert"]
+    monitor.on_train_batch_end(trainer, module)
+    assert gathers == [dist.group.WORLD]
+    assert sorted(module.logged) == [f"moe/moe/{k}" for k in ("aux_loss", "max_over_mean", "max_tokens", "min_tokens")]
+    assert module.logged["moe/moe/max_tokens"] == max(tokens)
+    assert list(monitor.summary()) == ["moe"]

@@ -80,6 +80,36 @@ def test_moe_recipe_at_ep2_matches_one_process_and_reports_expert_load(tmp_path)
 
 
 @pytest.mark.slow
+def test_moe_recipe_at_ep2_x_pp2_logs_every_stage_s_expert_load(tmp_path):
+    """model=gpt_moe_tiny at ep=2 x pp=2 (world 4) runs the recipe's callbacks past the first batch: each stage
+    reports the MoE layers it holds, reduced over its ranks, and rank 0's log has every stage's layers with the
+    single-process figures at every step (trainer=debug logs each one)."""
+    moe = [*SHORT, "model=gpt_moe_tiny", "sample_tokens=0"]
+    (tmp_path / "one").mkdir()
+    (tmp_path / "ep2pp2").mkdir()
+    one = run_recipe(tmp_path / "one", *moe)
+    layout = ["strategy=hybrid3d", "strategy.ep=2", "strategy.pp=2", "trainer.devices=4"]
+    got = run_recipe(tmp_path / "ep2pp2", *moe, *layout)
+    want = one["final_train_loss"]
+    assert abs(got["final_train_loss"] - want) <= 1e-5 * want, (got["final_train_loss"], want)
+    assert list(got["moe"]) == ["model.blocks.1.mlp", "model.blocks.3.mlp", "model.blocks.5.mlp"]
+    for name, stats in got["moe"].items():
+        assert stats["tokens_per_expert"] == one["moe"][name]["tokens_per_expert"]
+    logged, logged_one = moe_log(tmp_path / "ep2pp2"), moe_log(tmp_path / "one")
+    assert sorted(logged) == sorted(logged_one) and len(logged) == 6 * 3 * 4  # steps x layers x figures
+    for (step, column), value in logged_one.items():
+        assert abs(logged[step, column] - value) <= 1e-5 * abs(value), (step, column, logged[step, column], value)
+
+
+def moe_log(cwd) -> dict[tuple[str, str], float]:
+    """(step, column) -> value of the moe/ columns in a recipe run's metrics.csv (rank 0's logger)."""
+    (path,) = (cwd / "run").glob("logs/*/metrics.csv")
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    return {(r["step"], k): float(v) for r in rows for k, v in r.items() if k.startswith("moe/") and v}
+
+
+@pytest.mark.slow
 def test_same_final_loss_at_world_8(single, tmp_path):
     overrides = ["strategy=hybrid3d", "strategy.pp=2", "strategy.dp=2", "strategy.tp=2", "trainer.devices=8"]
     got = run_recipe(tmp_path, *SHORT, *overrides, timeout=600)

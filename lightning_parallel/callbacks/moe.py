@@ -13,11 +13,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_parallel.parallel.devices import collective_device
 from lightning_parallel.parallel.expert.aux import set_aux_loss_scale
-from lightning_parallel.parallel.expert.moe import moe_layers
+from lightning_parallel.parallel.expert.moe import MoE, moe_layers
 
 
 def _precision_scale(trainer: pl.Trainer) -> float:
@@ -43,33 +43,52 @@ class MoEMonitor(pl.Callback):
     figure to watch: a run's summed counts can look balanced while each step sends everything to a few experts.
     ``summary()`` gives the run's figures (the recipes write them to metrics.json).
 
-    The figures stay on the layers' device: they are reduced there (on the device the group's backend serves) and
-    reach the host only when logged and in ``summary()``."""
+    Under pp each stage reduces the layers it holds (over its ``batch`` ranks) and rank 0 logs every stage's: the
+    figures of a logging step are gathered over the ``stage`` role's group. The figures stay on the layers' device:
+    they are reduced there (on the device the group's backend serves) and reach the host only when logged and in
+    ``summary()``."""
 
     def __init__(self) -> None:
         self._run: dict[str, _RunTotals] = {}
+        self._stages: Any = None  # under pp: the group whose stages' figures rank 0 logs (None: this rank's only)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stages = _stage_group(trainer, len(held_moe_layers(pl_module)))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        layers = moe_layers(pl_module)
-        if not layers:
+        layers = held_moe_layers(pl_module)
+        if not layers and self._stages is None:
             return
         group = _batch_group(trainer)
         ranks = dist.get_world_size(group) if group is not False else 1
-        log = trainer.global_step % max(trainer.log_every_n_steps, 1) == 0
+        figures = {}
         for name, layer in layers.items():
             sums, forwards, choices = layer.totals()
             layer.reset_stats()
             if group is not False:
                 sums = summed_over(sums, group)
             run = self._run.setdefault(name, _RunTotals.zeros(layer.num_experts, sums.device))
-            figures = run.add(sums[: layer.num_experts], *_means(sums, layer.num_experts, forwards, choices, ranks))
-            if log:  # the one host copy of this layer's figures, at logging steps only
-                aux, tokens_max, tokens_min, imbalance = figures.tolist()
+            figures[name] = run.add(
+                sums[: layer.num_experts], *_means(sums, layer.num_experts, forwards, choices, ranks)
+            )
+        if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+            for name, (aux, tokens_max, tokens_min, imbalance) in self._gathered(figures).items():
                 short = name.replace(".", "/")
                 pl_module.log(f"moe/{short}/aux_loss", aux, rank_zero_only=True)
                 pl_module.log(f"moe/{short}/max_tokens", tokens_max, rank_zero_only=True)
                 pl_module.log(f"moe/{short}/min_tokens", tokens_min, rank_zero_only=True)
                 pl_module.log(f"moe/{short}/max_over_mean", imbalance, rank_zero_only=True)
+
+    def _gathered(self, figures: dict[str, Tensor]) -> dict[str, list[float]]:
+        """The batch's figures of this rank's layers on the host (one copy, at logging steps only); under pp those
+        of every stage's layers, so that rank 0, the one that logs, logs all of them."""
+        values = torch.stack(list(figures.values())).tolist() if figures else []
+        mine = dict(zip(figures, values))
+        if self._stages is None:
+            return mine
+        everyone: list[dict] = [{}] * dist.get_world_size(self._stages)
+        dist.all_gather_object(everyone, mine, group=self._stages)
+        return {name: value for part in everyone for name, value in part.items()}
 
     def summary(self, trainer: pl.Trainer | None = None) -> dict[str, dict[str, Any]]:
         """Per layer: tokens per expert over the run (summed over the data-parallel ranks), their min and max, the
@@ -86,6 +105,12 @@ class MoEMonitor(pl.Callback):
             for name, stats in part.items():
                 merged.setdefault(name, stats)
         return dict(sorted(merged.items()))
+
+
+def held_moe_layers(module: nn.Module) -> dict[str, MoE]:
+    """The MoE layers under ``module`` this rank holds: those of other pipeline stages are placeholders, or still
+    on the meta device where a model keeps them (they have no statistics here)."""
+    return {name: layer for name, layer in moe_layers(module).items() if not layer.router.weight.is_meta}
 
 
 def summed_over(values: Tensor, group: Any) -> Tensor:
@@ -140,6 +165,19 @@ class _RunTotals:
             "aux_loss": aux,
             "dropped_fraction": dropped,
         }
+
+
+def _stage_group(trainer: pl.Trainer, held: int) -> Any:
+    """Under pp > 1 with MoE layers on any stage: the ``stage`` role's group (every pp rank gathers its layers'
+    figures over it at logging steps, a stage without MoE layers too); else None. One small all-reduce of the held
+    layers' count over that group, at the start of training."""
+    mesh = getattr(trainer.strategy, "mesh", None) if dist.is_available() and dist.is_initialized() else None
+    if mesh is None or mesh.size("stage") == 1:
+        return None
+    group = mesh.group("stage")
+    count = torch.tensor([held], device=collective_device(group))
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    return group if int(count.item()) > 0 else None
 
 
 def _batch_group(trainer: pl.Trainer) -> Any:

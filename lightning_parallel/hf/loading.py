@@ -15,8 +15,9 @@ Pure torch + safetensors; no process group (each rank reads for itself).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from lightning_parallel._compat import StridedShard, compute_local_shape_and_global_offset
+from lightning_parallel.hf.moe_loading import converted_weights
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -118,24 +120,50 @@ class WeightReader:
         return value
 
 
-def load_local_weights(model: nn.Module, folder: str | Path, device: torch.device, aliases: dict[str, str]) -> int:
+def module_expert_ranges(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Parameter name -> ``(first, last)`` for the parameters of every module with an ``expert_range`` attribute
+    (the hook an expert-parallel split sets on a Hugging Face experts module it cut: each of its parameters holds
+    experts first..last-1 of the folder's on dim 0)."""
+    return {
+        f"{path}.{name}": tuple(module.expert_range)
+        for path, module in model.named_modules()
+        if getattr(module, "expert_range", None) is not None
+        for name, _ in module.named_parameters(recurse=False)
+    }
+
+
+def load_local_weights(
+    model: nn.Module,
+    folder: str | Path,
+    device: torch.device,
+    aliases: dict[str, str],
+    expert_ranges: Mapping[str, tuple[int, int]] | None = None,
+) -> int:
     """Give ``model``'s meta parameters storage on ``device`` and this rank's part of the folder's weights.
+
+    Parameters the folder stores under other names (a Mixture-of-Experts model's experts, saved one matrix per
+    expert) are read through transformers' own conversions (:mod:`lightning_parallel.hf.moe_loading`); of those
+    that stack experts on dim 0 only the experts this rank holds are read.
 
     Args:
         model: the HF model, split or not (parameters may be DTensors; placeholders hold none).
         folder: a ``save_pretrained`` folder with safetensors weights.
         device: where the parameters live.
         aliases: :func:`tied_aliases` of the model as built (before a pipeline split cut the ties).
+        expert_ranges: parameter name -> the experts ``(first, last)`` (last excluded) a plain tensor holds, its
+            dim 0 being those experts of the folder's (an expert-parallel split that keeps plain tensors); a
+            DTensor says what it holds itself. Default: :func:`module_expert_ranges` (modules that say it).
 
     Returns:
         the bytes read from the files.
 
     Raises:
-        ValueError: a parameter the folder does not hold (naming it).
+        ValueError: a parameter the folder does not hold (naming it); ``expert_ranges`` naming a DTensor.
     """
     files = safetensors_files(folder)
     if files is None:
         raise FileNotFoundError(f"{folder}: no {SAFE_WEIGHTS} or {SAFE_INDEX}: save the model with safetensors.")
+    ranges = _checked_ranges(model, expert_ranges)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
     tied = tied_aliases(model)  # the ties as they are now (a pipeline split may have cut some)
     model.to_empty(device=device)
@@ -144,24 +172,48 @@ def load_local_weights(model: nn.Module, folder: str | Path, device: torch.devic
         for name, buffer in model.named_buffers():
             if name in buffers:
                 buffer.copy_(buffers[name])
+    params = dict(model.named_parameters())
+    renamed = [n for n in params if n not in files and aliases.get(n, n) not in files]
+    converted = converted_weights(model, files, renamed)
     with WeightReader(files) as reader, torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in params.items():
             key = name if name in files else aliases.get(name, name)
-            if key not in files:
+            if key not in files and name not in converted:
                 raise ValueError(
                     f"{folder} holds no weights for {name!r}: is it a save_pretrained folder of this model's class?"
                 )
             target = param.to_local() if isinstance(param, DTensor) else param
             if target.numel() == 0:
                 continue
-            box = local_box(param) if isinstance(param, DTensor) else None
-            if not isinstance(param, DTensor) or box is not None:
-                value = reader.read(key, box)
-            else:  # not one box: the whole tensor, then this rank's part of it
-                whole = reader.read(key).to(device)
-                value = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            rows = ranges.get(name)
+            box = (slice(*rows),) if rows is not None else local_box(param) if isinstance(param, DTensor) else None
+            if key in files:
+                value = _read_box(lambda box, key=key: reader.read(key, box), param, box, device)
+            else:
+                read = functools.partial(converted[name].read_box, name, model, reader.read)
+                value = _read_box(read, param, box, device)
             target.copy_(value.reshape(target.shape))
         for name, buffer in model.named_buffers():  # persistent buffers the folder has (whole: small)
             if name in files:
                 buffer.copy_(reader.read(name))
         return reader.bytes_read
+
+
+def _checked_ranges(model: nn.Module, given: Mapping[str, tuple[int, int]] | None) -> dict[str, tuple[int, int]]:
+    ranges = dict(module_expert_ranges(model) if given is None else given)
+    held_whole = [n for n, p in model.named_parameters() if n in ranges and isinstance(p, DTensor)]
+    if held_whole:
+        raise ValueError(
+            f"expert_ranges names {held_whole[0]!r}, a DTensor: its placements say which experts this rank holds. "
+            "Give expert_ranges for plain tensors only."
+        )
+    return ranges
+
+
+def _read_box(read: Callable, param: Tensor, box: tuple[slice, ...] | None, device: torch.device) -> Tensor:
+    """This rank's part of ``param``: ``read(box)`` (``read(None)``: the whole tensor); a DTensor whose part is not
+    one box is read whole and its part kept."""
+    if box is not None or not isinstance(param, DTensor):
+        return read(box)
+    whole = read(None).to(device)
+    return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
