@@ -114,9 +114,9 @@ def _big_tokenizer(tmp_path: Path) -> Path:
         (lambda t: None, ["data.global_batch_size=512"], r"fewer than one data.global_batch_size=512"),
         (lambda t: None, ["data.val_fraction=1.5"], r"data.val_fraction=1.5 must lie between 0 and 1"),
         (lambda t: None, ["model=hf_llama_tiny"], r"data=sft needs a tokenizer and there is none"),
-        (lambda t: None, ["model=litgpt"], r"recipes/finetune.py trains Hugging Face models"),
+        (lambda t: None, ["model=litgpt"], r"data=sft needs a tokenizer and there is none"),
     ],
-    ids=["columns", "no-chat-template", "vocab", "empty", "val-path", "batch", "val-fraction", "bytes", "litgpt"],
+    ids=["columns", "no-chat-template", "vocab", "empty", "val-path", "batch", "val-fraction", "bytes", "litgpt-named"],
 )
 def test_bad_input_is_refused_before_workers(tmp_path, assets, monkeypatch, make, overrides, message):
     monkeypatch.chdir(tmp_path)
@@ -143,7 +143,7 @@ def test_the_gpt_recipe_uses_a_model_folders_tokenizer(tmp_path, assets, monkeyp
         check_config(cfg)
     assert cfg.data.cache is None
     assert "the tokenizer of the model folder" in caplog.text and "the data are UTF-8 bytes" in caplog.text
-    with pytest.raises(ValueError, match=r"data=sft trains Hugging Face models \(model=hf\*"):
+    with pytest.raises(ValueError, match=r"data=sft trains Hugging Face and LitGPT models \(model=hf\*"):
         check_config(compose_gpt("data=sft", f"data.path={text}", f"data.tokenizer={assets / 'tiny_llama'}"))
 
 
