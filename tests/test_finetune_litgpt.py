@@ -6,16 +6,21 @@ its KV cache, and a short run that trains, builds the cache and saves the answer
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 from litgpt import GPT, Config  # a test dependency: make install installs litgpt
-from recipe_runs import ROOT, run, run_recipe
-from test_finetune_recipe import _assert_finetuned, _big_tokenizer, _jsonl
-from test_recipe_configs import compose_gpt, compose_recipe
+from recipe_runs import ROOT, run_recipe
+from test_finetune_recipe import (
+    _assert_finetuned,
+    _big_tokenizer,
+    _jsonl,
+    compose_finetune,
+    gpt_recipe_with_a_tokenizer,
+)
+from test_recipe_configs import compose_gpt
 
 from lightning_parallel.causal_lm import IGNORE_INDEX
 from lightning_parallel.recipes.finetune import answer, check_finetune_config
@@ -30,13 +35,11 @@ FOLDER_FILES = ("model_config.yaml", "lit_model.pth", "tokenizer.json", "tokeniz
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("assets") / "finetune"
-    make_default_assets(folder)
-    return folder
+    return make_default_assets(tmp_path_factory.mktemp("assets") / "finetune")[0].parent
 
 
 def compose_litgpt(assets: Path, *overrides: str):
-    return compose_recipe("finetune", f"assets={assets}", "model=litgpt_chat_tiny", *overrides)
+    return compose_finetune(assets, "model=litgpt_chat_tiny", *overrides)
 
 
 def _gpt(folder: Path) -> GPT:
@@ -175,11 +178,5 @@ def test_litgpt_finetune_world_2(tmp_path, assets, layout):
 
 @pytest.mark.slow
 def test_the_gpt_recipe_trains_and_samples_with_a_litgpt_folder(tmp_path, assets):
-    text = tmp_path / "t.txt"
-    text.write_text("\n".join(f"{p} {a}" for p, a in instruction_pairs()))
-    overrides = ["trainer=debug", "trainer.max_steps=4", "sample_tokens=6", "data.global_batch_size=4"]
-    result = run(tmp_path, ROOT / "recipes" / "train_gpt.py", *_folder_model(assets), f"data.path={text}",
-                 *overrides, f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
-    got = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert got["steps"] == 4 and math.isfinite(got["final_val_loss"]) and got["sample"].startswith("The ")
-    assert "Tokenizer: LitGPT's tokenizer of the checkpoint folder" in result.stdout + result.stderr
+    output = gpt_recipe_with_a_tokenizer(tmp_path, *_folder_model(assets))
+    assert "Tokenizer: LitGPT's tokenizer of the checkpoint folder" in output
