@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from litgpt import GPT, Config  # a test dependency: make install installs litgpt
+from litgpt.prompts import save_prompt_style
 from recipe_runs import ROOT, run_recipe
 from test_finetune_recipe import (
     _assert_finetuned,
@@ -61,6 +62,9 @@ def test_the_litgpt_asset(tmp_path, assets):
     assert Config.from_file(folder / "model_config.yaml").padded_vocab_size == tok.vocab_size == 512
     assert tok.eos_id == SPECIALS.index("<|end|>") and not tok.has_chat_template
     _gpt(folder)  # the weights load into the config's GPT, strictly
+    save_prompt_style("alpaca", tmp_path / "a" / LITGPT_DIR)  # the prompt style writes the samples: a new cache key
+    restyled = load_tokenizer(tmp_path / "a" / LITGPT_DIR)[0]
+    assert type(restyled.prompt_style).__name__ == "Alpaca" and restyled.fingerprint() != tok.fingerprint()
 
 
 def _first_sample(cfg) -> tuple[list[int], list[int]]:
