@@ -162,10 +162,10 @@ def test_a_short_litgpt_finetune_run(tmp_path, assets):
 
 @pytest.mark.slow
 def test_litgpt_finetune_out_of_the_box(tmp_path, assets):
-    """model=litgpt_chat_tiny with the recipe's defaults (200 steps): the loss falls well below a uniform guess."""
+    """model=litgpt_chat_tiny with the recipe's defaults (200 steps): the loss falls far below a uniform guess."""
     got = run_recipe(FINETUNE, tmp_path, f"assets={assets}", "model=litgpt_chat_tiny", timeout=900)
     _assert_finetuned(tmp_path / "run", got, steps=200, world=1)
-    assert got["final_val_loss"] < math.log(512) - 2
+    assert got["final_val_loss"] < math.log(512) - 3  # far below a uniform guess over the vocabulary (6.2)
 
 
 @pytest.mark.slow

@@ -96,7 +96,10 @@ def _save_litgpt_folder(folder: Path, tokenizer_folder: Path, vocab_size: int) -
     save_config(config, folder)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        torch.save(GPT(config).state_dict(), folder / "lit_model.pth")
+        model = GPT(config)
+        for weight in (p for p in model.parameters() if p.dim() == 2):  # as the tiny Llama's initializer_range
+            torch.nn.init.normal_(weight, std=0.1)
+        torch.save(model.state_dict(), folder / "lit_model.pth")
     shutil.copy(tokenizer_folder / "tokenizer.json", folder / "tokenizer.json")
     specials = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|end|>", "pad_token": "<|pad|>"}
     (folder / "tokenizer_config.json").write_text(json.dumps({**specials, "add_bos_token": False}, indent=2))
