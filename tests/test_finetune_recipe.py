@@ -114,9 +114,9 @@ def _big_tokenizer(tmp_path: Path) -> Path:
         (lambda t: None, ["data.global_batch_size=512"], r"fewer than one data.global_batch_size=512"),
         (lambda t: None, ["data.val_fraction=1.5"], r"data.val_fraction=1.5 must lie between 0 and 1"),
         (lambda t: None, ["model=hf_llama_tiny"], r"data=sft needs a tokenizer and there is none"),
-        (lambda t: None, ["model=litgpt"], r"recipes/finetune.py trains Hugging Face models"),
+        (lambda t: None, ["model=litgpt"], r"data=sft needs a tokenizer and there is none"),
     ],
-    ids=["columns", "no-chat-template", "vocab", "empty", "val-path", "batch", "val-fraction", "bytes", "litgpt"],
+    ids=["columns", "no-chat-template", "vocab", "empty", "val-path", "batch", "val-fraction", "bytes", "litgpt-named"],
 )
 def test_bad_input_is_refused_before_workers(tmp_path, assets, monkeypatch, make, overrides, message):
     monkeypatch.chdir(tmp_path)
@@ -143,7 +143,7 @@ def test_the_gpt_recipe_uses_a_model_folders_tokenizer(tmp_path, assets, monkeyp
         check_config(cfg)
     assert cfg.data.cache is None
     assert "the tokenizer of the model folder" in caplog.text and "the data are UTF-8 bytes" in caplog.text
-    with pytest.raises(ValueError, match=r"data=sft trains Hugging Face models \(model=hf\*"):
+    with pytest.raises(ValueError, match=r"data=sft trains Hugging Face and LitGPT models \(model=hf\*"):
         check_config(compose_gpt("data=sft", f"data.path={text}", f"data.tokenizer={assets / 'tiny_llama'}"))
 
 
@@ -202,13 +202,20 @@ def test_world_2(tmp_path, assets, layout):
     _assert_finetuned(tmp_path / "run", got, steps=20, world=2)
 
 
-@pytest.mark.slow
-def test_the_gpt_recipe_trains_and_samples_with_the_folders_tokenizer(tmp_path, assets):
+def gpt_recipe_with_a_tokenizer(tmp_path: Path, *model: str) -> str:
+    """train_gpt.py, 4 steps of ``model`` on the instruction pairs as text: it trains and samples from "The "
+    with the tokenizer; returns its output."""
     text = tmp_path / "t.txt"
     text.write_text("\n".join(f"{p} {a}" for p, a in instruction_pairs()))
     overrides = ["trainer=debug", "trainer.max_steps=4", "sample_tokens=6", "data.global_batch_size=4"]
-    model = ["model=hf", f"model.path={assets / 'tiny_llama'}", f"data.path={text}"]
-    result = run(tmp_path, ROOT / "recipes" / "train_gpt.py", *model, *overrides, f"hydra.run.dir={tmp_path / 'run'}")
+    run_dir = f"hydra.run.dir={tmp_path / 'run'}"
+    result = run(tmp_path, ROOT / "recipes" / "train_gpt.py", *model, f"data.path={text}", *overrides, run_dir)
     got = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert got["steps"] == 4 and math.isfinite(got["final_val_loss"]) and got["sample"].startswith("The ")
-    assert "Tokenizer: the tokenizer of the model folder" in result.stdout + result.stderr
+    return result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_the_gpt_recipe_trains_and_samples_with_the_folders_tokenizer(tmp_path, assets):
+    output = gpt_recipe_with_a_tokenizer(tmp_path, "model=hf", f"model.path={assets / 'tiny_llama'}")
+    assert "Tokenizer: the tokenizer of the model folder" in output

@@ -1,26 +1,34 @@
 """Instruction fine-tuning batches through HFCausalLM under every layout: ``sft`` samples padded (attention masks)
 and packed (position ids restarting at each sample) from a token cache with a BPE tokenizer made here, against
 the same HF model trained in one process on the same global batches (its own forward and loss: the token mean over
-the global batch's real tokens). The pieces (dp ranks, accumulated micro-batches, pipeline microbatches) hold
-different numbers of real tokens, so a per-piece token mean would fail these tests; prompt tokens get no gradient.
+the global batch's real tokens). LitGPTCausalLM ("litgpt" runs) on the padded samples without attention masks (its
+GPT takes none), against ``GPT.forward`` and torch's cross-entropy. The pieces (dp ranks, accumulated
+micro-batches, pipeline microbatches) hold different numbers of real tokens, so a per-piece token mean would fail
+these tests; prompt tokens get no gradient.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
+import litgpt
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from conftest import Batch
+from litgpt.utils import save_config
 from parity import LOSS_RTOL, assert_same_losses, assert_same_params
 from test_text_data import _bpe, _save_tokenizer, _tiny_llama
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel.causal_lm import IGNORE_INDEX, causal_lm_loss, real_tokens
 from lightning_parallel.hf import HFCausalLM
+from lightning_parallel.litgpt import LitGPTCausalLM
 from lightning_parallel.text import TextDataSettings, build_token_cache, load_tokenizer, open_token_cache, text_dataset
 
 STEPS, GLOBAL_BATCH, SEQ_LEN, LR, EPS = 10, 8, 64, 1e-3, 1e-6
@@ -32,6 +40,7 @@ FAST = {
     "pp2 packed validate": (2, "hybrid3d:pp=2", 1),
     "zero2 accum padded": (2, "zero2", 1),
     "tp2 sp packed": (2, "hybrid3d:tp=2,sequence_parallel=1", 2),
+    "litgpt zero2 accum padded": (2, "zero2", 1),
 }
 SLOW = {
     "pp2 padded validate": (2, "hybrid3d:pp=2", 1),
@@ -54,6 +63,8 @@ SLOW = {
     # GPT-2: learned positions (its wpe layer reads the packed position ids at its stage)
     "gpt2 pp2 packed": (2, "hybrid3d:pp=2", 1),
     "gpt2 pp2 padded": (2, "hybrid3d:pp=2", 1),
+    # LitGPT's GPT: padded samples, every stage reading its part
+    "litgpt pp2 padded validate": (2, "hybrid3d:pp=2", 1),
 }
 WORDS = (
     "list tuple dict set value name file loop open read write class module import return yield key index string "
@@ -81,7 +92,22 @@ def sft_setup(tmp_path_factory) -> dict[str, str]:
     gpt2 = transformers.GPT2Config(vocab_size=tokenizer.vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=128,
                                    resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)  # fmt: skip
     transformers.AutoModelForCausalLM.from_config(gpt2).save_pretrained(out / "gpt2")
-    return {"llama": str(out / "llama"), "gpt2": str(out / "gpt2"), "cache": str(cache.folder)}
+    _save_litgpt(out / "litgpt", tokenizer.vocab_size)
+    return {"llama": str(out / "llama"), "gpt2": str(out / "gpt2"), "litgpt": str(out / "litgpt"),
+            "cache": str(cache.folder)}  # fmt: skip
+
+
+def _save_litgpt(folder: Path, vocab_size: int) -> None:
+    """A tiny Llama-style LitGPT checkpoint folder (model_config.yaml, lit_model.pth), as litgpt writes one."""
+    config = litgpt.Config(
+        name="tiny", block_size=SEQ_LEN, vocab_size=vocab_size, padded_vocab_size=vocab_size, n_layer=2, n_head=4,
+        n_query_groups=2, n_embd=32, intermediate_size=64, rotary_percentage=1.0, parallel_residual=False,
+        bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
+    )  # fmt: skip
+    folder.mkdir()
+    save_config(config, folder)
+    torch.manual_seed(0)
+    torch.save(litgpt.GPT(config).state_dict(), folder / "lit_model.pth")
 
 
 def launch(tmp_path_factory, setup: dict, runs: dict, tag: str) -> Batch:
@@ -89,6 +115,7 @@ def launch(tmp_path_factory, setup: dict, runs: dict, tag: str) -> Batch:
             "cache": setup["cache"]}  # fmt: skip
     spec = {
         label: (world, strategy, [{**case, "path": setup[model_of(label)], "packing": "packed" in label,
+                                   "library": "litgpt" if model_of(label) == "litgpt" else "hf",
                                    "accumulate": ACCUMULATE if "accum" in label else 1,
                                    "validate": "validate" in label}])
         for label, (world, strategy, _) in runs.items()
@@ -107,7 +134,7 @@ def slow_runs(tmp_path_factory, sft_setup) -> Batch:
 
 
 def model_of(label: str) -> str:
-    return "gpt2" if "gpt2" in label else "llama"
+    return next((name for name in ("gpt2", "litgpt") if name in label), "llama")
 
 
 def global_batches(setup: dict, packing: bool) -> list[dict[str, torch.Tensor]]:
@@ -121,11 +148,29 @@ def hf_inputs(batch: dict) -> dict:
     return {k: batch[k] for k in ("input_ids", "labels", "attention_mask", "position_ids") if k in batch}
 
 
+def plain_model(setup: dict, model_name: str) -> tuple[torch.nn.Module, Callable[[dict], torch.Tensor]]:
+    """The reference model and its loss of a batch: HF's own forward and loss; LitGPT's ``GPT.forward`` (no mask)
+    and torch's cross-entropy of the shifted labels, a mean over the batch's real tokens."""
+    if model_name != "litgpt":
+        model = transformers.AutoModelForCausalLM.from_pretrained(setup[model_name], local_files_only=True)
+        return model, lambda batch: model(**hf_inputs(batch), use_cache=False).loss
+    folder = Path(setup["litgpt"])
+    model = litgpt.GPT(litgpt.Config.from_file(folder / "model_config.yaml"))
+    model.load_state_dict(torch.load(folder / "lit_model.pth", weights_only=True))
+
+    def loss_of(batch: dict) -> torch.Tensor:
+        logits = model(batch["input_ids"])[:, :-1]
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+
+    return model, loss_of
+
+
 def plain_training(setup: dict, model_name: str, packing: bool) -> tuple[list[float], dict[str, torch.Tensor], float]:
-    """The reference: HF's own forward and loss on each whole global batch, torch's AdamW with HFCausalLM's groups;
-    then the mean loss of the first 2 unshuffled batches."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(setup[model_name], local_files_only=True)
+    """The reference: the model's own forward and loss (:func:`plain_model`) on each whole global batch, torch's
+    AdamW with HFCausalLM's groups; then the mean loss of the first 2 unshuffled batches."""
+    model, loss_of = plain_model(setup, model_name)
     weight_decay, betas = HFCausalLM.__init__.__defaults__[1:3]
+    assert (weight_decay, betas) == LitGPTCausalLM.__init__.__defaults__[1:3]
     groups = [
         {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
@@ -133,14 +178,14 @@ def plain_training(setup: dict, model_name: str, packing: bool) -> tuple[list[fl
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=betas, eps=EPS)
     losses = []
     for batch in global_batches(setup, packing):
-        loss = model(**hf_inputs(batch), use_cache=False).loss
+        loss = loss_of(batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     data = text_dataset(open_token_cache(setup["cache"]), SEQ_LEN, packing=packing)
     with torch.no_grad():
-        val = [model(**hf_inputs(b), use_cache=False).loss.item() for b, _ in zip(DataLoader(data, GLOBAL_BATCH), "ab")]
+        val = [loss_of(b).item() for b, _ in zip(DataLoader(data, GLOBAL_BATCH), "ab")]
     return losses, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}, sum(val) / len(val)
 
 

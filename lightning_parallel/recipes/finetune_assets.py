@@ -1,6 +1,8 @@
 """The fine-tuning recipe's default assets, made locally on first use (nothing is downloaded): a small instruction set
 of templated prompt / answer pairs (a ``messages`` jsonl), a byte-level BPE tokenizer trained on it with
-``tokenizers`` and saved with a chat template, and a tiny Llama config beside it (fresh weights at training time).
+``tokenizers`` and saved with a chat template, and a tiny Llama config beside it (fresh weights at training time);
+and a tiny LitGPT checkpoint folder written with litgpt's own pieces (``model_config.yaml`` from its ``Config``,
+``lit_model.pth``, the same BPE as ``tokenizer.json``, LitGPT's ``phi-2`` prompt style in ``prompt_style.yaml``).
 Everything is deterministic: the same files on every machine.
 """
 
@@ -12,7 +14,8 @@ import random
 import shutil
 from pathlib import Path
 
-MODEL_DIR, DATA_FILE = "tiny_llama", "instructions.jsonl"
+MODEL_DIR, LITGPT_DIR, DATA_FILE = "tiny_llama", "tiny_litgpt", "instructions.jsonl"
+LITGPT_PROMPT_STYLE = "phi-2"  # "Instruct: {prompt}\nOutput:": a few tokens of the tiny BPE
 SPECIALS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -75,9 +78,38 @@ def _save_llama_config(folder: Path, vocab_size: int) -> None:
     config.save_pretrained(folder)
 
 
+def _save_litgpt_folder(folder: Path, tokenizer_folder: Path, vocab_size: int) -> None:
+    """A tiny Llama-style LitGPT (2 layers, 64 wide, grouped-query attention) as ``litgpt`` writes a checkpoint
+    folder: its Config, seeded weights, the BPE's tokenizer.json with a tokenizer_config.json naming the special
+    tokens (what ``litgpt.Tokenizer`` reads), and the prompt style."""
+    import torch
+    from litgpt import GPT, Config
+    from litgpt.prompts import save_prompt_style
+    from litgpt.utils import save_config
+
+    config = Config(
+        name="tiny-litgpt-chat", block_size=128, vocab_size=vocab_size, padded_vocab_size=vocab_size, n_layer=2,
+        n_head=4, n_query_groups=2, n_embd=64, intermediate_size=128, rotary_percentage=1.0, parallel_residual=False,
+        bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
+    )  # fmt: skip
+    folder.mkdir()
+    save_config(config, folder)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = GPT(config)
+        for weight in (p for p in model.parameters() if p.dim() == 2):  # as the tiny Llama's initializer_range
+            torch.nn.init.normal_(weight, std=0.1)
+        torch.save(model.state_dict(), folder / "lit_model.pth")
+    shutil.copy(tokenizer_folder / "tokenizer.json", folder / "tokenizer.json")
+    specials = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|end|>", "pad_token": "<|pad|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps({**specials, "add_bos_token": False}, indent=2))
+    save_prompt_style(LITGPT_PROMPT_STYLE, folder)
+
+
 def make_default_assets(folder: str | Path, vocab_size: int = 512) -> tuple[Path, Path]:
-    """The tiny model folder (tokenizer and config.json) and the instruction set under ``folder``: made once (in a
-    temporary folder renamed into place, so a reader never sees half of them), then reused.
+    """The tiny model folder (tokenizer and config.json), the tiny LitGPT checkpoint folder (``tiny_litgpt``) and
+    the instruction set under ``folder``: made once (in a temporary folder renamed into place, so a reader never
+    sees half of them), then reused.
 
     Args:
         folder: where they lie (``assets`` in conf/finetune.yaml).
@@ -88,7 +120,7 @@ def make_default_assets(folder: str | Path, vocab_size: int = 512) -> tuple[Path
     """
     folder = Path(folder).expanduser()
     model, data = folder / MODEL_DIR, folder / DATA_FILE
-    if model.is_dir() and data.is_file():
+    if model.is_dir() and data.is_file() and (folder / LITGPT_DIR).is_dir():
         return model, data
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -98,6 +130,7 @@ def make_default_assets(folder: str | Path, vocab_size: int = 512) -> tuple[Path
     (tmp / DATA_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
     size = _train_tokenizer([f"{p} {a}" for p, a in pairs], tmp / MODEL_DIR, vocab_size)
     _save_llama_config(tmp / MODEL_DIR, size)
+    _save_litgpt_folder(tmp / LITGPT_DIR, tmp / MODEL_DIR, size)
     folder.parent.mkdir(parents=True, exist_ok=True)
     try:
         tmp.rename(folder) if not folder.exists() else _merge(tmp, folder)
@@ -108,6 +141,6 @@ def make_default_assets(folder: str | Path, vocab_size: int = 512) -> tuple[Path
 
 def _merge(tmp: Path, folder: Path) -> None:
     """``folder`` exists (part of the assets, or other files): the missing pieces moved in."""
-    for name in (MODEL_DIR, DATA_FILE):
+    for name in (MODEL_DIR, LITGPT_DIR, DATA_FILE):
         if not (folder / name).exists():
             (tmp / name).rename(folder / name)

@@ -32,14 +32,28 @@ def data_cache_dir(d: DictConfig) -> Path:
     return Path(d.get("cache_dir") or Path.cwd() / "data" / "token_cache").expanduser()
 
 
+def is_library_model(m: DictConfig) -> bool:
+    """``model=hf*`` or ``model=litgpt*``: the models that train on tokenized data."""
+    from lightning_parallel.recipes.hf import is_hf_model
+    from lightning_parallel.recipes.litgpt import is_litgpt_model
+
+    return is_hf_model(m) or is_litgpt_model(m)
+
+
 def recipe_tokenizer(cfg: DictConfig) -> tuple[TextTokenizer | None, str]:
     """The tokenizer the run trains with, and why (see :func:`~lightning_parallel.text.load_tokenizer`):
-    ``data.tokenizer``, else the model folder's own; None (bytes) for a model with neither."""
+    ``data.tokenizer``, else the model folder's own (LitGPT's ``Tokenizer`` and prompt style for a LitGPT
+    checkpoint folder); None (bytes) for a model with neither. Refused when it does not fit the model's vocabulary
+    (a LitGPT model's ``padded_vocab_size``)."""
     from lightning_parallel.recipes.hf import is_hf_model, model_vocab_size
+    from lightning_parallel.recipes.litgpt import is_litgpt_model, litgpt_config
 
     m = cfg.model
-    folder = m.get("path") if is_hf_model(m) else None
-    vocab = model_vocab_size(m) if is_hf_model(m) else None
+    folder, vocab = None, None
+    if is_hf_model(m):
+        folder, vocab = m.get("path"), model_vocab_size(m)
+    elif is_litgpt_model(m):
+        folder, vocab = m.get("path"), litgpt_config(m).padded_vocab_size
     return load_tokenizer(folder, cfg.data.get("tokenizer"), vocab_size=vocab)
 
 
@@ -66,13 +80,18 @@ def prepare_tokenized_data(cfg: DictConfig) -> None:
     Raises:
         ValueError: no tokenizer for ``data=hf_text/sft``, bad files or columns, splits too small for a batch.
     """
-    from lightning_parallel.recipes.hf import is_hf_model
+    from lightning_parallel.recipes.litgpt import is_litgpt_model
 
     d = cfg.data
-    if d.kind in TOKENIZED_KINDS and not is_hf_model(cfg.model):
+    if d.kind in TOKENIZED_KINDS and not is_library_model(cfg.model):
         raise ValueError(
-            f"data={d.kind} trains Hugging Face models (model=hf*, e.g. model=hf model.path=FOLDER): the other models "
-            "read byte-level data=text or data=tokens."
+            f"data={d.kind} trains Hugging Face and LitGPT models (model=hf*, e.g. model=hf model.path=FOLDER, or "
+            "model=litgpt*): the other models read byte-level data=text or data=tokens."
+        )
+    if d.kind == "sft" and d.packing and is_litgpt_model(cfg.model):
+        raise ValueError(
+            "data.packing=true with model=litgpt*: LitGPT's GPT takes no position_ids and no block mask, so packed "
+            "samples would attend to each other: set data.packing=false (each sample padded)."
         )
     tokenizer, reason = recipe_tokenizer(cfg)
     if d.kind not in TOKENIZED_KINDS:  # data=text: a model folder's tokenizer, else bytes
@@ -86,8 +105,9 @@ def prepare_tokenized_data(cfg: DictConfig) -> None:
         return
     if tokenizer is None:
         raise ValueError(
-            f"data={d.kind} needs a tokenizer and there is none: {reason}. Use model=hf model.path=FOLDER with a "
-            "tokenizer in it, or data.tokenizer=FOLDER."
+            f"data={d.kind} needs a tokenizer and there is none: {reason}. Use model=hf model.path=FOLDER (or a "
+            "LitGPT checkpoint folder, model=litgpt_chat_tiny model.path=FOLDER) with a tokenizer in it, or "
+            "data.tokenizer=FOLDER."
         )
     log.info(f"Tokenizer: {reason}.")
     if d.path is None:
@@ -103,11 +123,14 @@ def splits(cfg: DictConfig) -> tuple[Dataset, Dataset]:
     """The training and validation datasets of the built caches: ``data.val_cache``'s, else the last
     ``data.val_fraction`` of the samples (rows once packed, blocks for ``hf_text``), at least one validation batch
     of every dp rank (``data.global_batch_size / trainer.accumulate_grad_batches`` rows)."""
+    from lightning_parallel.recipes.litgpt import is_litgpt_model
+
     d, seq = cfg.data, cfg.model.seq_len
-    packing = bool(d.get("packing", False))
-    train = text_dataset(open_token_cache(d.cache), seq, packing)
+    # LitGPT's GPT takes no attention mask: its causal attention keeps the samples from their right padding
+    options = {"packing": bool(d.get("packing", False)), "attention_mask": not is_litgpt_model(cfg.model)}
+    train = text_dataset(open_token_cache(d.cache), seq, **options)
     if d.get("val_cache"):
-        return train, text_dataset(open_token_cache(d.val_cache), seq, packing)
+        return train, text_dataset(open_token_cache(d.val_cache), seq, **options)
     n_val = max(int(len(train) * d.val_fraction), _val_rows(cfg))
     return Subset(train, range(len(train) - n_val)), Subset(train, range(len(train) - n_val, len(train)))
 

@@ -31,7 +31,7 @@ from lightning_parallel.recipes.common import (
     write_metrics,
 )
 from lightning_parallel.recipes.config import GPTModelConf
-from lightning_parallel.recipes.finetune_data import TOKENIZED_KINDS, prepare_tokenized_data, splits
+from lightning_parallel.recipes.finetune_data import TOKENIZED_KINDS, is_library_model, prepare_tokenized_data, splits
 from lightning_parallel.recipes.hf import (
     build_hf_module,
     check_hf_layout,
@@ -172,7 +172,7 @@ def _dims(cfg: DictConfig, strategy: Any) -> Any:
 def check_text_data(cfg: DictConfig) -> None:
     """The data file exists and holds a training and a validation window (read by its size only)."""
     d, seq = cfg.data, cfg.model.seq_len
-    if d.kind in TOKENIZED_KINDS or (is_hf_model(cfg.model) and cfg.model.path is not None):
+    if d.kind in TOKENIZED_KINDS or (is_library_model(cfg.model) and cfg.model.path is not None):
         prepare_tokenized_data(cfg)  # the tokenizer (logged) and the token cache, or bytes when there is none
         if d.cache is not None:
             return
@@ -272,14 +272,14 @@ def tokenized_sample(trainer: pl.Trainer, model: pl.LightningModule, cfg: DictCo
     """A greedy continuation of "The " with the run's tokenizer, on rank 0 (collective: the weights are gathered)."""
     from lightning_parallel.recipes.finetune import trained_copy
     from lightning_parallel.recipes.finetune_data import decode_new, tokenizer_of
+    from lightning_parallel.recipes.finetune_generate import continue_ids
 
     trained = trained_copy(trainer, model, cfg)
     if trained is None:
         return None
     tokenizer = tokenizer_of(cfg)
-    ids = torch.tensor([tokenizer.encode(["The "])[0]])
-    out = trained.model.generate(input_ids=ids, max_new_tokens=cfg.sample_tokens, do_sample=False, use_cache=True)
-    return "The " + decode_new(tokenizer, out[0].tolist(), ids.shape[1])
+    new = continue_ids(trained.model, tokenizer, tokenizer.encode(["The "])[0], cfg.sample_tokens)
+    return "The " + decode_new(tokenizer, new, 0)
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """LitGPT's ``GPT`` in the GPT recipe (``model=litgpt model.name=pythia-14m``, ``model=litgpt
 model.path=FOLDER``): the litgpt ``Config`` the settings describe, the checks that run before any worker starts,
-and the :class:`~lightning_parallel.litgpt.LitGPTCausalLM` each worker trains on the byte-level data.
+and the :class:`~lightning_parallel.litgpt.LitGPTCausalLM` each worker trains on the byte-level data, or on data
+tokenized by a checkpoint folder's own tokenizer (recipes/finetune_data.py; recipes/finetune.py).
 
 Settings (``LitGPTModelConf``): ``model.name`` a litgpt config name, or ``model.path`` a local litgpt checkpoint
 folder (``model_config.yaml``, and ``lit_model.pth`` when it has weights); ``model.config`` fields of that config

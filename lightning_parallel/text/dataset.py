@@ -83,7 +83,13 @@ class PaddedSamples(_Samples):
     Args:
         cache: an ``sft`` token cache (built with this ``seq_len`` or a shorter one).
         seq_len: the row length.
+        attention_mask: False leaves the mask out, for a model that takes none (LitGPT's GPT): its causal attention
+            keeps each sample's tokens from the padding after them, whose labels are -100.
     """
+
+    def __init__(self, cache: TokenCache, seq_len: int, attention_mask: bool = True) -> None:
+        super().__init__(cache, seq_len)
+        self.attention_mask = attention_mask
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -93,8 +99,10 @@ class PaddedSamples(_Samples):
         sample_ids, sample_labels = self.sample(i)
         n = len(sample_ids)
         ids[:n], labels[:n] = sample_ids, sample_labels
-        mask = (np.arange(self.seq_len) < n).astype(np.int64)
-        return {"input_ids": _tensor(ids), "labels": _tensor(labels), "attention_mask": _tensor(mask)}
+        row = {"input_ids": _tensor(ids), "labels": _tensor(labels)}
+        if self.attention_mask:
+            row["attention_mask"] = _tensor((np.arange(self.seq_len) < n).astype(np.int64))
+        return row
 
 
 def pack_rows(lengths: np.ndarray, seq_len: int) -> np.ndarray:
@@ -147,14 +155,15 @@ class PackedSamples(_Samples):
         }
 
 
-def text_dataset(cache: TokenCache, seq_len: int, packing: bool = False) -> Dataset:
+def text_dataset(cache: TokenCache, seq_len: int, packing: bool = False, attention_mask: bool = True) -> Dataset:
     """The dataset a cache's kind calls for (see the module's docstring).
 
     Args:
         cache: a token cache (:func:`~lightning_parallel.text.build_token_cache` or ``open_token_cache``).
         seq_len: tokens per row.
         packing: ``sft``: pack samples (True) or pad each (False); ignored by ``hf_text``.
+        attention_mask: ``sft`` padded: with the attention mask (False: without, see :class:`PaddedSamples`).
     """
     if cache.meta["kind"] == "hf_text":
         return TextBlocks(cache, seq_len)
-    return PackedSamples(cache, seq_len) if packing else PaddedSamples(cache, seq_len)
+    return PackedSamples(cache, seq_len) if packing else PaddedSamples(cache, seq_len, attention_mask)

@@ -1,7 +1,8 @@
 """What the text data are (:class:`TextDataSettings`), and rows made token ids: ``hf_text`` documents (the
 tokenizer's ids, EOS after each), ``sft`` samples (a ``messages`` conversation rendered by the chat template, or
-``prompt`` + ``completion``) with a loss mask that is 1 on the answer tokens only. The ``tokenize_*`` functions
-run under ``datasets.map(batched=True)``, in worker processes with ``num_proc > 1``: plain functions of a batch.
+``prompt`` + ``completion``; with LitGPT's tokenizer the prompt in its prompt style, and single-turn conversations
+only) with a loss mask that is 1 on the answer tokens only. The ``tokenize_*`` functions run under
+``datasets.map(batched=True)``, in worker processes with ``num_proc > 1``: plain functions of a batch.
 """
 
 from __future__ import annotations
@@ -89,9 +90,10 @@ def _add(out: dict[str, list], ids: list[int], loss: list[int], seq_len: int) ->
 def tokenize_prompts(
     batch: dict[str, list], tokenizer: TextTokenizer, prompt: str, completion: str, seq_len: int
 ) -> dict[str, list]:
-    """``sft`` from prompt / completion columns: prompt ids (the tokenizer's special tokens, e.g. BOS), answer ids
-    and EOS; loss mask 1 on the answer and the EOS (the model learns to stop)."""
-    prompts = tokenizer.encode([_text(p) for p in batch[prompt]])
+    """``sft`` from prompt / completion columns: prompt ids (written in LitGPT's prompt style where the tokenizer has
+    one; the tokenizer's special tokens, e.g. BOS), answer ids and EOS; loss mask 1 on the answer and the EOS (the
+    model learns to stop)."""
+    prompts = tokenizer.encode([tokenizer.render_prompt(_text(p)) for p in batch[prompt]])
     answers = tokenizer.encode([_text(c) for c in batch[completion]], special=False)
     out: dict[str, list] = {"ids": [], "loss": [], "truncated": []}
     for p, a in zip(prompts, answers):
@@ -139,6 +141,33 @@ def tokenize_chats(batch: dict[str, list], tokenizer: TextTokenizer, column: str
     return out
 
 
+def single_turn(messages: list[dict[str, Any]], column: str) -> tuple[str, str]:
+    """(prompt, answer) of a conversation of one user turn and the assistant's answer: what LitGPT's prompt styles
+    write (``PromptStyle.apply`` takes one prompt).
+
+    Raises:
+        ValueError: any other conversation (a system turn, several turns), naming the fix.
+    """
+    if [m.get("role") for m in messages or []] != ["user", "assistant"]:
+        roles = [m.get("role") for m in messages or []]
+        raise ValueError(
+            f"data=sft with LitGPT's tokenizer: a conversation in data.messages_column={column!r} has the turns "
+            f"{roles}, and LitGPT's prompt styles write one user prompt and its answer (['user', 'assistant']): give "
+            "such conversations, or the data as prompt / completion columns."
+        )
+    return messages[0]["content"], messages[1]["content"]
+
+
+def tokenize_single_turns(
+    batch: dict[str, list], tokenizer: TextTokenizer, column: str, seq_len: int
+) -> dict[str, list]:
+    """``sft`` from a messages column with LitGPT's tokenizer: each conversation (see :func:`single_turn`) as a
+    prompt / completion row."""
+    pairs = [single_turn(messages, column) for messages in batch[column]]
+    rows = {"prompt": [p for p, _ in pairs], "completion": [c for _, c in pairs]}
+    return tokenize_prompts(rows, tokenizer, "prompt", "completion", seq_len)
+
+
 def tokenize_function(settings: TextDataSettings, columns: list[str], tokenizer: TextTokenizer) -> tuple[Any, dict]:
     """The ``datasets.map`` function for these settings and columns, and its keyword arguments.
 
@@ -148,6 +177,8 @@ def tokenize_function(settings: TextDataSettings, columns: list[str], tokenizer:
     if settings.kind == "hf_text":
         return tokenize_documents, {"tokenizer": tokenizer, "column": columns[0]}
     if columns == [settings.messages_column]:
+        if tokenizer.prompt_style is not None:  # LitGPT's: one prompt and its answer per conversation
+            return tokenize_single_turns, {"tokenizer": tokenizer, "column": columns[0], "seq_len": settings.seq_len}
         if not tokenizer.has_chat_template:
             raise ValueError(
                 f"data=sft: the files hold conversations ({settings.messages_column!r}) but the tokenizer "

@@ -23,10 +23,12 @@ class TextTokenizer:
     Args:
         backend: the library's tokenizer (a transformers ``PreTrainedTokenizerBase`` or a ``litgpt.Tokenizer``).
         source: where it was read from (a folder, or a name), for messages.
+        prompt_style: LitGPT's ``litgpt.prompts.PromptStyle`` of the checkpoint folder (its prompt_style.yaml, else
+            the one ``PromptStyle.from_config`` picks by the config's name): how a prompt is written before its answer.
     """
 
-    def __init__(self, backend: Any, source: str) -> None:
-        self.backend, self.source = backend, source
+    def __init__(self, backend: Any, source: str, prompt_style: Any = None) -> None:
+        self.backend, self.source, self.prompt_style = backend, source, prompt_style
         self.is_litgpt = type(backend).__module__.startswith("litgpt")
         self._fingerprint: str | None = None
 
@@ -55,6 +57,10 @@ class TextTokenizer:
     def has_chat_template(self) -> bool:
         """Whether ``messages`` can be rendered (transformers tokenizers with a chat template only)."""
         return not self.is_litgpt and getattr(self.backend, "chat_template", None) is not None
+
+    def render_prompt(self, prompt: str) -> str:
+        """A prompt as the model sees it before its answer: LitGPT's prompt style applied, else the text itself."""
+        return self.prompt_style.apply(prompt) if self.prompt_style is not None else prompt
 
     def encode(self, texts: list[str], special: bool = True) -> list[list[int]]:
         """The ids of each text; ``special``: with the tokenizer's own special tokens (e.g. Llama's BOS)."""
@@ -89,6 +95,9 @@ class TextTokenizer:
             else:  # a slow (Python) tokenizer: the files it was read from
                 h.update(_files_digest(Path(self.backend.name_or_path)).encode())
             h.update(str(getattr(self.backend, "chat_template", None)).encode())
+            if self.prompt_style is not None:  # LitGPT's: it writes every prompt
+                style = type(self.prompt_style)
+                h.update(f"{style.__module__}.{style.__qualname__}".encode())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
@@ -115,13 +124,19 @@ def _hf_tokenizer(folder: Path, setting: str) -> TextTokenizer:
 
 
 def _litgpt_tokenizer(folder: Path, setting: str) -> TextTokenizer:
-    from litgpt import Tokenizer
+    """LitGPT's ``Tokenizer`` and prompt style of a checkpoint folder, as ``litgpt generate`` picks them."""
+    from litgpt import Config, Tokenizer
+    from litgpt.prompts import PromptStyle, has_prompt_style, load_prompt_style
 
     if not any((folder / f).is_file() for f in LITGPT_TOKENIZER_FILES):
         raise ValueError(
             f"{setting}={str(folder)!r} holds no {' or '.join(LITGPT_TOKENIZER_FILES)}: give a folder with one."
         )
-    return TextTokenizer(Tokenizer(folder), str(folder))
+    if has_prompt_style(folder):
+        style = load_prompt_style(folder)
+    else:
+        style = PromptStyle.from_config(Config.from_file(folder / LITGPT_CONFIG))
+    return TextTokenizer(Tokenizer(folder), str(folder), prompt_style=style)
 
 
 def model_vocab_size(folder: Path) -> int | None:

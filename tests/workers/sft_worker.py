@@ -1,8 +1,10 @@
-"""Worker: trains ``HFCausalLM`` (a save_pretrained folder) on ``sft`` batches from a token cache built by the test
-(padded: attention masks; packed: position ids) under one strategy for a list of cases; writes rank<N>.json (+
-params), with the same ``--runs-file`` batching as gpt_worker.py (tests/conftest.py's ``Batch`` launches it).
+"""Worker: trains ``HFCausalLM`` (a save_pretrained folder) or ``LitGPTCausalLM`` (a litgpt checkpoint folder) on
+``sft`` batches from a token cache built by the test (padded: attention masks, none for LitGPT; packed: position
+ids) under one strategy for a list of cases; writes rank<N>.json (+ params), with the same ``--runs-file`` batching
+as gpt_worker.py (tests/conftest.py's ``Batch`` launches it).
 
-Case keys: name, path (the model folder), cache (the token cache folder), packing, seq_len, steps, global_batch,
+Case keys: name, path (the model folder), library ("hf" or "litgpt"), cache (the token cache folder), packing,
+seq_len, steps, global_batch,
 accumulate (micro-batches per optimizer step), lr, validate (after training, the validation loss of the first 2
 unshuffled micro-batches: ``val_loss``).
 
@@ -19,10 +21,11 @@ import torch
 from gpt_worker import ShardedData, batch_ranks, build_strategy, run_batches
 
 from lightning_parallel.hf import HFCausalLM
+from lightning_parallel.litgpt import LitGPTCausalLM
 from lightning_parallel.text import open_token_cache, text_dataset
 
 
-class Recording(HFCausalLM):
+class _Recording:
     """Keeps each micro-step's loss and each optimizer step's window factor."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -40,13 +43,23 @@ class Recording(HFCausalLM):
         self.factors.append(self.window_factor)
 
 
+class Recording(_Recording, HFCausalLM):
+    pass
+
+
+class LitRecording(_Recording, LitGPTCausalLM):
+    pass
+
+
 def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     pl.seed_everything(0, verbose=False)
     steps, global_batch, accumulate = case["steps"], case["global_batch"], case.get("accumulate", 1)
     strategy_obj = build_strategy(strategy)
     micro = global_batch // (accumulate * batch_ranks(strategy_obj, world))
-    model = Recording(case["path"], lr=case["lr"], eps=1e-6)
-    data = text_dataset(open_token_cache(case["cache"]), case["seq_len"], packing=case["packing"])
+    litgpt = case.get("library") == "litgpt"
+    model = (LitRecording if litgpt else Recording)(case["path"], lr=case["lr"], eps=1e-6)
+    cache = open_token_cache(case["cache"])  # LitGPT's GPT takes no attention mask: padded rows without it
+    data = text_dataset(cache, case["seq_len"], packing=case["packing"], attention_mask=not litgpt)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
