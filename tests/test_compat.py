@@ -88,11 +88,11 @@ def test_version_shims_at_world_1():
 
 
 def _imports(path: Path, modules: set[str] | None = None) -> set[str]:
-    """lightning_parallel modules ``path`` imports at module level (not inside functions). ``from pkg import sub``
-    counts as importing ``sub`` when it is a module (the package's own initialization is not an edge)."""
-    tree = ast.parse(path.read_text())
+    """lightning_parallel modules ``path`` imports, at module level and inside functions alike (an import run late
+    still makes a circle), but not under ``if TYPE_CHECKING:`` (never run). ``from pkg import sub`` counts as
+    importing ``sub`` when it is a module (the package's own initialization is not an edge)."""
     found = set()
-    for node in tree.body:
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_parallel"):
             subs = {f"{node.module}.{a.name}" for a in node.names}
             named = {m for m in subs if modules is not None and m in modules}
@@ -100,6 +100,22 @@ def _imports(path: Path, modules: set[str] | None = None) -> set[str]:
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("lightning_parallel"))
     return found
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except the bodies of ``if TYPE_CHECKING:``."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if (
+                isinstance(child, ast.If)
+                and getattr(child.test, "id", getattr(child.test, "attr", None)) == "TYPE_CHECKING"
+            ):
+                todo.extend(child.orelse)
+                continue
+            todo.append(child)
 
 
 def _module_name(path: Path) -> str:

@@ -1,6 +1,6 @@
 """LitGPTCausalLM (a GPT-NeoX-style GPT, a Llama-style one with grouped-query attention, and a Qwen3-style one with
-per-head q/k norms) under zero3 and hybrid3d: the same 10 AdamW steps as the plain LitGPT model trained in one process (``GPT.forward`` and litgpt's
-own ``chunked_cross_entropy`` on shifted targets, no Lightning)."""
+per-head q/k norms) under zero3 and hybrid3d: the same 10 AdamW steps as the plain LitGPT model trained in one
+process (``GPT.forward`` and litgpt's own ``chunked_cross_entropy`` on shifted targets, no Lightning)."""
 
 from __future__ import annotations
 

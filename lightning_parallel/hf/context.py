@@ -26,6 +26,16 @@ UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "sinks")
 DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop")  # Llama-style, GPT-2
 
 
+def attention_type(config: Any, index: int) -> str:
+    """Decoder layer ``index``'s attention, as the base model's forward picks its mask: ``config.layer_types``
+    when the config has them (Qwen2, Gemma 2/3), else a sliding window for every layer when
+    ``config.sliding_window`` is set (Mistral), else full causal attention."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[index]
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
 def default_positions(model: nn.Module, batch: int, length: int, device: torch.device) -> Tensor:
     """The position ids HF's forward would make without any given: this rank's true positions under cp, (B, T),
     else 0 .. T-1, (1, T)."""
@@ -100,7 +110,6 @@ def hf_attention_heads(config: Any) -> int:
 def check_hf_context(config: Any, layers: int, cp: int) -> None:
     """Refuse what context-parallel attention cannot run: sliding windows, attention logit softcapping, attention
     dropout (a ValueError naming the setting and the fix)."""
-    from lightning_parallel.hf.layers import attention_type
 
     kinds = {attention_type(config, i) for i in range(layers)} - {"full_attention"}
     if kinds:

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_parallel.checkpoint import check_checkpoint_path, consolidated
 from lightning_parallel.hf.adapters import PEFT_KEY, adapter_record, adapter_state, merged_model, peft_config_of
 from lightning_parallel.hf.module import HF_CONFIG_KEY
+from lightning_parallel.parallel.checkpoint.consolidate import check_checkpoint_path, consolidated
 
 PREFIX = "model."  # HFCausalLM keeps the HF model as self.model
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel.hf.context import default_positions
+from lightning_parallel.hf.context import attention_type, default_positions  # noqa: F401  (attention_type: used here)
 from lightning_parallel.hf.plan import _pp_names, is_gpt2
 from lightning_parallel.parallel.pipeline.runner import stage_inputs
 
@@ -45,16 +45,6 @@ def _positions(hidden: Tensor, model: nn.Module) -> Tensor:
 
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")  # what a stage can rebuild the mask of
-
-
-def attention_type(config: Any, index: int) -> str:
-    """Decoder layer ``index``'s attention, as the base model's forward picks its mask: ``config.layer_types``
-    when the config has them (Qwen2, Gemma 2/3), else a sliding window for every layer when
-    ``config.sliding_window`` is set (Mistral), else full causal attention."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        return types[index]
-    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
 
 
 def _decoder_inputs(model: nn.Module, rotary: nn.Module | None, index: int):

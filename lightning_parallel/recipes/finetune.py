@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from omegaconf import DictConfig
 
 from lightning_parallel.recipes.finetune_assets import make_default_assets
 from lightning_parallel.recipes.finetune_data import is_library_model, tokenizer_of
-from lightning_parallel.recipes.finetune_generate import answer
+from lightning_parallel.recipes.finetune_generate import answer, build_finetune_module, materialized, trained_copy
 
 SAMPLES_FILE = "samples.json"
 
@@ -46,38 +45,9 @@ def check_finetune_config(cfg: DictConfig) -> None:
     check_config(cfg)
 
 
-def trained_copy(trainer: pl.Trainer, module: Any, cfg: DictConfig) -> Any:
-    """On rank 0, a single-process copy of ``module`` holding the trained weights (None on the other ranks).
-    Collective under the mesh strategies: every stage's and shard's parameters are gathered to rank 0."""
-    strategy = trainer.strategy
-    state = strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else module.state_dict()
-    if trainer.global_rank != 0:
-        return None
-    with torch.random.fork_rng(devices=[]):  # its fresh weights are overwritten
-        fresh = _build_module(cfg)
-    _materialize(fresh)
-    fresh.load_state_dict({k: v.detach().cpu() for k, v in state.items()})
-    return fresh
-
-
-def _build_module(cfg: DictConfig) -> Any:
-    """The HFCausalLM or LitGPTCausalLM the config describes (what each worker trains)."""
-    from lightning_parallel.recipes.hf import build_hf_module
-    from lightning_parallel.recipes.litgpt import build_litgpt_module, is_litgpt_model
-
-    return build_litgpt_module(cfg) if is_litgpt_model(cfg.model) else build_hf_module(cfg)
-
-
-def _materialize(module: Any) -> Any:
-    """An HFCausalLM reads its folder's weights late (after a split): here, now; a LitGPTCausalLM holds them."""
-    if hasattr(module, "materialize"):
-        module.materialize()
-    return module
-
-
 def _before_copy(module: Any) -> Any:
     """The untrained weights, whole, for the answers before training (the module may not have read them yet)."""
-    return _materialize(copy.deepcopy(module))
+    return materialized(copy.deepcopy(module))
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -95,7 +65,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     pl.seed_everything(cfg.seed, verbose=False)
     micro = micro_batch_size(cfg, world_size(cfg))
-    model = _build_module(cfg)
+    model = build_finetune_module(cfg)
     counts = parameter_counts(model)
     trainer = build_trainer(cfg, run_dir)
     tokenizer = tokenizer_of(cfg)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from omegaconf import DictConfig
 
 from lightning_parallel.recipes.finetune_data import decode_new
 from lightning_parallel.text import TextTokenizer
@@ -95,3 +97,32 @@ def answer(
     """
     new = [continue_ids(model, tokenizer, prompt_ids(tokenizer, p), max_new_tokens, temperature, seed) for p in prompts]
     return [decode_new(tokenizer, ids, 0) for ids in new]
+
+
+def trained_copy(trainer: pl.Trainer, module: Any, cfg: DictConfig) -> Any:
+    """On rank 0, a single-process copy of ``module`` holding the trained weights (None on the other ranks).
+    Collective under the mesh strategies: every stage's and shard's parameters are gathered to rank 0."""
+    strategy = trainer.strategy
+    state = strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else module.state_dict()
+    if trainer.global_rank != 0:
+        return None
+    with torch.random.fork_rng(devices=[]):  # its fresh weights are overwritten
+        fresh = build_finetune_module(cfg)
+    materialized(fresh)
+    fresh.load_state_dict({k: v.detach().cpu() for k, v in state.items()})
+    return fresh
+
+
+def build_finetune_module(cfg: DictConfig) -> Any:
+    """The HFCausalLM or LitGPTCausalLM the config describes (what each worker trains)."""
+    from lightning_parallel.recipes.hf import build_hf_module
+    from lightning_parallel.recipes.litgpt import build_litgpt_module, is_litgpt_model
+
+    return build_litgpt_module(cfg) if is_litgpt_model(cfg.model) else build_hf_module(cfg)
+
+
+def materialized(module: Any) -> Any:
+    """An HFCausalLM reads its folder's weights late (after a split): here, now; a LitGPTCausalLM holds them."""
+    if hasattr(module, "materialize"):
+        module.materialize()
+    return module

@@ -270,9 +270,8 @@ def generate(
 
 def tokenized_sample(trainer: pl.Trainer, model: pl.LightningModule, cfg: DictConfig) -> str | None:
     """A greedy continuation of "The " with the run's tokenizer, on rank 0 (collective: the weights are gathered)."""
-    from lightning_parallel.recipes.finetune import trained_copy
     from lightning_parallel.recipes.finetune_data import decode_new, tokenizer_of
-    from lightning_parallel.recipes.finetune_generate import continue_ids
+    from lightning_parallel.recipes.finetune_generate import continue_ids, trained_copy
 
     trained = trained_copy(trainer, model, cfg)
     if trained is None:
