@@ -26,6 +26,53 @@ ZERO_SETTINGS = (
 )
 
 
+def zero_config(
+    stage: int,
+    offload: bool,
+    reshard_after_forward: bool,
+    activation_checkpointing: str,
+    kwargs: dict[str, Any],
+    owner: str = "ZeroStrategy",
+) -> tuple[ParallelConfig, dict[str, Any]]:
+    """The ParallelConfig of a ZeRO preset (both front doors), and the keyword arguments that are not settings.
+
+    Raises:
+        TypeError: a setting a ZeRO layout does not take (pp, tp, ...), naming hybrid3d as the fix.
+    """
+    settings, kwargs = ParallelConfig.split_kwargs(kwargs)
+    refused = sorted(set(settings) - set(ZERO_SETTINGS))
+    if refused or "zero_stage" in settings:
+        raise TypeError(
+            f"{owner} does not take {', '.join(refused or ['zero_stage'])}: it only shards data (its stage "
+            "is `stage`). Use Hybrid3DStrategy(zero_stage=...) to combine ZeRO with pipeline or tensor parallelism."
+        )
+    check_zero_settings(stage, offload)
+    check_flag("reshard_after_forward", reshard_after_forward)
+    config = ParallelConfig(
+        zero_stage=stage,
+        offload=offload,
+        reshard_after_forward=reshard_after_forward,
+        activation_checkpointing=activation_checkpointing,
+        **settings,
+    )
+    return config, kwargs
+
+
+def zero_setting(config: ParallelConfig) -> str:
+    """How the user named a ZeRO layout, for error messages."""
+    return f"strategy='zero{config.zero_stage}{'_offload' if config.offload else ''}'"
+
+
+def check_zero_world(setting: str, world_size: int) -> None:
+    """ZeRO shards over at least two processes."""
+    if world_size < 2:
+        raise ValueError(
+            f"{setting} shards over data-parallel processes but the world size is {world_size}: "
+            "set devices (or num_nodes) so there are at least 2 processes, "
+            "or use strategy='auto' for one."
+        )
+
+
 class ZeroStrategy(MeshStrategy):
     """ZeRO data parallelism: every rank trains on its own batch, model states are sharded.
 
@@ -60,21 +107,8 @@ class ZeroStrategy(MeshStrategy):
         activation_checkpointing: str = "none",
         **kwargs: Any,
     ) -> None:
-        settings, kwargs = ParallelConfig.split_kwargs(kwargs)
-        refused = sorted(set(settings) - set(ZERO_SETTINGS))
-        if refused or "zero_stage" in settings:
-            raise TypeError(
-                f"ZeroStrategy does not take {', '.join(refused or ['zero_stage'])}: it only shards data (its stage "
-                "is `stage`). Use Hybrid3DStrategy(zero_stage=...) to combine ZeRO with pipeline or tensor parallelism."
-            )
-        check_zero_settings(stage, offload)
-        check_flag("reshard_after_forward", reshard_after_forward)
-        config = ParallelConfig(
-            zero_stage=stage,
-            offload=offload,
-            reshard_after_forward=reshard_after_forward,
-            activation_checkpointing=activation_checkpointing,
-            **settings,
+        config, kwargs = zero_config(
+            stage, offload, reshard_after_forward, activation_checkpointing, kwargs, owner=type(self).__name__
         )
         super().__init__(config, **kwargs)
 
@@ -88,16 +122,11 @@ class ZeroStrategy(MeshStrategy):
 
     @override
     def _setting(self) -> str:
-        return f"strategy='zero{self.stage}{'_offload' if self.offload else ''}'"
+        return zero_setting(self.config)
 
     @override
     def _parallel_degrees(self, world_size: int) -> ParallelDims:
-        if world_size < 2:
-            raise ValueError(
-                f"{self._setting()} shards over data-parallel processes but the world size is {world_size}: "
-                "set devices (or num_nodes) so there are at least 2 processes, "
-                "or use strategy='auto' for one."
-            )
+        check_zero_world(self._setting(), world_size)
         return super()._parallel_degrees(world_size)
 
     @classmethod
