@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
-from lightning.fabric.plugins.precision import MixedPrecision
 from conftest import Batch
+from lightning.fabric.plugins.precision import MixedPrecision
 from parity import assert_same_losses, assert_same_params
 
 import lightning_parallel  # noqa: F401  (registers the names)
@@ -24,6 +24,7 @@ FAST = {
     "zero2": (2, "zero2", CASES),
     "zero3": (2, "zero3", META),
     "tp2": (2, "hybrid3d:tp=2", META),
+    "dp2": (2, "hybrid3d", CASES),  # ZeRO-0: the data-parallel all-reduce is the strategy's alone (once per step)
 }
 
 
@@ -32,7 +33,7 @@ def fast(tmp_path_factory) -> Batch:
     return Batch(tmp_path_factory, FAST, tag="fabric", worker="fabric_worker.py")
 
 
-@pytest.mark.parametrize("label", ["zero2", "zero3", "tp2"])
+@pytest.mark.parametrize("label", ["zero2", "zero3", "tp2", "dp2"])
 @pytest.mark.parametrize("case", [c["name"] for c in CASES])
 def test_fabric_loop_matches_one_process(fast, label, case):
     run, ref = fast[label], fast["reference"]
@@ -41,7 +42,7 @@ def test_fabric_loop_matches_one_process(fast, label, case):
     # fabric.all_reduce averages over the data-parallel ranks (the loss role): the global loss on every rank
     for rank in range(len(run.ranks)):
         assert_same_losses(run.case(case, rank)["reduced"], run.losses(case), f"fabric {label} all_reduce")
-        assert run.case(case, rank)["broadcast"] == 17  # from the last rank of two
+        assert run.case(case, rank)["broadcast"] == 10 * (len(run.ranks) - 1) + 7  # from the last rank
         assert run.case(case, rank)["device"] == "cpu"
 
 

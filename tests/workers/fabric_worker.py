@@ -56,7 +56,8 @@ def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
     micro = global_batch // (accumulate * sampler_kwargs["num_replicas"])
     epoch_steps = case.get("epoch_steps", steps)
     data = SyntheticTokens(num_samples=global_batch * epoch_steps, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
-    loader = DataLoader(data, batch_size=micro, sampler=DistributedSampler(data, shuffle=True, seed=0, **sampler_kwargs))
+    sampler = DistributedSampler(data, shuffle=True, seed=0, **sampler_kwargs)
+    loader = DataLoader(data, batch_size=micro, sampler=sampler)
     losses, reduced, batches = [], [], iter(())
     for _ in range(steps):
         for i in range(accumulate):
