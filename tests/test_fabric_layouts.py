@@ -24,6 +24,8 @@ WIDE = {
     "sp": (4, "hybrid3d:dp=2,tp=2,sequence_parallel=1", CASES),
     "zero1": (4, "zero1", CASES),
     "zero3_offload": (4, "zero3_offload", CASES),
+    "cp2": (4, "hybrid3d:dp=2,cp=2", CASES),  # each sequence in chunks over 2 ranks (strategy.shard_batch)
+    "hsdp": (4, "hybrid3d:dp_shard=2,zero_stage=3", CASES),  # ZeRO-3 over 2 ranks, 2 replicas
 }
 
 
@@ -32,7 +34,7 @@ def wide(tmp_path_factory) -> Batch:
     return Batch(tmp_path_factory, WIDE, tag="fabric_wide", worker="fabric_worker.py")
 
 
-@pytest.mark.parametrize("label", ["dp2_tp2", "sp", "zero1", "zero3_offload"])
+@pytest.mark.parametrize("label", ["dp2_tp2", "sp", "zero1", "zero3_offload", "cp2", "hsdp"])
 @pytest.mark.parametrize("case", [c["name"] for c in CASES])
 def test_fabric_world4_matches_one_process(wide, label, case):
     run, ref = wide[label], wide["reference"]

@@ -65,7 +65,8 @@ def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
             if batch is None:  # a new pass over the same batches (the sampler's epoch stays 0)
                 batches = iter(loader)
                 batch = next(batches)
-            idx, targets = fabric.to_device(batch)
+            # cp: this rank's chunks of every sequence (the identity under other layouts)
+            idx, targets = fabric.to_device(getattr(fabric.strategy, "shard_batch", lambda b: b)(batch))
             with fabric.no_backward_sync(model, enabled=i < accumulate - 1):
                 loss = model.loss(model(idx), targets)
                 fabric.backward(loss / accumulate)
