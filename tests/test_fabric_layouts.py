@@ -18,6 +18,7 @@ CASES = [
     {"name": "plain", "steps": 10},
     {"name": "clip_accumulate", "steps": 10, "clip": 0.05, "accumulate": 2},
 ]
+MOE_CASES = [{**c, "moe": {"moe_experts": 8, "moe_top_k": 2}} for c in CASES]
 WIDE = {
     "reference": (1, "auto", CASES),
     "dp2_tp2": (4, "hybrid3d:dp=2,tp=2,zero_stage=1", [{**c, "meta": True} for c in CASES]),
@@ -26,6 +27,8 @@ WIDE = {
     "zero3_offload": (4, "zero3_offload", CASES),
     "cp2": (4, "hybrid3d:dp=2,cp=2", CASES),  # each sequence in chunks over 2 ranks (strategy.shard_batch)
     "hsdp": (4, "hybrid3d:dp_shard=2,zero_stage=3", CASES),  # ZeRO-3 over 2 ranks, 2 replicas
+    "reference_moe": (1, "auto", MOE_CASES),
+    "ep2": (4, "hybrid3d:ep=2", MOE_CASES),  # 8 experts, 4 per rank, tokens by all-to-all
 }
 
 
@@ -34,10 +37,10 @@ def wide(tmp_path_factory) -> Batch:
     return Batch(tmp_path_factory, WIDE, tag="fabric_wide", worker="fabric_worker.py")
 
 
-@pytest.mark.parametrize("label", ["dp2_tp2", "sp", "zero1", "zero3_offload", "cp2", "hsdp"])
+@pytest.mark.parametrize("label", ["dp2_tp2", "sp", "zero1", "zero3_offload", "cp2", "hsdp", "ep2"])
 @pytest.mark.parametrize("case", [c["name"] for c in CASES])
 def test_fabric_world4_matches_one_process(wide, label, case):
-    run, ref = wide[label], wide["reference"]
+    run, ref = wide[label], wide["reference_moe" if label == "ep2" else "reference"]
     assert_same_losses(run.losses(case), ref.losses(case), f"fabric {label} {case}")
     assert_same_params(run.params(case), ref.params(case), f"fabric {label} {case}")
 

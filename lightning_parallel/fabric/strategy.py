@@ -38,7 +38,6 @@ from lightning_parallel.fabric import checkpoint
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.powersgd import embedding_weights
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
-from lightning_parallel.parallel.expert.aux import aux_loss_scale
 from lightning_parallel.parallel.failure import FailureBoard, to_timeout
 from lightning_parallel.parallel.materialize import splits_model
 from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
@@ -281,8 +280,9 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         self._reduced.clear()  # a new backward: the step's gradients are not reduced yet
         context = loss_parallel() if self.parallel_dims.tp > 1 else contextlib.nullcontext()
-        # under tp the vocabulary-parallel loss needs its own backward rules; MoE aux losses get the main loss's scale
-        with aux_loss_scale(1.0), context:
+        # under tp the vocabulary-parallel loss needs its own backward rules. MoE auxiliary losses get the factor a
+        # loop sets around its backward with parallel.expert.aux.aux_loss_scale (1 by default), as in one process
+        with context:
             super().backward(tensor, module, *args, **kwargs)
 
     def _reduce_once(self, optimizer: Optimizer) -> None:

@@ -6,15 +6,17 @@ gpt_worker.py's Trainer runs, so its losses compare with the Trainer path's too.
 process, Lightning's own), a registered name ("zero3"), or "hybrid3d:tp=2,..." / "zero3:offload=1" (the class
 with those settings).
 
-Case keys: name, steps, accumulate, clip, global_batch, epoch_steps (steps per pass over the data: every pass
-repeats the same batches), meta (build under ``fabric.init_module(empty_init=True)``), load (a checkpoint folder to
-fill the model and optimizer from first, a Fabric or a Trainer one), save (a folder written after the last step).
+Case keys: name, moe (GPTConfig overrides: moe_experts, ...), steps, accumulate, clip, global_batch, epoch_steps
+(steps per pass over the data: every pass repeats the same batches), meta (build under
+``fabric.init_module(empty_init=True)``), load (a checkpoint folder to fill the model and optimizer from first, a
+Fabric or a Trainer one), save (a folder written after the last step).
 Each rank records its micro-batches' local losses (``losses``), their ``fabric.all_reduce`` (``reduced``), and the
 collectives' answers; rank 0 saves the gathered parameters as <name>_params.pt.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import lightning as L
@@ -47,7 +49,8 @@ def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
     fabric.launch()
     pl.seed_everything(case.get("seed", 0), verbose=False)
     with fabric.init_module(empty_init=bool(case.get("meta")) and spec != "auto"):
-        model = LitGPT(config=TINY, lr=1e-3, eps=1e-6)  # eps as gpt_worker's (see there)
+        config = dataclasses.replace(TINY, **case["moe"]) if case.get("moe") else TINY  # moe_experts, ...
+        model = LitGPT(config=config, lr=1e-3, eps=1e-6)  # eps as gpt_worker's (see there)
     optimizer = model.configure_optimizers()
     model, optimizer = fabric.setup(model, optimizer)
     if case.get("load"):
