@@ -112,14 +112,6 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         self._reduced: set[int] = set()  # optimizers whose gradients were reduced since the last backward
         self._backward_sync_control = _ParallelBackwardSyncControl()  # ZeRO-3's FSDP2 units skip their reduction
 
-    # ----- what subclasses decide -----
-
-    def _parallel_degrees(self, world_size: int) -> ParallelDims:
-        return self.config.dims(world_size)
-
-    def _setting(self) -> str:
-        return self.config.describe(self.strategy_name)
-
     # ----- Fabric's bookkeeping -----
 
     @property
@@ -132,31 +124,6 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
 
     def _set_world_ranks(self) -> None:
         self.set_world_ranks()
-
-    @property
-    def parallel_dims(self) -> ParallelDims:
-        if self._dims is None:
-            self._dims = self._parallel_degrees(self.world_size)
-        return self._dims
-
-    @property
-    def mesh(self) -> ParallelMesh:
-        """The world's mesh, by role (``batch``, ``loss``, ``shard``, ``tensor``, ...) or axis."""
-        if self._mesh is None:
-            raise RuntimeError("The device mesh exists once fabric.launch() has set up the process group.")
-        return self._mesh
-
-    @property
-    def sharding(self) -> DataParallelSharding:
-        if self._sharding is None:
-            raise RuntimeError("The data-parallel sharding exists once fabric.launch() has set up the process group.")
-        return self._sharding
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every rank of one batch index sees the same samples: tensor shards and cp ranks share a batch
-        return {"num_replicas": self.parallel_dims.role_size("batch"), "rank": self.mesh.rank("batch")}
 
     @override
     def _configure_launcher(self) -> None:

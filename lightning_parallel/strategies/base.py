@@ -29,7 +29,6 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from torchmetrics import Metric
@@ -124,54 +123,6 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
         self._parallelized: torch.nn.Module | None = None  # the model parallelize() ran on
         self._pipelined: Any = None  # PipelinedStep under pp > 1
         self._full_param_order: list[str] = []  # the unsplit model's parameter names: checkpoints number them
-
-    # ----- what subclasses decide -----
-
-    def _parallel_degrees(self, world_size: int) -> ParallelDims:
-        return self.config.dims(world_size)
-
-    def _setting(self) -> str:
-        """How the user named this layout, for error messages."""
-        return self.config.describe(self._name())
-
-    def _name(self) -> str:
-        return getattr(self, "strategy_name", type(self).__name__)
-
-    # ----- mesh and process group -----
-
-    @property
-    def parallel_dims(self) -> ParallelDims:
-        if self._dims is None:
-            self._dims = self._parallel_degrees(self.world_size)
-        return self._dims
-
-    @property
-    def mesh(self) -> ParallelMesh:
-        """The world's mesh, by role (``batch``, ``loss``, ``shard``, ``stage``, ``tensor``) or axis."""
-        if self._mesh is None:
-            raise RuntimeError("The device mesh exists once the strategy has set up its process group.")
-        return self._mesh
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """torch's mesh with one named dimension per axis."""
-        return self.mesh.device_mesh
-
-    @property
-    def sharding(self) -> DataParallelSharding:
-        if self._sharding is None:
-            raise RuntimeError("The data-parallel sharding exists once the strategy has set up its process group.")
-        return self._sharding
-
-    @property
-    def fsdp_units(self) -> list[str]:
-        return self._parallel.fsdp_units if self._parallel is not None else []
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every rank of one batch index sees the same samples: pipeline stages and tensor shards share a batch
-        return {"num_replicas": self.parallel_dims.role_size("batch"), "rank": self.mesh.rank("batch")}
 
     @property
     @override
