@@ -18,12 +18,13 @@ CASES = [
     {"name": "clip_accumulate", "steps": 10, "clip": 0.05, "accumulate": 2},
 ]
 META = [{**case, "meta": True} for case in CASES]  # built under fabric.init_module(empty_init=True)
+SEPARATELY = [META[0], {**META[1], "separately": True}]  # setup_module, then setup_optimizers
 
 FAST = {
     "reference": (1, "auto", CASES),
     "zero2": (2, "zero2", CASES),
-    "zero3": (2, "zero3", META),
-    "tp2": (2, "hybrid3d:tp=2", META),
+    "zero3": (2, "zero3", SEPARATELY),
+    "tp2": (2, "hybrid3d:tp=2", [*META, {"name": "no_plan", "expect_error": True}]),
     "dp2": (2, "hybrid3d", CASES),  # ZeRO-0: the data-parallel all-reduce is the strategy's alone (once per step)
 }
 
@@ -44,6 +45,14 @@ def test_fabric_loop_matches_one_process(fast, label, case):
         assert_same_losses(run.case(case, rank)["reduced"], run.losses(case), f"fabric {label} all_reduce")
         assert run.case(case, rank)["broadcast"] == 10 * (len(run.ranks) - 1) + 7  # from the last rank
         assert run.case(case, rank)["device"] == "cpu"
+
+
+def test_model_refused_as_under_the_trainer(fast):
+    """The Trainer's model checks (strategies/checks.py) run at fabric.setup, on every rank alike, before any
+    collective: a model without a tensor-parallel plan under tp=2 is refused with the Trainer's message."""
+    for rank in range(2):
+        error = fast["tp2"].case("no_plan", rank)["error"]
+        assert error.startswith("TypeError") and "tensor_parallel_plan" in error, error
 
 
 def test_names_in_fabrics_registry():

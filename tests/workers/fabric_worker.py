@@ -9,7 +9,8 @@ with those settings).
 Case keys: name, moe (GPTConfig overrides: moe_experts, ...), steps, accumulate, clip, global_batch, epoch_steps
 (steps per pass over the data: every pass repeats the same batches), meta (build under
 ``fabric.init_module(empty_init=True)``), load (a checkpoint folder to fill the model and optimizer from first, a
-Fabric or a Trainer one), save (a folder written after the last step).
+Fabric or a Trainer one), save (a folder written after the last step), expect_error (set up an MLP the layout
+cannot split; record the error), separately (``fabric.setup_module`` then ``fabric.setup_optimizers``).
 Each rank records its micro-batches' local losses (``losses``), their ``fabric.all_reduce`` (``reduced``), and the
 collectives' answers; rank 0 saves the gathered parameters as <name>_params.pt.
 """
@@ -48,11 +49,21 @@ def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=build_fabric_strategy(spec), precision="32-true")
     fabric.launch()
     pl.seed_everything(case.get("seed", 0), verbose=False)
+    if case.get("expect_error"):  # a plain MLP (no tensor-parallel plan): the Trainer's refusal, on every rank
+        try:
+            fabric.setup(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+        except (TypeError, ValueError) as err:
+            return {"name": case["name"], "error": f"{type(err).__name__}: {err}"}
+        raise AssertionError("fabric.setup accepted a model the layout cannot split")
     with fabric.init_module(empty_init=bool(case.get("meta")) and spec != "auto"):
         config = dataclasses.replace(TINY, **case["moe"]) if case.get("moe") else TINY  # moe_experts, ...
         model = LitGPT(config=config, lr=1e-3, eps=1e-6)  # eps as gpt_worker's (see there)
-    optimizer = model.configure_optimizers()
-    model, optimizer = fabric.setup(model, optimizer)
+    if case.get("separately"):  # setup_module, then the optimizer over the split model's parameters
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(model.configure_optimizers())
+    else:  # the optimizer over the unsplit parameters: the strategy re-points it
+        optimizer = model.configure_optimizers()
+        model, optimizer = fabric.setup(model, optimizer)
     if case.get("load"):
         fabric.load(case["load"], {"model": model, "optimizer": optimizer}, strict=False)
     sampler_kwargs = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
