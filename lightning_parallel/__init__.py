@@ -1,7 +1,8 @@
 """PyTorch Lightning strategies for models that outgrow one device.
 
 ``import lightning_parallel`` registers the strategy names (``hybrid3d``, ``zero1``, ``zero2``,
-``zero3``, ``zero3_offload``, ...) in Lightning's registry, so ``Trainer(strategy="zero2")`` works, and
+``zero3``, ``zero3_offload``, ...) in Lightning's registry and in Fabric's, so ``Trainer(strategy="zero2")`` and
+``Fabric(strategy="zero2")`` work, and
 lets ``precision="16-mixed"`` on CPU run fp16 under them (Lightning alone would switch it to bf16).
 
 The layout of the package is described in ARCHITECTURE.md at the repository root.
@@ -12,6 +13,7 @@ from lightning_parallel.callbacks.moe import MoEAuxLossScale, MoEMonitor
 from lightning_parallel.callbacks.monitor import TrainingMonitor
 from lightning_parallel.callbacks.preemption import Preemption
 from lightning_parallel.callbacks.resume import ExactResume, ResumableDataLoader
+from lightning_parallel.fabric import Hybrid3DFabricStrategy, ZeroFabricStrategy, register_fabric_strategies
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.expert import MoE
 from lightning_parallel.parallel.mesh import ParallelDims
@@ -27,6 +29,7 @@ __all__ = [
     "AsyncPSStrategy",
     "DataParallelSyncBatchNorm",
     "ExactResume",
+    "Hybrid3DFabricStrategy",
     "Hybrid3DStrategy",
     "MeshStrategy",
     "MoE",
@@ -38,8 +41,10 @@ __all__ = [
     "Preemption",
     "ResumableDataLoader",
     "TrainingMonitor",
+    "ZeroFabricStrategy",
     "ZeroStrategy",
     "register_strategies",
 ]
 
 register_strategies()
+register_fabric_strategies()

@@ -29,22 +29,21 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_parallel import _compat
-from lightning_parallel.parallel.clip import clip_grad_norm_
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.powersgd import embedding_weights
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.data.sync_batchnorm import convert_sync_batchnorm
 from lightning_parallel.parallel.expert.aux import aux_loss_scale
 from lightning_parallel.parallel.failure import FailureBoard, to_timeout
-from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh, axis_combinations
+from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.parallel.parallelize import Parallelized, parallelize
+from lightning_parallel.parallel.step import clip_model_grad_norm, reduce_step_gradients
 from lightning_parallel.parallel.tensor.loss import vocab_parallel_loss
 from lightning_parallel.plugins.layer_sync import DataParallelSyncBatchNorm
 from lightning_parallel.plugins.precision import loss_scale_of, to_mesh_precision
@@ -54,6 +53,22 @@ from lightning_parallel.strategies.checks import check_model
 from lightning_parallel.strategies.distributed import DistributedMixin
 from lightning_parallel.strategies.model_setup import ModelPlacement
 from lightning_parallel.strategies.pipelined_step import pipelined_step
+
+
+def build_config(owner: str, config: ParallelConfig | None, settings: dict[str, Any]) -> ParallelConfig:
+    """A strategy's validated settings: ``config`` (or the defaults) with ``settings`` over it (both front doors).
+
+    Raises:
+        TypeError: a setting ParallelConfig does not have, naming the ones it has.
+    """
+    unknown = set(settings) - set(ParallelConfig.names())
+    if unknown:
+        raise TypeError(
+            f"{owner} got unknown setting(s) {', '.join(sorted(unknown))}: use the names of "
+            f"ParallelConfig ({', '.join(ParallelConfig.names())}) or Lightning's strategy arguments."
+        )
+    base = config if config is not None else ParallelConfig()
+    return ParallelConfig(**{**vars(base), **settings}).validate(warn=rank_zero_warn)
 
 
 class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, ParallelStrategy):
@@ -86,15 +101,8 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
         checkpoint_format: str = "sharded",
         **settings: Any,
     ) -> None:
-        unknown = set(settings) - set(ParallelConfig.names())
-        if unknown:
-            raise TypeError(
-                f"{type(self).__name__} got unknown setting(s) {', '.join(sorted(unknown))}: use the names of "
-                f"ParallelConfig ({', '.join(ParallelConfig.names())}) or Lightning's strategy arguments."
-            )
         check_checkpoint_format(checkpoint_format)
-        base = config if config is not None else ParallelConfig()
-        self.config = ParallelConfig(**{**vars(base), **settings}).validate(warn=rank_zero_warn)
+        self.config = build_config(type(self).__name__, config, settings)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -115,54 +123,6 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
         self._parallelized: torch.nn.Module | None = None  # the model parallelize() ran on
         self._pipelined: Any = None  # PipelinedStep under pp > 1
         self._full_param_order: list[str] = []  # the unsplit model's parameter names: checkpoints number them
-
-    # ----- what subclasses decide -----
-
-    def _parallel_degrees(self, world_size: int) -> ParallelDims:
-        return self.config.dims(world_size)
-
-    def _setting(self) -> str:
-        """How the user named this layout, for error messages."""
-        return self.config.describe(self._name())
-
-    def _name(self) -> str:
-        return getattr(self, "strategy_name", type(self).__name__)
-
-    # ----- mesh and process group -----
-
-    @property
-    def parallel_dims(self) -> ParallelDims:
-        if self._dims is None:
-            self._dims = self._parallel_degrees(self.world_size)
-        return self._dims
-
-    @property
-    def mesh(self) -> ParallelMesh:
-        """The world's mesh, by role (``batch``, ``loss``, ``shard``, ``stage``, ``tensor``) or axis."""
-        if self._mesh is None:
-            raise RuntimeError("The device mesh exists once the strategy has set up its process group.")
-        return self._mesh
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """torch's mesh with one named dimension per axis."""
-        return self.mesh.device_mesh
-
-    @property
-    def sharding(self) -> DataParallelSharding:
-        if self._sharding is None:
-            raise RuntimeError("The data-parallel sharding exists once the strategy has set up its process group.")
-        return self._sharding
-
-    @property
-    def fsdp_units(self) -> list[str]:
-        return self._parallel.fsdp_units if self._parallel is not None else []
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every rank of one batch index sees the same samples: pipeline stages and tensor shards share a batch
-        return {"num_replicas": self.parallel_dims.role_size("batch"), "rank": self.mesh.rank("batch")}
 
     @property
     @override
@@ -290,23 +250,13 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
 
     def _after_backward(self, optimizer: Optimizer) -> None:
         """Runs once per optimizer step after the last backward, before clipping and the update."""
-        tied = self._parallel.tied if self._parallel is not None else None
-        if tied is not None:
-            tied.reduce()  # before the data-parallel reduction: both are sums
-        self.sharding.reduce_gradients(optimizer)
+        reduce_step_gradients(self._parallel, self.sharding, optimizer)
 
     def clip_grad_norm(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the norm of the whole model's gradient, however it is split; returns that norm."""
-        optimizer = unwrap_optimizer(optimizer)
-        tied = self._parallel.tied if self._parallel is not None else None
-        skip = tied.excluded_from_norm() if tied is not None else set()  # copies another rank counts
-        # ranks of different pipeline stages hold different parameters altogether: their norms add up too
-        stage_axes = tuple(self.mesh["stage"].mesh_dim_names or ()) if self.config.pp > 1 else ()
-        pieces = self.sharding.grad_pieces(optimizer)
-        counted = [(g, (*axes, *stage_axes)) for g, p, axes in pieces if id(p) not in skip]
-        uncounted = [g for g, p, _ in pieces if id(p) in skip]
-        groups = self.mesh.axis_groups()
-        return clip_grad_norm_(counted, max_norm, groups, norm_type, axis_combinations(), uncounted)
+        return clip_model_grad_norm(
+            unwrap_optimizer(optimizer), max_norm, norm_type, self._parallel, self.sharding, self.mesh
+        )
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -50,7 +50,7 @@ def check_model(model: Any, config: ParallelConfig, dims: ParallelDims) -> None:
             layers = pipeline_layers(model if built is None else built, dims.pp)
             stage_partition(layers, model, config, dims.pp, measure=False)  # more stages than layers fails here
         except AttributeError:
-            if not is_overridden("configure_model", model):
+            if not isinstance(model, pl.LightningModule) or not is_overridden("configure_model", model):
                 raise
             # layers built in configure_model do not exist yet: checked when the model is split
         if built is not None and built is not model:  # built on meta: each layer must initialize itself
@@ -70,8 +70,9 @@ def check_model(model: Any, config: ParallelConfig, dims: ParallelDims) -> None:
 def as_built(model: pl.LightningModule) -> pl.LightningModule | None:
     """``model`` with the layers its ``configure_model`` builds (a copy, built on the meta device: no memory),
     so layer counts, plan paths and initializers are checked before any process starts. None when that
-    cannot be known: part of the model exists already, or configure_model needs the Trainer."""
-    if not is_overridden("configure_model", model):
+    cannot be known: part of the model exists already, or configure_model needs the Trainer. A plain
+    ``nn.Module`` (Fabric's) is built already: itself."""
+    if not isinstance(model, pl.LightningModule) or not is_overridden("configure_model", model):
         return model
     if next(model.parameters(), None) is not None:
         return None  # copying built weights could cost gigabytes; what configure_model adds is checked later

@@ -14,9 +14,11 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_parallel import _compat
+from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.data.stages import make_sharding
 from lightning_parallel.parallel.failure import (
     FailureBoard,
@@ -27,6 +29,7 @@ from lightning_parallel.parallel.failure import (
     needs_watch,
     report_now,
 )
+from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.parallel.shutdown import release_at_exit
 from lightning_parallel.strategies.launcher import CheckFirstLauncher
 
@@ -42,8 +45,57 @@ def set_world_ranks(strategy: Any) -> None:
 
 
 class DistributedMixin:
-    """Expects ``config``, ``parallel_dims``, ``parallel_devices``, ``cluster_environment``, ``_launcher``,
-    ``_timeout`` and ``_process_group_backend`` from the strategy; sets ``_mesh``, ``_sharding`` and ``_failures``."""
+    """Expects ``config``, ``parallel_devices``, ``cluster_environment``, ``_launcher``, ``_timeout``,
+    ``_process_group_backend``, ``_dims`` and ``_parallel`` from the strategy; sets ``_mesh``, ``_sharding`` and
+    ``_failures``; gives the mesh by role, the degrees and the sampler's arguments (both front doors)."""
+
+    # ----- what subclasses decide -----
+
+    def _parallel_degrees(self, world_size: int) -> ParallelDims:
+        return self.config.dims(world_size)
+
+    def _setting(self) -> str:
+        """How the user named this layout, for error messages."""
+        return self.config.describe(self._name())
+
+    def _name(self) -> str:
+        return getattr(self, "strategy_name", type(self).__name__)
+
+    # ----- the mesh -----
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        if self._dims is None:
+            self._dims = self._parallel_degrees(self.world_size)
+        return self._dims
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        """The world's mesh, by role (``batch``, ``loss``, ``shard``, ``stage``, ``tensor``) or axis."""
+        if self._mesh is None:
+            raise RuntimeError("The device mesh exists once the strategy has set up its process group.")
+        return self._mesh
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """torch's mesh with one named dimension per axis."""
+        return self.mesh.device_mesh
+
+    @property
+    def sharding(self) -> DataParallelSharding:
+        if self._sharding is None:
+            raise RuntimeError("The data-parallel sharding exists once the strategy has set up its process group.")
+        return self._sharding
+
+    @property
+    def fsdp_units(self) -> list[str]:
+        return self._parallel.fsdp_units if self._parallel is not None else []
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every rank of one batch index sees the same samples: pipeline stages, tensor shards and cp ranks share one
+        return {"num_replicas": self.parallel_dims.role_size("batch"), "rank": self.mesh.rank("batch")}
 
     @property
     @override

@@ -4,13 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from typing_extensions import override
-
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.strategies.base import MeshStrategy
 
 
-class Hybrid3DStrategy(MeshStrategy):
+class Hybrid3DPreset:
+    """The hybrid3d preset under either front door: mixed in before
+    :class:`~lightning_parallel.strategies.base.MeshStrategy` (:class:`Hybrid3DStrategy`) or
+    :class:`~lightning_parallel.fabric.strategy.MeshFabricStrategy` (Fabric's ``Hybrid3DFabricStrategy``)."""
+
+    strategy_name = "hybrid3d"
+
+    def __init__(self, config: ParallelConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)  # type: ignore[call-arg]
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """The name in a registry (the Trainer's or Fabric's: the same ``register``)."""
+        strategy_registry.register("hybrid3d", cls, description="data x pipeline x tensor parallelism", override=True)
+
+
+class Hybrid3DStrategy(Hybrid3DPreset, MeshStrategy):
     """Train one LightningModule across any split of the world into (pp, dp, tp).
 
     Pipeline parallelism cuts the module's ``pipeline_layers()`` into contiguous stages on the pp axis
@@ -35,13 +49,3 @@ class Hybrid3DStrategy(MeshStrategy):
         **kwargs: the settings above, and :class:`~lightning_parallel.strategies.base.MeshStrategy`'s
             (``checkpoint_format``, ``timeout``, ``process_group_backend``, Lightning's).
     """
-
-    strategy_name = "hybrid3d"
-
-    def __init__(self, config: ParallelConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("hybrid3d", cls, description="data x pipeline x tensor parallelism", override=True)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from typing_extensions import override
-
 from lightning_parallel.parallel.config import ParallelConfig, check_flag
 from lightning_parallel.parallel.data.stages import OFFLOAD_STAGES, ZERO_STAGES, check_zero_settings
 from lightning_parallel.parallel.mesh import ParallelDims
@@ -26,7 +24,77 @@ ZERO_SETTINGS = (
 )
 
 
-class ZeroStrategy(MeshStrategy):
+class ZeroPreset:
+    """The ZeRO preset under either front door: mixed in before
+    :class:`~lightning_parallel.strategies.base.MeshStrategy` (the Trainer's :class:`ZeroStrategy`) or
+    :class:`~lightning_parallel.fabric.strategy.MeshFabricStrategy` (Fabric's ``ZeroFabricStrategy``)."""
+
+    strategy_name = "zero"
+    config: ParallelConfig
+
+    def __init__(
+        self,
+        stage: int = 2,
+        offload: bool = False,
+        reshard_after_forward: bool = True,
+        activation_checkpointing: str = "none",
+        **kwargs: Any,
+    ) -> None:
+        settings, kwargs = ParallelConfig.split_kwargs(kwargs)
+        refused = sorted(set(settings) - set(ZERO_SETTINGS))
+        if refused or "zero_stage" in settings:
+            raise TypeError(
+                f"{type(self).__name__} does not take {', '.join(refused or ['zero_stage'])}: it only shards data "
+                "(its stage is `stage`). Use Hybrid3DStrategy(zero_stage=...) to combine ZeRO with pipeline or "
+                "tensor parallelism."
+            )
+        check_zero_settings(stage, offload)
+        check_flag("reshard_after_forward", reshard_after_forward)
+        config = ParallelConfig(
+            zero_stage=stage,
+            offload=offload,
+            reshard_after_forward=reshard_after_forward,
+            activation_checkpointing=activation_checkpointing,
+            **settings,
+        )
+        super().__init__(config, **kwargs)  # type: ignore[call-arg]
+
+    @property
+    def stage(self) -> int:
+        return self.config.zero_stage
+
+    @property
+    def offload(self) -> bool:
+        return self.config.offload
+
+    def _setting(self) -> str:
+        return f"strategy='zero{self.stage}{'_offload' if self.offload else ''}'"
+
+    def _parallel_degrees(self, world_size: int) -> ParallelDims:
+        if world_size < 2:
+            raise ValueError(
+                f"{self._setting()} shards over data-parallel processes but the world size is {world_size}: "
+                "set devices (or num_nodes) so there are at least 2 processes, "
+                "or use strategy='auto' for one."
+            )
+        return super()._parallel_degrees(world_size)  # type: ignore[misc]
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """The names in a registry (the Trainer's or Fabric's: the same ``register``)."""
+        for stage, sharding in ZERO_STAGES.items():
+            if stage == 0:
+                continue
+            description = f"ZeRO stage {stage}: {sharding.summary}"
+            strategy_registry.register(f"zero{stage}", cls, description=description, override=True, stage=stage)
+        for stage in OFFLOAD_STAGES:
+            description = f"ZeRO stage {stage} with the sharded states on the host"
+            strategy_registry.register(
+                f"zero{stage}_offload", cls, description=description, override=True, stage=stage, offload=True
+            )
+
+
+class ZeroStrategy(ZeroPreset, MeshStrategy):
     """ZeRO data parallelism: every rank trains on its own batch, model states are sharded.
 
     Stage 1 shards optimizer states, stage 2 also gradients, stage 3 also parameters (with torch's
@@ -48,67 +116,3 @@ class ZeroStrategy(MeshStrategy):
             :class:`~lightning_parallel.strategies.base.MeshStrategy` (``accelerator``, ``parallel_devices``,
             ``cluster_environment``, ``process_group_backend``, ``timeout``, ``checkpoint_format``, ...).
     """
-
-    strategy_name = "zero"
-
-    def __init__(
-        self,
-        stage: int = 2,
-        offload: bool = False,
-        reshard_after_forward: bool = True,
-        activation_checkpointing: str = "none",
-        **kwargs: Any,
-    ) -> None:
-        settings, kwargs = ParallelConfig.split_kwargs(kwargs)
-        refused = sorted(set(settings) - set(ZERO_SETTINGS))
-        if refused or "zero_stage" in settings:
-            raise TypeError(
-                f"ZeroStrategy does not take {', '.join(refused or ['zero_stage'])}: it only shards data (its stage "
-                "is `stage`). Use Hybrid3DStrategy(zero_stage=...) to combine ZeRO with pipeline or tensor parallelism."
-            )
-        check_zero_settings(stage, offload)
-        check_flag("reshard_after_forward", reshard_after_forward)
-        config = ParallelConfig(
-            zero_stage=stage,
-            offload=offload,
-            reshard_after_forward=reshard_after_forward,
-            activation_checkpointing=activation_checkpointing,
-            **settings,
-        )
-        super().__init__(config, **kwargs)
-
-    @property
-    def stage(self) -> int:
-        return self.config.zero_stage
-
-    @property
-    def offload(self) -> bool:
-        return self.config.offload
-
-    @override
-    def _setting(self) -> str:
-        return f"strategy='zero{self.stage}{'_offload' if self.offload else ''}'"
-
-    @override
-    def _parallel_degrees(self, world_size: int) -> ParallelDims:
-        if world_size < 2:
-            raise ValueError(
-                f"{self._setting()} shards over data-parallel processes but the world size is {world_size}: "
-                "set devices (or num_nodes) so there are at least 2 processes, "
-                "or use strategy='auto' for one."
-            )
-        return super()._parallel_degrees(world_size)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for stage, sharding in ZERO_STAGES.items():
-            if stage == 0:
-                continue
-            description = f"ZeRO stage {stage}: {sharding.summary}"
-            strategy_registry.register(f"zero{stage}", cls, description=description, override=True, stage=stage)
-        for stage in OFFLOAD_STAGES:
-            description = f"ZeRO stage {stage} with the sharded states on the host"
-            strategy_registry.register(
-                f"zero{stage}_offload", cls, description=description, override=True, stage=stage, offload=True
-            )

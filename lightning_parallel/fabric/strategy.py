@@ -1,0 +1,326 @@
+"""MeshFabricStrategy: the mesh strategies under Lightning Fabric, over the same pieces as the Trainer's.
+
+The process group, the mesh and the collectives are
+:class:`~lightning_parallel.strategies.distributed.DistributedMixin`'s, where the model is built is
+:class:`~lightning_parallel.strategies.model_setup.ModelPlacement`'s, the split is
+:func:`~lightning_parallel.parallel.parallelize.parallelize`, the model checks are
+:func:`~lightning_parallel.strategies.checks.check_model`, the gradient reduction and clipping are
+:mod:`lightning_parallel.parallel.step`'s and the checkpoints :mod:`lightning_parallel.strategies.sharded_checkpoint`'s
+(:mod:`.checkpoint`). What differs is only where Fabric calls in:
+
+- ``fabric.setup(model, optimizer)``: the optimizer was built over the unsplit model's parameters; they are
+  re-pointed by name at what the split left on this rank before the sharding takes the optimizer.
+- ``fabric.backward`` runs as often as the loop accumulates; the data-parallel reduction runs once per optimizer
+  step, at whichever of ``fabric.clip_gradients`` and ``optimizer.step()`` comes first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import MixedPrecision, Precision
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_parallel import _compat
+from lightning_parallel.fabric import checkpoint
+from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.data.powersgd import embedding_weights
+from lightning_parallel.parallel.data.sharding import DataParallelSharding
+from lightning_parallel.parallel.failure import FailureBoard, to_timeout
+from lightning_parallel.parallel.materialize import splits_model
+from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
+from lightning_parallel.parallel.parallelize import Parallelized, parallelize
+from lightning_parallel.parallel.step import clip_model_grad_norm, reduce_step_gradients
+from lightning_parallel.parallel.tensor.loss import vocab_parallel_loss
+from lightning_parallel.protocol import has_loss
+from lightning_parallel.strategies.base import build_config
+from lightning_parallel.strategies.checks import check_model
+from lightning_parallel.strategies.distributed import DistributedMixin
+from lightning_parallel.strategies.model_setup import ModelPlacement
+
+
+def check_fabric_config(config: ParallelConfig, owner: str) -> None:
+    """What the Fabric strategies do not run yet, refused before any process starts."""
+    if config.pp > 1:
+        raise ValueError(
+            f"{owner}(pp={config.pp}): pipeline parallelism runs under the Trainer only for now: use "
+            "Trainer(strategy=Hybrid3DStrategy(pp=...)), or pp=1 in Fabric."
+        )
+    if config.overlap_grad_reduce:
+        raise ValueError(
+            f"{owner}(overlap_grad_reduce=True) is not available in Fabric (it needs to know which backward is a "
+            "step's last): set overlap_grad_reduce=False, or train with the Trainer."
+        )
+
+
+class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
+    """Base of the Fabric strategies that lay the world out on one mesh, as a :class:`ParallelConfig` says.
+
+    Args:
+        config: the parallel settings (see :class:`~lightning_parallel.parallel.config.ParallelConfig`); its
+            fields may also be given as keyword arguments (they override the config's).
+        timeout: a ``timedelta`` or seconds bounding every collective.
+        accelerator, parallel_devices, cluster_environment, precision, process_group_backend: Fabric's.
+    """
+
+    strategy_name = "mesh"
+
+    def __init__(
+        self,
+        config: ParallelConfig | None = None,
+        *,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = default_pg_timeout,
+        **settings: Any,
+    ) -> None:
+        self.config = build_config(type(self).__name__, config, settings)
+        check_fabric_config(self.config, type(self).__name__)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+        )
+        self._process_group_backend = process_group_backend
+        self._timeout = to_timeout(default_pg_timeout if timeout is None else timeout)
+        self._failures: FailureBoard | None = None
+        self._num_nodes = 1
+        self._dims: ParallelDims | None = None
+        self._mesh: ParallelMesh | None = None
+        self._sharding: DataParallelSharding | None = None
+        self._parallel: Parallelized | None = None
+        self._module: nn.Module | None = None  # the model setup_module split
+        self._names: dict[int, str] = {}  # the unsplit model's parameters by id: optimizers are re-pointed by name
+        self._full_param_order: list[str] = []  # the unsplit model's parameter names: checkpoints number them
+        self._optimizers: list[Optimizer] = []
+        self._reduced: set[int] = set()  # optimizers whose gradients were reduced since the last backward
+        self._backward_sync_control = _ParallelBackwardSyncControl()  # ZeRO-3's FSDP2 units skip their reduction
+
+    # ----- Fabric's bookkeeping -----
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    def _set_world_ranks(self) -> None:
+        self.set_world_ranks()
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._dims = self._parallel_degrees(self.world_size)  # bad degrees fail here, before any process starts
+        self._dims.check_node_size(self.num_processes, self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @property
+    @override
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    @override
+    def precision(self, precision: Precision | None) -> None:
+        if isinstance(precision, MixedPrecision) and precision.precision == "16-mixed":
+            raise ValueError(
+                f"{type(self).__name__} with precision='16-mixed' in Fabric: fp16 loss scaling over the whole mesh "
+                "runs under the Trainer only for now: use precision='bf16-mixed' or '32-true' in Fabric."
+            )
+        self._precision = precision
+
+    # ----- building and splitting the model -----
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+        """``fabric.init_module()``: on the meta device under a layout that splits the model (each rank then
+        materializes only its pieces, with the values one process draws); else on the device, always with values
+        (``empty_init`` changes nothing, as under the Trainer: the values never depend on the layout)."""
+        return self._init_context(self.precision.module_init_context(), empty_init=False)
+
+    @override
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        return self._init_context(self.precision.tensor_init_context())
+
+    @contextlib.contextmanager
+    def _init_context(self, precision_context: Any, empty_init: bool | None = None) -> Generator[None, None, None]:
+        if not splits_model(self.config):  # Fabric's own (ModelPlacement's are the Trainer's hooks)
+            if empty_init is not None:
+                fabric_context = ParallelStrategy.module_init_context(self, empty_init)
+            else:
+                fabric_context = ParallelStrategy.tensor_init_context(self)
+            with fabric_context:
+                yield
+            return
+        with self._built_on_meta(), precision_context:
+            yield
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        """Whole onto the device only when every rank holds all of it (else each rank's pieces, once split)."""
+        if splits_model(self.config) or any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            return
+        module.to(self.root_device)
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Check ``module`` against the layout, then split it in place (:func:`parallelize`)."""
+        if self._module is not None:
+            raise ValueError(
+                f"{type(self).__name__} sets up one model: call fabric.setup once, or use one Fabric per model."
+            )
+        check_model(module, self.config, self.parallel_dims)
+        self._names = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            self._names.setdefault(id(p), name)
+        self._full_param_order = [name for name, _ in module.named_parameters()]
+        self._parallel = parallelize(
+            module,
+            module,
+            self.mesh,
+            self.config,
+            self.sharding,
+            self.root_device,
+            warn=rank_zero_warn,
+            info=rank_zero_info,
+            rng_state=self.take_init_rng(),
+        )
+        if self.parallel_dims.tp > 1 and has_loss(module):
+            module.loss = vocab_parallel_loss(module.loss)  # logits stay split over the vocabulary
+        if splits_model(self.config):
+            module.to(self.root_device)
+        self._module = module
+        self.barrier()
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Re-point ``optimizer`` at the split model's parameters (by name), then let the sharding take it."""
+        if self._module is None:
+            raise ValueError("set up the model first: fabric.setup(model, optimizer) or fabric.setup_module(model).")
+        self._repoint(optimizer)
+        if self.sharding.powersgd is not None and not self._optimizers:  # embeddings travel whole
+            self.sharding.powersgd.keep_whole(embedding_weights(self._module))
+        self.sharding.shard_optimizer(optimizer)
+        _compat.optimizers_to_device([optimizer], self.root_device)
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    def _repoint(self, optimizer: Optimizer) -> None:
+        assert self._module is not None
+        now = dict(self._module.named_parameters(remove_duplicate=False))
+        current = {id(p) for p in now.values()}
+        for group in optimizer.param_groups:
+            params = []
+            for p in group["params"]:
+                name = self._names.get(id(p))
+                if id(p) not in current and name is None:
+                    raise ValueError(
+                        f"{type(self).__name__}: the optimizer holds a parameter of shape {tuple(p.shape)} that is not "
+                        "the model's: build the optimizer over model.parameters() of the model you set up."
+                    )
+                params.append(p if id(p) in current else now[name])
+            group["params"] = params
+
+    # ----- gradients and steps -----
+
+    @override
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        self._reduced.clear()  # a new backward: the step's gradients are not reduced yet
+        context = loss_parallel() if self.parallel_dims.tp > 1 else contextlib.nullcontext()
+        # under tp the vocabulary-parallel loss needs its own backward rules. MoE auxiliary losses get the factor a
+        # loop sets around its backward with parallel.expert.aux.aux_loss_scale (1 by default), as in one process
+        with context:
+            super().backward(tensor, module, *args, **kwargs)
+
+    def _reduce_once(self, optimizer: Optimizer) -> None:
+        if id(optimizer) not in self._reduced:
+            reduce_step_gradients(self._parallel, self.sharding, optimizer)
+            self._reduced.add(id(optimizer))
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the norm of the whole model's gradient, however it is split; returns that norm."""
+        self._reduce_once(optimizer)
+        self.precision.unscale_gradients(optimizer)
+        parallel, sharding, mesh = self._parallel, self.sharding, self.mesh
+        norm = clip_model_grad_norm(optimizer, float(max_norm), float(norm_type), parallel, sharding, mesh)
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"The total norm of the gradients is {norm.item()}: clipping cannot make it finite.")
+        return norm
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self._reduce_once(optimizer)
+        self.precision.unscale_gradients(optimizer)
+        for grad, _, _ in self.sharding.grad_pieces(optimizer):
+            grad.clamp_(-clip_val, clip_val)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        self._reduce_once(optimizer)
+        result = self.precision.optimizer_step(optimizer, **kwargs)
+        self.sharding.after_step(optimizer)
+        return result
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's piece of every sample in ``batch`` under cp (sequence chunks) or spatial (image strips);
+        the batch itself otherwise. A Fabric loop calls it on each batch before the forward."""
+        if self._parallel is not None and self._parallel.splits_samples:
+            return self._parallel.shard_batch(batch)
+        return batch
+
+    # ----- collectives -----
+
+    @override
+    def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Over the ``loss`` role by default (the data-parallel ranks and cp), as the Trainer's ``reduce``: tensor
+        shards hold the same values."""
+        return self.reduce(tensor, group, reduce_op)
+
+    # ----- checkpoints -----
+
+    @override
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Any = None, filter: Any = None
+    ) -> None:
+        """A sharded folder in the Trainer strategies' format (any layout, and the Trainer, resume it)."""
+        checkpoint.save(self, path, state, storage_options, filter)
+
+    @override
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Fill the set-up model and optimizers in ``state`` from a sharded folder (Fabric's or the Trainer's)."""
+        return checkpoint.load(self, path, state, strict)
+
+    @override
+    def teardown(self) -> None:
+        self.end_failure_watch()
+        super().teardown()
