@@ -1,7 +1,8 @@
 """The bring-your-own-model protocol: what a module offers so a layout can split it.
 
 Each method is optional and asked for only by the axis that needs it: ``pipeline_layers()`` and ``loss()``
-under pp > 1, ``tensor_parallel_plan()`` under tp > 1, ``spatial_gather_modules()`` under spatial > 1,
+under pp > 1, ``tensor_parallel_plan()`` under tp > 1, ``expert_parallel_plan()`` under ep > 1 (experts other than
+``lightning_parallel.MoE``'s), ``spatial_gather_modules()`` under spatial > 1,
 ``check_parallel_degrees()`` always when present,
 ``materialize(device)`` once the model is split, when parameters are still on the meta device. The
 strategies read them through the functions below, which raise the error that names what is missing; nothing
@@ -47,6 +48,14 @@ class TensorParallel(Protocol):
     """Under tp > 1: module path (``*`` for one name) -> a torch ``ParallelStyle`` (or this package's conv styles)."""
 
     def tensor_parallel_plan(self, sequence_parallel: bool = False) -> Mapping[str, ParallelStyle]: ...
+
+
+@runtime_checkable
+class ExpertParallel(Protocol):
+    """Under ep > 1, for experts that are not ``lightning_parallel.MoE`` layers (found by type): module path (``*``
+    for one name) -> :class:`~lightning_parallel.parallel.expert.apply.ExpertStyle`."""
+
+    def expert_parallel_plan(self) -> Mapping[str, Any]: ...
 
 
 @runtime_checkable
@@ -105,6 +114,11 @@ def tensor_parallel_plan(module: Any, tp: int, sequence_parallel: bool) -> dict[
             "{module path: ParallelStyle}: add it (see the README's bring-your-own-model section) or set tp=1."
         )
     return dict(module.tensor_parallel_plan(sequence_parallel))
+
+
+def expert_parallel_plan(module: Any) -> dict[str, Any]:
+    """``module``'s expert-parallel plan; empty when it has none (its ``MoE`` layers are found by type)."""
+    return dict(module.expert_parallel_plan()) if isinstance(module, ExpertParallel) else {}
 
 
 def spatial_gather_modules(module: Any, spatial: int) -> list[str]:

@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.causal_lm import IGNORE_INDEX, CausalLM, causal_lm_loss  # noqa: F401  (re-exported)
 from lightning_parallel.hf.adapters import PEFT_KEY, BaseIdentity, check_same_base, save_record
+from lightning_parallel.hf.experts import check_hf_expert_degrees, hf_expert_parallel_plan, router_aux_of
 from lightning_parallel.hf.layers import ATTENTION_TYPES, attention_type, hf_pipeline_layers, num_decoder_layers
 from lightning_parallel.hf.loading import load_local_weights, parameters_on_meta, safetensors_files, tied_aliases
 from lightning_parallel.hf.lora import apply_peft, base_of, cast_frozen_base, check_peft_degrees, resolve_base_dtype
@@ -171,7 +172,17 @@ class HFCausalLM(CausalLM):
                 "or call .materialize() first (or build it with lazy_load=False)."
             )
         inputs = {"attention_mask": attention_mask, "position_ids": position_ids}
-        return self.model(input_ids=input_ids, **inputs, use_cache=False).logits
+        out = self.model(input_ids=input_ids, **inputs, use_cache=False)
+        # HF's load-balancing loss (None unless config.output_router_logits), added by loss() as HF's forward adds it
+        self._router_aux = router_aux_of(out, self.hf_model, attention_mask, self._trainer)
+        return out.logits
+
+    def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """:meth:`CausalLM.loss`, plus HF's load-balancing loss of the forward's routers times
+        ``router_aux_loss_coef`` when the config's ``output_router_logits`` asks for it (as HF's own loss)."""
+        loss = super().loss(logits, labels)
+        aux, self._router_aux = getattr(self, "_router_aux", None), None
+        return loss if aux is None else loss + self.hf_model.router_aux_loss_coef * aux.to(loss.device)
 
     def unpack(self, batch: Any) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """(input_ids, labels, the model's other inputs) of a dict or tuple batch: ``attention_mask`` (padded
@@ -226,10 +237,14 @@ class HFCausalLM(CausalLM):
         plan = hf_tensor_parallel_plan(self.model, sequence_parallel)
         return {f"model.{path}": style for path, style in plan.items()}
 
+    def expert_parallel_plan(self) -> dict[str, Any]:
+        return {f"model.{path}": style for path, style in hf_expert_parallel_plan(self.hf_model).items()}
+
     def check_parallel_degrees(self, pp: int, tp: int, cp: int = 1, ep: int = 1) -> None:
         if self.peft_config is not None:
             check_peft_degrees(self.peft_config, pp=pp, tp=tp, cp=cp, ep=ep)
         check_hf_degrees(self.hf_model, pp=pp, tp=tp)
+        check_hf_expert_degrees(self.hf_model, pp=pp, tp=tp, ep=ep)
         if pp > 1 and tp > 1 and getattr(self, "_sequence_parallel", False):
             raise ValueError(SP_WITH_PP)
 
