@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_parallel.causal_lm import _loss_pieces
 from lightning_parallel.parallel.dtensor import local
@@ -112,10 +112,25 @@ def _ep_forward(
     return out
 
 
+def tp_plan_without_experts(base_plan: dict[str, str], config: Any) -> dict[str, str]:
+    """``base_model_tp_plan`` less the entries of the experts ``base_model_ep_plan`` names (``packed_colwise``,
+    ``moe_tp_experts``): experts are replicated over tp, split over ep only (as the package's own MoE layers)."""
+    experts = [p for p, s in (getattr(config, "base_model_ep_plan", None) or {}).items() if s == DISPATCH]
+    return {p: s for p, s in base_plan.items() if not any(p == e or p.startswith(e + ".") for e in experts)}
+
+
 def has_router_aux_loss(model: nn.Module) -> bool:
     """True when HF's forward adds the load-balancing loss to its loss: the head has a ``router_aux_loss_coef``
     (Mixtral, Qwen-MoE; DeepSeek-V3 has none) and ``config.output_router_logits`` is on."""
     return hasattr(model, "router_aux_loss_coef") and bool(getattr(model.config, "output_router_logits", False))
+
+
+def as_loss_like(loss: Tensor, aux: Tensor) -> Tensor:
+    """``aux`` (the same on every tp rank) to add to ``loss``: replicated over the mesh of a vocabulary-parallel
+    loss (a DTensor under tp), as it is."""
+    if not isinstance(loss, DTensor):
+        return aux
+    return DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
 
 
 def router_aux_of(output: Any, model: nn.Module, attention_mask: Tensor | None, trainer: Any) -> Tensor | None:
@@ -179,9 +194,15 @@ def check_hf_expert_degrees(model: nn.Module, *, pp: int, tp: int, ep: int) -> N
             f"ep={ep} splits the experts of MoE models, and this {config.model_type} model has none (no "
             "config.base_model_ep_plan): set ep=1."
         )
-    if ep > 1 and tp > 1:
+    ep_plan = getattr(config, "base_model_ep_plan", None) or {}
+    blocks = {path.rpartition(".")[0] for path, style in ep_plan.items() if style == DISPATCH}
+    tp_plan = tp_plan_without_experts(getattr(config, "base_model_tp_plan", None) or {}, config)
+    dense = sorted(p for p in tp_plan if p.rpartition(".")[0] in blocks)
+    if tp > 1 and dense:
         raise ValueError(
-            f"ep={ep} with tp={tp} is not supported for Hugging Face MoE models yet: set tp=1 (ep with ZeRO 0-3 works)."
+            f"tp={tp} with this {config.model_type} model is not supported yet: its tp plan splits dense MLPs at the "
+            f"path of its MoE blocks ({dense[0]!r}), whose routers take whole hidden states. Set tp=1 (ep and ZeRO "
+            "0-3 split it), or use a model whose MoE blocks have a path of their own (Mixtral)."
         )
     if pp > 1 and has_router_aux_loss(model):
         raise ValueError(

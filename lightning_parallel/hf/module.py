@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.causal_lm import IGNORE_INDEX, CausalLM, causal_lm_loss  # noqa: F401  (re-exported)
 from lightning_parallel.hf.adapters import PEFT_KEY, BaseIdentity, check_same_base, save_record
-from lightning_parallel.hf.experts import check_hf_expert_degrees, hf_expert_parallel_plan, router_aux_of
+from lightning_parallel.hf.experts import as_loss_like, check_hf_expert_degrees, hf_expert_parallel_plan, router_aux_of
 from lightning_parallel.hf.layers import ATTENTION_TYPES, attention_type, hf_pipeline_layers, num_decoder_layers
 from lightning_parallel.hf.loading import load_local_weights, parameters_on_meta, safetensors_files, tied_aliases
 from lightning_parallel.hf.lora import apply_peft, base_of, cast_frozen_base, check_peft_degrees, resolve_base_dtype
@@ -182,7 +182,9 @@ class HFCausalLM(CausalLM):
         ``router_aux_loss_coef`` when the config's ``output_router_logits`` asks for it (as HF's own loss)."""
         loss = super().loss(logits, labels)
         aux, self._router_aux = getattr(self, "_router_aux", None), None
-        return loss if aux is None else loss + self.hf_model.router_aux_loss_coef * aux.to(loss.device)
+        if aux is None:
+            return loss
+        return loss + as_loss_like(loss, self.hf_model.router_aux_loss_coef * aux.to(loss.device))
 
     def unpack(self, batch: Any) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """(input_ids, labels, the model's other inputs) of a dict or tuple batch: ``attention_mask`` (padded

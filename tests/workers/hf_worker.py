@@ -151,9 +151,9 @@ def model_source(case: dict):
 def experts_held(model: torch.nn.Module) -> dict:
     """How this rank holds each expert tensor: its local shape and the mesh axes it is split over."""
     held = {
-        n: [list(local(p).shape), list(p.device_mesh.mesh_dim_names or ())]
+        n: [list(local(p).shape), list(p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else []]
         for n, p in model.named_parameters()
-        if ".experts." in n and isinstance(p, DTensor)
+        if ".experts." in n and not p.is_meta
     }
     return {"experts_held": held}
 
