@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from causal_lm_parity import EPS, GLOBAL_BATCH, LR, SEQ_LEN, STEPS, launch, options
+from causal_lm_parity import SEQ_LEN, launch, options, train_reference
 from conftest import Batch
 from parity import assert_same_losses, assert_same_params
-from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel.hf import HFCausalLM
 from lightning_parallel.hf.experts import HFExperts, hf_expert_parallel_plan, router_aux_loss
@@ -96,30 +95,10 @@ def plain_hf_training(config: transformers.PretrainedConfig, clip: float | None,
     per step (HF's auxiliary loss is a product of batch means: each micro-batch's own)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    _, weight_decay, betas = HFCausalLM.__init__.__defaults__[:3]
-    groups = [
-        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=LR, betas=betas, eps=EPS)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, config.vocab_size, (GLOBAL_BATCH * STEPS, SEQ_LEN), generator=g)
-    sampler = DistributedSampler(range(len(tokens)), num_replicas=1, rank=0, shuffle=True, seed=0)
-    micro = []
-    for i, idx in enumerate(
-        DataLoader(list(range(len(tokens))), batch_size=GLOBAL_BATCH // accumulate, sampler=sampler)
-    ):
-        loss = model(input_ids=tokens[idx], labels=tokens[idx]).loss
-        (loss / accumulate).backward()
-        micro.append(loss.item())
-        if (i + 1) % accumulate:
-            continue
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad()
-    losses = [sum(micro[i : i + accumulate]) / accumulate for i in range(0, len(micro), accumulate)]
-    return losses, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
+    return train_reference(
+        model, config.vocab_size, lambda m, ids: m(input_ids=ids, labels=ids).loss,
+        HFCausalLM.__init__.__defaults__, clip, accumulate,
+    )  # fmt: skip
 
 
 _references: dict = {}
