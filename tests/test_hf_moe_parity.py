@@ -224,3 +224,13 @@ def test_layouts_refused_by_name(name, degrees, match):
     module = HFCausalLM(config)
     with pytest.raises(ValueError, match=match):
         module.check_parallel_degrees(**{"pp": 1, "tp": 1, **degrees})
+
+
+@pytest.mark.slow
+def test_recipe_trains_tiny_mixtral_at_ep2(tmp_path):
+    """recipes/train_gpt.py model=hf_mixtral_tiny strategy.ep=2: trains, validates and samples, experts split."""
+    from test_hf_recipe import assert_trained, run_recipe
+
+    got = run_recipe(tmp_path, "model=hf_mixtral_tiny", "strategy=hybrid3d", "strategy.ep=2", "trainer.devices=2")
+    assert_trained(got, world=2)
+    assert got["layout"]["ep"] == 2
