@@ -82,6 +82,9 @@ class HFCausalLM(CausalLM):
     slices; :mod:`lightning_parallel.hf.loading`). Under Lightning's own strategies the whole folder is read in
     ``configure_model``; outside a Trainer call :meth:`materialize` first.
 
+    MoE models (Mixtral, Qwen3-MoE, DeepSeek-V3: ``config.base_model_ep_plan``) split their experts over ep with HF's
+    own router, experts and load-balancing loss (:mod:`lightning_parallel.hf.experts`, docs/hf_moe.md).
+
     With ``peft_config`` the model is wrapped by peft's ``get_peft_model`` (``self.model`` is the ``PeftModel``: peft's
     modules and parameter names), the base frozen: only the adapters have gradients and optimizer states. LoRA only,
     under ZeRO 0-3, HSDP, tp with or without sequence parallelism and pp (every schedule) for now (cp and ep are
