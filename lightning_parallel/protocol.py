@@ -1,7 +1,8 @@
 """The bring-your-own-model protocol: what a module offers so a layout can split it.
 
 Each method is optional and asked for only by the axis that needs it: ``pipeline_layers()`` and ``loss()``
-under pp > 1, ``tensor_parallel_plan()`` under tp > 1, ``context_parallel()`` and ``attention_heads()`` under cp > 1,
+under pp > 1, ``tensor_parallel_plan()`` under tp > 1, ``expert_parallel_plan()`` under ep > 1 (experts other than
+``lightning_parallel.MoE``'s), ``context_parallel()`` and ``attention_heads()`` under cp > 1,
 ``spatial_gather_modules()`` under spatial > 1, ``check_parallel_degrees()`` always when present,
 ``materialize(device)`` once the model is split, when parameters are still on the meta device. The
 strategies read them through the functions below, which raise the error that names what is missing; nothing
@@ -67,6 +68,14 @@ class ContextParallelModel(Protocol):
     def context_parallel(self, attention: AttentionCore, positions: Positions) -> Sequence[str]: ...
 
     def attention_heads(self) -> int: ...
+
+
+@runtime_checkable
+class ExpertParallel(Protocol):
+    """Under ep > 1, for experts that are not ``lightning_parallel.MoE`` layers (found by type): module path (``*``
+    for one name) -> :class:`~lightning_parallel.parallel.expert.apply.ExpertStyle`."""
+
+    def expert_parallel_plan(self) -> Mapping[str, Any]: ...
 
 
 @runtime_checkable
@@ -153,6 +162,11 @@ def attention_heads(module: Any, cp: int) -> int:
     """``module``'s query heads per attention, or the TypeError naming what cp > 1 needs."""
     _require_context_parallel(module, cp)
     return int(module.attention_heads())
+
+
+def expert_parallel_plan(module: Any) -> dict[str, Any]:
+    """``module``'s expert-parallel plan; empty when it has none (its ``MoE`` layers are found by type)."""
+    return dict(module.expert_parallel_plan()) if isinstance(module, ExpertParallel) else {}
 
 
 def spatial_gather_modules(module: Any, spatial: int) -> list[str]:

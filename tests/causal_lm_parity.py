@@ -39,12 +39,19 @@ def launch(
 
 
 def train_reference(
-    model: nn.Module, vocab_size: int, loss_of: Callable[[nn.Module, Tensor], Tensor], defaults: tuple, clip=None
+    model: nn.Module,
+    vocab_size: int,
+    loss_of: Callable[[nn.Module, Tensor], Tensor],
+    defaults: tuple,
+    clip=None,
+    accumulate: int = 1,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """``STEPS`` AdamW steps of ``model`` in this process: torch's AdamW with the workers' two groups (``defaults``:
     the module class's lr, weight_decay, betas), the batches in the order the workers' sampler gives the whole
     world, ``clip`` with torch's norm clipping. (Accumulated micro-batches make up the same global batch, with
-    equal token counts: one batch here.)"""
+    equal token counts: one batch here, unless ``accumulate`` > 1 asks for the workers' global micro-batches, each
+    loss / ``accumulate`` in the gradient: a loss that is no token mean, such as HF's MoE auxiliary loss, needs them.)
+    Returns the losses per step (the mean of its micro-batches') and the final state."""
     groups = [
         {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": defaults[1]},
         {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
@@ -53,15 +60,20 @@ def train_reference(
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab_size, (GLOBAL_BATCH * STEPS, SEQ_LEN), generator=g)
     sampler = DistributedSampler(range(len(tokens)), num_replicas=1, rank=0, shuffle=True, seed=0)
-    losses = []
-    for idx in DataLoader(list(range(len(tokens))), batch_size=GLOBAL_BATCH, sampler=sampler):
+    micro = []
+    for i, idx in enumerate(
+        DataLoader(list(range(len(tokens))), batch_size=GLOBAL_BATCH // accumulate, sampler=sampler)
+    ):
         loss = loss_of(model, tokens[idx])
-        loss.backward()
+        (loss / accumulate if accumulate > 1 else loss).backward()
+        micro.append(loss.item())
+        if (i + 1) % accumulate:
+            continue
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = [sum(micro[i : i + accumulate]) / accumulate for i in range(0, len(micro), accumulate)]
     return losses, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
 
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lightning_parallel.causal_lm import IGNORE_INDEX, CausalLM, causal_lm_loss  # noqa: F401  (re-exported)
 from lightning_parallel.hf.adapters import PEFT_KEY, BaseIdentity, check_same_base, save_record
 from lightning_parallel.hf.context import check_hf_context, hf_attention_heads, hf_context_parallel
+from lightning_parallel.hf.experts import as_loss_like, check_hf_expert_degrees, hf_expert_parallel_plan, router_aux_of
 from lightning_parallel.hf.layers import (
     ATTENTION_TYPES,
     PIPELINE_EXTRAS,
@@ -90,6 +91,9 @@ class HFCausalLM(CausalLM):
     rank reads only what it holds once the strategy split the model (its stages, its tensor-parallel and ZeRO-3
     slices; :mod:`lightning_parallel.hf.loading`). Under Lightning's own strategies the whole folder is read in
     ``configure_model``; outside a Trainer call :meth:`materialize` first.
+
+    MoE models (Mixtral, Qwen3-MoE, DeepSeek-V3: ``config.base_model_ep_plan``) split their experts over ep with HF's
+    own router, experts and load-balancing loss (:mod:`lightning_parallel.hf.experts`, docs/hf_moe.md).
 
     With ``peft_config`` the model is wrapped by peft's ``get_peft_model`` (``self.model`` is the ``PeftModel``: peft's
     modules and parameter names), the base frozen: only the adapters have gradients and optimizer states. LoRA only,
@@ -179,7 +183,19 @@ class HFCausalLM(CausalLM):
                 "or call .materialize() first (or build it with lazy_load=False)."
             )
         inputs = {"attention_mask": attention_mask, "position_ids": position_ids}
-        return self.model(input_ids=input_ids, **inputs, use_cache=False).logits
+        out = self.model(input_ids=input_ids, **inputs, use_cache=False)
+        # HF's load-balancing loss (None unless config.output_router_logits), added by loss() as HF's forward adds it
+        self._router_aux = router_aux_of(out, self.hf_model, attention_mask, self._trainer)
+        return out.logits
+
+    def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """:meth:`CausalLM.loss`, plus HF's load-balancing loss of the forward's routers times
+        ``router_aux_loss_coef`` when the config's ``output_router_logits`` asks for it (as HF's own loss)."""
+        loss = super().loss(logits, labels)
+        aux, self._router_aux = getattr(self, "_router_aux", None), None
+        if aux is None:
+            return loss
+        return loss + as_loss_like(loss, self.hf_model.router_aux_loss_coef * aux.to(loss.device))
 
     def unpack(self, batch: Any) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """(input_ids, labels, the model's other inputs) of a dict or tuple batch: ``attention_mask`` (padded
@@ -242,10 +258,14 @@ class HFCausalLM(CausalLM):
     def attention_heads(self) -> int:
         return hf_attention_heads(self.hf_model.config)
 
+    def expert_parallel_plan(self) -> dict[str, Any]:
+        return {f"model.{path}": style for path, style in hf_expert_parallel_plan(self.hf_model).items()}
+
     def check_parallel_degrees(self, pp: int, tp: int, cp: int = 1, ep: int = 1) -> None:
         if self.peft_config is not None:
             check_peft_degrees(self.peft_config, pp=pp, tp=tp, cp=cp, ep=ep)
         check_hf_degrees(self.hf_model, pp=pp, tp=tp, cp=cp)
+        check_hf_expert_degrees(self.hf_model, pp=pp, tp=tp, ep=ep)
         if pp > 1 and tp > 1 and getattr(self, "_sequence_parallel", False):
             raise ValueError(SP_WITH_PP)
 

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
+from lightning_parallel.hf.experts import tp_plan_without_experts
 from lightning_parallel.hf.lora import base_of, has_lora_layers, lora_tensor_parallel_plan
 from lightning_parallel.hf.styles import Conv1DColwise, Conv1DRowwise, HiddenStatesInput, ReplicatedWithPartialGrad
 from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
@@ -89,7 +90,7 @@ def llama_like_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Para
         )
     prefix = model.base_model_prefix + "."
     head_plan = dict(getattr(type(model), "_tp_plan", None) or {})  # the class: the head's own entries
-    plan = translate_tp_plan(base_plan, head_plan, prefix, sequence_parallel)
+    plan = translate_tp_plan(tp_plan_without_experts(base_plan, config), head_plan, prefix, sequence_parallel)
     seq: Placement = Shard(1) if sequence_parallel else Replicate()
     embed, layers, norm = _pp_names(config)
     # the embedding split over the vocabulary; its output whole: HF derives positions and the mask from it

@@ -63,6 +63,7 @@ from lightning_parallel.parallel.pipeline.tied import TiedGradients
 from lightning_parallel.parallel.spatial.apply import SpatialParallel, apply_spatial_parallel
 from lightning_parallel.parallel.tensor.plan import apply_tp, resolvable_plan
 from lightning_parallel.protocol import (
+    expert_parallel_plan,
     materialize,
     materializes_itself,
     pipeline_layers,
@@ -138,7 +139,7 @@ def parallelize(
     if not on_meta:
         move_real(root, device)  # pp alone: this rank's stages (the other stages' host tensors are dropped)
     if dims.ep > 1:
-        done.moe_layers = apply_expert_parallel(root, mesh["expert"])
+        done.moe_layers = apply_expert_parallel(root, mesh["expert"], expert_parallel_plan(module))
         require_moe_layers(len(done.moe_layers), dims.ep, type(module).__name__)
     if dims.tp > 1:
         plan = tensor_parallel_plan(module, dims.tp, config.sequence_parallel)

@@ -21,6 +21,7 @@ from lightning_parallel.parallel.spatial.layout import check_spatial_layout
 from lightning_parallel.parallel.tensor.plan import check_tp_plan
 from lightning_parallel.protocol import (
     check_parallel_degrees,
+    expert_parallel_plan,
     pipeline_layers,
     require_pipelined,
     spatial_gather_modules,
@@ -41,7 +42,7 @@ def check_model(model: Any, config: ParallelConfig, dims: ParallelDims) -> None:
     # axes ask it for what it lacks: it names what it cannot take (LoRA adapters under pp, cp or ep)
     check_parallel_degrees(model, pp=dims.pp, tp=dims.tp, cp=dims.cp, ep=dims.ep)
     if dims.ep > 1 and built is not None:
-        check_expert_layout(built, dims.ep)
+        check_expert_layout(built, dims.ep, expert_parallel_plan(model))
     if dims.pp > 1:
         require_pipelined(model, dims.pp)
         if config.pp_balance == "profile":

@@ -8,7 +8,8 @@ Case keys: name, path (the model folder), steps, global_batch, seq_len, lr, tupl
 (LoraConfig keyword arguments; with ``library: litgpt`` LitGPT's lora_* settings: LoRA adapters on the frozen
 model; the result then says what each rank holds for the frozen weights, see ``frozen_report``), epoch_steps (steps
 per epoch, default steps), save and save_step (a checkpoint written at the start of the epoch that begins after
-save_step steps, see ``SaveAt``), resume (ckpt_path for fit).
+save_step steps, see ``SaveAt``), resume (ckpt_path for fit), config (instead of path: a tiny transformers config,
+``model_type`` and its fields, the weights drawn after seed 0; the result then says how each rank holds the experts).
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         peft = {"peft_config": LoraConfig(**case["lora"])}
         # case keys base_dtype (HFCausalLM's) and memory (what each rank holds, from its tensors: lora_memory.py)
         peft.update({"base_dtype": case["base_dtype"]} if case.get("base_dtype") else {})
-    model = recording(module_class(case.get("library", "hf")))(case["path"], lr=case.get("lr", 1e-3), eps=1e-6, **peft)
+    source = model_source(case)
+    model = recording(module_class(case.get("library", "hf")))(source, lr=case.get("lr", 1e-3), eps=1e-6, **peft)
     epoch = global_batch * case.get("epoch_steps", steps)
     data = RandomTokens(epoch, case.get("seq_len", 16), model.model.config.vocab_size)
     data.as_tuple = bool(case.get("tuple_batch"))
@@ -133,7 +135,27 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     losses = [sum(model.losses[i : i + accumulate]) / accumulate for i in range(0, len(model.losses), accumulate)]
     result = {"name": case["name"], "losses": losses, "bytes_read": getattr(model, "weight_bytes_read", 0)}
     result.update(probes[0].result() if probes else {})
+    result.update(experts_held(model) if case.get("config") else {})
     return {**result, **(frozen_report(model, trainer) if peft else {})}
+
+
+def model_source(case: dict):
+    """The case's model: its folder, or a transformers config built here (case key ``config``)."""
+    if case.get("config"):
+        import transformers
+
+        return transformers.AutoConfig.for_model(**case["config"])
+    return case["path"]
+
+
+def experts_held(model: torch.nn.Module) -> dict:
+    """How this rank holds each expert tensor: its local shape and the mesh axes it is split over."""
+    held = {
+        n: [list(local(p).shape), list(p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else []]
+        for n, p in model.named_parameters()
+        if ".experts." in n and not p.is_meta
+    }
+    return {"experts_held": held}
 
 
 def frozen_report(model: torch.nn.Module, trainer: pl.Trainer) -> dict:

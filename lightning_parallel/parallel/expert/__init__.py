@@ -5,12 +5,13 @@ GEMM on CUDA, its padded twin elsewhere) and initial values, ``dispatch.py`` tok
 ``aux.py`` how auxiliary losses reach the gradients, ``apply.py`` the experts split over ep ranks.
 """
 
-from lightning_parallel.parallel.expert.apply import EXPERT_AXIS, apply_expert_parallel, is_expert_param
+from lightning_parallel.parallel.expert.apply import EXPERT_AXIS, ExpertStyle, apply_expert_parallel, is_expert_param
 from lightning_parallel.parallel.expert.aux import aux_loss_scale, backward_scale, set_aux_loss_scale
 from lightning_parallel.parallel.expert.moe import GroupedExperts, MoE, check_moe_settings, expert_forward, moe_layers
 
 __all__ = [
     "EXPERT_AXIS",
+    "ExpertStyle",
     "GroupedExperts",
     "MoE",
     "apply_expert_parallel",

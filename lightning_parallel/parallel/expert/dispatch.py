@@ -105,3 +105,35 @@ def exchange(x: Tensor, counts: Tensor, group: dist.ProcessGroup, compute: Compu
     out = compute(received[perm], local_counts, largest)
     back = out[torch.argsort(perm)]
     return all_to_all(back, send_splits, recv_splits, group)
+
+
+def dispatch(
+    tokens: Tensor,
+    expert_ids: Tensor,
+    weights: Tensor,
+    num_experts: int,
+    compute: Compute,
+    group: dist.ProcessGroup | None = None,
+    keep: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Every token through its routed experts, the outputs mixed by the routing weights: (N, d) out, and the (E,)
+    kept choices per expert.
+
+    Args:
+        tokens: (N, d).
+        expert_ids, weights: (N, k) the router's choices and their combine weights (differentiable).
+        num_experts: E, over every rank.
+        compute: the experts this rank holds, on rows grouped by local expert (``Compute``).
+        group: the expert-parallel ranks, each holding E / ep experts (None or one rank: every expert here).
+        keep: (N, k) the choices a capacity kept (None: dropless).
+    """
+    routed = sort_by_expert(expert_ids, weights, keep)
+    counts = count_per_expert(routed.expert, num_experts)
+    rows = tokens[routed.token]
+    if group is not None and dist.get_world_size(group) > 1:
+        out_rows = exchange(rows, counts, group, compute)
+    else:
+        out_rows = compute(rows, counts, None)
+    mixed = out_rows * routed.weight.unsqueeze(-1).to(out_rows.dtype)
+    out = torch.zeros_like(tokens, dtype=mixed.dtype).index_add(0, routed.token, mixed).to(tokens.dtype)
+    return out, counts

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from lightning_parallel._compat import in_backward
 from lightning_parallel.parallel.expert.aux import AttachAuxLoss
-from lightning_parallel.parallel.expert.dispatch import count_per_expert, exchange, sort_by_expert
+from lightning_parallel.parallel.expert.dispatch import dispatch
 from lightning_parallel.parallel.expert.experts import GroupedExperts, expert_forward
 
 __all__ = ["ACTIVATIONS", "GroupedExperts", "MoE", "check_moe_settings", "expert_forward", "moe_layers"]
@@ -150,15 +150,7 @@ class MoE(nn.Module):
         top_p, top_i = probs.topk(self.top_k, dim=-1)
         weights = top_p / top_p.sum(-1, keepdim=True) if self.top_k > 1 else top_p
         keep = self._capacity_keep(top_i, samples, per_sample)  # None: dropless
-        routed = sort_by_expert(top_i, weights, keep)
-        counts = count_per_expert(routed.expert, self.num_experts)
-        rows = tokens[routed.token]
-        if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
-            out_rows = exchange(rows, counts, self.ep_group, self.experts)
-        else:
-            out_rows = self.experts(rows, counts)
-        mixed = out_rows * routed.weight.unsqueeze(-1).to(out_rows.dtype)
-        out = torch.zeros_like(tokens, dtype=mixed.dtype).index_add(0, routed.token, mixed).to(tokens.dtype)
+        out, counts = dispatch(tokens, top_i, weights, self.num_experts, self.experts, self.ep_group, keep)
         if self.shared is not None:
             out = out + self.shared(tokens)
         aux = self._aux_loss(logits, probs, top_i, samples, per_sample)
