@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
 from lightning_parallel.parallel.checkpoint import files as checkpoint_io
+from lightning_parallel.parallel.checkpoint.async_save import AsyncCheckpointer
 from lightning_parallel.parallel.checkpoint.selection import check_checkpoint, unsaved_keys
 from lightning_parallel.parallel.checkpoint.sharded import (
     MODEL,
@@ -67,6 +68,9 @@ def save(
         meta = {**checkpoint}
         if optimizers:
             meta["optimizer_states"] = [hyperparameters(o) for o in optimizers]
+    checkpointer = strategy.async_checkpointer()
+    if checkpointer is not None:
+        return _save_async(strategy, checkpointer, path, token, tensors, meta, checkpoint.get("global_step", -1))
     strategy.barrier("sharded_checkpoint_prepare")
     tmp = checkpoint_io.temporary_path(path, token)
     rank, world = strategy.global_rank, strategy.world_size
@@ -80,6 +84,33 @@ def save(
         manifest = {k: v for share in shares for k, v in share.items()}
         _, failure = _attempt(lambda: _seal(tmp, manifest, path, token))
     _settle(strategy, path, tmp, failure, rank)
+
+
+def _save_async(
+    strategy: Any, checkpointer: AsyncCheckpointer, path: Path, token: str, tensors: dict, meta: Any, step: int
+) -> None:
+    """``async_save``: training goes on once this rank's pieces are staged on the host; the folder is renamed into
+    place when every rank's write is done. A second save of the same step (``last.ckpt``) links the first's files."""
+    if checkpointer.alias(path, token, meta, step, set(tensors)):
+        return
+    finish_async(strategy)  # one save in flight: the previous one, complete (or every rank raises its failure)
+    strategy.barrier("sharded_checkpoint_prepare")
+    checkpointer.save(path, token, tensors, meta, step)
+
+
+def finish_async(strategy: Any, alike: bool = True) -> None:
+    """Wait for the asynchronous save in flight, if any. ``alike`` (collective): every rank raises the same error
+    when one failed; otherwise (teardown) this rank raises what it saw."""
+    checkpointer = strategy.async_checkpointer(create=False)
+    if checkpointer is None or not checkpointer.in_flight:
+        return
+    path = checkpointer.path
+    failures = checkpointer.finish()
+    if alike:
+        failures = [f for fs in _all_gather(strategy, failures) for f in fs]
+    if failures:
+        assert path is not None
+        raise _save_error(path, failures)
 
 
 def _seal(tmp: Path, manifest: dict[str, list[int]], path: Path, token: str) -> None:
