@@ -20,7 +20,7 @@ from lightning_parallel.parallel.checkpoint.async_save import AsyncCheckpointer,
 from lightning_parallel.parallel.checkpoint.chunks import chunked_view
 
 WORKER = "async_ckpt_worker.py"
-STEP2, STEP4 = "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"
+STEP2, STEP4 = "epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"  # two steps an epoch: saves at epochs' ends
 
 
 def saving(folder: Path, asynchronous: bool, steps: int = 4) -> list[dict]:
@@ -55,7 +55,7 @@ def test_async_save_resumes_at_another_layout_like_the_sync_save(tmp_path, tmp_p
     # last.ckpt is the step-4 save again: linked, not written twice
     shard = "__0_0.distcp"
     assert os.stat(dirs["async"] / "last.ckpt" / shard).st_ino == os.stat(dirs["async"] / STEP4 / shard).st_ino
-    runs = {f"{label}_{name}": (1, "auto", resuming(dirs[label] / name, steps)) for label in dirs for name, steps in
+    runs = {f"{label}_{name}": (1, "hybrid3d", resuming(dirs[label] / name, steps)) for label in dirs for name, steps in
             ((STEP2, 4), ("last.ckpt", 6))}  # fmt: skip
     resumed = Batch(tmp_path_factory, runs, tag="resume", worker=WORKER)
     assert_same_losses(resumed[f"sync_{STEP2}"].losses("resume"), trained[2:], "sync step 2 resumed at world 1")

@@ -26,6 +26,7 @@ from lightning_parallel import Hybrid3DStrategy
 from lightning_parallel.models import SyntheticTokens
 
 GLOBAL_BATCH = 16
+EPOCH_STEPS = 2  # saves every 2 steps fall at epochs' ends: a resume starts the next epoch where training did
 
 
 def build_strategy(spec: str, async_save: bool):
@@ -79,7 +80,7 @@ def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
     pl.seed_everything(0, verbose=False)
     strategy = build_strategy(spec, bool(case.get("async")))
     dp = batch_ranks(strategy, world)
-    data = SyntheticTokens(num_samples=GLOBAL_BATCH * 8, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
+    data = SyntheticTokens(num_samples=GLOBAL_BATCH * EPOCH_STEPS, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
     model = RecordingGPT(config=TINY, lr=1e-3, eps=1e-6)
     callbacks: list[pl.Callback] = []
     if case.get("every"):
