@@ -40,12 +40,12 @@ def build_strategy(spec: str, async_save: bool):
 
 
 class KillDuringSave(pl.Callback):
-    """After the save of step ``step`` started (it is in flight: the writes are slowed), SIGKILL this process."""
+    """Once the save of step ``step`` is in flight (its writes are slowed), SIGKILL this process."""
 
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_train_batch_end(self, trainer, *args) -> None:
+    def on_train_batch_start(self, trainer, *args) -> None:  # ModelCheckpoint saves after every batch_end hook
         checkpointer = trainer.strategy.async_checkpointer(create=False)
         if trainer.global_step == self.step and checkpointer is not None and checkpointer.in_flight:
             time.sleep(0.5)  # part of the shards written
