@@ -153,3 +153,19 @@ def test_async_save_setting_is_checked_before_launch():
         ZeroStrategy(stage=1, async_save=True, checkpoint_format="full")
     with pytest.raises(TypeError, match="async_save='yes' must be True or False"):
         ZeroStrategy(stage=1, async_save="yes")
+
+
+def test_recipe_async_save_reaches_the_strategy_and_is_refused_where_it_cannot_work(tmp_path):
+    from test_recipe_configs import compose_gpt
+
+    from lightning_parallel.recipes.common import build_trainer, check_run_settings
+
+    cfg = compose_gpt("strategy=zero2", "trainer.devices=2", "checkpoint=periodic", "checkpoint.async_save=true")
+    check_run_settings(cfg, num_layers=4)
+    assert build_trainer(cfg, tmp_path).strategy.async_save is True
+    assert build_trainer(compose_gpt("strategy=zero2", "trainer.devices=2"), tmp_path).strategy.async_save is False
+    with pytest.raises(ValueError, match="checkpoint.async_save=true has nothing to save"):
+        check_run_settings(compose_gpt("strategy=zero2", "trainer.devices=2", "checkpoint.async_save=true"), 4)
+    ddp = compose_gpt("strategy=ddp", "trainer.devices=2", "checkpoint=periodic", "checkpoint.async_save=true")
+    with pytest.raises(ValueError, match="strategy=ddp does not write them"):
+        check_run_settings(ddp, 4)

@@ -92,6 +92,8 @@ def check_checkpoint_settings(cfg: DictConfig) -> None:
         raise ValueError(
             f"checkpoint.keep_last={c.keep_last} keeps no step checkpoints: set it to 1 or more (-1 keeps all)."
         )
+    if c.async_save and not c.dir:
+        raise ValueError("checkpoint.async_save=true has nothing to save: add checkpoint=periodic (checkpoint.dir).")
     if cfg.ckpt_path == "last" and not c.dir:
         raise ValueError("ckpt_path=last looks in checkpoint.dir, which is not set: add checkpoint=periodic.")
     if cfg.ckpt_path not in (None, "last"):

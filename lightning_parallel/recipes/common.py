@@ -184,6 +184,11 @@ def check_run_settings(cfg: DictConfig, num_layers: int) -> Any:
     elif world < 2 and strategy != "ddp":
         raise ValueError(f"strategy={cfg.strategy.name} shards over processes: set trainer.devices to 2 or more.")
     check_checkpoint_settings(cfg)
+    if cfg.checkpoint.async_save and not isinstance(strategy, MeshStrategy):
+        raise ValueError(
+            f"checkpoint.async_save=true writes our sharded folders: strategy={cfg.strategy.name} does not write "
+            "them. Use strategy=zero1..3 or hybrid3d, or drop checkpoint.async_save."
+        )
     return strategy
 
 
@@ -195,6 +200,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
         t.log_every_n_steps, measure_step=o.measure_step, timeline_dir=run_dir if o.timeline else None
     )
     strategy = build_strategy(cfg.strategy)
+    if cfg.checkpoint.async_save:  # checked before launch (check_run_settings): one of our strategies
+        strategy.async_save = True
     callbacks: list[pl.Callback] = [*kwargs.pop("callbacks", [])]
     if not isinstance(strategy, AsyncPSStrategy):  # these run collectives over the whole world after every step
         callbacks += [monitor, ExactResume(), MoEAuxLossScale(), MoEMonitor()]  # MoE: nothing to do when dense
