@@ -9,7 +9,6 @@ Lightning reads. Both formats load under any layout.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -20,6 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_parallel.parallel.checkpoint import files as checkpoint_io
+from lightning_parallel.parallel.checkpoint import storage
 from lightning_parallel.parallel.checkpoint.async_save import AsyncCheckpointer
 from lightning_parallel.parallel.checkpoint.full import (
     flat_full_state_dict,
@@ -189,7 +189,7 @@ class ShardedCheckpointing:
         checkpointer = self._async_checkpointer
         if checkpointer is not None and checkpointer.in_flight:  # kept until the save in flight is complete
             if self.is_global_zero:  # type: ignore[attr-defined]
-                checkpointer.remove_later(Path(filepath))
+                checkpointer.remove_later(storage.local(str(filepath)))
             return
         super().remove_checkpoint(filepath)  # type: ignore[misc]
 
@@ -198,7 +198,7 @@ class ShardedCheckpointing:
         self._settle_params()  # loading writes the buffers in place
         if checkpoint_io.is_sharded_checkpoint(checkpoint_path):
             return sharded_checkpoint.load(self, checkpoint_path, self._flat_zeros())
-        if Path(checkpoint_path).is_dir():
+        if storage.isdir(str(checkpoint_path)):
             raise FileNotFoundError(
                 f"ckpt_path={str(checkpoint_path)!r} is a folder but not a sharded checkpoint (no .metadata and "
                 "meta.pt in it): give the folder a save wrote, or a checkpoint file."

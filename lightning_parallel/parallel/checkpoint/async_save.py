@@ -17,22 +17,18 @@ tensors again: rank 0 links the first folder's files into it once the first is c
 
 from __future__ import annotations
 
-import os
-import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
-from lightning_parallel.parallel.checkpoint import files
+from lightning_parallel.parallel.checkpoint import files, storage
 from lightning_parallel.parallel.checkpoint.chunks import ChunkedTensor
 
 Failure = tuple[int, "int | None", str]  # (rank, errno, text), as sharded saves report them
@@ -72,11 +68,13 @@ class HostStager(AsyncStager):
 
 @dataclass
 class _Save:
-    path: Path
+    path: storage.Location
     token: str
     step: int
     keys: frozenset[str]
-    aliases: list[tuple[Path, str]] = field(default_factory=list)  # (path, token): the same step saved again
+    aliases: list[tuple[storage.Location, str]] = field(
+        default_factory=list
+    )  # (path, token): the same step saved again
 
 
 class AsyncCheckpointer:
@@ -94,25 +92,27 @@ class AsyncCheckpointer:
         self._writer: ThreadPoolExecutor | None = None
         self._current: _Save | None = None
         self._done: Future | None = None
-        self._removals: list[Path] = []
+        self._removals: list[storage.Location] = []
         self.staged_saves = 0  # how many saves were staged (tests and benchmarks count them)
 
     @property
     def in_flight(self) -> bool:
         return self._done is not None
 
-    def save(self, path: Path, token: str, tensors: dict[str, Any], meta: dict[str, Any] | None, step: int) -> None:
+    def save(
+        self, path: storage.Location, token: str, tensors: dict[str, Any], meta: dict[str, Any] | None, step: int
+    ) -> None:
         """Stage ``tensors`` and start writing them (collective); rank 0 writes ``meta`` now. Call :meth:`finish`
         first: one save is in flight at a time."""
         assert self._done is None, "finish() the save in flight first"
         tmp = files.temporary_path(path, token)
         if self.rank == 0:
-            tmp.mkdir(parents=True, exist_ok=True)
-            torch.save(meta, tmp / files.META_FILE)
+            storage.makedirs(tmp)
+            files.write_meta(tmp, meta or {})
         self._stager = self._stager or HostStager()
         upload = dcp.async_save(
             tensors,
-            storage_writer=FileSystemWriter(tmp, single_file_per_rank=True),
+            storage_writer=storage.storage_writer(tmp),
             process_group=self._writer_group(),
             async_stager=self._stager,
         )
@@ -121,7 +121,7 @@ class AsyncCheckpointer:
         self._writer = self._writer or ThreadPoolExecutor(max_workers=1, thread_name_prefix="lp-checkpoint")
         self._done = self._writer.submit(self._complete, self._current, upload)
 
-    def alias(self, path: Path, token: str, meta: dict[str, Any] | None, step: int, keys: set[str]) -> bool:
+    def alias(self, path: storage.Location, token: str, meta: dict[str, Any] | None, step: int, keys: set[str]) -> bool:
         """A save of the same state as the one in flight (same step, same tensors) at another ``path``: rank 0
         writes ``meta`` now and links the tensors' files once the first folder is complete. False (nothing done)
         when the save in flight is not of that state."""
@@ -130,12 +130,12 @@ class AsyncCheckpointer:
             return False
         if self.rank == 0:
             tmp = files.temporary_path(path, token)
-            tmp.mkdir(parents=True, exist_ok=True)
-            torch.save(meta, tmp / files.META_FILE)
+            storage.makedirs(tmp)
+            files.write_meta(tmp, meta or {})
         save.aliases.append((path, token))
         return True
 
-    def remove_later(self, path: Path) -> None:
+    def remove_later(self, path: storage.Location) -> None:
         """Rank 0: remove ``path`` once the save in flight is complete (its predecessor stays until then)."""
         self._removals.append(path)
 
@@ -146,12 +146,12 @@ class AsyncCheckpointer:
         failures = done.result() if done is not None else []
         if self.rank == 0 and not failures:
             for path in self._removals:
-                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+                storage.remove(path)
             self._removals = []
         return failures
 
     @property
-    def path(self) -> Path | None:
+    def path(self) -> storage.Location | None:
         """Where the save in flight goes (None: none in flight)."""
         return self._current.path if self._current is not None else None
 
@@ -195,7 +195,7 @@ class AsyncCheckpointer:
             return failures
         if failures:
             for path in [tmp, *(files.temporary_path(p, t) for p, t in save.aliases)]:
-                shutil.rmtree(path, ignore_errors=True)
+                storage.remove(path)
             return failures
         try:
             manifest = {k: v for _, share in everyone for k, v in share.items()}
@@ -208,17 +208,14 @@ class AsyncCheckpointer:
         return []
 
 
-def _link_copy(source: Path, path: Path, token: str, manifest: dict[str, list[int]]) -> None:
+def _link_copy(source: storage.Location, path: storage.Location, token: str, manifest: dict[str, list[int]]) -> None:
     """Publish at ``path`` the complete folder ``source``'s tensor files (hard links, copies where links fail)
     beside the ``meta.pt`` already in ``path``'s temporary folder."""
     tmp = files.temporary_path(path, token)
     for name in manifest:
         if name == files.META_FILE:
             continue
-        try:
-            os.link(source / name, tmp / name)
-        except OSError:
-            shutil.copy2(source / name, tmp / name)
+        storage.link_or_copy(storage.join(source, name), storage.join(tmp, name))
     own = {**manifest, **files.digests(tmp, [files.META_FILE])}
     files.write_manifest(tmp, own)
     files.publish(path, token)
