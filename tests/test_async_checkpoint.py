@@ -27,25 +27,28 @@ def saving(folder: Path, asynchronous: bool, steps: int = 4) -> list[dict]:
     return [{"name": "save", "steps": steps, "every": 2, "dir": str(folder), "async": asynchronous}]
 
 
-def resuming(ckpt: Path, steps: int) -> list[dict]:
+def resuming(ckpt: Path | str, steps: int) -> list[dict]:
     return [{"name": "resume", "steps": steps, "resume": str(ckpt)}]
 
 
 def test_async_save_resumes_at_another_layout_like_the_sync_save(tmp_path, tmp_path_factory):
-    """zero2 (ZeRO's flat buffers: chunked pieces) and tp=2 (DTensors) at world 2 save every 2 steps, async and
-    sync; each step=2 folder and each last.ckpt resumes in one process with the sync save's next losses."""
-    dirs = {label: tmp_path / label for label in ("sync", "async", "async_tp")}
+    """zero2 (ZeRO's flat buffers: chunked pieces), tp=2 and zero3 (DTensors; zero3 into a file:// URL through
+    fsspec) at world 2 save every 2 steps, async and sync; each step=2 folder and each last.ckpt resumes in one
+    process with the sync save's next losses."""
+    dirs = {label: tmp_path / label for label in ("sync", "async", "async_tp", "async_url")}
+    url = f"file://{dirs['async_url']}"  # fsspec's local file system, DCP's fsspec writer
     saves = Batch(
         tmp_path_factory,
         {
             "sync": (2, "zero2", saving(dirs["sync"], False)),
             "async": (2, "zero2", saving(dirs["async"], True)),
             "async_tp": (2, "hybrid3d:tp=2", saving(dirs["async_tp"], True)),
+            "async_url": (2, "zero3", [{**saving(dirs["async_url"], True)[0], "dir": url}]),
         },
         worker=WORKER,
     )
     trained = saves["sync"].losses("save")
-    for label in ("async", "async_tp"):
+    for label in ("async", "async_tp", "async_url"):
         assert_same_losses(saves[label].losses("save"), trained, f"{label}: training with async saves")
         assert saves[label].case("save")["closed"], "teardown left the async saver open"
     for folder in dirs.values():
@@ -57,9 +60,10 @@ def test_async_save_resumes_at_another_layout_like_the_sync_save(tmp_path, tmp_p
     assert os.stat(dirs["async"] / "last.ckpt" / shard).st_ino == os.stat(dirs["async"] / STEP4 / shard).st_ino
     runs = {f"{label}_{name}": (1, "hybrid3d", resuming(dirs[label] / name, steps)) for label in dirs for name, steps in
             ((STEP2, 4), ("last.ckpt", 6))}  # fmt: skip
+    runs[f"async_url_{STEP2}"] = (1, "hybrid3d", resuming(f"{url}/{STEP2}", 4))  # read through fsspec
     resumed = Batch(tmp_path_factory, runs, tag="resume", worker=WORKER)
     assert_same_losses(resumed[f"sync_{STEP2}"].losses("resume"), trained[2:], "sync step 2 resumed at world 1")
-    for label in ("async", "async_tp"):
+    for label in ("async", "async_tp", "async_url"):
         for name in (STEP2, "last.ckpt"):
             want = resumed[f"sync_{name}"].losses("resume")
             assert len(want) == 2
@@ -169,3 +173,29 @@ def test_recipe_async_save_reaches_the_strategy_and_is_refused_where_it_cannot_w
     ddp = compose_gpt("strategy=ddp", "trainer.devices=2", "checkpoint=periodic", "checkpoint.async_save=true")
     with pytest.raises(ValueError, match="strategy=ddp does not write them"):
         check_run_settings(ddp, 4)
+
+
+def test_memory_url_round_trip_resumes_with_the_same_next_losses(tmp_path, tmp_path_factory):
+    """fsspec's in-memory file system (one process: runs of one launch share it): saved there, resumed from
+    there, the next losses equal those resumed from a local folder."""
+    memory = f"memory://{tmp_path.name}/ckpts"
+    cases = {
+        "memory": [saving(memory, True)[0], {"name": "resume", "steps": 6, "resume": f"{memory}/{STEP4}"}],
+        "local": [saving(tmp_path / "local", False)[0], resuming(tmp_path / "local" / STEP4, 6)[0]],
+    }
+    batch = Batch(tmp_path_factory, {k: (1, "hybrid3d", v) for k, v in cases.items()}, tag="memory", worker=WORKER)
+    assert_same_losses(batch["memory"].losses("save"), batch["local"].losses("save"), "training, saving to memory://")
+    want = batch["local"].losses("resume")
+    assert len(want) == 2
+    assert_same_losses(batch["memory"].losses("resume"), want, "resumed from memory://")
+
+
+def test_unknown_or_uninstalled_schemes_are_refused_before_launch():
+    from lightning_parallel.parallel.checkpoint.storage import check_storage
+
+    check_storage("memory://x", "checkpoint.dir")
+    check_storage("/local/folder", "checkpoint.dir")
+    with pytest.raises(ValueError, match="checkpoint.dir='nosuch://b/x': fsspec knows no file system nosuch://"):
+        check_storage("nosuch://b/x", "checkpoint.dir")
+    with pytest.raises(ValueError, match="needs the fsspec package for s3://, 's3fs', which is not installed"):
+        check_storage("s3://bucket/ckpts", "checkpoint.dir")

@@ -1,7 +1,8 @@
 """Worker: the tiny GPT trained with periodic checkpoints (ModelCheckpoint, save_last) written sync or async;
 writes OUT/<label>/rank<N>.json (conftest's ``Batch``, ``worker="async_ckpt_worker.py"``).
 
-Case keys: name, steps, async (the strategy's async_save), dir (the checkpoint folder: a path or a file:// URL),
+Case keys: name, steps, async (the strategy's async_save), dir (the checkpoint folder: a path or a URL: file://,
+memory://),
 every (save every n steps; 0: no ModelCheckpoint), resume (ckpt_path for fit: a folder or "last"), slow_write
 (seconds each written item of the saves after the first sleeps: a write still in flight), kill_at (this global
 step's end: SIGKILL this process while the save of that step is in flight). Records the losses, how many saves
@@ -113,7 +114,7 @@ def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
     )
     resume = case.get("resume")
     if resume == "last":
-        resume = str(Path(case["dir"]) / "last.ckpt")
+        resume = case["dir"].rstrip("/") + "/last.ckpt"  # a path or a URL
     with slow_writes(case.get("slow_write", 0)):
         trainer.fit(model, datamodule=ShardedData(data, GLOBAL_BATCH // dp), ckpt_path=resume)
     checkpointer = getattr(trainer.strategy, "_async_checkpointer", None)

@@ -14,6 +14,10 @@ import shutil
 from pathlib import Path
 from typing import IO, Any
 
+import fsspec
+from fsspec.core import url_to_fs
+from fsspec.registry import known_implementations
+
 from lightning_parallel._compat import FsspecWriter
 
 Location = str | Path
@@ -32,13 +36,11 @@ def check_storage(path: Location, setting: str) -> None:
     """
     if not has_scheme(path):
         return
-    import fsspec  # noqa: PLC0415  (only URLs need it)
-
     protocol = str(path).split("://", 1)[0]
     try:
         fsspec.get_filesystem_class(protocol)
     except ImportError as err:  # known to fsspec, its package missing ("Install s3fs to access S3")
-        known = fsspec.registry.known_implementations.get(protocol, {})
+        known = known_implementations.get(protocol, {})
         package = known.get("class", "").split(".")[0]
         raise ValueError(
             f"{setting}={path!r} needs the fsspec package for {protocol}://, {package!r}, which is not installed: "
@@ -53,8 +55,6 @@ def check_storage(path: Location, setting: str) -> None:
 
 def filesystem(path: Location) -> tuple[Any, str]:
     """fsspec's file system for a URL and the path inside it."""
-    from fsspec.core import url_to_fs  # noqa: PLC0415
-
     return url_to_fs(str(path))
 
 
