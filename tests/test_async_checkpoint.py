@@ -32,11 +32,12 @@ def resuming(ckpt: Path | str, steps: int) -> list[dict]:
 
 
 def test_async_save_resumes_at_another_layout_like_the_sync_save(tmp_path, tmp_path_factory):
-    """zero2 (ZeRO's flat buffers: chunked pieces), tp=2 and zero3 (DTensors; zero3 into a file:// URL through
+    """zero2 (ZeRO's flat buffers: chunked pieces), tp=2 and zero3 (DTensors; zero3 into a local:// URL through
     fsspec) at world 2 save every 2 steps, async and sync; each step=2 folder and each last.ckpt resumes in one
     process with the sync save's next losses."""
     dirs = {label: tmp_path / label for label in ("sync", "async", "async_tp", "async_url")}
-    url = f"file://{dirs['async_url']}"  # fsspec's local file system, DCP's fsspec writer
+    # fsspec's local file system through a URL (local://: Lightning's ModelCheckpoint rewrites file:// as a local path)
+    url = f"local://{dirs['async_url']}"
     saves = Batch(
         tmp_path_factory,
         {
