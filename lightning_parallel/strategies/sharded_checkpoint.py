@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 
 from lightning_parallel.parallel.checkpoint import files as checkpoint_io
 from lightning_parallel.parallel.checkpoint import storage
-from lightning_parallel.parallel.checkpoint.async_save import AsyncCheckpointer
+from lightning_parallel.parallel.checkpoint.async_save import AsyncCheckpointer, failures_of
 from lightning_parallel.parallel.checkpoint.selection import check_checkpoint, unsaved_keys
 from lightning_parallel.parallel.checkpoint.sharded import (
     MODEL,
@@ -134,7 +134,7 @@ def _settle(
 ) -> list:
     """Every rank's ``result`` once all ranks are past a step of a save; if one failed, every rank raises
     the same error after rank 0 has removed the temporary folder."""
-    results = _all_gather(strategy, (_failures(err, rank) if err is not None else None, result))
+    results = _all_gather(strategy, (failures_of(err, rank) if err is not None else None, result))
     failures = [item for f, _ in results if f is not None for item in f]
     if failures:
         if strategy.is_global_zero:
@@ -142,13 +142,6 @@ def _settle(
         strategy.barrier("sharded_checkpoint_abandoned")
         raise _save_error(path, failures) from err
     return [r for _, r in results]
-
-
-def _failures(err: BaseException, rank: int) -> list[tuple[int, int | None, str]]:
-    """(rank, errno, text) of what went wrong: DCP hands every rank every rank's original exception."""
-    if isinstance(err, CheckpointException):
-        return [(r, getattr(e, "errno", None), f"{type(e).__name__}: {e}") for r, (e, _) in err.failures.items()]
-    return [(rank, getattr(err, "errno", None), f"{type(err).__name__}: {err}")]
 
 
 def _save_error(path: Location, failures: list[tuple[int, int | None, str]]) -> OSError | RuntimeError:

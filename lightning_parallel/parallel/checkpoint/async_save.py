@@ -66,6 +66,13 @@ class HostStager(AsyncStager):
         self._stager.close()
 
 
+def failures_of(err: BaseException, rank: int) -> list[Failure]:
+    """(rank, errno, text) of what went wrong: DCP hands every rank every rank's original exception."""
+    if isinstance(err, CheckpointException):
+        return [(r, getattr(e, "errno", None), f"{type(e).__name__}: {e}") for r, (e, _) in err.failures.items()]
+    return [(rank, getattr(err, "errno", None), f"{type(err).__name__}: {err}")]
+
+
 @dataclass
 class _Save:
     path: storage.Location
@@ -180,12 +187,8 @@ class AsyncCheckpointer:
         try:
             upload.result()  # DCP's last step gathers every rank's write: done here means done everywhere
             shares = files.digests(tmp, files.data_files(tmp)[self.rank :: self.world_size])
-        except CheckpointException as err:  # every rank gets every rank's failure
-            failures = [
-                (r, getattr(e, "errno", None), f"{type(e).__name__}: {e}") for r, (e, _) in err.failures.items()
-            ]
-        except Exception as err:  # noqa: BLE001  (the others must hear of it: they wait in the gather below)
-            failures = [(self.rank, getattr(err, "errno", None), f"{type(err).__name__}: {err}")]
+        except (Exception, CheckpointException) as err:  # the others must hear of it: they wait in the gather below
+            failures = failures_of(err, self.rank)
         everyone: list[Any] = [(failures, shares)]
         if self._group is not None:
             everyone = [None] * self.world_size
@@ -204,7 +207,7 @@ class AsyncCheckpointer:
             for path, token in save.aliases:
                 _link_copy(save.path, path, token, manifest)
         except Exception as err:  # noqa: BLE001
-            return [(0, getattr(err, "errno", None), f"{type(err).__name__}: {err}")]
+            return failures_of(err, 0)
         return []
 
 
