@@ -200,3 +200,24 @@ def test_unknown_or_uninstalled_schemes_are_refused_before_launch():
         check_storage("nosuch://b/x", "checkpoint.dir")
     with pytest.raises(ValueError, match="needs the fsspec package for s3://, 's3fs', which is not installed"):
         check_storage("s3://bucket/ckpts", "checkpoint.dir")
+
+
+def test_recipe_checks_url_folders_and_resolves_last_under_a_url(tmp_path):
+    import fsspec
+    from test_recipe_configs import compose_gpt
+
+    from lightning_parallel.recipes.common import check_run_settings, resume_path
+
+    base = ("strategy=zero2", "trainer.devices=2", "checkpoint=periodic")
+    with pytest.raises(ValueError, match="checkpoint.dir='nosuch://x': fsspec knows no file system"):
+        check_run_settings(compose_gpt(*base, "checkpoint.dir=nosuch://x"), 4)
+    with pytest.raises(ValueError, match="ckpt_path='s3://b/last.ckpt' needs the fsspec package for s3://, 's3fs'"):
+        check_run_settings(compose_gpt(*base, "ckpt_path=s3://b/last.ckpt"), 4)
+    folder = f"memory://{tmp_path.name}/ckpts"
+    cfg = compose_gpt(*base, f"checkpoint.dir={folder}", "ckpt_path=last")
+    assert resume_path(cfg) is None  # nothing saved yet: a fresh start, as Lightning does for a local folder
+    fs = fsspec.filesystem("memory")
+    for name in (".metadata", "meta.pt"):
+        fs.pipe(f"/{tmp_path.name}/ckpts/last.ckpt/{name}", b"x")
+    assert resume_path(cfg) == f"{folder}/last.ckpt"
+    assert resume_path(compose_gpt(*base, "ckpt_path=last")) == "last"  # a local folder: Lightning's lookup

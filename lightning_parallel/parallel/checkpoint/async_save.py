@@ -175,8 +175,9 @@ class AsyncCheckpointer:
     # ----- the writer thread -----
 
     def _writer_group(self) -> dist.ProcessGroup | None:
-        """A gloo group of the whole world for the writer's collectives (built at the first save: collective)."""
-        if self._group is None and dist.is_initialized() and self.world_size > 1:
+        """A gloo group of the whole world for the writer's collectives (built at the first save: collective); also
+        at world 1, where DCP would otherwise take the default group, which has no CPU backend under NCCL."""
+        if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo", timeout=self.timeout)
         return self._group
 
