@@ -151,6 +151,21 @@ def test_a_failed_async_save_leaves_the_previous_checkpoint(tmp_path, monkeypatc
     assert torch.equal(loaded["flat"].flatten()[2:9], torch.arange(2, 9, dtype=torch.float32))
 
 
+def test_a_save_of_the_same_step_after_the_write_finished_is_linked_at_once(tmp_path):
+    """The writer thread may be past its aliases when ``last.ckpt`` is asked for: then alias() makes it."""
+    saver = AsyncCheckpointer(0, 1, timeout=None)  # type: ignore[arg-type]
+    first, last = tmp_path / "step=1.ckpt", tmp_path / "last.ckpt"
+    saver.save(first, "a", _state(1.0), {"global_step": 1}, step=1)
+    saver._done.result()  # the write is complete, the writer sealed its aliases
+    assert saver.alias(last, "b", {"global_step": 1, "last": True}, 1, {"w", "flat"})
+    assert saver.close() == []
+    checkpoint_io.verify(last)
+    assert checkpoint_io.read_meta(last)["last"] is True and checkpoint_io.read_meta(first)["global_step"] == 1
+    shards = [p.name for p in first.iterdir() if p.suffix == ".distcp"]
+    assert shards and all(os.stat(first / n).st_ino == os.stat(last / n).st_ino for n in shards)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=1.ckpt"]
+
+
 def test_async_save_setting_is_checked_before_launch():
     from lightning_parallel import ZeroStrategy
 

@@ -17,6 +17,7 @@ tensors again: rank 0 links the first folder's files into it once the first is c
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -79,9 +80,10 @@ class _Save:
     token: str
     step: int
     keys: frozenset[str]
-    aliases: list[tuple[storage.Location, str]] = field(
-        default_factory=list
-    )  # (path, token): the same step saved again
+    aliases: list[tuple[storage.Location, str]] = field(default_factory=list)  # (path, token): this step again
+    lock: threading.Lock = field(default_factory=threading.Lock)  # aliases: asked for here, made by the writer
+    sealed: bool = False  # the writer is past the aliases
+    manifest: dict[str, list[int]] | None = None  # once published
 
 
 class AsyncCheckpointer:
@@ -100,6 +102,7 @@ class AsyncCheckpointer:
         self._current: _Save | None = None
         self._done: Future | None = None
         self._removals: list[storage.Location] = []
+        self._late_failures: list[Failure] = []
         self.staged_saves = 0  # how many saves were staged (tests and benchmarks count them)
 
     @property
@@ -139,7 +142,11 @@ class AsyncCheckpointer:
             tmp = files.temporary_path(path, token)
             storage.makedirs(tmp)
             files.write_meta(tmp, meta or {})
-        save.aliases.append((path, token))
+            with save.lock:
+                sealed = save.sealed
+                save.aliases.append((path, token))
+            if sealed:  # the writer thread is past its aliases: made here (the same decision on every rank)
+                self._late_failures += self._make_alias(save, path, token)
         return True
 
     def remove_later(self, path: storage.Location) -> None:
@@ -150,7 +157,8 @@ class AsyncCheckpointer:
         """Wait for the save in flight (if any); what went wrong with it on this rank (empty: it is in place).
         Not collective: callers gather the failures when every rank must raise alike."""
         done, self._done, self._current = self._done, None, None
-        failures = done.result() if done is not None else []
+        failures = (done.result() if done is not None else []) + self._late_failures
+        self._late_failures = []
         if self.rank == 0 and not failures:
             for path in self._removals:
                 storage.remove(path)
@@ -197,16 +205,26 @@ class AsyncCheckpointer:
         failures = [f for fs, _ in everyone for f in fs]
         if self.rank != 0:
             return failures
-        if failures:
-            for path in [tmp, *(files.temporary_path(p, t) for p, t in save.aliases)]:
-                storage.remove(path)
-            return failures
         try:
-            manifest = {k: v for _, share in everyone for k, v in share.items()}
-            files.write_manifest(tmp, manifest)
-            files.publish(save.path, save.token)
-            for path, token in save.aliases:
-                _link_copy(save.path, path, token, manifest)
+            if not failures:
+                manifest = {k: v for _, share in everyone for k, v in share.items()}
+                files.write_manifest(tmp, manifest)
+                files.publish(save.path, save.token)
+                save.manifest = manifest
+        except Exception as err:  # noqa: BLE001
+            failures = failures_of(err, 0)
+        storage.remove(tmp)  # nothing left of it once published; all of it after a failure
+        with save.lock:  # aliases asked for from now on are made by alias() itself
+            save.sealed, aliases = True, list(save.aliases)
+        return failures + [f for path, token in aliases for f in self._make_alias(save, path, token)]
+
+    def _make_alias(self, save: _Save, path: storage.Location, token: str) -> list[Failure]:
+        """Rank 0: the alias folder from the complete save's files, or its temporary folder removed."""
+        try:
+            if save.manifest is None:
+                storage.remove(files.temporary_path(path, token))
+                return []
+            _link_copy(save.path, path, token, save.manifest)
         except Exception as err:  # noqa: BLE001
             return failures_of(err, 0)
         return []
