@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: F401  (URL folders)
 from torch.distributed.checkpoint._traverse import set_element  # noqa: F401
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor

@@ -30,6 +30,7 @@ def test_private_apis_resolve():
     assert hasattr(_AcceleratorConnector, _compat.ACCELERATOR_CONNECTOR_PRECISION)
     assert "_local_tensor" in torch.distributed.tensor.DTensor.__slots__  # set_local_tensor/local_tensor alias it
     assert callable(_compat.compute_local_shape_and_global_offset) and callable(_compat.set_element)
+    assert callable(_compat.FsspecWriter.prepare_local_plan) and callable(_compat.FsspecReader.read_metadata)
     assert callable(_compat.disable_current_modes) and callable(_compat.tree_map)
     assert not _compat.is_in_torch_dispatch_mode(include_infra_modes=False)
     assert callable(torch._C._current_graph_task_id) and not _compat.in_backward()

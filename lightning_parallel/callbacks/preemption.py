@@ -31,6 +31,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_parallel.parallel.checkpoint import storage
+
 PREEMPTED_FILE = "preempted.json"
 
 
@@ -54,7 +56,7 @@ class Preemption(pl.Callback):
         marker: str | Path | None = None,
         signals: tuple[signal.Signals, ...] = (signal.SIGTERM,),
     ) -> None:
-        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.dirpath = None if dirpath is None else storage.local(str(dirpath))  # a folder or a URL
         self.marker = None if marker is None else Path(marker)
         self.signals = signals
         self.received = False
@@ -110,15 +112,21 @@ class Preemption(pl.Callback):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _save(self, trainer: pl.Trainer) -> Path | None:
+    def _save(self, trainer: pl.Trainer) -> storage.Location | None:
         """``dirpath/last.ckpt`` through the strategy (collective); the ModelCheckpoint of that folder is
         told that this is its newest ``last``, so after a resume it overwrites it instead of adding ``last-v1``."""
         if self.dirpath is None:
             return None
-        path = self.dirpath / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
+        path = storage.join(self.dirpath, f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}")
         for callback in trainer.checkpoint_callbacks:
-            mine = callback.dirpath and Path(callback.dirpath).resolve() == self.dirpath.resolve()
+            mine = callback.dirpath and _same_folder(callback.dirpath, self.dirpath)
             if isinstance(callback, ModelCheckpoint) and mine:
                 callback.last_model_path = str(path)
         trainer.save_checkpoint(path)
         return path
+
+
+def _same_folder(a: storage.Location, b: storage.Location) -> bool:
+    if storage.has_scheme(a) or storage.has_scheme(b):
+        return str(a).rstrip("/") == str(b).rstrip("/")
+    return Path(a).resolve() == Path(b).resolve()

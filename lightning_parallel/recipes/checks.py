@@ -14,6 +14,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel.checkpoint import check_checkpoint_path
+from lightning_parallel.parallel.checkpoint import storage
+from lightning_parallel.parallel.checkpoint.storage import check_storage
 from lightning_parallel.plugins.precision import SUPPORTED_PRECISION
 
 LOGGERS = ("csv", "tensorboard", "none")
@@ -92,7 +94,13 @@ def check_checkpoint_settings(cfg: DictConfig) -> None:
         raise ValueError(
             f"checkpoint.keep_last={c.keep_last} keeps no step checkpoints: set it to 1 or more (-1 keeps all)."
         )
+    if c.async_save and not c.dir:
+        raise ValueError("checkpoint.async_save=true has nothing to save: add checkpoint=periodic (checkpoint.dir).")
     if cfg.ckpt_path == "last" and not c.dir:
         raise ValueError("ckpt_path=last looks in checkpoint.dir, which is not set: add checkpoint=periodic.")
-    if cfg.ckpt_path not in (None, "last"):
+    if c.dir:
+        check_storage(c.dir, "checkpoint.dir")
+    if storage.has_scheme(cfg.ckpt_path):
+        check_storage(cfg.ckpt_path, "ckpt_path")
+    elif cfg.ckpt_path not in (None, "last"):
         check_checkpoint_path(cfg.ckpt_path, "ckpt_path")

@@ -22,6 +22,8 @@ from lightning_parallel.callbacks.preemption import PREEMPTED_FILE, Preemption
 from lightning_parallel.callbacks.resume import ExactResume
 from lightning_parallel.parallel.activation_checkpoint import check_activation_checkpointing
 from lightning_parallel.parallel.async_ps import protocol
+from lightning_parallel.parallel.checkpoint import storage
+from lightning_parallel.parallel.checkpoint.files import is_sharded_checkpoint
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.failure import to_timeout
 from lightning_parallel.parallel.measure.flops import peak_memory_bytes
@@ -184,6 +186,11 @@ def check_run_settings(cfg: DictConfig, num_layers: int) -> Any:
     elif world < 2 and strategy != "ddp":
         raise ValueError(f"strategy={cfg.strategy.name} shards over processes: set trainer.devices to 2 or more.")
     check_checkpoint_settings(cfg)
+    if cfg.checkpoint.async_save and not isinstance(strategy, MeshStrategy):
+        raise ValueError(
+            f"checkpoint.async_save=true writes our sharded folders: strategy={cfg.strategy.name} does not write "
+            "them. Use strategy=zero1..3 or hybrid3d, or drop checkpoint.async_save."
+        )
     return strategy
 
 
@@ -195,6 +202,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
         t.log_every_n_steps, measure_step=o.measure_step, timeline_dir=run_dir if o.timeline else None
     )
     strategy = build_strategy(cfg.strategy)
+    if cfg.checkpoint.async_save:  # checked before launch (check_run_settings): one of our strategies
+        strategy.async_save = True
     callbacks: list[pl.Callback] = [*kwargs.pop("callbacks", [])]
     if not isinstance(strategy, AsyncPSStrategy):  # these run collectives over the whole world after every step
         callbacks += [monitor, ExactResume(), MoEAuxLossScale(), MoEMonitor()]  # MoE: nothing to do when dense
@@ -240,6 +249,15 @@ def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
         num_sanity_val_steps=0,
         **kwargs,
     )
+
+
+def resume_path(cfg: DictConfig) -> str | None:
+    """``ckpt_path`` for ``trainer.fit``: with ``checkpoint.dir`` a URL, ``last`` is its ``last.ckpt`` (Lightning's
+    own lookup drops the URL's scheme); None, as Lightning does for a local folder, when there is none yet."""
+    if cfg.ckpt_path != "last" or not storage.has_scheme(cfg.checkpoint.dir):
+        return cfg.ckpt_path
+    last = storage.join(cfg.checkpoint.dir, "last.ckpt")
+    return str(last) if is_sharded_checkpoint(last) else None
 
 
 def _logger(kind: str, run_dir: Path) -> Any:

@@ -186,6 +186,7 @@ class CheckpointConf:
     dir: str | None = None  # None: no periodic checkpoints; else one folder per save (sharded under our strategies)
     every_n_steps: int = 0
     keep_last: int = 3  # step checkpoints kept besides last.ckpt (-1: all); saves are atomic
+    async_save: bool = False  # training goes on once the state is staged on the host; written in a thread
 
 
 @dataclass

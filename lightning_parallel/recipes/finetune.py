@@ -57,6 +57,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         build_trainer,
         micro_batch_size,
         parameter_counts,
+        resume_path,
         run_metrics,
         world_size,
         write_metrics,
@@ -76,7 +77,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         before = answer(_before_copy(model).model, tokenizer, prompts, tokens, cfg.temperature, cfg.seed)
     data = TextData(cfg, micro, cache_dir=Path.cwd() / "data")
     start = time.perf_counter()
-    trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
+    trainer.fit(model, datamodule=data, ckpt_path=resume_path(cfg))
     wall = time.perf_counter() - start
     metrics = run_metrics(trainer, cfg, wall, cfg.data.global_batch_size * cfg.model.seq_len, "tokens/s") | counts
     val = metrics["final_val_loss"]

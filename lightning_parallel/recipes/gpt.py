@@ -25,6 +25,7 @@ from lightning_parallel.recipes.common import (
     check_run_settings,
     micro_batch_size,
     parameter_counts,
+    resume_path,
     run_metrics,
     sampler_kwargs,
     world_size,
@@ -305,7 +306,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     trainer = build_trainer(cfg, run_dir)
     data = TextData(cfg, micro, cache_dir=Path.cwd() / "data")  # the default corpus is written there once
     start = time.perf_counter()
-    trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
+    trainer.fit(model, datamodule=data, ckpt_path=resume_path(cfg))
     wall = time.perf_counter() - start
     metrics = run_metrics(trainer, cfg, wall, cfg.data.global_batch_size * m.seq_len, "tokens/s") | counts
     if cfg.sample_tokens > 0 and cfg.data.get("cache"):  # tokenized: the tokenizer's text

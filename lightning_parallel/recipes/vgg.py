@@ -26,6 +26,7 @@ from lightning_parallel.recipes.common import (
     check_run_settings,
     micro_batch_size,
     parameter_counts,
+    resume_path,
     run_metrics,
     sampler_kwargs,
     world_size,
@@ -165,7 +166,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         counts = parameter_counts(VGG(vgg_config(m)))
     trainer = build_trainer(cfg, run_dir, **sync_batchnorm_args(cfg))
     start = time.perf_counter()
-    trainer.fit(model, datamodule=ImageData(cfg, micro), ckpt_path=cfg.ckpt_path)
+    trainer.fit(model, datamodule=ImageData(cfg, micro), ckpt_path=resume_path(cfg))
     wall = time.perf_counter() - start
     metrics = run_metrics(trainer, cfg, wall, cfg.data.global_batch_size, "samples/s") | counts
     if "val_acc" in trainer.callback_metrics:

@@ -48,7 +48,12 @@ from lightning_parallel.parallel.tensor.loss import vocab_parallel_loss
 from lightning_parallel.plugins.layer_sync import DataParallelSyncBatchNorm
 from lightning_parallel.plugins.precision import loss_scale_of, to_mesh_precision
 from lightning_parallel.protocol import has_loss
-from lightning_parallel.strategies.checkpointing import ShardedCheckpointing, check_checkpoint_format, unwrap_optimizer
+from lightning_parallel.strategies.checkpointing import (
+    ShardedCheckpointing,
+    check_async_save,
+    check_checkpoint_format,
+    unwrap_optimizer,
+)
 from lightning_parallel.strategies.checks import check_model
 from lightning_parallel.strategies.distributed import DistributedMixin
 from lightning_parallel.strategies.model_setup import ModelPlacement
@@ -79,6 +84,8 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
             fields may also be given as keyword arguments (they override the config's).
         checkpoint_format: ``"sharded"`` (default: a folder per checkpoint, every rank writes its pieces, any
             layout resumes it) or ``"full"`` (one file gathered on rank 0 in the single-process format).
+        async_save: sharded saves during fit go on in a thread once staged on the host (one at a time; a
+            folder appears only complete): :mod:`lightning_parallel.parallel.checkpoint.async_save`.
         timeout: a ``timedelta`` or seconds (torch's default: 30 minutes) bounding every collective: when a rank
             fails, the others end within it and name the rank that failed first (``parallel/failure.py``).
         accelerator: Lightning's (as are ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
@@ -99,9 +106,11 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         checkpoint_format: str = "sharded",
+        async_save: bool = False,
         **settings: Any,
     ) -> None:
         check_checkpoint_format(checkpoint_format)
+        check_async_save(async_save, checkpoint_format)
         self.config = build_config(type(self).__name__, config, settings)
         super().__init__(
             accelerator=accelerator,
@@ -115,7 +124,7 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
         self._timeout = to_timeout(default_pg_timeout if timeout is None else timeout)
         self._failures: FailureBoard | None = None
         self.num_nodes = 1
-        self.checkpoint_format = checkpoint_format
+        self.checkpoint_format, self.async_save = checkpoint_format, async_save
         self._dims: ParallelDims | None = None
         self._mesh: ParallelMesh | None = None
         self._sharding: DataParallelSharding | None = None
@@ -329,6 +338,7 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
     @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
+        self._close_checkpointer()  # the save in flight lands first (also after a preemption's)
         self.end_failure_watch()
         hidden = self.__dict__.pop("_hidden_example_input", None)
         if hidden is not None and self.lightning_module is not None:

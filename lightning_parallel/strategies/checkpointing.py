@@ -9,15 +9,18 @@ Lightning reads. Both formats load under any layout.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_parallel.parallel.checkpoint import files as checkpoint_io
+from lightning_parallel.parallel.checkpoint import storage
+from lightning_parallel.parallel.checkpoint.async_save import AsyncCheckpointer
 from lightning_parallel.parallel.checkpoint.full import (
     flat_full_state_dict,
     full_model_state_dict,
@@ -51,13 +54,61 @@ def unwrap_optimizer(optimizer: Any) -> Optimizer:
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
+def check_async_save(value: Any, checkpoint_format: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"async_save={value!r} must be True or False.")
+    if value and checkpoint_format != "sharded":
+        raise ValueError(
+            f"async_save=True writes sharded folders with torch's async_save: it cannot write checkpoint_format="
+            f"{checkpoint_format!r}. Use checkpoint_format='sharded' (the default) or async_save=False."
+        )
+
+
 class ShardedCheckpointing:
     """Mixed into :class:`~lightning_parallel.strategies.base.MeshStrategy` (which provides ``model``,
     ``optimizers``, ``sharding``, ``mesh``, ``checkpoint_format`` and the parallelized model's ``_parallel``)."""
 
     model: nn.Module | None
     checkpoint_format: str
+    async_save: bool = False
+    _async_checkpointer: AsyncCheckpointer | None = None
     _full_param_order: list[str]
+
+    def async_checkpointer(self, create: bool = True) -> AsyncCheckpointer | None:
+        """The asynchronous saver while ``async_save`` and fitting (a save outside fit, which nothing would wait
+        for, is written before it returns); None otherwise. ``create=False``: the one there is, if any."""
+        if not create:
+            return self._async_checkpointer
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        running = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+        if not (self.async_save and running and trainer.state.fn == TrainerFn.FITTING):
+            return None
+        if self._async_checkpointer is None:
+            rank, world = self.global_rank, self.world_size  # type: ignore[attr-defined]
+            self._async_checkpointer = AsyncCheckpointer(rank, world, self._timeout)  # type: ignore[attr-defined]
+        return self._async_checkpointer
+
+    def finish_checkpoint(self) -> None:
+        """Wait for the asynchronous save in flight (collective); every rank raises alike if it failed."""
+        sharded_checkpoint.finish_async(self)
+
+    def _close_checkpointer(self) -> None:
+        """Teardown (also after a preemption's save): the save in flight finishes, its thread and buffers go.
+        After a failed run its save's own failure is only warned about: the run's error is the one to see."""
+        checkpointer = self._async_checkpointer
+        if checkpointer is None:
+            return
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        failed = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        try:
+            sharded_checkpoint.finish_async(self, alike=False)
+        except (OSError, RuntimeError) as error:
+            if not failed:
+                raise
+            rank_zero_warn(str(error))
+        finally:
+            self._async_checkpointer = None
+            checkpointer.close()
 
     def _split(self) -> Any:
         parallel = getattr(self, "_parallel", None)
@@ -134,11 +185,20 @@ class ShardedCheckpointing:
 
     # ----- loading -----
 
+    def remove_checkpoint(self, filepath: Any) -> None:
+        checkpointer = self._async_checkpointer
+        if checkpointer is not None and checkpointer.in_flight:  # kept until the save in flight is complete
+            if self.is_global_zero:  # type: ignore[attr-defined]
+                checkpointer.remove_later(storage.local(str(filepath)))
+            return
+        super().remove_checkpoint(filepath)  # type: ignore[misc]
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.finish_checkpoint()
         self._settle_params()  # loading writes the buffers in place
         if checkpoint_io.is_sharded_checkpoint(checkpoint_path):
             return sharded_checkpoint.load(self, checkpoint_path, self._flat_zeros())
-        if Path(checkpoint_path).is_dir():
+        if storage.isdir(str(checkpoint_path)):
             raise FileNotFoundError(
                 f"ckpt_path={str(checkpoint_path)!r} is a folder but not a sharded checkpoint (no .metadata and "
                 "meta.pt in it): give the folder a save wrote, or a checkpoint file."

@@ -15,9 +15,7 @@ state is changed; a rank raising alone would leave the others waiting in the nex
 from __future__ import annotations
 
 import errno
-import shutil
 import uuid
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -26,6 +24,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
 from lightning_parallel.parallel.checkpoint import files as checkpoint_io
+from lightning_parallel.parallel.checkpoint import storage
+from lightning_parallel.parallel.checkpoint.async_save import AsyncCheckpointer, failures_of
 from lightning_parallel.parallel.checkpoint.selection import check_checkpoint, unsaved_keys
 from lightning_parallel.parallel.checkpoint.sharded import (
     MODEL,
@@ -35,6 +35,7 @@ from lightning_parallel.parallel.checkpoint.sharded import (
     optimizer_state,
     param_names,
 )
+from lightning_parallel.parallel.checkpoint.storage import Location
 from lightning_parallel.parallel.data.flat_zero import FlatZero
 
 LOADED_IN_PLACE = "lightning_parallel_loaded_in_place"  # marks a checkpoint whose states are already loaded
@@ -46,11 +47,15 @@ def hyperparameters(optimizer: Optimizer) -> dict[str, Any]:
 
 
 def save(
-    strategy: Any, checkpoint: dict[str, Any], filepath: str | Path, flat_zero: list[FlatZero | None], order: list[str]
+    strategy: Any,
+    checkpoint: dict[str, Any],
+    filepath: Location,
+    flat_zero: list[FlatZero | None],
+    order: list[str],
 ) -> None:
     """Write ``checkpoint`` as a sharded folder at ``filepath`` (collective; atomic; every rank raises
     the same error when one fails, and the temporary folder is removed)."""
-    path = Path(strategy.broadcast(str(filepath)))
+    path = storage.local(strategy.broadcast(str(filepath)))
     token = strategy.broadcast(uuid.uuid4().hex[:12])
     model = strategy.model
     tensors: dict[str, Any] = {MODEL + k: v for k, v in checkpoint.pop("state_dict").items()}
@@ -63,10 +68,13 @@ def save(
         tensors.update(powersgd.state_dict(_first_names(model), strategy.sharding.group))
     meta = None
     if strategy.is_global_zero:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        storage.makedirs(storage.parent(path))
         meta = {**checkpoint}
         if optimizers:
             meta["optimizer_states"] = [hyperparameters(o) for o in optimizers]
+    checkpointer = strategy.async_checkpointer()
+    if checkpointer is not None:
+        return _save_async(strategy, checkpointer, path, token, tensors, meta, checkpoint.get("global_step", -1))
     strategy.barrier("sharded_checkpoint_prepare")
     tmp = checkpoint_io.temporary_path(path, token)
     rank, world = strategy.global_rank, strategy.world_size
@@ -82,7 +90,34 @@ def save(
     _settle(strategy, path, tmp, failure, rank)
 
 
-def _seal(tmp: Path, manifest: dict[str, list[int]], path: Path, token: str) -> None:
+def _save_async(
+    strategy: Any, checkpointer: AsyncCheckpointer, path: Location, token: str, tensors: dict, meta: Any, step: int
+) -> None:
+    """``async_save``: training goes on once this rank's pieces are staged on the host; the folder is renamed into
+    place when every rank's write is done. A second save of the same step (``last.ckpt``) links the first's files."""
+    if checkpointer.alias(path, token, meta, step, set(tensors)):
+        return
+    finish_async(strategy)  # one save in flight: the previous one, complete (or every rank raises its failure)
+    strategy.barrier("sharded_checkpoint_prepare")
+    checkpointer.save(path, token, tensors, meta, step)
+
+
+def finish_async(strategy: Any, alike: bool = True) -> None:
+    """Wait for the asynchronous save in flight, if any. ``alike`` (collective): every rank raises the same error
+    when one failed; otherwise (teardown) this rank raises what it saw."""
+    checkpointer = strategy.async_checkpointer(create=False)
+    if checkpointer is None or not checkpointer.in_flight:
+        return
+    path = checkpointer.path
+    failures = checkpointer.finish()
+    if alike:
+        failures = [f for fs in _all_gather(strategy, failures) for f in fs]
+    if failures:
+        assert path is not None
+        raise _save_error(path, failures)
+
+
+def _seal(tmp: Location, manifest: dict[str, list[int]], path: Location, token: str) -> None:
     checkpoint_io.write_manifest(tmp, manifest)
     checkpoint_io.publish(path, token)
 
@@ -94,27 +129,22 @@ def _attempt(step: Any) -> tuple[Any, BaseException | None]:
         return None, err
 
 
-def _settle(strategy: Any, path: Path, tmp: Path, err: BaseException | None, rank: int, result: Any = None) -> list:
+def _settle(
+    strategy: Any, path: Location, tmp: Location, err: BaseException | None, rank: int, result: Any = None
+) -> list:
     """Every rank's ``result`` once all ranks are past a step of a save; if one failed, every rank raises
     the same error after rank 0 has removed the temporary folder."""
-    results = _all_gather(strategy, (_failures(err, rank) if err is not None else None, result))
+    results = _all_gather(strategy, (failures_of(err, rank) if err is not None else None, result))
     failures = [item for f, _ in results if f is not None for item in f]
     if failures:
-        if strategy.is_global_zero and tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
+        if strategy.is_global_zero:
+            storage.remove(tmp)
         strategy.barrier("sharded_checkpoint_abandoned")
         raise _save_error(path, failures) from err
     return [r for _, r in results]
 
 
-def _failures(err: BaseException, rank: int) -> list[tuple[int, int | None, str]]:
-    """(rank, errno, text) of what went wrong: DCP hands every rank every rank's original exception."""
-    if isinstance(err, CheckpointException):
-        return [(r, getattr(e, "errno", None), f"{type(e).__name__}: {e}") for r, (e, _) in err.failures.items()]
-    return [(rank, getattr(err, "errno", None), f"{type(err).__name__}: {err}")]
-
-
-def _save_error(path: Path, failures: list[tuple[int, int | None, str]]) -> OSError | RuntimeError:
+def _save_error(path: Location, failures: list[tuple[int, int | None, str]]) -> OSError | RuntimeError:
     previous = _previous_checkpoint(path)
     intact = f"the previous checkpoint {previous} is intact" if previous else f"no checkpoint was in {path.parent}"
     full = [r for r, code, _ in failures if code == errno.ENOSPC]
@@ -128,10 +158,12 @@ def _save_error(path: Path, failures: list[tuple[int, int | None, str]]) -> OSEr
     return RuntimeError(f"saving checkpoint {path} failed on rank {rank} ({text}); {intact}")
 
 
-def _previous_checkpoint(path: Path) -> Path | None:
+def _previous_checkpoint(path: Location) -> Location | None:
     """The checkpoint a failed save leaves: the one at ``path``, else the newest saved beside it."""
-    if checkpoint_io.is_sharded_checkpoint(path) or path.is_file():
+    if checkpoint_io.is_sharded_checkpoint(path) or storage.isfile(path):
         return path
+    if storage.has_scheme(path):
+        return None  # not looked for beside it
     around = [p for p in path.parent.glob("*") if not p.name.startswith(".") and checkpoint_io.is_sharded_checkpoint(p)]
     return max(around, key=lambda p: p.stat().st_mtime, default=None)
 
@@ -148,10 +180,10 @@ def _all_gather(strategy: Any, obj: Any) -> list[Any]:
     return out
 
 
-def load(strategy: Any, path: str | Path, flat_zero: list[FlatZero | None]) -> dict[str, Any]:
+def load(strategy: Any, path: Location, flat_zero: list[FlatZero | None]) -> dict[str, Any]:
     """Fill the live model (and optimizers, when fitting) from a sharded folder; returns the rest of the
     checkpoint for Lightning's loops, schedulers and callbacks."""
-    path = Path(strategy.broadcast(str(path)))
+    path = storage.local(strategy.broadcast(str(path)))
     model: nn.Module = strategy.model
     skip = {MODEL + k for k in unsaved_keys(strategy.lightning_module)}  # the module's choice (a frozen base)
     targets: dict[str, Any] = {k: v for k, v in model_state(model).items() if k not in skip}
@@ -186,7 +218,7 @@ def load(strategy: Any, path: str | Path, flat_zero: list[FlatZero | None]) -> d
     return {**meta, "state_dict": {}, LOADED_IN_PLACE: True}
 
 
-def _inspect(strategy: Any, path: Path, targets: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _inspect(strategy: Any, path: Location, targets: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """meta.pt and the saved tensors, once every rank agrees that the files are whole (each rank checks a
     share of them against the manifest) and hold this model (names and shapes over all ranks' pieces)."""
     failure, meta, saved = None, {}, {}
@@ -217,7 +249,7 @@ def _inspect(strategy: Any, path: Path, targets: dict[str, Any]) -> tuple[dict[s
     return meta, saved
 
 
-def _check_param_groups(path: Path, index: int, saved: list[dict[str, Any]], optimizer: Optimizer) -> None:
+def _check_param_groups(path: Location, index: int, saved: list[dict[str, Any]], optimizer: Optimizer) -> None:
     if len(saved) != len(optimizer.param_groups):
         raise ValueError(
             f"{path}: optimizer {index} had {len(saved)} param groups, configure_optimizers now returns "

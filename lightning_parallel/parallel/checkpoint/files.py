@@ -16,10 +16,10 @@ and ``meta.pt``: everything else of the training state (loops, schedulers, callb
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import pickletools
-import shutil
 import zipfile
 import zlib
 from pathlib import Path
@@ -27,12 +27,13 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_parallel._compat import set_element
+from lightning_parallel._compat import FsspecReader, set_element
+from lightning_parallel.parallel.checkpoint import storage
 
 META_FILE = "meta.pt"
 DCP_METADATA = ".metadata"
@@ -81,13 +82,16 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-class SafeReader(FileSystemReader):
-    """torch's folder reader, with ``.metadata`` read through an allowlist instead of plain pickle."""
+class _SafeMetadata:
+    """``.metadata`` read through an allowlist instead of plain pickle (mixed into torch's readers)."""
+
+    location: storage.Location
+    load_id: Any
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / DCP_METADATA
+        path = storage.join(self.location, DCP_METADATA)
         try:
-            with open(path, "rb") as f:
+            with storage.open_file(path) as f:
                 metadata = _MetadataUnpickler(f, path).load()
         except UnsafeCheckpointError:
             raise
@@ -102,6 +106,27 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+class SafeReader(_SafeMetadata, FileSystemReader):
+    """torch's folder reader, with ``.metadata`` read through an allowlist instead of plain pickle."""
+
+    def __init__(self, path: storage.Location) -> None:
+        super().__init__(path)
+        self.location = path
+
+
+class SafeFsspecReader(_SafeMetadata, FsspecReader):
+    """torch's fsspec reader (a URL's folder), with ``.metadata`` read through the same allowlist."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.location = path
+
+
+def reader(path: storage.Location) -> FileSystemReader:
+    """The safe reader for a local folder or a URL's."""
+    return SafeFsspecReader(str(path)) if storage.has_scheme(path) else SafeReader(path)
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """torch's planner, with byte items loaded as weights only."""
 
@@ -113,58 +138,61 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def is_sharded_checkpoint(path: str | Path) -> bool:
-    path = Path(path)
-    return path.is_dir() and (path / DCP_METADATA).is_file() and (path / META_FILE).is_file()
+def is_sharded_checkpoint(path: storage.Location) -> bool:
+    isfile = storage.isfile
+    return storage.isdir(path) and isfile(storage.join(path, DCP_METADATA)) and isfile(storage.join(path, META_FILE))
 
 
-def temporary_path(path: Path, token: str) -> Path:
+def temporary_path(path: storage.Location, token: str) -> storage.Location:
     """Where a save into ``path`` writes first (the same folder, so the final rename is atomic)."""
-    return path.parent / f".{path.name}.partial-{token}"
+    return storage.join(storage.parent(path), f".{storage.name(path)}.partial-{token}")
+
+
+def write_meta(folder: storage.Location, meta: dict[str, Any]) -> None:
+    with storage.open_file(storage.join(folder, META_FILE), "wb") as f:
+        torch.save(meta, f)
 
 
 def save_sharded(
-    path: str | Path, tensors: dict[str, Any], meta: dict[str, Any] | None, token: str, is_rank_zero: bool
+    path: storage.Location, tensors: dict[str, Any], meta: dict[str, Any] | None, token: str, is_rank_zero: bool
 ) -> None:
     """Write ``tensors`` (collective: every rank passes its pieces) and rank 0's ``meta`` into ``path``.
 
     Every rank must pass the same ``token`` (it names the temporary folder). Call :func:`publish` on rank 0
     after a barrier to move the folder into place.
     """
-    tmp = temporary_path(Path(path), token)
-    dcp.save(tensors, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True))
+    tmp = temporary_path(path, token)
+    dcp.save(tensors, storage_writer=storage.storage_writer(tmp))
     if is_rank_zero:
         assert meta is not None
-        torch.save(meta, tmp / META_FILE)
+        write_meta(tmp, meta)
 
 
-def publish(path: str | Path, token: str) -> None:
+def publish(path: storage.Location, token: str) -> None:
     """Rank 0, after every rank's :func:`save_sharded`: replace ``path`` by the finished folder."""
-    path = Path(path)
     tmp = temporary_path(path, token)
-    old = path.parent / f".{path.name}.old-{token}"
-    if path.is_dir():
-        path.rename(old)
-    elif path.exists():
-        path.replace(old)
-    tmp.rename(path)
-    if old.is_dir():
-        shutil.rmtree(old)
-    elif old.exists():
-        old.unlink()
+    old = storage.join(storage.parent(path), f".{storage.name(path)}.old-{token}")
+    if storage.isdir(path) or storage.isfile(path):
+        storage.move(path, old)
+    storage.move(tmp, path)
+    storage.remove(old)
 
 
-def load_file(file: str | Path) -> Any:
+def load_file(file: storage.Location) -> Any:
     """A ``torch.save`` file (``meta.pt``, or a one-file checkpoint) loaded as weights only.
 
     Raises:
         UnsafeCheckpointError: the file asks to import something (loading would run code).
         CorruptCheckpointError: the file is missing, truncated or not a torch file at all.
     """
+    source: Any = file
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        if storage.has_scheme(file):  # a URL's file, read whole (meta.pt is small)
+            with storage.open_file(file) as f:
+                source = io.BytesIO(f.read())
+        return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        if not _refused_not_broken(Path(file), err):
+        if not _refused_not_broken(source, err):
             raise CorruptCheckpointError(f"{file} is not a readable checkpoint file: {_DAMAGED_FIX}") from None
         raise UnsafeCheckpointError(
             f"{file} holds objects that loading would have to run code for: refusing to load it. Save "
@@ -176,13 +204,15 @@ def load_file(file: str | Path) -> Any:
         raise CorruptCheckpointError(f"{file} is truncated or damaged ({reason}): {_DAMAGED_FIX}") from None
 
 
-def _refused_not_broken(file: Path, err: Exception) -> bool:
+def _refused_not_broken(file: Any, err: Exception) -> bool:
     """Whether torch refused a well-formed file (it asks to import something) rather than failed to parse it:
     torch says "Unsupported operand" for both a crafted pickle and random bytes."""
     if zipfile.is_zipfile(file):  # torch's own format: its unpickler names a refused GLOBAL
         return "GLOBAL" in str(err)
     try:
-        with open(file, "rb") as f:
+        if isinstance(file, io.BytesIO):
+            file.seek(0)
+        with file if isinstance(file, io.BytesIO) else open(file, "rb") as f:
             for _ in pickletools.genops(f):  # reads opcodes, runs nothing
                 pass
     except Exception:  # noqa: BLE001  (any parse failure: not a pickle)
@@ -190,22 +220,22 @@ def _refused_not_broken(file: Path, err: Exception) -> bool:
     return True
 
 
-def read_meta(path: str | Path) -> dict[str, Any]:
+def read_meta(path: storage.Location) -> dict[str, Any]:
     """``meta.pt`` of a sharded checkpoint, loaded as weights only."""
-    return load_file(Path(path) / META_FILE)
+    return load_file(storage.join(path, META_FILE))
 
 
-def saved_tensors(path: str | Path) -> dict[str, TensorStorageMetadata]:
+def saved_tensors(path: storage.Location) -> dict[str, TensorStorageMetadata]:
     """Every tensor a sharded checkpoint holds: name -> global shape and dtype."""
-    metadata = SafeReader(path).read_metadata()
+    metadata = reader(path).read_metadata()
     return {k: md for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
 
 
-def load_sharded(path: str | Path, targets: dict[str, Any]) -> None:
+def load_sharded(path: storage.Location, targets: dict[str, Any]) -> None:
     """Fill ``targets`` (each rank: its pieces, in place) from the checkpoint at ``path`` (collective)."""
-    SafeReader(path).read_metadata()  # a refused file fails here with its own message, on every rank alike
+    reader(path).read_metadata()  # a refused file fails here with its own message, on every rank alike
     try:
-        dcp.load(targets, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
+        dcp.load(targets, storage_reader=reader(path), planner=SafeLoadPlanner())
     except CheckpointException as err:  # every rank gets it (DCP gathers the failures); not an Exception
         rank, (first, _) = next(iter(err.failures.items()))
         raise CorruptCheckpointError(
@@ -214,57 +244,58 @@ def load_sharded(path: str | Path, targets: dict[str, Any]) -> None:
         ) from None
 
 
-def full_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+def full_tensors(path: storage.Location) -> dict[str, torch.Tensor]:
     """Every tensor of a sharded checkpoint, whole, in this process (no process group needed)."""
     targets = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in saved_tensors(path).items()}
     load_sharded(path, targets)
     return targets
 
 
-def digests(folder: str | Path, names: list[str]) -> dict[str, list[int]]:
+def digests(folder: storage.Location, names: list[str]) -> dict[str, list[int]]:
     """``name -> [bytes, crc32]`` of files in ``folder`` (zlib's crc32 reads about 1 GB/s here)."""
     out = {}
     for name in names:
         crc, size = 0, 0
-        with open(Path(folder) / name, "rb") as f:
+        with storage.open_file(storage.join(folder, name)) as f:
             while chunk := f.read(1 << 24):
                 crc, size = zlib.crc32(chunk, crc), size + len(chunk)
         out[name] = [size, crc]
     return out
 
 
-def data_files(folder: str | Path) -> list[str]:
+def data_files(folder: storage.Location) -> list[str]:
     """The files a manifest covers: every file a save wrote, sorted (each rank checks a share of them)."""
-    return sorted(p.name for p in Path(folder).iterdir() if p.is_file() and p.name != MANIFEST_FILE)
+    return sorted(name for name in storage.files_in(folder) if name != MANIFEST_FILE)
 
 
-def write_manifest(folder: str | Path, files: dict[str, list[int]]) -> None:
+def write_manifest(folder: storage.Location, files: dict[str, list[int]]) -> None:
     """Rank 0, once every file is written: the sizes and checksums :func:`check_files` compares."""
-    (Path(folder) / MANIFEST_FILE).write_text(json.dumps({"version": 1, "files": files}, sort_keys=True))
+    with storage.open_file(storage.join(folder, MANIFEST_FILE), "wb") as f:
+        f.write(json.dumps({"version": 1, "files": files}, sort_keys=True).encode())
 
 
-def read_manifest(folder: str | Path) -> dict[str, list[int]] | None:
+def read_manifest(folder: storage.Location) -> dict[str, list[int]] | None:
     """The manifest's ``name -> [bytes, crc32]``; None for a folder saved without one."""
-    path = Path(folder) / MANIFEST_FILE
-    if not path.is_file():
+    path = storage.join(folder, MANIFEST_FILE)
+    if not storage.isfile(path):
         return None
     try:
-        files = json.loads(path.read_text())["files"]
+        with storage.open_file(path) as f:
+            files = json.loads(f.read().decode())["files"]
         return {str(k): [int(v[0]), int(v[1])] for k, v in files.items()}
     except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as err:
         raise CorruptCheckpointError(f"{path} cannot be read ({type(err).__name__}): {_DAMAGED_FIX}") from None
 
 
-def check_files(folder: str | Path, rank: int = 0, world_size: int = 1) -> list[str]:
+def check_files(folder: storage.Location, rank: int = 0, world_size: int = 1) -> list[str]:
     """What is wrong with this rank's share of the files the manifest lists (all of them at world size 1):
     one line per missing, truncated or changed file; empty when they are as saved or there is no manifest."""
-    folder = Path(folder)
     manifest = read_manifest(folder)
     problems = []
     for name in sorted(manifest or {})[rank::world_size]:
         size, crc = manifest[name]
-        file = folder / name
-        if not file.is_file():
+        file = storage.join(folder, name)
+        if not storage.isfile(file):
             problems.append(f"{file} is missing")
             continue
         got_size, got_crc = digests(folder, [name])[name]
@@ -275,12 +306,12 @@ def check_files(folder: str | Path, rank: int = 0, world_size: int = 1) -> list[
     return problems
 
 
-def damaged_message(path: str | Path, problems: list[str]) -> str:
+def damaged_message(path: storage.Location, problems: list[str]) -> str:
     more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
     return f"checkpoint {path} is damaged: {'; '.join(problems[:3])}{more}: {_DAMAGED_FIX}"
 
 
-def verify(path: str | Path) -> None:
+def verify(path: storage.Location) -> None:
     """Check every file of a sharded checkpoint against its manifest, in this process.
 
     Raises:
@@ -291,7 +322,9 @@ def verify(path: str | Path) -> None:
         raise CorruptCheckpointError(damaged_message(path, problems))
 
 
-def model_mismatch(path: str | Path, expected: dict[str, tuple], saved: dict[str, tuple], strict: bool) -> str | None:
+def model_mismatch(
+    path: storage.Location, expected: dict[str, tuple], saved: dict[str, tuple], strict: bool
+) -> str | None:
     """Why a checkpoint's model tensors (``saved``: name -> shape) do not fit the model (``expected``), or
     None. Missing and unexpected names count only when ``strict`` (Lightning's ``strict_loading``)."""
 
