@@ -103,9 +103,10 @@ def launch(
     timeline: bool = False,
     warmup: int = 2,
     tag: str = "",
+    count: int = 0,
 ) -> list[dict[str, Any]]:
     args = ["--recipe", recipe, "--overrides", json.dumps(overrides), "--strategy", spec, "--steps", str(steps)]
-    args += ["--warmup", str(warmup)]
+    args += ["--warmup", str(warmup), "--count", str(count)]
     return run_distributed(
         str(WORKER), world, args + ["--timeline"] * timeline, out / (_tag(recipe, spec, world) + tag), timeout=600
     )
