@@ -183,7 +183,9 @@ class FlatZero:
                 p.grad = None  # the full gradient is freed once reduced
             return _flatten_dense_tensors([*grads, padding])
         flat = fg.flat_grad if fg.flat_grad is not None else torch.zeros_like(fg.flat_param)
-        for p, view in fg.views(flat):
+        # stage 1, plain: the views .grad keeps, so that the next step finds them in place (the check above)
+        views = fg.grad_views if fg.grad_views is not None else [v for _, v in fg.views(flat)]
+        for p, view in zip(fg.params, views):
             if p.grad is not None and local(p.grad).data_ptr() != view.data_ptr():
                 view.add_(local(placed_like(p, p.grad)))  # a gradient autograd allocated itself
             if fg.flat_grad is not None:
