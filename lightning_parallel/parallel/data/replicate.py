@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,15 +90,10 @@ class GradientBuckets:
             _all_reduce_bucket(grads, self.group, self.divisor, self.wire)
 
 
-def all_reduce_gradients(
-    params: Iterable[Tensor],
-    group: dist.ProcessGroup,
-    divide_by: int | None = None,
-    wire: torch.dtype | None = None,
-    bucket_mb: float = DEFAULT_BUCKET_MB,
-) -> None:
-    """Average every parameter's (local) gradient over ``group`` in place, once (:class:`GradientBuckets`)."""
-    GradientBuckets(params, group, divide_by, wire, bucket_mb).reduce()
+def all_reduce_gradients(params: Iterable[Tensor], group: dist.ProcessGroup, **settings: Any) -> None:
+    """Average every parameter's (local) gradient over ``group`` in place, once; ``settings``: ``divide_by``,
+    ``wire``, ``bucket_mb`` (:class:`GradientBuckets`)."""
+    GradientBuckets(params, group, **settings).reduce()
 
 
 def _all_reduce_bucket(grads: list[Tensor], group: dist.ProcessGroup, divisor: int, wire: torch.dtype | None) -> None:
