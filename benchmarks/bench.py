@@ -2,9 +2,10 @@
 strategies against Lightning's own, in one run, on the GPT and VGG recipes; writes BENCHMARKS.md and
 benchmarks/results.json.
 
-    python benchmarks/bench.py                 # the whole suite (about 9 minutes on 2 CPU cores)
+    python benchmarks/bench.py                 # the whole suite (9 minutes on 2 CPU cores at 3 repeats; 5 now)
     python benchmarks/bench.py --repeats 1     # one pass: quicker, noisier
     python benchmarks/bench.py --only moe      # one section, merged into the last results.json (and report)
+    python benchmarks/bench.py --only overhead --pairs 5  # host cost: step and setup time against ddp and FSDP2
     python benchmarks/bench.py --only speed    # overlap, gradient compression, compile (about 4 minutes)
     python benchmarks/bench.py --only hsdp     # HSDP's bytes across nodes against plain ZeRO-3's (bytes, no timing)
     python benchmarks/bench.py --only context  # cp=2 ring and Ulysses on the 1024-token GPT: bytes vs theory, time
@@ -40,6 +41,7 @@ from harness import run_distributed  # noqa: E402
 from hsdp import run_hsdp  # noqa: E402
 from lora import run_lora  # noqa: E402
 from moe import run_moe  # noqa: E402
+from overhead import run_overhead  # noqa: E402
 from pipeline_split import run_pipeline_split  # noqa: E402
 from report import write_report  # noqa: E402
 from spatial import run_spatial  # noqa: E402
@@ -103,9 +105,10 @@ def launch(
     timeline: bool = False,
     warmup: int = 2,
     tag: str = "",
+    count: int = 0,
 ) -> list[dict[str, Any]]:
     args = ["--recipe", recipe, "--overrides", json.dumps(overrides), "--strategy", spec, "--steps", str(steps)]
-    args += ["--warmup", str(warmup)]
+    args += ["--warmup", str(warmup), "--count", str(count)]
     return run_distributed(
         str(WORKER), world, args + ["--timeline"] * timeline, out / (_tag(recipe, spec, world) + tag), timeout=600
     )
@@ -238,6 +241,10 @@ def run_sections(args: argparse.Namespace) -> dict[str, Any]:
         "memory": ("memory and communication", lambda: run_memory_and_comm(args.out)),
         "bubble": ("pipeline bubble", lambda: run_bubble(args.out, args.steps, args.repeats)),
         "pipeline_split": ("profile-guided pipeline split", run_pipeline_split),
+        "overhead": (
+            "host overhead (negligible compute)",
+            lambda: run_overhead(args.out, max(5, args.pairs), args.steps, launch, step_time),
+        ),
         "moe": ("mixture-of-experts", lambda: run_moe(args.out, args.repeats, args.steps, launch, step_time)),
         "speed": ("speed settings", lambda: run_speed(args.out, args.repeats, args.steps, GPT, launch, step_time)),
         "hsdp": ("HSDP bytes across nodes", lambda: run_hsdp(args.out, GPT, launch)),
@@ -259,8 +266,9 @@ def run_sections(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3, help="launches per configuration")
+    parser.add_argument("--repeats", type=int, default=5, help="launches per configuration (interleaved pairs: 5+)")
     parser.add_argument("--steps", type=int, default=10, help="steps per launch: 2 warm-up, then timed, 2 measured")
+    parser.add_argument("--pairs", type=int, default=5, help="interleaved pairs of the overhead section (at least 5)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench")
     parser.add_argument("--report", type=Path, default=ROOT / "BENCHMARKS.md")
     parser.add_argument(
@@ -268,6 +276,7 @@ def main() -> None:
         nargs="+",
         choices=[
             "throughput",
+            "overhead",
             "memory",
             "bubble",
             "pipeline_split",

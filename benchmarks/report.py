@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from async_ps import async_lines
@@ -11,6 +12,7 @@ from context import context_lines
 from hsdp import hsdp_lines
 from lora import lora_lines
 from moe import moe_lines
+from overhead import overhead_lines
 from spatial import spatial_lines
 from speed import speed_lines
 
@@ -25,20 +27,31 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
+def pair_ratios(ours: list[float], theirs: list[float]) -> str:
+    """Each interleaved pair's ratio (their step time / ours): ``median (min-max), n pairs``; a single ratio from one
+    pair of launches says little on a loaded host."""
+    ratios = sorted(t / o for o, t in zip(ours, theirs))
+    if not ratios:
+        return "-"
+    return f"{median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}), {len(ratios)} pairs"
+
+
 def throughput_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| comparison | recipe | world | ours | Lightning's | ours ms/step | Lightning ms/step | speed ratio | "
-        "launches, ours / Lightning's (ms) |",
-        "|---|---|---:|---|---|---:|---:|---:|---|",
+        "per pair: median (min-max) | launches, ours / Lightning's (ms) |",
+        "|---|---|---:|---|---|---:|---:|---:|---|---|",
     ]
     for r in rows:
         samples = r.get("samples") or {}
         spread = " / ".join(
             ", ".join(f"{x * 1e3:.0f}" for x in samples.get(r[side], [])) or "-" for side in ("ours", "lightning")
         )
+        pairs = pair_ratios(samples.get(r["ours"], []), samples.get(r["lightning"], []))
         lines.append(
             f"| {r['comparison']} | {r['recipe']} | {r['world']} | `{r['ours']}` | `{r['lightning']}` | "
-            f"{r['ours_step_s'] * 1e3:.0f} | {r['lightning_step_s'] * 1e3:.0f} | **{r['ratio']:.2f}x** | {spread} |"
+            f"{r['ours_step_s'] * 1e3:.0f} | {r['lightning_step_s'] * 1e3:.0f} | **{r['ratio']:.2f}x** | {pairs} | "
+            f"{spread} |"
         )
     return lines
 
@@ -269,6 +282,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         *split_lines(results["pipeline_split"]),
         "",
     ]
+    if "overhead" in results:
+        lines += [*overhead_lines(results["overhead"]), ""]
     if "moe" in results:
         lines += moe_lines(results["moe"])
     if "speed" in results:

@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines import ModelParallelGPT, ModelParallelVGG  # noqa: E402
+from host_counts import HostCounts  # noqa: E402
 
 from lightning_parallel import Hybrid3DStrategy, ZeroStrategy  # noqa: E402
 from lightning_parallel.callbacks.activation import ActivationMemoryMonitor  # noqa: E402
@@ -148,6 +149,8 @@ class ModelStates(pl.Callback):
         self.bytes: dict[str, int] | None = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step < trainer.max_steps:
+            return  # the last step's only: counting every step's bytes would be host work inside the timed steps
         opts = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
         self.bytes = model_state_bytes(trainer.strategy.model, opts)
 
@@ -196,6 +199,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the median (compilation)")
     parser.add_argument("--timeline", action="store_true", help="record the last step's pipeline timeline")
+    parser.add_argument("--count", type=int, default=0, help="count host work over 2 windows of this many steps")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -215,6 +219,7 @@ def main() -> None:
     activations = ActivationMemoryMonitor(batch=1)  # a warm-up batch: not timed, before the measured steps
     # the last two steps run under the communication and FLOP counters, then the timeline recorder: not timed
     timeline = args.out / "timeline" if args.timeline else None
+    counts_cb = [HostCounts(args.warmup, args.count)] if args.count else []
     monitor = TrainingMonitor(measure_step=args.steps - 2, timeline_dir=timeline)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -228,9 +233,11 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[monitor, timer, states, activations, phases],  # the monitor first: dispatch modes must nest
+        # the monitor first: dispatch modes must nest
+        callbacks=[monitor, timer, states, activations, phases, *counts_cb],
         use_distributed_sampler=False,
     )
+    fit_start = time.perf_counter()
     if os.environ.get("BENCH_PROFILE"):  # where the time goes: rank 0's operator table
         with torch.profiler.profile() as prof:
             trainer.fit(model, datamodule=data)
@@ -239,6 +246,7 @@ def main() -> None:
             (args.out / "profile.txt").write_text(table)
     else:
         trainer.fit(model, datamodule=data)
+    fit_s = time.perf_counter() - fit_start
     result = {
         "rank": rank,
         "world": world,
@@ -247,6 +255,8 @@ def main() -> None:
         "warmup": args.warmup,
         # after the warm-up steps (2; more where compiling), before the 2 measured
         "median_step_s": median(timer.times[args.warmup : -2] or timer.times),
+        "fit_s": fit_s,  # trainer.fit's wall time: setup, every step, teardown
+        "host_counts": counts_cb[0].result if counts_cb else {},
         "phases_s": phases.medians(args.warmup),  # the same steps' medians by phase (StepPhases)
         "model_state_bytes": states.bytes,
         "activation_bytes": activations.bytes,  # kept for backward in one training batch on this rank

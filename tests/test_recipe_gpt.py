@@ -26,6 +26,8 @@ def test_single_process_run_writes_its_metrics(single):
     assert single["steps"] == 6 and single["layout"]["world_size"] == 1
     assert single["final_train_loss"] < 5.6  # below a uniform guess over 256 bytes (ln 256 = 5.55)
     assert single["final_val_loss"] is not None and single["throughput"] > 0
+    # the steady rate (setup, sanity checks and validation left out) against the whole fit's (issue 32)
+    assert single["throughput"] == single["tokens_per_second"] > single["throughput_whole_fit"] > 0
     assert len(single["peak_memory_bytes"]) == 1 and "sample" in single
     assert single["activation_memory_bytes"][0] > 0 and single["activation_checkpointing"] == "none"
     assert (single["trainable_params"], single["frozen_params"]) == (gpt_params(), 0)  # no adapters: all train

@@ -72,6 +72,7 @@ class TrainingMonitor(pl.Callback):
         self._modes: list[Any] = []
         self._last_end: float | None = None
         self._window = [0.0, 0, 0]  # seconds, samples, tokens of the uninstrumented steps since the last log
+        self._total = [0.0, 0, 0]  # the same over the whole fit: the steady-state rate (steady_rates)
         self._step_samples = self._step_tokens = 0
         self._samples_per_step = 0  # over all dp ranks
         self._instrumented = False
@@ -116,15 +117,29 @@ class TrainingMonitor(pl.Callback):
         if self._modes:
             self._finish_measurement(trainer, pl_module)
         elif self._last_end is not None and not self._instrumented:
-            self._window[0] += now - self._last_end
-            self._window[1] += self._step_samples
-            self._window[2] += self._step_tokens
+            for totals in (self._window, self._total):
+                totals[0] += now - self._last_end
+                totals[1] += self._step_samples
+                totals[2] += self._step_tokens
         self._instrumented = False
         self._samples_per_step = self._step_samples or self._samples_per_step
         self._step_samples = self._step_tokens = 0
         self._last_end = time.perf_counter()  # after the measurement's own collectives
         if trainer.global_step % self.log_every_n_steps == 0 or trainer.global_step == trainer.max_steps:
             self._log(trainer, pl_module)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._last_end is not None:  # validation inside fit: the next step's time starts after it
+            self._last_end = time.perf_counter()
+
+    def steady_rates(self) -> dict[str, float]:
+        """``samples_per_second`` and ``tokens_per_second`` (None without tokens) over every step of the fit but the
+        first, the instrumented ones and validation (the steady state; {} when no step qualified)."""
+        seconds, samples, tokens = self._total
+        if seconds <= 0:
+            return {}
+        return {"samples_per_second": samples / seconds, "tokens_per_second": tokens / seconds if tokens else None}
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

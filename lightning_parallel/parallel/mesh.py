@@ -39,6 +39,7 @@ May import: torch and ``lightning_parallel._compat``.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, Literal
@@ -238,6 +239,8 @@ class ParallelMesh:
         self.device_mesh = device_mesh
         self.timeout = timeout
         self._flat: dict[str, DeviceMesh] = {}
+        self._by_name: dict[str, DeviceMesh] = {}  # the 1-D mesh of each role or axis asked for, looked up once
+        self._answers: dict[tuple[str, str], Any] = {}
         for axis in MESH_AXES:
             self._set_timeout(device_mesh.get_group(axis))
 
@@ -247,6 +250,12 @@ class ParallelMesh:
 
     def __getitem__(self, name: str) -> DeviceMesh:
         """The 1-D mesh of a role (``"batch"``, ``"shard"``, ...) or of an axis (``"pp"``, ``"dp"``, ``"tp"``)."""
+        found = self._by_name.get(name)
+        if found is None:  # torch's mesh slicing costs a thousand Python calls: not on every step's path
+            found = self._by_name[name] = self._lookup(name)
+        return found
+
+    def _lookup(self, name: str) -> DeviceMesh:
         axes = self.role_axes(name)
         if len(axes) == 1:
             return self.device_mesh[axes[0]]
@@ -265,14 +274,21 @@ class ParallelMesh:
         return sized or axes[:1]
 
     def group(self, name: str) -> dist.ProcessGroup:
-        return self[name].get_group()
+        return self._cached("group", name, lambda mesh: mesh.get_group())
 
     def rank(self, name: str) -> int:
         """This rank's index along a role or axis."""
-        return self[name].get_local_rank()
+        return self._cached("rank", name, lambda mesh: mesh.get_local_rank())
 
     def size(self, name: str) -> int:
-        return self[name].size()
+        return self._cached("size", name, lambda mesh: mesh.size())
+
+    def _cached(self, what: str, name: str, read: Callable[[DeviceMesh], Any]) -> Any:
+        """A role's group, rank or size, read from its mesh once (steps ask for them every time)."""
+        key = (what, name)
+        if key not in self._answers:
+            self._answers[key] = read(self[name])
+        return self._answers[key]
 
     def hsdp_mesh(self) -> DeviceMesh:
         """HSDP's 2-D mesh (``replicate``, ``shard``): FSDP2 reduce-scatters over the second dimension and

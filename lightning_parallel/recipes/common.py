@@ -291,26 +291,32 @@ def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_ste
     steps = trainer.global_step
     _ASYNC_PS_RUN["active"] = isinstance(trainer.strategy, AsyncPSStrategy)
     dims = getattr(trainer.strategy, "parallel_dims", None)
+    data_parallel = trainer.world_size if dims is None else dims.dp
+    if _ASYNC_PS_RUN["active"]:  # the servers hold no batch: the workers are the data-parallel ranks
+        data_parallel = trainer.strategy.num_workers
     layout = {
-        "dp": dims.dp if dims else trainer.world_size,
+        "dp": data_parallel,
         "pp": dims.pp if dims else 1,
         "tp": dims.tp if dims else 1,
         "ep": dims.ep if dims else 1,
         "cp": dims.context if dims else 1,  # context parallelism: each sequence split over cp ranks
         "cp_mode": trainer.strategy.config.cp_mode if dims and dims.context > 1 else None,  # ring or ulysses
         "spatial": dims.spatial if dims else 1,  # spatial parallelism: each image split into strips (the cp axis)
-        "dp_shard": dims.dp_shard if dims else trainer.world_size,  # HSDP: dp / dp_shard replicas of the states
+        "dp_shard": dims.dp_shard if dims else data_parallel,  # HSDP: dp / dp_shard replicas of the states
         "num_nodes": trainer.num_nodes,
         "zero_stage": config.zero_stage if (config := getattr(trainer.strategy, "config", None)) else 0,
         "precision": cfg.precision.value,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,  # as the workers saw it
     }
+    if _ASYNC_PS_RUN["active"]:
+        layout |= {"workers": data_parallel, "servers": trainer.strategy.num_servers}
     return {
-        "final_train_loss": float(logged["train_loss"]) if "train_loss" in logged else None,
+        "final_train_loss": _final_train_loss(trainer),
         "final_val_loss": float(logged["val_loss"]) if "val_loss" in logged else None,
-        "throughput": steps * items_per_step / wall,
-        "throughput_unit": unit,
         **_monitor_metrics(trainer, cfg, wall, items_per_step, unit),
+        "throughput_unit": unit,
+        # setup, sanity checks, validation and every step: what a short run mostly spends setting up
+        "throughput_whole_fit": steps * items_per_step / wall,
         "peak_memory_bytes": all_ranks(peak_memory_bytes(trainer.strategy.root_device)),
         # bytes of activations held for backward in one training batch (see ActivationMemoryMonitor), per rank
         "activation_memory_bytes": all_ranks(_activation_bytes(trainer)),
@@ -326,6 +332,17 @@ def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_ste
 
 
 _ASYNC_PS_RUN: dict[str, bool] = {}
+
+
+def _final_train_loss(trainer: pl.Trainer) -> float | None:
+    """The last logged ``train_loss`` (``sync_dist``: the global one); under async_ps, whose workers log their own
+    share's, server 0's mean of the workers' last pushes (at staleness 0 the global batch's loss)."""
+    strategy = trainer.strategy
+    counters = strategy.counters if isinstance(strategy, AsyncPSStrategy) else None
+    if counters and counters[0].get("train_loss") is not None:
+        return float(counters[0]["train_loss"])
+    logged = trainer.callback_metrics
+    return float(logged["train_loss"]) if "train_loss" in logged else None
 
 
 def _async_ps_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float) -> dict[str, Any]:
@@ -352,16 +369,20 @@ def _async_ps_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float) -> dict
 
 
 def _monitor_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_step: int, unit: str) -> dict:
-    """TrainingMonitor's measurements (collective): rates over the uninstrumented steps after the first (the
-    whole fit's when there were too few steps), MFU (None off the GPUs it knows), and per rank: model-state
-    bytes and the bytes each op kind moved in the measured step (conventions: parallel/comm_volume.py)."""
+    """TrainingMonitor's measurements (collective): the steady rates over the uninstrumented steps after the first,
+    validation left out (the whole fit's when there were too few steps), MFU (None off the GPUs it knows), and per
+    rank: model-state bytes and the bytes each op kind moved in the measured step (conventions:
+    parallel/comm_volume.py)."""
     monitor = next((c for c in trainer.callbacks if isinstance(c, TrainingMonitor)), None)
     summary = monitor.summary if monitor is not None else {}
+    steady = monitor.steady_rates() if monitor is not None else {}
     batch = cfg.data.global_batch_size
-    samples_per_second = summary.get("samples_per_second") or trainer.global_step * batch / wall
+    samples_per_second = steady.get("samples_per_second") or trainer.global_step * batch / wall
     out: dict[str, Any] = {"samples_per_second": samples_per_second}
-    if unit == "tokens/s":  # items_per_step are the tokens of a step
-        out["tokens_per_second"] = summary.get("tokens_per_second") or samples_per_second * items_per_step / batch
+    # the steady-state rate, in the recipe's unit (items_per_step: the tokens or the samples of a step)
+    out["throughput"] = samples_per_second * items_per_step / batch
+    if unit == "tokens/s":
+        out["tokens_per_second"] = steady.get("tokens_per_second") or out["throughput"]
     out["mfu"] = summary.get("mfu")
     out["flops_per_step"] = summary.get("flops_per_step")
     out["model_state_bytes"] = all_ranks(summary.get("model_state_bytes"))

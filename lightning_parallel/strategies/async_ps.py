@@ -286,7 +286,10 @@ class AsyncPSStrategy(WorkerCollectives, ParallelStrategy):
         flat = self._layout.flat_grads()
         # an asynchronous update is one push: its clipping norm is this whole gradient's (servers hold slices)
         norm = grad_norm(flat) if self.staleness and trainer.gradient_clip_val else None
-        self._client.push(step, flat, [float(g["lr"]) for g in optimizer.param_groups], norm)
+        # the step's loss on this worker's share (Lightning's closure divides it by the accumulation): the servers
+        # average the workers' into the global training loss, with no collective of their own
+        local = float(loss) * trainer.accumulate_grad_batches if loss is not None else None
+        self._client.push(step, flat, [float(g["lr"]) for g in optimizer.param_groups], norm, local)
         return loss
 
     @override

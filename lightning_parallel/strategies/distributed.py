@@ -33,6 +33,25 @@ from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.parallel.shutdown import release_at_exit
 from lightning_parallel.strategies.launcher import CheckFirstLauncher
 
+_SUM, _MAX, _MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
+_OPS = {"sum": _SUM, "mean": _SUM, "avg": _SUM, "max": _MAX, "min": _MIN}  # a mean is a sum divided (gloo has no AVG)
+
+
+def reduce_in_place(tensor: Tensor, group: dist.ProcessGroup, size: int, reduce_op: Any) -> Tensor:
+    """Lightning's ``_sync_ddp`` (``tensor`` reduced in place over ``group``) without what a step can do without: no
+    barrier before the all-reduce (the all-reduce waits for every rank itself) and no collective over a group of one
+    (a loss over a dp of 1 under tp or pp). ``reduce_op``: ``"mean"`` / ``"avg"``, ``"sum"``, ``"max"``, ``"min"`` or
+    a ``ReduceOp``; anything else goes to Lightning's."""
+    name = reduce_op.lower() if isinstance(reduce_op, str) else None
+    if name not in _OPS and not isinstance(reduce_op, dist.ReduceOp.RedOpType):
+        return _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+    if size == 1:
+        return tensor
+    dist.all_reduce(tensor, op=_OPS[name] if name is not None else reduce_op, group=group)
+    if name not in ("mean", "avg"):
+        return tensor
+    return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
+
 
 def set_world_ranks(strategy: Any) -> None:
     """Lightning's rank bookkeeping of a one-process-per-device strategy (as its DDPStrategy does): the cluster
@@ -151,7 +170,7 @@ class DistributedMixin:
         if not isinstance(tensor, Tensor):
             return tensor
         if group is None and self._mesh is not None:
-            group = self.mesh.group("loss")
+            return reduce_in_place(tensor, self.mesh.group("loss"), self.mesh.size("loss"), reduce_op)
         return _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override

@@ -52,10 +52,11 @@ class ServerClient:
         self.pulled, self.pulls = updates[0], self.pulls + 1
         return self.pulled
 
-    def push(self, step: int, grad: Tensor, lrs: list[float], norm: float | None) -> None:
-        """Send step ``step``'s gradient (flat, fp32), each server its slice; does not wait for an answer."""
+    def push(self, step: int, grad: Tensor, lrs: list[float], norm: float | None, loss: float | None = None) -> None:
+        """Send step ``step``'s gradient (flat, fp32), each server its slice, and the step's training loss on this
+        worker's share (server 0 averages them: the global loss); does not wait for an answer."""
         for sock, (start, end) in zip(self.socks, self.ranges):
-            meta = {"step": step, "lrs": lrs, "norm": norm, "pulled": self.pulled}
+            meta = {"step": step, "lrs": lrs, "norm": norm, "pulled": self.pulled, "loss": loss}
             p.send(sock, p.PUSH, meta, grad[start:end])
 
     def collective(self, op: str, value: Any = None, src: int = 0) -> Any:

@@ -43,6 +43,7 @@ class _Worker:
     gone: bool = False
     dead: bool = False
     pushes: int = 0
+    loss: float | None = None  # the training loss of its last push (on its share of the batch)
 
 
 @dataclass
@@ -98,6 +99,8 @@ class ParameterServer:
         self.updates = 0  # optimizer steps applied (restored from a checkpoint)
         self.next_step: int | None = None  # synchronous: the step whose update comes next
         self.pending: dict[int, list[tuple[Tensor, list[float]]]] = {}
+        self.pending_losses: dict[int, list[float | None]] = {}  # synchronous: each pending push's training loss
+        self.train_loss: float | None = None  # the global training loss of the last update (see _push, _try_apply)
         self.collectives: dict[int, _Collective] = {}
         self.stats: dict[str, Any] = {"max_staleness": 0, "sum_staleness": 0, "max_clock_gap": 0, "dropped": 0}
         self.first_push: float | None = None
@@ -209,14 +212,17 @@ class ParameterServer:
         with self.cond:
             w = self.workers[worker]
             w.clock, w.pushes = step + 1, w.pushes + 1
+            w.loss = meta.get("loss")
             self.first_push = self.first_push or time.monotonic()
             if self.staleness == 0:
                 if self.next_step is not None and step < self.next_step:
                     self.stats["dropped"] += 1  # a step already applied without it
                 else:
                     self.pending.setdefault(step, []).append((grad, lrs))
+                    self.pending_losses.setdefault(step, []).append(w.loss)
                 self._try_apply()
             else:
+                self.train_loss = _mean([x.loss for x in self.workers.values()])  # each worker's latest
                 staleness = self.updates - int(meta["pulled"])
                 self.stats["max_staleness"] = max(self.stats["max_staleness"], staleness)
                 self.stats["sum_staleness"] += staleness
@@ -232,11 +238,13 @@ class ParameterServer:
             if any(w.clock <= self.next_step for w in active):
                 return
             parts = self.pending.pop(self.next_step, [])
+            losses = self.pending_losses.pop(self.next_step, [])
             if not parts and not active:
                 return  # nobody will push this step
             if parts:
                 grad = torch.stack([g for g, _ in parts]).mean(0) if len(parts) > 1 else parts[0][0]
                 self._apply(grad, parts[0][1], None)
+                self.train_loss = _mean(losses)  # the step's workers' shares are equal: the global batch's loss
             self.next_step += 1
 
     def _apply(self, grad: Tensor, lrs: list[float], norm: float | None) -> None:
@@ -328,6 +336,7 @@ class ParameterServer:
             "update_seconds": span,  # from the first push to the last update
             "updates_per_second": self.updates / span if span > 0 else None,
             "pushes": {str(r): w.pushes for r, w in self.workers.items()},
+            "train_loss": self.train_loss,  # the last update's (server 0: the workers' mean; see _push)
             "dead_workers": sorted(r for r, w in self.workers.items() if w.dead),
             "mean_staleness": self.stats["sum_staleness"] / applied_pushes if self.staleness and applied_pushes else 0,
             **{k: v for k, v in self.stats.items() if k != "sum_staleness"},
@@ -339,6 +348,11 @@ class ParameterServer:
             while self._active():
                 self.cond.wait(0.5)
             return self.counters()
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 def _combine(parts: dict[int, tuple[str, int, bytearray]]) -> bytes:

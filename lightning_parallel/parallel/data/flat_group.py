@@ -34,6 +34,8 @@ class FlatGroup:
     divisor: int = 1  # what the summed gradients are divided by (every data-parallel rank)
     expert: bool = False
     host: HostSlice | None = None  # offload: this rank's slice and its gradient on the host
+    plain: bool = False  # no DTensor among the parameters: their gradients are whole local tensors
+    grad_views: list[Tensor] | None = None  # stage 1, plain: each parameter's .grad, a view of flat_grad
 
     def local_range(self, rank: int | None = None) -> tuple[int, int]:
         rank = self.rank if rank is None else rank

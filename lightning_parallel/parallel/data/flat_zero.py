@@ -23,6 +23,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -112,12 +113,16 @@ class FlatZero:
                 set_local_tensor(p, view)  # an alias: assigning .data would copy
             else:
                 p.data = view
+        fg.plain = not any(isinstance(p, DTensor) for p in params)
         if flat_grad is not None:
             # autograd accumulates into these views in place, so stage 1 needs no copy after backward;
             # not for DTensors: a sequence-parallel gradient arrives Partial and would be added unreduced
+            views = []
             for p, view in fg.views(flat_grad):
                 if not isinstance(p, DTensor):
                     p.grad = view
+                views.append(view)
+            fg.grad_views = views if fg.plain else None
         return fg
 
     @property
@@ -169,8 +174,18 @@ class FlatZero:
 
     def _collect(self, fg: FlatGroup) -> Tensor:
         """The flat group's local gradients in one flat buffer (stage 1: ``flat_grad``, which autograd filled)."""
+        if fg.grad_views is not None and all(p.grad is v for p, v in zip(fg.params, fg.grad_views)):
+            return fg.flat_grad  # every gradient accumulated into its view: nothing to copy
+        grads = [p.grad for p in fg.params] if fg.plain and fg.flat_grad is None else None
+        if grads is not None and all(g is not None for g in grads):  # stage 2: one copy of them all, padded
+            padding = fg.flat_param.new_zeros(fg.flat_param.numel() - fg.offsets[-1] - grads[-1].numel())
+            for p in fg.params:
+                p.grad = None  # the full gradient is freed once reduced
+            return _flatten_dense_tensors([*grads, padding])
         flat = fg.flat_grad if fg.flat_grad is not None else torch.zeros_like(fg.flat_param)
-        for p, view in fg.views(flat):
+        # stage 1, plain: the views .grad keeps, so that the next step finds them in place (the check above)
+        views = fg.grad_views if fg.grad_views is not None else [v for _, v in fg.views(flat)]
+        for p, view in zip(fg.params, views):
             if p.grad is not None and local(p.grad).data_ptr() != view.data_ptr():
                 view.add_(local(placed_like(p, p.grad)))  # a gradient autograd allocated itself
             if fg.flat_grad is not None:
@@ -236,7 +251,7 @@ class FlatZero:
                 overlapped.settle()  # no forward hooks yet: nothing else would wait
             if fg.flat_grad is not None:
                 fg.flat_grad.zero_()
-                for p in fg.params:
+                for p in [] if fg.plain else fg.params:
                     if isinstance(p, DTensor):
                         p.grad = None  # autograd allocates the next one (see _shard_group)
         self._reduced = False

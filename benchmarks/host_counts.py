@@ -1,0 +1,100 @@
+"""Host work of a training step, counted rather than timed (a loaded machine's clock says little): over a window
+of steady steps, the Python calls (cProfile's ``ncalls``), the torch operators the profiler records, and the
+collectives (``CommCounter``), each per step. Used by benchmarks/worker.py's ``--count`` and benchmarks/overhead.py.
+
+Each count runs over its own window of ``steps`` whole loop iterations (one batch start to the next), so the
+dispatch mode that counts collectives adds no Python calls to the cProfile window: calls first, then operators and
+collectives.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+from collections import Counter
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_parallel.parallel.measure.comm_volume import CommCounter
+
+# where a Python function lives, by the first of these its file path contains
+PACKAGES = ("lightning_parallel", "lightning", "torch")
+
+
+def _package(filename: str) -> str:
+    for name in PACKAGES:
+        if f"/{name}/" in filename:
+            return name
+    return "builtin" if filename == "~" else "other"
+
+
+class HostCounts(pl.Callback):
+    """Per-step counts over two windows of ``steps`` iterations each, the first starting at batch ``start``.
+
+    Args:
+        start: the first counted batch (after warm-up).
+        steps: iterations per window.
+    """
+
+    def __init__(self, start: int, steps: int) -> None:
+        self.start, self.steps = start, steps
+        self.result: dict[str, Any] = {}
+        self._python: cProfile.Profile | None = None
+        self._profiler: Any = None
+        self._comm: CommCounter | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.start:
+            self._python = cProfile.Profile()
+            self._python.enable()
+        elif batch_idx == self.start + self.steps:
+            self._stop_python()
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self._profiler.__enter__()
+            self._comm = CommCounter()
+            self._comm.__enter__()
+        elif batch_idx == self.start + 2 * self.steps:
+            self._stop_ops()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._stop_python()  # a run shorter than the windows: counted over what ran (result["steps"] says so)
+        self._stop_ops()
+
+    def _stop_python(self) -> None:
+        if self._python is None:
+            return
+        self._python.disable()
+        stats = pstats.Stats(self._python).stats  # (file, line, name) -> (primitive, ncalls, tottime, cumtime, ...)
+        self._python = None
+        by_package: Counter[str] = Counter()
+        ours: Counter[str] = Counter()
+        every: Counter[str] = Counter()
+        for (filename, line, name), (_, ncalls, *_rest) in stats.items():
+            package = _package(filename)
+            by_package[package] += ncalls
+            every[f"{'/'.join(filename.split('/')[-2:])}:{line}({name})"] += ncalls
+            if package == "lightning_parallel":
+                ours[f"{filename.split('lightning_parallel/')[-1]}:{line}({name})"] += ncalls
+        n = self.steps
+        self.result["python_calls"] = sum(by_package.values()) / n
+        self.result["python_calls_by_package"] = {k: v / n for k, v in by_package.most_common()}
+        self.result["top_ours"] = [(k, v / n) for k, v in ours.most_common(15)]
+        self.result["top_all"] = [(k, v / n) for k, v in every.most_common(40)]
+
+    def _stop_ops(self) -> None:
+        if self._comm is None:
+            return
+        self._comm.__exit__(None, None, None)
+        self._profiler.__exit__(None, None, None)
+        n = self.steps
+        events = Counter(e.name for e in self._profiler.events())
+        self.result["torch_ops"] = sum(v for k, v in events.items() if k.startswith("aten::")) / n
+        self.result["profiler_events"] = sum(events.values()) / n
+        self.result["collectives"] = {k: row["calls"] / n for k, row in self._comm.by_kind().items()}
+        self.result["collective_calls"] = len(self._comm.events) / n
+        sizes = Counter(f"{e.kind}@{e.group_size}" for e in self._comm.events)
+        self.result["collectives_by_group_size"] = {k: v / n for k, v in sorted(sizes.items())}
+        self.result["steps"] = n
+        self._comm = self._profiler = None
