@@ -15,34 +15,24 @@ from litgpt.utils import chunked_cross_entropy, save_config  # noqa: E402
 
 SIZES = dict(block_size=64, vocab_size=128, padded_vocab_size=128, n_layer=2, n_embd=32, n_head=4)
 
+LLAMA_LIKE = dict(
+    n_query_groups=2,
+    rotary_percentage=1.0,
+    parallel_residual=False,
+    bias=False,
+    norm_class_name="RMSNorm",
+    mlp_class_name="LLaMAMLP",
+    intermediate_size=64,
+    **SIZES,
+)
+
 # tp 2 divides heads (4), key/value groups (4 or 2) and the vocabulary (128); 2 blocks: pp up to 2
 CONFIGS = {
     # pythia's layout (parallel residual, LayerNorm, biases, rotary on a quarter of each head), shrunk
     "neox": lambda: litgpt_config.Config.from_name("pythia-14m", intermediate_size=64, **SIZES),
-    "llama": lambda: litgpt_config.Config(
-        name="tiny-llama",
-        n_query_groups=2,
-        rotary_percentage=1.0,
-        parallel_residual=False,
-        bias=False,
-        norm_class_name="RMSNorm",
-        mlp_class_name="LLaMAMLP",
-        intermediate_size=64,
-        **SIZES,
-    ),
+    "llama": lambda: litgpt_config.Config(name="tiny-llama", **LLAMA_LIKE),
     # Qwen3's per-head q/k norms (norm_qk): replicated over tp, their gradients partial over each rank's heads
-    "qwen3": lambda: litgpt_config.Config(
-        name="tiny-qwen3",
-        n_query_groups=2,
-        rotary_percentage=1.0,
-        parallel_residual=False,
-        bias=False,
-        norm_class_name="RMSNorm",
-        mlp_class_name="LLaMAMLP",
-        intermediate_size=64,
-        norm_qk=True,
-        **SIZES,
-    ),
+    "qwen3": lambda: litgpt_config.Config(name="tiny-qwen3", norm_qk=True, **LLAMA_LIKE),
 }
 
 # label -> (world, strategy spec, model, tp); every run of one world size shares one launch. A label with
