@@ -117,6 +117,7 @@ def main() -> None:
         strategy=strategy,
         max_steps=args.steps,
         val_check_interval=100,
+        check_val_every_n_epoch=None,  # every 100 steps whatever the epoch length (64 batches at --devices 2)
         logger=False,
         enable_checkpointing=False,
     )
