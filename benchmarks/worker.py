@@ -42,10 +42,10 @@ from lightning_parallel.parallel.expert.moe import moe_layers  # noqa: E402
 from lightning_parallel.parallel.measure.memory import model_state_bytes  # noqa: E402
 from lightning_parallel.parallel.parallelize import compile_layers  # noqa: E402
 from lightning_parallel.parallel.shutdown import release_process_groups
-from lightning_parallel.recipes.common import parameter_counts  # noqa: E402
 from lightning_parallel.recipes.config import register_configs  # noqa: E402
 from lightning_parallel.recipes.gpt import TextData, gpt_config  # noqa: E402
 from lightning_parallel.recipes.hf import build_hf_module, is_hf_model  # noqa: E402
+from lightning_parallel.recipes.metrics import parameter_counts  # noqa: E402
 from lightning_parallel.recipes.vgg import ImageData, scaled_lr, vgg_config  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -45,6 +45,7 @@ EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")  # the folder's per-expert tensor
 FAST = {
     "mixtral zero3": (2, "zero3", "mixtral", 1),
     "qwen3_moe pp2": (2, "hybrid3d:pp=2", "qwen3_moe", 1),
+    "mixtral ep2": (2, "hybrid3d:ep=2", "mixtral", 1),  # the experts split over ep (hf/experts.py): 2 of 4 a rank
 }
 SLOW = {
     "deepseek_v3 zero3": (2, "zero3", "deepseek_v3", 1),
@@ -218,6 +219,16 @@ def test_zero3_ranks_read_only_their_experts(fast_runs, folders):
     print(f"mixtral zero3: bytes read per rank {read} of {full} (experts {experts})")
     assert all(r <= full - experts // 2 for r in read), (read, full, experts)
     assert sum(read) < full + experts // 4  # about one copy over the two ranks
+
+
+def test_ep2_ranks_read_only_their_experts(fast_runs, folders):
+    """Under ep=2 each rank holds 2 of the 4 experts (a DTensor sharded on dim 0 over ep) and everything else whole:
+    it reads the whole folder but for the other rank's experts."""
+    read = [fast_runs["mixtral ep2"].case("train", r)["bytes_read"] for r in range(2)]
+    full = folder_bytes(folders["mixtral"])
+    experts = folder_bytes(folders["mixtral"], lambda key: bool(EXPERT_KEY.search(key)))
+    print(f"mixtral ep2: bytes read per rank {read} of {full} (experts {experts}: {experts // 2} per rank expected)")
+    assert read == [full - experts // 2] * 2, (read, full, experts)
 
 
 def test_expert_ranges_for_a_dtensor_is_refused(folders, monkeypatch):

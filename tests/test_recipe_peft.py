@@ -13,9 +13,9 @@ from recipe_runs import GPT
 from recipe_runs import run_recipe as _run_recipe
 from test_recipe_configs import compose_gpt
 
-from lightning_parallel.recipes.common import parameter_counts
 from lightning_parallel.recipes.gpt import check_config
 from lightning_parallel.recipes.hf import hf_config
+from lightning_parallel.recipes.metrics import parameter_counts
 
 SHORT = ["trainer=debug", "trainer.max_steps=6", "sample_tokens=0"]
 LORA = ["model=hf_llama_tiny", "peft=lora", "peft.r=4"]

@@ -53,16 +53,9 @@ def _before_copy(module: Any) -> Any:
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Fine-tune as ``cfg`` says; rank 0 prints the answers before and after, and writes ``metrics.json`` and
     ``samples.json`` into ``run_dir``. Returns the metrics."""
-    from lightning_parallel.recipes.common import (
-        build_trainer,
-        micro_batch_size,
-        parameter_counts,
-        resume_path,
-        run_metrics,
-        world_size,
-        write_metrics,
-    )
+    from lightning_parallel.recipes.common import build_trainer, micro_batch_size, resume_path, world_size
     from lightning_parallel.recipes.gpt import TextData
+    from lightning_parallel.recipes.metrics import parameter_counts, run_metrics, write_metrics
 
     pl.seed_everything(cfg.seed, verbose=False)
     micro = micro_batch_size(cfg, world_size(cfg))

@@ -24,12 +24,9 @@ from lightning_parallel.recipes.common import (
     build_trainer,
     check_run_settings,
     micro_batch_size,
-    parameter_counts,
     resume_path,
-    run_metrics,
     sampler_kwargs,
     world_size,
-    write_metrics,
 )
 from lightning_parallel.recipes.config import GPTModelConf
 from lightning_parallel.recipes.finetune_data import TOKENIZED_KINDS, is_library_model, prepare_tokenized_data, splits
@@ -54,6 +51,7 @@ from lightning_parallel.recipes.lora import (
     refuse_lora,
     wants_lora,
 )
+from lightning_parallel.recipes.metrics import parameter_counts, run_metrics, write_metrics
 from lightning_parallel.recipes.text_data import TokenWindows, load_tokens
 from lightning_parallel.strategies.pipelined_step import PipelineInput
 

@@ -25,12 +25,9 @@ from lightning_parallel.recipes.common import (
     build_trainer,
     check_run_settings,
     micro_batch_size,
-    parameter_counts,
     resume_path,
-    run_metrics,
     sampler_kwargs,
     world_size,
-    write_metrics,
 )
 from lightning_parallel.recipes.config import ImageDataConf
 from lightning_parallel.recipes.image_data import (
@@ -41,6 +38,7 @@ from lightning_parallel.recipes.image_data import (
     generated_images,
     load_cifar10,
 )
+from lightning_parallel.recipes.metrics import parameter_counts, run_metrics, write_metrics
 
 DATA_KINDS = ("generated", "cifar10")
 
