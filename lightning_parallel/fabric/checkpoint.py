@@ -37,6 +37,10 @@ class CheckpointView:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._strategy, name)
 
+    def async_checkpointer(self, create: bool = True) -> None:
+        """Fabric's saves are written before ``fabric.save`` returns (``async_save`` is the Trainer's for now)."""
+        return None
+
 
 def _split_state(strategy: Any, state: dict[str, Any]) -> tuple[str, list[str]]:
     """The key of the set-up model and the keys of the optimizers in ``state``."""
