@@ -45,8 +45,8 @@ class ZeroPreset:
         if refused or "zero_stage" in settings:
             raise TypeError(
                 f"{type(self).__name__} does not take {', '.join(refused or ['zero_stage'])}: it only shards data "
-                "(its stage is `stage`). Use Hybrid3DStrategy(zero_stage=...) to combine ZeRO with pipeline or "
-                "tensor parallelism."
+                f"(its stage is `stage`). Use {type(self).__name__.replace('Zero', 'Hybrid3D')}(zero_stage=...) to "
+                "combine ZeRO with pipeline or tensor parallelism."
             )
         check_zero_settings(stage, offload)
         check_flag("reshard_after_forward", reshard_after_forward)
