@@ -28,10 +28,18 @@ import gc
 import signal
 import sys
 import threading
+import time
 
 import torch.distributed as dist
 
 _registered = False
+# A group that torch's functional collectives (DTensor) used outlives destroy_process_group (torch 2.13 keeps
+# it referenced from C++), so its gloo worker threads live into finalization. A worker drops a finished
+# collective's work (tensors that are Python objects: it needs the GIL) after the waiting thread has moved on;
+# when the main thread reaches Py_FinalizeEx first, the worker is ended inside C++ and the process aborts
+# (seen: 1 of 15 two-rank pp runs, from a core: ProcessGroupGloo::runLoop -> ~AsyncAllgatherWork -> take_gil
+# -> pthread_exit -> std::terminate). Sleeping here, the GIL released, lets every such worker finish first.
+_DRAIN_S = 0.1
 
 
 def release_at_exit() -> None:
@@ -52,6 +60,7 @@ def release_process_groups() -> None:
     try:
         dist.destroy_process_group()
         gc.collect()  # the groups live in reference cycles: freed now, not inside finalization
+        time.sleep(_DRAIN_S)  # the GIL left free: gloo workers drop their last works now (see _DRAIN_S)
     except Exception as error:  # noqa: BLE001 - nothing is left to protect but the exit status
         print(f"lightning_parallel: releasing the process groups at exit failed: {error!r}", file=sys.stderr)
     finally:
