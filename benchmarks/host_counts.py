@@ -97,4 +97,14 @@ class HostCounts(pl.Callback):
         sizes = Counter(f"{e.kind}@{e.group_size}" for e in self._comm.events)
         self.result["collectives_by_group_size"] = {k: v / n for k, v in sorted(sizes.items())}
         self.result["steps"] = n
+        self.result["self_cpu_share"] = _self_cpu_shares(self._profiler)
         self._comm = self._profiler = None
+
+
+def _self_cpu_shares(profiler: Any, top: int = 12) -> list[tuple[str, float]]:
+    """The operators' shares of the window's self CPU time (fractions, not timings: on a loaded machine only the
+    proportions say where host work goes), largest first."""
+    averages = profiler.key_averages()
+    total = sum(a.self_cpu_time_total for a in averages) or 1.0
+    ranked = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)[:top]
+    return [(a.key, round(a.self_cpu_time_total / total, 4)) for a in ranked]
