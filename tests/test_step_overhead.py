@@ -14,6 +14,7 @@ import pytest
 import torch
 from harness import run_distributed
 
+from lightning_parallel.parallel import clip
 from lightning_parallel.parallel.data.flat_group import FlatGroup, comm_sets, rank_major
 
 SPECS = ["ddp", "hybrid3d", "hybrid3d+clip", "zero1", "zero2", "zero2+clip", "hybrid3d:tp=2"]
@@ -70,3 +71,21 @@ def test_comm_sets_merge_groups_of_one_kind_up_to_the_limit():
 def test_rank_major_puts_each_ranks_chunks_together():
     a, b = torch.arange(4.0), torch.arange(10.0, 16.0)  # 2 ranks: chunks of 2 and 3
     assert rank_major([a, b], 2).tolist() == [0, 1, 10, 11, 12, 2, 3, 13, 14, 15]
+
+
+def test_partial_norms_share_one_collective_per_axis(monkeypatch):
+    """Partial norms split over (dp) and (dp, tp): one all-reduce over dp carries both, one over tp the second (not
+    three); each reduced only over its own axes. A fake group of 2 ranks holding equal partials doubles a sum."""
+    calls = []
+
+    def all_reduce(tensor, op=None, group=None):
+        calls.append((group, tensor.numel()))
+        tensor.mul_(2)
+
+    monkeypatch.setattr(clip.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(clip.dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(clip, "collective_device", lambda group: torch.device("cpu"))
+    replicated, split = torch.full((4,), 1.0), torch.full((9,), 2.0)  # |g|^2: 4 and 36
+    norm = clip.total_norm([(replicated, ("dp",)), (split, ("dp", "tp"))], {"dp": "dp", "tp": "tp"})
+    assert calls == [("dp", 2), ("tp", 1)]
+    assert torch.isclose(norm, torch.tensor(4.0 * 2 + 36.0 * 4).sqrt())
