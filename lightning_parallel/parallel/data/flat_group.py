@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_parallel._compat import all_gather_single
+from lightning_parallel._compat import all_gather_single, reduce_scatter_single
 from lightning_parallel.parallel.data.offload import HostSlice
 from lightning_parallel.parallel.dtensor import local
 
@@ -126,3 +126,20 @@ def grad_storage(groups: list[FlatGroup]) -> Tensor:
             views.append(view)
         fg.grad_views = views if fg.plain else None
     return storage
+
+
+def average(flat: Tensor, fg: FlatGroup, stage: int, wire: torch.dtype | None) -> Tensor:
+    """``flat`` (one or more of ``fg``'s kind of buffers) divided by ``fg``'s divisor and summed over its group, sent
+    as ``wire`` (gradient compression; None: its own dtype): stage 1 all-reduced in place (returned), stage 2
+    reduce-scattered (this rank's chunk returned)."""
+    flat.div_(fg.divisor)  # divide first: the sum stays in range for low-precision gradients
+    wire = wire if wire not in (None, flat.dtype) else None
+    sent = flat.to(wire) if wire is not None else flat
+    if stage == 1:
+        dist.all_reduce(sent, group=fg.group)
+        if wire is not None:
+            flat.copy_(sent)
+        return flat
+    grad = torch.empty(sent.numel() // fg.world, dtype=sent.dtype, device=flat.device)
+    reduce_scatter_single(grad, sent, group=fg.group)
+    return grad.to(flat.dtype)

@@ -32,11 +32,12 @@ from torch._utils import _flatten_dense_tensors
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_parallel._compat import all_gather_single, reduce_scatter_single, set_local_tensor
+from lightning_parallel._compat import all_gather_single, set_local_tensor
 from lightning_parallel.parallel.data.flat_group import (
     SCALAR_STATE_KEYS,
     FlatGroup,
     all_gather_set,
+    average,
     comm_sets,
     grad_storage,
     pack,
@@ -215,7 +216,7 @@ class FlatZero:
         if self.powersgd is not None:  # every view averaged in place (matrices by their factors): take the slice
             self.powersgd.reduce(list(fg.views(flat)), fg.group, fg.divisor)
             return flat[start:end] if fg.flat_grad is not None else flat[start:end].clone()
-        averaged = self._average(flat, fg)
+        averaged = average(flat, fg, self.stage, self.wire_dtype)
         return averaged[start:end] if self.stage == 1 else averaged
 
     def _reduce_together(self, fgs: list[FlatGroup], storage: Tensor | None) -> None:
@@ -223,29 +224,14 @@ class FlatZero:
         their ``flat_grad`` buffers are views of; stage 2 reduce-scatters one rank-major copy of them all."""
         flats = [self._collect(fg) for fg in fgs]
         if storage is not None:
-            self._average(storage, fgs[0])
+            average(storage, fgs[0], self.stage, self.wire_dtype)
             grads = [fg.flat_grad[slice(*fg.local_range())] for fg in fgs]  # type: ignore[index]
         else:
             whole = rank_major(flats, fgs[0].world)
             del flats  # each group's copy is freed before the collective's output is allocated
-            grads = list(self._average(whole, fgs[0]).split([fg.shard_numel for fg in fgs]))
+            grads = list(average(whole, fgs[0], self.stage, self.wire_dtype).split([fg.shard_numel for fg in fgs]))
         for fg, grad in zip(fgs, grads):
             self._deliver(fg, grad)
-
-    def _average(self, flat: Tensor, fg: FlatGroup) -> Tensor:
-        """``flat`` divided by ``fg``'s divisor and summed over its group: stage 1 all-reduced in place (returned),
-        stage 2 reduce-scattered (this rank's chunk returned)."""
-        flat.div_(fg.divisor)  # divide first: the sum stays in range for low-precision gradients
-        wire = self.wire_dtype if self.wire_dtype not in (None, flat.dtype) else None
-        sent = flat.to(wire) if wire is not None else flat
-        if self.stage == 1:
-            dist.all_reduce(sent, group=fg.group)
-            if wire is not None:
-                flat.copy_(sent)
-            return flat
-        grad = torch.empty(sent.numel() // fg.world, dtype=sent.dtype, device=flat.device)
-        reduce_scatter_single(grad, sent, group=fg.group)
-        return grad.to(flat.dtype)
 
     def _deliver(self, fg: FlatGroup, grad: Tensor) -> None:
         """This rank's reduced gradient slice (on the device) becomes what the optimizer steps with: under offload
