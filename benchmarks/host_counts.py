@@ -2,9 +2,9 @@
 of steady steps, the Python calls (cProfile's ``ncalls``), the torch operators the profiler records, and the
 collectives (``CommCounter``), each per step. Used by benchmarks/worker.py's ``--count`` and benchmarks/overhead.py.
 
-Each count runs over its own window of ``steps`` whole loop iterations (one batch start to the next), so the
-dispatch mode that counts collectives adds no Python calls to the cProfile window: calls first, then operators and
-collectives.
+Each count runs over its own window of ``steps`` whole loop iterations (one batch start to the next), so no
+counter's own work lands in another's window: Python calls first, then operators (with their shares of self CPU
+time), then collectives (the dispatch mode that counts them is Python work on every operator).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _package(filename: str) -> str:
 
 
 class HostCounts(pl.Callback):
-    """Per-step counts over two windows of ``steps`` iterations each, the first starting at batch ``start``.
+    """Per-step counts over three windows of ``steps`` iterations each, the first starting at batch ``start``.
 
     Args:
         start: the first counted batch (after warm-up).
@@ -53,14 +53,17 @@ class HostCounts(pl.Callback):
             self._stop_python()
             self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             self._profiler.__enter__()
-            self._comm = CommCounter()
-            self._comm.__enter__()
         elif batch_idx == self.start + 2 * self.steps:
             self._stop_ops()
+            self._comm = CommCounter()
+            self._comm.__enter__()
+        elif batch_idx == self.start + 3 * self.steps:
+            self._stop_comm()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self._stop_python()  # a run shorter than the windows: counted over what ran (result["steps"] says so)
         self._stop_ops()
+        self._stop_comm()
 
     def _stop_python(self) -> None:
         if self._python is None:
@@ -84,17 +87,33 @@ class HostCounts(pl.Callback):
         self.result["top_all"] = [(k, v / n) for k, v in every.most_common(40)]
 
     def _stop_ops(self) -> None:
-        if self._comm is None:
+        if self._profiler is None:
             return
-        self._comm.__exit__(None, None, None)
         self._profiler.__exit__(None, None, None)
         n = self.steps
         events = Counter(e.name for e in self._profiler.events())
         self.result["torch_ops"] = sum(v for k, v in events.items() if k.startswith("aten::")) / n
         self.result["profiler_events"] = sum(events.values()) / n
+        self.result["self_cpu_share"] = _self_cpu_shares(self._profiler)
+        self._profiler = None
+
+    def _stop_comm(self) -> None:
+        if self._comm is None:
+            return
+        self._comm.__exit__(None, None, None)
+        n = self.steps
         self.result["collectives"] = {k: row["calls"] / n for k, row in self._comm.by_kind().items()}
         self.result["collective_calls"] = len(self._comm.events) / n
         sizes = Counter(f"{e.kind}@{e.group_size}" for e in self._comm.events)
         self.result["collectives_by_group_size"] = {k: v / n for k, v in sorted(sizes.items())}
         self.result["steps"] = n
-        self._comm = self._profiler = None
+        self._comm = None
+
+
+def _self_cpu_shares(profiler: Any, top: int = 12) -> list[tuple[str, float]]:
+    """The operators' shares of the window's self CPU time (fractions, not timings: on a loaded machine only the
+    proportions say where host work goes), largest first."""
+    averages = profiler.key_averages()
+    total = sum(a.self_cpu_time_total for a in averages) or 1.0
+    ranked = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)[:top]
+    return [(a.key, round(a.self_cpu_time_total / total, 4)) for a in ranked]

@@ -36,7 +36,7 @@ PAIRS = [
     ("hybrid3d:pp=2", "ddp", 4),
 ]
 COUNT_SPECS = ["ddp", "model_parallel", "hybrid3d", "zero1", "zero2", "zero3"]
-COUNT_SPECS += ["model_parallel:tp=2", "hybrid3d:tp=2", "hybrid3d:pp=2"]
+COUNT_SPECS += ["model_parallel:tp=2", "hybrid3d:tp=2", "hybrid3d:pp=2", "model_parallel:tp=2@4", "hybrid3d:tp=2@4"]
 
 
 def _setup_s(rank: dict[str, Any]) -> float:
@@ -109,11 +109,13 @@ def overhead_lines(rows: list[dict[str, Any]]) -> list[str]:
 def run_counts(
     out: Path, launch: Callable[..., list], specs: list[str], window: int = 3
 ) -> dict[str, list[dict[str, Any]]]:
-    """Each spec at world 2: every rank's per-step counts (benchmarks/host_counts.py)."""
-    steps = 2 + 2 * window + 3  # warm-up, two windows, the monitor's measured steps
+    """Each spec at world 2 (``@4`` appended: at world 4, e.g. dp 2 x tp 2): every rank's per-step counts
+    (benchmarks/host_counts.py)."""
+    steps = 2 + 3 * window + 3  # warm-up, three windows, the monitor's measured steps
     results = {}
     for spec in specs:
-        ranks = launch("gpt", COUNTED, 2, spec, out, steps, tag="_counts", count=window)
+        name, _, world = spec.partition("@")
+        ranks = launch("gpt", COUNTED, int(world or 2), name, out, steps, tag="_counts", count=window)
         results[spec] = [r["host_counts"] for r in ranks]
         c = ranks[0]["host_counts"]
         print(f"{spec}: {c['python_calls']:.0f} py calls, {c['torch_ops']:.0f} ops, {c['collectives']}", flush=True)

@@ -199,7 +199,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the median (compilation)")
     parser.add_argument("--timeline", action="store_true", help="record the last step's pipeline timeline")
-    parser.add_argument("--count", type=int, default=0, help="count host work over 2 windows of this many steps")
+    parser.add_argument("--count", type=int, default=0, help="count host work over 3 windows of this many steps")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])

@@ -54,13 +54,30 @@ def total_norm(
         stacked = torch.stack([n.to(device) for n in norms])
         partial[axes] = stacked.max() if norm_type == float("inf") else stacked.pow(norm_type).sum()
     op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+    keys = sorted(partial)
+    if not keys:
+        return torch.zeros((), device=device)
+    values = torch.stack([partial[k] for k in keys])
+    _reduce_partials(values, keys, groups, op)
     total = torch.zeros((), device=device)
-    for axes in sorted(partial):
-        value = partial[axes]
-        for axis in axes:
-            dist.all_reduce(value, op=op, group=groups[axis])
+    for value in values.unbind():
         total = torch.maximum(total, value) if norm_type == float("inf") else total + value
     return total if norm_type == float("inf") else total.pow(1.0 / norm_type)
+
+
+def _reduce_partials(
+    values: Tensor, keys: list[tuple[str, ...]], groups: Mapping[str, dist.ProcessGroup], op: dist.ReduceOp
+) -> None:
+    """Each partial norm in ``values`` reduced in place over the axes of its key: one collective per axis for all
+    the partials that axis splits (several scalars in one collective), not one per partial and axis."""
+    for axis in sorted({a for k in keys for a in k}):
+        rows = [i for i, k in enumerate(keys) if axis in k]
+        if len(rows) == len(keys):
+            dist.all_reduce(values, op=op, group=groups[axis])
+            continue
+        picked = values[rows]
+        dist.all_reduce(picked, op=op, group=groups[axis])
+        values[rows] = picked
 
 
 def clip_grad_norm_(

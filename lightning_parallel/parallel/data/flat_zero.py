@@ -13,12 +13,17 @@ slice of it, as DeepSpeed does:
   all-gathered back into the replicated parameters.
 
 Gradients are reduced once per optimizer step, after accumulation (the caller invokes
-:meth:`FlatZero.reduce_gradients` after backward and before clipping; ``step`` does it if nobody did).
+:meth:`FlatZero.reduce_gradients` after backward and before clipping; ``step`` does it if nobody did). The flat
+groups of every optimizer group share their collectives (:func:`~.flat_group.comm_sets`): stage 1's gradient
+buffers are views of one storage, all-reduced at once; stage 2 reduce-scatters one rank-major copy of them all, and
+the parameters are all-gathered the same way, so a step issues one collective of each kind, not one per group.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from itertools import repeat
+from operator import attrgetter, is_, is_not
 
 import torch
 import torch.distributed as dist
@@ -27,12 +32,21 @@ from torch._utils import _flatten_dense_tensors
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_parallel._compat import all_gather_single, reduce_scatter_single, set_local_tensor
-from lightning_parallel.parallel.data.flat_group import SCALAR_STATE_KEYS, FlatGroup, pack
+from lightning_parallel._compat import all_gather_single, set_local_tensor
+from lightning_parallel.parallel.data.flat_group import (
+    SCALAR_STATE_KEYS,
+    FlatGroup,
+    all_gather_set,
+    average,
+    comm_sets,
+    grad_storage,
+    pack,
+    rank_major,
+)
 from lightning_parallel.parallel.data.flat_overlap import FlatBuckets, flat_overlap_stats
 from lightning_parallel.parallel.data.fsdp import fsdp_units
 from lightning_parallel.parallel.data.offload import HostSlice
-from lightning_parallel.parallel.data.overlap import Prepare
+from lightning_parallel.parallel.data.overlap import DEFAULT_BUCKET_MB, Prepare
 from lightning_parallel.parallel.data.powersgd import PowerSGD
 from lightning_parallel.parallel.data.sharding import DataParallelSharding, GradPiece
 from lightning_parallel.parallel.dtensor import like, local, placed_like, split_axes
@@ -78,6 +92,14 @@ class FlatZero:
         self.original_params: list[list[nn.Parameter]] = [list(g["params"]) for g in optimizer.param_groups]
         # per optimizer group: its flat groups (the data-parallel one, then the experts' one when it has experts)
         self.groups: list[list[FlatGroup]] = [self._shard_group(g) for g in optimizer.param_groups]
+        # the flat groups each collective serves (under overlap_grad_reduce each group has its own buckets); stage
+        # 1's gradients: one storage per set, each member's flat_grad a view of it, so one all-reduce needs no copy
+        alone = overlap_bucket_mb is not None or powersgd is not None
+        self.reduce_sets = comm_sets(self.flat_groups, None if stage == 1 else DEFAULT_BUCKET_MB)
+        self.gather_sets = comm_sets(self.flat_groups, DEFAULT_BUCKET_MB)
+        if alone:
+            self.reduce_sets = self.gather_sets = [[fg] for fg in self.flat_groups]
+        self.grad_storages = [grad_storage(fgs) for fgs in self.reduce_sets] if stage == 1 else []
         # overlap_grad_reduce: each flat group reduced bucket by bucket during backward and its parameters
         # gathered bucket by bucket after the step (flat_overlap.py)
         self._overlap: dict[int, FlatBuckets] = {}
@@ -101,12 +123,11 @@ class FlatZero:
         group = self.expert_group if expert else self.group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         offsets, shard_numel, flat_param = pack(params, world)
-        flat_grad = torch.zeros_like(flat_param) if self.stage == 1 else None
         shard = flat_param[rank * shard_numel : (rank + 1) * shard_numel]
         host = HostSlice(shard) if self.offload else None
         shard = host.param if host is not None else shard
         fg = FlatGroup(
-            params, offsets, shard_numel, flat_param, flat_grad, shard, group, rank, self.world, bool(expert), host
+            params, offsets, shard_numel, flat_param, None, shard, group, rank, self.world, bool(expert), host
         )
         for p, view in fg.views(flat_param):
             if isinstance(p, DTensor):
@@ -114,15 +135,6 @@ class FlatZero:
             else:
                 p.data = view
         fg.plain = not any(isinstance(p, DTensor) for p in params)
-        if flat_grad is not None:
-            # autograd accumulates into these views in place, so stage 1 needs no copy after backward;
-            # not for DTensors: a sequence-parallel gradient arrives Partial and would be added unreduced
-            views = []
-            for p, view in fg.views(flat_grad):
-                if not isinstance(p, DTensor):
-                    p.grad = view
-                views.append(view)
-            fg.grad_views = views if fg.plain else None
         return fg
 
     @property
@@ -162,11 +174,14 @@ class FlatZero:
         if self._reduced:
             return
         self.settle()  # the step writes this rank's range: no gather may still be reading it
-        for fg in self.flat_groups:
-            overlapped = self._overlap.get(id(fg))
+        for index, fgs in enumerate(self.reduce_sets):
+            if len(fgs) > 1:
+                self._reduce_together(fgs, self.grad_storages[index] if self.grad_storages else None)
+                continue
+            overlapped = self._overlap.get(id(fgs[0]))
             if overlapped is not None and overlapped.finish():
                 continue  # reduced bucket by bucket during backward
-            self._deliver(fg, self._reduce_flat(fg, self._collect(fg)))
+            self._deliver(fgs[0], self._reduce_flat(fgs[0], self._collect(fgs[0])))
         for fg in self.flat_groups:
             if fg.host is not None:
                 fg.host.wait()  # offload: the host reads the gradients from here on (clipping, the step)
@@ -174,10 +189,11 @@ class FlatZero:
 
     def _collect(self, fg: FlatGroup) -> Tensor:
         """The flat group's local gradients in one flat buffer (stage 1: ``flat_grad``, which autograd filled)."""
-        if fg.grad_views is not None and all(p.grad is v for p, v in zip(fg.params, fg.grad_views)):
+        grads = list(map(_grad, fg.params))  # C calls only: no Python work per parameter
+        if fg.grad_views is not None and all(map(is_, grads, fg.grad_views)):
             return fg.flat_grad  # every gradient accumulated into its view: nothing to copy
-        grads = [p.grad for p in fg.params] if fg.plain and fg.flat_grad is None else None
-        if grads is not None and all(g is not None for g in grads):  # stage 2: one copy of them all, padded
+        if fg.plain and fg.flat_grad is None and all(map(is_not, grads, repeat(None))):
+            # stage 2: one copy of them all, padded
             padding = fg.flat_param.new_zeros(fg.flat_param.numel() - fg.offsets[-1] - grads[-1].numel())
             for p in fg.params:
                 p.grad = None  # the full gradient is freed once reduced
@@ -200,17 +216,22 @@ class FlatZero:
         if self.powersgd is not None:  # every view averaged in place (matrices by their factors): take the slice
             self.powersgd.reduce(list(fg.views(flat)), fg.group, fg.divisor)
             return flat[start:end] if fg.flat_grad is not None else flat[start:end].clone()
-        flat.div_(fg.divisor)  # divide first: the sum stays in range for low-precision gradients
-        wire = self.wire_dtype if self.wire_dtype not in (None, flat.dtype) else None
-        sent = flat.to(wire) if wire is not None else flat
-        if fg.flat_grad is not None:
-            dist.all_reduce(sent, group=fg.group)
-            if wire is not None:
-                flat.copy_(sent)
-            return flat[start:end]
-        grad = torch.empty(fg.shard_numel, dtype=sent.dtype, device=flat.device)
-        reduce_scatter_single(grad, sent, group=fg.group)
-        return grad.to(flat.dtype)
+        averaged = average(flat, fg, self.stage, self.wire_dtype)
+        return averaged[start:end] if self.stage == 1 else averaged
+
+    def _reduce_together(self, fgs: list[FlatGroup], storage: Tensor | None) -> None:
+        """The gradients of several flat groups averaged by one collective: stage 1 all-reduces ``storage``, which
+        their ``flat_grad`` buffers are views of; stage 2 reduce-scatters one rank-major copy of them all."""
+        flats = [self._collect(fg) for fg in fgs]
+        if storage is not None:
+            average(storage, fgs[0], self.stage, self.wire_dtype)
+            grads = [fg.flat_grad[slice(*fg.local_range())] for fg in fgs]  # type: ignore[index]
+        else:
+            whole = rank_major(flats, fgs[0].world)
+            del flats  # each group's copy is freed before the collective's output is allocated
+            grads = list(average(whole, fgs[0], self.stage, self.wire_dtype).split([fg.shard_numel for fg in fgs]))
+        for fg, grad in zip(fgs, grads):
+            self._deliver(fg, grad)
 
     def _deliver(self, fg: FlatGroup, grad: Tensor) -> None:
         """This rank's reduced gradient slice (on the device) becomes what the optimizer steps with: under offload
@@ -238,22 +259,26 @@ class FlatZero:
 
     def _after_step(self) -> None:
         for fg in self.flat_groups:
-            start, end = fg.local_range()
-            local = fg.flat_param[start:end]
-            if fg.host is not None:
-                fg.host.param_to(local)  # queued before the gathers that read it, in stream order
+            if fg.host is not None:  # queued before the gathers that read it, in stream order
+                fg.host.param_to(fg.flat_param[slice(*fg.local_range())])
+        for fgs in self.gather_sets:
+            if len(fgs) > 1:
+                all_gather_set(fgs)
+                continue
+            fg = fgs[0]
             overlapped = self._overlap.get(id(fg))
             if overlapped is not None:
                 overlapped.gather()  # async, bucket by bucket: each waited for before the forward uses it
+                if not self.forward_waits:
+                    overlapped.settle()  # no forward hooks yet: nothing else would wait
             else:  # the input is copied because it aliases the output buffer
-                all_gather_single(fg.flat_param, local.clone(), group=fg.group)
-            if overlapped is not None and not self.forward_waits:
-                overlapped.settle()  # no forward hooks yet: nothing else would wait
-            if fg.flat_grad is not None:
-                fg.flat_grad.zero_()
-                for p in [] if fg.plain else fg.params:
-                    if isinstance(p, DTensor):
-                        p.grad = None  # autograd allocates the next one (see _shard_group)
+                all_gather_single(fg.flat_param, fg.flat_param[slice(*fg.local_range())].clone(), group=fg.group)
+        for storage in self.grad_storages:
+            storage.zero_()  # stage 1: every flat group's gradients at once
+        for fg in self.flat_groups:
+            for p in [] if fg.plain or fg.flat_grad is None else fg.params:
+                if isinstance(p, DTensor):
+                    p.grad = None  # autograd allocates the next one (see _shard_group)
         self._reduced = False
 
     def discard_unstepped(self) -> None:
@@ -277,6 +302,9 @@ class FlatZero:
             if fg.host is not None:
                 start, end = fg.local_range()
                 fg.host.param_from(fg.flat_param[start:end])
+
+
+_grad = attrgetter("grad")
 
 
 class FlatSharding(DataParallelSharding):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from itertools import repeat
+from operator import is_not
 from typing import Any
 
 import torch
@@ -85,7 +87,7 @@ class GradientBuckets:
             return
         for bucket in self.buckets:
             grads = None if self.split else [p.grad for p in bucket]
-            if grads is None or any(g is None for g in grads):
+            if grads is None or not all(map(is_not, grads, repeat(None))):  # C calls only, none per gradient
                 grads = [g for _, g in local_grads(bucket)]
             _all_reduce_bucket(grads, self.group, self.divisor, self.wire)
 
