@@ -11,10 +11,14 @@ import transformers
 from causal_lm_parity import SEQ_LEN, launch, options, train_reference
 from conftest import Batch
 from parity import assert_same_losses, assert_same_params
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_parallel.hf import HFCausalLM
 from lightning_parallel.hf.experts import HFExperts, hf_expert_parallel_plan, router_aux_loss
+from lightning_parallel.hf.plan import hf_tensor_parallel_plan
+from lightning_parallel.hf.styles import HiddenStatesInput
 from lightning_parallel.parallel.expert.apply import check_expert_layout
+from lightning_parallel.parallel.tensor.plan import check_tp_plan
 
 DENSE = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
          "max_position_embeddings": 64, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}  # fmt: skip
@@ -35,7 +39,9 @@ FIELDS = {
 }  # fmt: skip
 # under pp HF's auxiliary loss (over every layer's routers) is refused: the model without it
 FIELDS["mixtral_plain"] = {**FIELDS["mixtral"], "output_router_logits": False}
-EXPERTS = {"mixtral": 4, "mixtral_plain": 4, "qwen3_moe": 8, "deepseek_v3": 8}
+# a dense first layer (its MLP at the MoE blocks' path, split by tp), MoE after it
+FIELDS["qwen3_moe_dense0"] = {**FIELDS["qwen3_moe"], "mlp_only_layers": [0]}
+EXPERTS = {"mixtral": 4, "mixtral_plain": 4, "qwen3_moe": 8, "qwen3_moe_dense0": 8, "deepseek_v3": 8}
 
 # label -> (world, strategy spec, model, tp); "clip" clips at 0.05, "accum" accumulates 2 micro-batches per step
 FAST = {
@@ -57,6 +63,14 @@ WIDE = {
 COMPOSED = {
     "mixtral ep2 tp2 clip": (4, "hybrid3d:ep=2,tp=2", "mixtral", 2),
     "mixtral_plain pp2 ep2 accum": (4, "hybrid3d:pp=2,ep=2,microbatches=2", "mixtral_plain", 1),
+}
+
+
+# tp for the families whose dense MLPs share the MoE blocks' path: the dense layers' MLPs, attention where HF's
+# plan splits it (not DeepSeek's) and DeepSeek's shared experts over tp, the routed experts over ep
+TENSOR = {
+    "qwen3_moe_dense0 ep2 tp2 clip accum": (4, "hybrid3d:ep=2,tp=2", "qwen3_moe_dense0", 2),
+    "deepseek_v3 ep2 tp2 clip accum": (4, "hybrid3d:ep=2,tp=2", "deepseek_v3", 2),
 }
 
 
@@ -87,6 +101,11 @@ def wide_runs(tmp_path_factory) -> Batch:
 @pytest.fixture(scope="module")
 def composed_runs(tmp_path_factory) -> Batch:
     return moe_launch(tmp_path_factory, COMPOSED, "hf_moe_composed")
+
+
+@pytest.fixture(scope="module")
+def tensor_runs(tmp_path_factory) -> Batch:
+    return moe_launch(tmp_path_factory, TENSOR, "hf_moe_tp")
 
 
 def plain_hf_training(config: transformers.PretrainedConfig, clip: float | None, accumulate: int):
@@ -152,6 +171,12 @@ def test_hf_moe_parity_composed(label, composed_runs):
     check_moe(composed_runs, label, COMPOSED[label])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(TENSOR))
+def test_hf_moe_parity_tensor(label, tensor_runs):
+    check_moe(tensor_runs, label, TENSOR[label])
+
+
 def test_the_auxiliary_loss_changes_the_reference():
     """The parity runs test HF's load-balancing loss: without it the reference ends elsewhere."""
     with_aux = reference("mixtral", "mixtral ep2 clip")[1]
@@ -215,7 +240,6 @@ def test_unknown_ep_styles_are_refused():
     ("name", "degrees", "match"),
     [
         ("llama", {"ep": 2}, "ep=2 splits the experts of MoE models, and this llama model has none"),
-        ("deepseek_v3", {"ep": 2, "tp": 2}, "tp=2 with this deepseek_v3 model is not supported yet: .* Set tp=1"),
         ("mixtral", {"pp": 2}, "pp=2 with config.output_router_logits=True"),
     ],
 )
@@ -234,3 +258,33 @@ def test_recipe_trains_tiny_mixtral_at_ep2(tmp_path):
     got = run_recipe(tmp_path, "model=hf_mixtral_tiny", "strategy=hybrid3d", "strategy.ep=2", "trainer.devices=2")
     assert_trained(got, world=2)
     assert got["layout"]["ep"] == 2
+
+
+def test_tp_plan_splits_dense_mlps_at_the_moe_blocks_path():
+    """Qwen3-MoE with a dense first layer, DeepSeek-V3: the dense MLP and DeepSeek's shared experts split over tp
+    (each taking its input once), the MoE blocks themselves and their experts untouched (ep splits those)."""
+    qwen = transformers.AutoModelForCausalLM.from_config(config_of("qwen3_moe_dense0"))
+    plan = hf_tensor_parallel_plan(qwen)
+    assert isinstance(plan["model.layers.0.mlp"], HiddenStatesInput)
+    assert isinstance(plan["model.layers.0.mlp.gate_proj"], ColwiseParallel)
+    assert not [p for p in plan if p.startswith(("model.layers.1.mlp", "model.layers.*.mlp"))], plan
+    check_tp_plan(qwen, plan, 2)
+    deepseek = transformers.AutoModelForCausalLM.from_config(config_of("deepseek_v3"))
+    plan = hf_tensor_parallel_plan(deepseek)
+    assert isinstance(plan["model.layers.1.mlp.shared_experts"], HiddenStatesInput)
+    assert isinstance(plan["model.layers.1.mlp.shared_experts.down_proj"], RowwiseParallel)
+    assert "model.layers.1.mlp" not in plan and not [p for p in plan if ".experts" in p], plan
+    check_tp_plan(deepseek, plan, 2)
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("qwen3_moe", "sequence_parallel=True with this qwen3_moe model and config.output_router_logits=True"),
+        ("deepseek_v3", "sequence_parallel=True with this deepseek_v3 model: its tp plan .* does not split attention"),
+    ],
+)
+def test_sequence_parallel_refused_where_routers_or_attention_would_see_a_slice(name, match):
+    model = transformers.AutoModelForCausalLM.from_config(config_of(name))
+    with pytest.raises(ValueError, match=match):
+        hf_tensor_parallel_plan(model, sequence_parallel=True)
