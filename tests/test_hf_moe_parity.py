@@ -5,6 +5,7 @@ refusals)."""
 
 from __future__ import annotations
 
+import peft
 import pytest
 import torch
 import transformers
@@ -15,6 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_parallel.hf import HFCausalLM
 from lightning_parallel.hf.experts import HFExperts, hf_expert_parallel_plan, router_aux_loss
+from lightning_parallel.hf.lora import apply_peft
 from lightning_parallel.hf.plan import hf_tensor_parallel_plan
 from lightning_parallel.hf.styles import HiddenStatesInput
 from lightning_parallel.parallel.expert.apply import check_expert_layout
@@ -74,12 +76,28 @@ TENSOR = {
 }
 
 
+# pp with HF's auxiliary loss: each pipeline microbatch its own batch for the loss, as each accumulated micro-batch
+# (the reference accumulates microbatches x accumulate global micro-batches per step)
+PIPELINE = {
+    "mixtral pp2 ep2 clip accum": (4, "hybrid3d:pp=2,ep=2,microbatches=2", "mixtral", 1),
+    "qwen3_moe pp2 ep2 accum": (4, "hybrid3d:pp=2,ep=2,microbatches=2", "qwen3_moe", 1),
+}
+
+
+# LoRA (peft) on a MoE model's attention with the frozen experts split over ep
+MOE_LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+FIELDS["mixtral_lora"] = FIELDS["mixtral"]
+EXPERTS["mixtral_lora"] = 4
+LORA_RUNS = {"mixtral_lora ep2 clip": (2, "hybrid3d:ep=2", "mixtral_lora", 1)}
+
+
 def config_of(name: str, **changes) -> transformers.PretrainedConfig:
     return transformers.AutoConfig.for_model(**{**FIELDS[name], **changes})
 
 
 def moe_launch(tmp_path_factory, runs: dict, tag: str) -> Batch:
     extra = {name: {"config": fields} for name, fields in FIELDS.items()}
+    extra["mixtral_lora"]["lora"] = MOE_LORA
     return launch(tmp_path_factory, dict.fromkeys(FIELDS, ""), runs, tag, "hf", extra)
 
 
@@ -108,12 +126,24 @@ def tensor_runs(tmp_path_factory) -> Batch:
     return moe_launch(tmp_path_factory, TENSOR, "hf_moe_tp")
 
 
-def plain_hf_training(config: transformers.PretrainedConfig, clip: float | None, accumulate: int):
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory) -> Batch:
+    return moe_launch(tmp_path_factory, PIPELINE, "hf_moe_pp")
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory) -> Batch:
+    return moe_launch(tmp_path_factory, LORA_RUNS, "hf_moe_lora")
+
+
+def plain_hf_training(config: transformers.PretrainedConfig, clip: float | None, accumulate: int, lora: bool = False):
     """The reference: HF's model built after seed 0 (as the workers build it), its forward and loss (``labels=``,
     the load-balancing loss added by HF), trained here on the workers' global micro-batches, ``accumulate`` of them
     per step (HF's auxiliary loss is a product of batch means: each micro-batch's own)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    if lora:
+        model = apply_peft(model, peft.LoraConfig(**MOE_LORA))
     return train_reference(
         model, config.vocab_size, lambda m, ids: m(input_ids=ids, labels=ids).loss,
         HFCausalLM.__init__.__defaults__, clip, accumulate,
@@ -123,20 +153,21 @@ def plain_hf_training(config: transformers.PretrainedConfig, clip: float | None,
 _references: dict = {}
 
 
-def reference(name: str, label: str, **changes):
+def reference(name: str, label: str, microbatches: int = 1, **changes):
     opts = options(label)
-    key = (name, opts["clip"], opts["accumulate"], tuple(sorted(changes.items())))
+    accumulate = opts["accumulate"] * microbatches
+    key = (name, opts["clip"], accumulate, tuple(sorted(changes.items())))
     if key not in _references:
-        _references[key] = plain_hf_training(config_of(name, **changes), opts["clip"], opts["accumulate"])
+        _references[key] = plain_hf_training(config_of(name, **changes), opts["clip"], accumulate, "lora" in name)
     return _references[key]
 
 
-def check_moe(runs: Batch, label: str, spec: tuple) -> None:
+def check_moe(runs: Batch, label: str, spec: tuple, microbatches: int = 1) -> None:
     """Losses and final parameters against the reference, and every rank holding E/ep experts of each layer."""
     world, strategy, name, _ = spec
     ep = int(strategy.split("ep=")[1].split(",")[0])
     run = runs[label]
-    want_losses, want_params = reference(name, label)
+    want_losses, want_params = reference(name, label, microbatches)
     loss_rel = assert_same_losses(run.losses("train"), want_losses, label)
     param_abs = assert_same_params(run.params("train"), want_params, label)
     held = {rank: run.case("train", rank)["experts_held"] for rank in range(world)}
@@ -175,6 +206,25 @@ def test_hf_moe_parity_composed(label, composed_runs):
 @pytest.mark.parametrize("label", list(TENSOR))
 def test_hf_moe_parity_tensor(label, tensor_runs):
     check_moe(tensor_runs, label, TENSOR[label])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(PIPELINE))
+def test_hf_moe_parity_pipeline_aux(label, pipeline_runs):
+    """pp=2 x ep=2 with HF's load-balancing loss: its sums exchanged between the stages (hf/moe_pipeline.py)."""
+    check_moe(pipeline_runs, label, PIPELINE[label], microbatches=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(LORA_RUNS))
+def test_hf_moe_lora_parity(label, lora_runs):
+    """LoRA adapters on the attention of a MoE model whose frozen experts ep splits: the adapters train as in one
+    process, the frozen experts stay as built (the reference's, which never trains them)."""
+    check_moe(lora_runs, label, LORA_RUNS[label])
+    got, (_, want) = lora_runs[label].params("train"), reference("mixtral_lora", label)
+    assert [k for k in got if "lora_" in k], f"{label}: no adapters"
+    experts = [k for k in got if ".experts." in k]
+    assert experts and all(torch.equal(got[k], want[k]) for k in experts), f"{label}: frozen experts changed"
 
 
 def test_the_auxiliary_loss_changes_the_reference():
@@ -240,7 +290,6 @@ def test_unknown_ep_styles_are_refused():
     ("name", "degrees", "match"),
     [
         ("llama", {"ep": 2}, "ep=2 splits the experts of MoE models, and this llama model has none"),
-        ("mixtral", {"pp": 2}, "pp=2 with config.output_router_logits=True"),
     ],
 )
 def test_layouts_refused_by_name(name, degrees, match):

@@ -157,8 +157,21 @@ def router_aux_loss(
     rank, and its gradient that rank's share of the global loss's gradient (f holds no gradient; P's sum is linear in
     each rank's probabilities) times ``ranks``, since the data-parallel reduction averages the gradients.
     """
+    experts = model.num_experts
+    counts, probs, rows = router_sums(router_logits, model, attention_mask)
+    totals = torch.cat([counts, probs.detach(), rows.view(1)])
+    if group is not None and ranks > 1:
+        dist.all_reduce(totals, group=group)
+    return balance_loss(totals, probs, experts, ranks)
+
+
+def router_sums(
+    router_logits: tuple[Tensor, ...] | list[Tensor], model: nn.Module, attention_mask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The sums behind HF's load-balancing loss of some layers' router logits: (top-k choices per expert (E,), router
+    probabilities per expert (E,) (with their gradient), rows), padding masked out; zeros for no layers."""
     experts, top_k = model.num_experts, model.num_experts_per_tok
-    device = router_logits[0].device
+    device = router_logits[0].device if router_logits else None
     counts = torch.zeros(experts, dtype=torch.float32, device=device)
     probs = torch.zeros(experts, dtype=torch.float32, device=device)
     rows = torch.zeros((), dtype=torch.float32, device=device)
@@ -174,33 +187,30 @@ def router_aux_loss(
             counts = counts.index_add(0, chosen, mask.repeat_interleave(top_k))
             probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(0)
             rows = rows + mask.sum()
-    totals = torch.cat([counts, probs.detach(), rows.view(1)])
-    if group is not None and ranks > 1:
-        dist.all_reduce(totals, group=group)
+    return counts, probs, rows
+
+
+def balance_loss(totals: Tensor, probs: Tensor, experts: int, ranks: int) -> Tensor:
+    """HF's loss from the global ``totals`` (counts, probabilities, rows of every layer and rank, as one (2E+1,)
+    tensor) whose gradient is that of this rank's ``probs`` (its share, times ``ranks``: see
+    :func:`router_aux_loss`)."""
     counts, all_probs, rows = totals[:experts], totals[experts:-1], totals[-1]
     value = (counts / rows * all_probs / rows).sum() * experts  # HF's order of operations
     share = (counts / rows * probs / rows).sum() * (experts * ranks)  # this rank's part of the gradient, times ranks
     return value + (share - share.detach())
 
 
-def check_hf_expert_degrees(model: nn.Module, *, pp: int, tp: int, ep: int) -> None:
+def check_hf_expert_degrees(model: nn.Module, *, ep: int) -> None:
     """Refuse, before launch, the layouts HF's MoE models cannot take here yet, each by its setting.
 
     Raises:
-        ValueError: ep > 1 on a model without ``base_model_ep_plan``; pp > 1 with HF's load-balancing loss on (it
-            sums over every layer, which no pipeline stage holds).
+        ValueError: ep > 1 on a model without ``base_model_ep_plan``.
     """
     config = model.config
     if ep > 1 and not hf_expert_parallel_plan(model):
         raise ValueError(
             f"ep={ep} splits the experts of MoE models, and this {config.model_type} model has none (no "
             "config.base_model_ep_plan): set ep=1."
-        )
-    if pp > 1 and has_router_aux_loss(model):
-        raise ValueError(
-            f"pp={pp} with config.output_router_logits=True: HF's load-balancing loss combines the routers of every "
-            "layer, and each pipeline stage holds some of them. Use pp=1, or output_router_logits=False (no "
-            "auxiliary loss)."
         )
 
 
