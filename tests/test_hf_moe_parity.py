@@ -76,6 +76,9 @@ TENSOR = {
 }
 
 
+# world 8: tp=2 inside, the 4 data-parallel ranks split as ep=2 x dp=2 (experts data-parallel over 2 ranks)
+WORLD8 = {"mixtral ep2 tp2 dp2 clip": (8, "hybrid3d:ep=2,tp=2", "mixtral", 2)}
+
 # pp with HF's auxiliary loss: each pipeline microbatch its own batch for the loss, as each accumulated micro-batch
 # (the reference accumulates microbatches x accumulate global micro-batches per step)
 PIPELINE = {
@@ -124,6 +127,11 @@ def composed_runs(tmp_path_factory) -> Batch:
 @pytest.fixture(scope="module")
 def tensor_runs(tmp_path_factory) -> Batch:
     return moe_launch(tmp_path_factory, TENSOR, "hf_moe_tp")
+
+
+@pytest.fixture(scope="module")
+def world8_runs(tmp_path_factory) -> Batch:
+    return moe_launch(tmp_path_factory, WORLD8, "hf_moe_w8")
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +214,12 @@ def test_hf_moe_parity_composed(label, composed_runs):
 @pytest.mark.parametrize("label", list(TENSOR))
 def test_hf_moe_parity_tensor(label, tensor_runs):
     check_moe(tensor_runs, label, TENSOR[label])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(WORLD8))
+def test_hf_moe_parity_world8(label, world8_runs):
+    check_moe(world8_runs, label, WORLD8[label])
 
 
 @pytest.mark.slow
