@@ -109,39 +109,17 @@ def fast_runs(tmp_path_factory) -> Batch:
     return moe_launch(tmp_path_factory, FAST, "hf_moe")
 
 
-@pytest.fixture(scope="module")
-def slow_runs(tmp_path_factory) -> Batch:
-    return moe_launch(tmp_path_factory, SLOW, "hf_moe_slow")
+# the slow launches (make test-full), one per group: its tag -> its runs (one world size each)
+GROUPS = {"hf_moe_slow": SLOW, "hf_moe_w4": WIDE, "hf_moe_composed": COMPOSED, "hf_moe_tp": TENSOR,
+          "hf_moe_w8": WORLD8, "hf_moe_pp": PIPELINE, "hf_moe_lora": LORA_RUNS}  # fmt: skip
+_launched: dict[str, Batch] = {}
 
 
-@pytest.fixture(scope="module")
-def wide_runs(tmp_path_factory) -> Batch:
-    return moe_launch(tmp_path_factory, WIDE, "hf_moe_w4")
-
-
-@pytest.fixture(scope="module")
-def composed_runs(tmp_path_factory) -> Batch:
-    return moe_launch(tmp_path_factory, COMPOSED, "hf_moe_composed")
-
-
-@pytest.fixture(scope="module")
-def tensor_runs(tmp_path_factory) -> Batch:
-    return moe_launch(tmp_path_factory, TENSOR, "hf_moe_tp")
-
-
-@pytest.fixture(scope="module")
-def world8_runs(tmp_path_factory) -> Batch:
-    return moe_launch(tmp_path_factory, WORLD8, "hf_moe_w8")
-
-
-@pytest.fixture(scope="module")
-def pipeline_runs(tmp_path_factory) -> Batch:
-    return moe_launch(tmp_path_factory, PIPELINE, "hf_moe_pp")
-
-
-@pytest.fixture(scope="module")
-def lora_runs(tmp_path_factory) -> Batch:
-    return moe_launch(tmp_path_factory, LORA_RUNS, "hf_moe_lora")
+def group_runs(tmp_path_factory, tag: str) -> Batch:
+    """The group's launch, started the first time one of its runs is checked."""
+    if tag not in _launched:
+        _launched[tag] = moe_launch(tmp_path_factory, GROUPS[tag], tag)
+    return _launched[tag]
 
 
 def plain_hf_training(config: transformers.PretrainedConfig, clip: float | None, accumulate: int, lora: bool = False):
@@ -193,52 +171,20 @@ def test_hf_moe_parity(label, fast_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("label", list(SLOW))
-def test_hf_moe_parity_wider(label, slow_runs):
-    check_moe(slow_runs, label, SLOW[label])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("label", list(WIDE))
-def test_hf_moe_parity_world4(label, wide_runs):
-    check_moe(wide_runs, label, WIDE[label])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("label", list(COMPOSED))
-def test_hf_moe_parity_composed(label, composed_runs):
-    check_moe(composed_runs, label, COMPOSED[label])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("label", list(TENSOR))
-def test_hf_moe_parity_tensor(label, tensor_runs):
-    check_moe(tensor_runs, label, TENSOR[label])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("label", list(WORLD8))
-def test_hf_moe_parity_world8(label, world8_runs):
-    check_moe(world8_runs, label, WORLD8[label])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("label", list(PIPELINE))
-def test_hf_moe_parity_pipeline_aux(label, pipeline_runs):
-    """pp=2 x ep=2 with HF's load-balancing loss: its sums exchanged between the stages (hf/moe_pipeline.py)."""
-    check_moe(pipeline_runs, label, PIPELINE[label], microbatches=2)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("label", list(LORA_RUNS))
-def test_hf_moe_lora_parity(label, lora_runs):
-    """LoRA adapters on the attention of a MoE model whose frozen experts ep splits: the adapters train as in one
-    process, the frozen experts stay as built (the reference's, which never trains them)."""
-    check_moe(lora_runs, label, LORA_RUNS[label])
-    got, (_, want) = lora_runs[label].params("train"), reference("mixtral_lora", label)
-    assert [k for k in got if "lora_" in k], f"{label}: no adapters"
-    experts = [k for k in got if ".experts." in k]
-    assert experts and all(torch.equal(got[k], want[k]) for k in experts), f"{label}: frozen experts changed"
+@pytest.mark.parametrize(("tag", "label"), [(tag, label) for tag, runs in GROUPS.items() for label in runs])
+def test_hf_moe_parity_wider(tag, label, tmp_path_factory):
+    """The wider layouts; under pp each microbatch is a batch of HF's auxiliary loss (hf/moe_pipeline.py: the
+    reference accumulates microbatches x accumulate micro-batches); LoRA on a
+    MoE model's attention: the adapters train as in one process and the frozen experts stay as built (the
+    reference's, which never trains them)."""
+    runs, spec = group_runs(tmp_path_factory, tag), GROUPS[tag][label]
+    micro = int(spec[1].split("microbatches=")[1].split(",")[0]) if "microbatches=" in spec[1] else 1
+    check_moe(runs, label, spec, micro)
+    if "lora" in label:
+        got, want = runs[label].params("train"), reference(spec[2], label)[1]
+        assert [k for k in got if "lora_" in k], f"{label}: no adapters"
+        experts = [k for k in got if ".experts." in k]
+        assert experts and all(torch.equal(got[k], want[k]) for k in experts), f"{label}: frozen experts changed"
 
 
 def test_the_auxiliary_loss_changes_the_reference():
