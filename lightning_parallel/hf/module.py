@@ -204,8 +204,7 @@ class HFCausalLM(CausalLM):
         """Under pp with HF's load-balancing loss: the stages' exchange of its sums (:mod:`~.hf.moe_pipeline`)."""
         if getattr(self, "_pipeline_aux", None) is not None:
             self._pipeline_aux.close()
-        layers = hf_pipeline_layers(self.hf_model)
-        self._pipeline_aux = pipeline_router_aux(self.hf_model, layers, self.trainer.strategy)
+        self._pipeline_aux = pipeline_router_aux(self.hf_model, self.trainer.strategy)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if getattr(self, "_pipeline_aux", None) is not None:

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.causal_lm import _loss_pieces
 from lightning_parallel.hf.experts import balance_loss, has_router_aux_loss, router_sums
+from lightning_parallel.hf.layers import hf_pipeline_layers
 from lightning_parallel.parallel.expert.aux import backward_scale
 from lightning_parallel.parallel.pipeline.runner import scheduled_chunk, stage_inputs
 from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
@@ -125,7 +126,7 @@ class PipelineRouterAux:
             hook.remove()
 
 
-def pipeline_router_aux(model: nn.Module, layers: list[nn.Module], strategy: Any) -> PipelineRouterAux | None:
+def pipeline_router_aux(model: nn.Module, strategy: Any) -> PipelineRouterAux | None:
     """The exchange of HF's load-balancing loss for ``model`` split by ``strategy`` (a mesh strategy with pp > 1 and
     ``config.output_router_logits`` on), or None where HF's own forward computes it. Called on every rank once the
     model is split and before training (it makes a process group of the pipeline ranks)."""
@@ -134,7 +135,7 @@ def pipeline_router_aux(model: nn.Module, layers: list[nn.Module], strategy: Any
         return None
     side = dist.new_group(dist.get_process_group_ranks(strategy.mesh.group("stage")), use_local_synchronization=True)
     batch_group, batch_ranks, _ = _loss_pieces(strategy)
-    return PipelineRouterAux(model, layers, side, batch_group, batch_ranks)
+    return PipelineRouterAux(model, hf_pipeline_layers(model), side, batch_group, batch_ranks)
 
 
 class _CountsInBackward(torch.autograd.Function):
