@@ -36,8 +36,7 @@ LITGPT = {
     "llama cp2 ring": (2, "hybrid3d:cp=2", "llama", 1),
     "llama cp2 ulysses clip": (2, "hybrid3d:cp=2,cp_mode=ulysses", "llama", 1),
     "neox cp2 ring accum": (2, "hybrid3d:cp=2", "neox", 1),
-}
-LITGPT_WIDE = {
+    # world 4 (a second launch of the same Batch)
     "llama cp2 x tp2": (4, "hybrid3d:cp=2,tp=2", "llama", 2),
     "llama cp2 x pp2 clip": (4, "hybrid3d:cp=2,pp=2", "llama", 1),
 }
@@ -108,28 +107,14 @@ def litgpt_runs(tmp_path_factory, litgpt_folders):
     return launch(tmp_path_factory, litgpt_folders, LITGPT, "litgpt_cp", "litgpt")
 
 
-def check_litgpt(runs, label: str, spec: tuple, folders: dict) -> None:
-    from test_litgpt_parity import plain_litgpt_training
-
-    clip = 0.05 if "clip" in label else None
-    check(runs, label, spec, {(spec[2], clip): plain_litgpt_training(folders[spec[2]], clip)})
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("label", list(LITGPT))
 def test_litgpt_context_parallel_matches_one_process(label, litgpt_runs, litgpt_folders):
-    check_litgpt(litgpt_runs, label, LITGPT[label], litgpt_folders)
+    from test_litgpt_parity import plain_litgpt_training
 
-
-@pytest.fixture(scope="module")
-def litgpt_wide_runs(tmp_path_factory, litgpt_folders):
-    return launch(tmp_path_factory, litgpt_folders, LITGPT_WIDE, "litgpt_cp_w4", "litgpt")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("label", list(LITGPT_WIDE))
-def test_litgpt_context_parallel_composes(label, litgpt_wide_runs, litgpt_folders):
-    check_litgpt(litgpt_wide_runs, label, LITGPT_WIDE[label], litgpt_folders)
+    model = LITGPT[label][2]
+    clip = 0.05 if "clip" in label else None
+    check(litgpt_runs, label, LITGPT[label], {(model, clip): plain_litgpt_training(litgpt_folders[model], clip)})
 
 
 # ----- one process: the switch itself, and the refusals -----

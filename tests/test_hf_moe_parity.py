@@ -297,3 +297,19 @@ def test_sequence_parallel_refused_where_routers_or_attention_would_see_a_slice(
     model = transformers.AutoModelForCausalLM.from_config(config_of(name))
     with pytest.raises(ValueError, match=match):
         hf_tensor_parallel_plan(model, sequence_parallel=True)
+
+
+def test_pipeline_aux_loss_refuses_activation_checkpointing():
+    """Under pp with HF's auxiliary loss a recomputed layer would miss the stages' exchange: refused by name."""
+    from types import SimpleNamespace
+
+    from lightning_parallel.hf.moe_pipeline import pipeline_router_aux
+
+    model = transformers.AutoModelForCausalLM.from_config(config_of("mixtral"))
+    strategy = SimpleNamespace(
+        parallel_dims=SimpleNamespace(pp=2), config=SimpleNamespace(activation_checkpointing="full")
+    )
+    with pytest.raises(ValueError, match="activation_checkpointing='full' with pp=2 and config.output_router_logits"):
+        pipeline_router_aux(model, strategy)
+    plain = transformers.AutoModelForCausalLM.from_config(config_of("mixtral_plain"))
+    assert pipeline_router_aux(plain, strategy) is None  # no auxiliary loss: HF's forward needs nothing

@@ -129,10 +129,21 @@ class PipelineRouterAux:
 def pipeline_router_aux(model: nn.Module, strategy: Any) -> PipelineRouterAux | None:
     """The exchange of HF's load-balancing loss for ``model`` split by ``strategy`` (a mesh strategy with pp > 1 and
     ``config.output_router_logits`` on), or None where HF's own forward computes it. Called on every rank once the
-    model is split and before training (it makes a process group of the pipeline ranks)."""
+    model is split and before training (it makes a process group of the pipeline ranks).
+
+    Raises:
+        ValueError: with activation checkpointing, or more than one stage per rank (not supported yet).
+    """
     dims = getattr(strategy, "parallel_dims", None)
     if dims is None or dims.pp == 1 or not has_router_aux_loss(model):
         return None
+    recompute = getattr(getattr(strategy, "config", None), "activation_checkpointing", "none")
+    if recompute != "none":
+        raise ValueError(
+            f"activation_checkpointing={recompute!r} with pp={dims.pp} and config.output_router_logits=True is not "
+            "supported yet (a recomputed layer would not take part in the stages' exchange of router sums): set "
+            "activation_checkpointing='none', or output_router_logits=False."
+        )
     side = dist.new_group(dist.get_process_group_ranks(strategy.mesh.group("stage")), use_local_synchronization=True)
     batch_group, batch_ranks, _ = _loss_pieces(strategy)
     return PipelineRouterAux(model, hf_pipeline_layers(model), side, batch_group, batch_ranks)
