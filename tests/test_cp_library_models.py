@@ -5,7 +5,8 @@ switched through the model protocol's ``context_parallel`` (HF: an attention fun
 
 `make test`: the tiny HF Llama (grouped-query attention) at cp=2, ring (accumulating 2 micro-batches) and Ulysses
 (clipped), one world-2 launch. `make test-full`: cp=2 x tp=2 (ring and Ulysses), cp=2 x pp=2, LitGPT's Llama-style
-and GPT-NeoX-style (a quarter of each head rotary) models at cp=2 ring and Ulysses, the recipe at cp=2.
+and GPT-NeoX-style (a quarter of each head rotary) models at cp=2 ring and Ulysses,
+LitGPT's Llama at cp=2 x tp=2 and cp=2 x pp=2, the recipe at cp=2.
 Single-process checks: the switched HF and LitGPT models give the plain model's logits at the positions given, and
 the bad inputs are refused by name.
 """
@@ -35,6 +36,9 @@ LITGPT = {
     "llama cp2 ring": (2, "hybrid3d:cp=2", "llama", 1),
     "llama cp2 ulysses clip": (2, "hybrid3d:cp=2,cp_mode=ulysses", "llama", 1),
     "neox cp2 ring accum": (2, "hybrid3d:cp=2", "neox", 1),
+    # world 4 (a second launch of the same Batch)
+    "llama cp2 x tp2": (4, "hybrid3d:cp=2,tp=2", "llama", 2),
+    "llama cp2 x pp2 clip": (4, "hybrid3d:cp=2,pp=2", "llama", 1),
 }
 
 

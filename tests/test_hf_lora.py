@@ -1,7 +1,7 @@
 """HFCausalLM(peft_config=LoraConfig(...)): peft's LoRA adapters on a frozen base under ZeRO 0-3 and tp=2 (with and
 without sequence parallelism), against the same peft model (same adapter initialization) trained in one process by a
-plain loop; what each rank holds for the frozen base; the plan each LoRA layer gets; bad input refused before any
-worker starts."""
+plain loop (and at cp=2, ring and Ulysses: make test-full); what each rank holds for the frozen base; the plan each
+LoRA layer gets; bad input refused before any worker starts."""
 
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ SLOW = {
     "gpt2 lora tp2 sp": (2, "hybrid3d:tp=2,sequence_parallel=1", "gpt2", 2),
 }
 
+# context parallelism with adapters: HF's attention through the cp attention function, LoRA on its projections
+CONTEXT = {
+    "llama lora cp2 ring clip": (2, "hybrid3d:cp=2", "llama", 1),
+    "llama lora cp2 ulysses": (2, "hybrid3d:cp=2,cp_mode=ulysses", "llama", 1),
+}
+
 
 def lora_config(model: str) -> peft.LoraConfig:
     return peft.LoraConfig(**LORA[model])
@@ -72,6 +78,11 @@ def fast_runs(tmp_path_factory, folders) -> Batch:
 @pytest.fixture(scope="module")
 def slow_runs(tmp_path_factory, folders) -> Batch:
     return launch(tmp_path_factory, folders, SLOW, "lora_slow", "hf", extra={m: {"lora": c} for m, c in LORA.items()})
+
+
+@pytest.fixture(scope="module")
+def context_runs(tmp_path_factory, folders) -> Batch:
+    return launch(tmp_path_factory, folders, CONTEXT, "lora_cp", "hf", extra={m: {"lora": c} for m, c in LORA.items()})
 
 
 def plain_lora_training(name: str, folder: str, clip: float | None) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -112,6 +123,12 @@ def test_lora_parity(label, fast_runs, references, folders):
 @pytest.mark.parametrize("label", list(SLOW))
 def test_lora_parity_wider(label, slow_runs, references, folders):
     check_lora_run(slow_runs, label, SLOW[label], references, folders)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(CONTEXT))
+def test_lora_parity_context_parallel(label, context_runs, references, folders):
+    check_lora_run(context_runs, label, CONTEXT[label], references, folders)
 
 
 @pytest.mark.parametrize("model", list(LORA))
@@ -220,18 +237,15 @@ def test_other_peft_methods_are_refused_naming_lora():
         HFCausalLM(small("llama"), peft_config=peft.IA3Config(target_modules=["k_proj"], feedforward_modules=[]))
 
 
-@pytest.mark.parametrize(
-    ("layout", "world", "match"),
-    [
-        ({"cp": 2}, 2, r"cp=2 with HFCausalLM\(peft_config=...\) is not supported yet.*set cp=1"),
-        ({"ep": 2}, 2, r"ep=2 with HFCausalLM\(peft_config=...\) is not supported yet.*set ep=1"),
-    ],
-)
-def test_layouts_not_supported_yet_are_refused_before_launch(layout, world, match):
+def test_cp_and_ep_take_adapters():
+    """cp=2 passes the checks with adapters (test_lora_parity_context_parallel trains it); ep=2 needs experts, which a
+    dense Llama has none of (a MoE model's: tests/test_hf_moe_parity.py)."""
     module = HFCausalLM(small("llama"), peft_config=lora_config("llama"))
-    strategy = Hybrid3DStrategy(**layout)
-    with pytest.raises(ValueError, match=match):
-        check_model(module, strategy.config, strategy.config.dims(world))
+    strategy = Hybrid3DStrategy(cp=2)
+    check_model(module, strategy.config, strategy.config.dims(2))
+    strategy = Hybrid3DStrategy(ep=2)
+    with pytest.raises(ValueError, match="ep=2 splits the experts of MoE models, and this llama model has none"):
+        check_model(module, strategy.config, strategy.config.dims(2))
 
 
 @pytest.mark.parametrize(

@@ -5,16 +5,22 @@ refusals)."""
 
 from __future__ import annotations
 
+import peft
 import pytest
 import torch
 import transformers
 from causal_lm_parity import SEQ_LEN, launch, options, train_reference
 from conftest import Batch
 from parity import assert_same_losses, assert_same_params
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_parallel.hf import HFCausalLM
 from lightning_parallel.hf.experts import HFExperts, hf_expert_parallel_plan, router_aux_loss
+from lightning_parallel.hf.lora import apply_peft
+from lightning_parallel.hf.plan import hf_tensor_parallel_plan
+from lightning_parallel.hf.styles import HiddenStatesInput
 from lightning_parallel.parallel.expert.apply import check_expert_layout
+from lightning_parallel.parallel.tensor.plan import check_tp_plan
 
 DENSE = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
          "max_position_embeddings": 64, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}  # fmt: skip
@@ -35,7 +41,9 @@ FIELDS = {
 }  # fmt: skip
 # under pp HF's auxiliary loss (over every layer's routers) is refused: the model without it
 FIELDS["mixtral_plain"] = {**FIELDS["mixtral"], "output_router_logits": False}
-EXPERTS = {"mixtral": 4, "mixtral_plain": 4, "qwen3_moe": 8, "deepseek_v3": 8}
+# a dense first layer (its MLP at the MoE blocks' path, split by tp), MoE after it
+FIELDS["qwen3_moe_dense0"] = {**FIELDS["qwen3_moe"], "mlp_only_layers": [0]}
+EXPERTS = {"mixtral": 4, "mixtral_plain": 4, "qwen3_moe": 8, "qwen3_moe_dense0": 8, "deepseek_v3": 8}
 
 # label -> (world, strategy spec, model, tp); "clip" clips at 0.05, "accum" accumulates 2 micro-batches per step
 FAST = {
@@ -60,12 +68,39 @@ COMPOSED = {
 }
 
 
+# tp for the families whose dense MLPs share the MoE blocks' path: the dense layers' MLPs, attention where HF's
+# plan splits it (not DeepSeek's) and DeepSeek's shared experts over tp, the routed experts over ep
+TENSOR = {
+    "qwen3_moe_dense0 ep2 tp2 clip accum": (4, "hybrid3d:ep=2,tp=2", "qwen3_moe_dense0", 2),
+    "deepseek_v3 ep2 tp2 clip accum": (4, "hybrid3d:ep=2,tp=2", "deepseek_v3", 2),
+}
+
+
+# world 8: tp=2 inside, the 4 data-parallel ranks split as ep=2 x dp=2 (experts data-parallel over 2 ranks)
+WORLD8 = {"mixtral ep2 tp2 dp2 clip": (8, "hybrid3d:ep=2,tp=2", "mixtral", 2)}
+
+# pp with HF's auxiliary loss: each pipeline microbatch its own batch for the loss, as each accumulated micro-batch
+# (the reference accumulates microbatches x accumulate global micro-batches per step)
+PIPELINE = {
+    "mixtral pp2 ep2 clip accum": (4, "hybrid3d:pp=2,ep=2,microbatches=2", "mixtral", 1),
+    "qwen3_moe pp2 ep2 accum": (4, "hybrid3d:pp=2,ep=2,microbatches=2", "qwen3_moe", 1),
+}
+
+
+# LoRA (peft) on a MoE model's attention with the frozen experts split over ep
+MOE_LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+FIELDS["mixtral_lora"] = FIELDS["mixtral"]
+EXPERTS["mixtral_lora"] = 4
+LORA_RUNS = {"mixtral_lora ep2 clip": (2, "hybrid3d:ep=2", "mixtral_lora", 1)}
+
+
 def config_of(name: str, **changes) -> transformers.PretrainedConfig:
     return transformers.AutoConfig.for_model(**{**FIELDS[name], **changes})
 
 
 def moe_launch(tmp_path_factory, runs: dict, tag: str) -> Batch:
     extra = {name: {"config": fields} for name, fields in FIELDS.items()}
+    extra["mixtral_lora"]["lora"] = MOE_LORA
     return launch(tmp_path_factory, dict.fromkeys(FIELDS, ""), runs, tag, "hf", extra)
 
 
@@ -74,27 +109,27 @@ def fast_runs(tmp_path_factory) -> Batch:
     return moe_launch(tmp_path_factory, FAST, "hf_moe")
 
 
-@pytest.fixture(scope="module")
-def slow_runs(tmp_path_factory) -> Batch:
-    return moe_launch(tmp_path_factory, SLOW, "hf_moe_slow")
+# the slow launches (make test-full), one per group: its tag -> its runs (one world size each)
+GROUPS = {"hf_moe_slow": SLOW, "hf_moe_w4": WIDE, "hf_moe_composed": COMPOSED, "hf_moe_tp": TENSOR,
+          "hf_moe_w8": WORLD8, "hf_moe_pp": PIPELINE, "hf_moe_lora": LORA_RUNS}  # fmt: skip
+_launched: dict[str, Batch] = {}
 
 
-@pytest.fixture(scope="module")
-def wide_runs(tmp_path_factory) -> Batch:
-    return moe_launch(tmp_path_factory, WIDE, "hf_moe_w4")
+def group_runs(tmp_path_factory, tag: str) -> Batch:
+    """The group's launch, started the first time one of its runs is checked."""
+    if tag not in _launched:
+        _launched[tag] = moe_launch(tmp_path_factory, GROUPS[tag], tag)
+    return _launched[tag]
 
 
-@pytest.fixture(scope="module")
-def composed_runs(tmp_path_factory) -> Batch:
-    return moe_launch(tmp_path_factory, COMPOSED, "hf_moe_composed")
-
-
-def plain_hf_training(config: transformers.PretrainedConfig, clip: float | None, accumulate: int):
+def plain_hf_training(config: transformers.PretrainedConfig, clip: float | None, accumulate: int, lora: bool = False):
     """The reference: HF's model built after seed 0 (as the workers build it), its forward and loss (``labels=``,
     the load-balancing loss added by HF), trained here on the workers' global micro-batches, ``accumulate`` of them
     per step (HF's auxiliary loss is a product of batch means: each micro-batch's own)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    if lora:
+        model = apply_peft(model, peft.LoraConfig(**MOE_LORA))
     return train_reference(
         model, config.vocab_size, lambda m, ids: m(input_ids=ids, labels=ids).loss,
         HFCausalLM.__init__.__defaults__, clip, accumulate,
@@ -104,20 +139,21 @@ def plain_hf_training(config: transformers.PretrainedConfig, clip: float | None,
 _references: dict = {}
 
 
-def reference(name: str, label: str, **changes):
+def reference(name: str, label: str, microbatches: int = 1, **changes):
     opts = options(label)
-    key = (name, opts["clip"], opts["accumulate"], tuple(sorted(changes.items())))
+    accumulate = opts["accumulate"] * microbatches
+    key = (name, opts["clip"], accumulate, tuple(sorted(changes.items())))
     if key not in _references:
-        _references[key] = plain_hf_training(config_of(name, **changes), opts["clip"], opts["accumulate"])
+        _references[key] = plain_hf_training(config_of(name, **changes), opts["clip"], accumulate, "lora" in name)
     return _references[key]
 
 
-def check_moe(runs: Batch, label: str, spec: tuple) -> None:
+def check_moe(runs: Batch, label: str, spec: tuple, microbatches: int = 1) -> None:
     """Losses and final parameters against the reference, and every rank holding E/ep experts of each layer."""
     world, strategy, name, _ = spec
     ep = int(strategy.split("ep=")[1].split(",")[0])
     run = runs[label]
-    want_losses, want_params = reference(name, label)
+    want_losses, want_params = reference(name, label, microbatches)
     loss_rel = assert_same_losses(run.losses("train"), want_losses, label)
     param_abs = assert_same_params(run.params("train"), want_params, label)
     held = {rank: run.case("train", rank)["experts_held"] for rank in range(world)}
@@ -135,21 +171,20 @@ def test_hf_moe_parity(label, fast_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("label", list(SLOW))
-def test_hf_moe_parity_wider(label, slow_runs):
-    check_moe(slow_runs, label, SLOW[label])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("label", list(WIDE))
-def test_hf_moe_parity_world4(label, wide_runs):
-    check_moe(wide_runs, label, WIDE[label])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("label", list(COMPOSED))
-def test_hf_moe_parity_composed(label, composed_runs):
-    check_moe(composed_runs, label, COMPOSED[label])
+@pytest.mark.parametrize(("tag", "label"), [(tag, label) for tag, runs in GROUPS.items() for label in runs])
+def test_hf_moe_parity_wider(tag, label, tmp_path_factory):
+    """The wider layouts; under pp each microbatch is a batch of HF's auxiliary loss (hf/moe_pipeline.py: the
+    reference accumulates microbatches x accumulate micro-batches); LoRA on a
+    MoE model's attention: the adapters train as in one process and the frozen experts stay as built (the
+    reference's, which never trains them)."""
+    runs, spec = group_runs(tmp_path_factory, tag), GROUPS[tag][label]
+    micro = int(spec[1].split("microbatches=")[1].split(",")[0]) if "microbatches=" in spec[1] else 1
+    check_moe(runs, label, spec, micro)
+    if "lora" in label:
+        got, want = runs[label].params("train"), reference(spec[2], label)[1]
+        assert [k for k in got if "lora_" in k], f"{label}: no adapters"
+        experts = [k for k in got if ".experts." in k]
+        assert experts and all(torch.equal(got[k], want[k]) for k in experts), f"{label}: frozen experts changed"
 
 
 def test_the_auxiliary_loss_changes_the_reference():
@@ -215,8 +250,6 @@ def test_unknown_ep_styles_are_refused():
     ("name", "degrees", "match"),
     [
         ("llama", {"ep": 2}, "ep=2 splits the experts of MoE models, and this llama model has none"),
-        ("deepseek_v3", {"ep": 2, "tp": 2}, "tp=2 with this deepseek_v3 model is not supported yet: .* Set tp=1"),
-        ("mixtral", {"pp": 2}, "pp=2 with config.output_router_logits=True"),
     ],
 )
 def test_layouts_refused_by_name(name, degrees, match):
@@ -234,3 +267,49 @@ def test_recipe_trains_tiny_mixtral_at_ep2(tmp_path):
     got = run_recipe(tmp_path, "model=hf_mixtral_tiny", "strategy=hybrid3d", "strategy.ep=2", "trainer.devices=2")
     assert_trained(got, world=2)
     assert got["layout"]["ep"] == 2
+
+
+def test_tp_plan_splits_dense_mlps_at_the_moe_blocks_path():
+    """Qwen3-MoE with a dense first layer, DeepSeek-V3: the dense MLP and DeepSeek's shared experts split over tp
+    (each taking its input once), the MoE blocks themselves and their experts untouched (ep splits those)."""
+    qwen = transformers.AutoModelForCausalLM.from_config(config_of("qwen3_moe_dense0"))
+    plan = hf_tensor_parallel_plan(qwen)
+    assert isinstance(plan["model.layers.0.mlp"], HiddenStatesInput)
+    assert isinstance(plan["model.layers.0.mlp.gate_proj"], ColwiseParallel)
+    assert not [p for p in plan if p.startswith(("model.layers.1.mlp", "model.layers.*.mlp"))], plan
+    check_tp_plan(qwen, plan, 2)
+    deepseek = transformers.AutoModelForCausalLM.from_config(config_of("deepseek_v3"))
+    plan = hf_tensor_parallel_plan(deepseek)
+    assert isinstance(plan["model.layers.1.mlp.shared_experts"], HiddenStatesInput)
+    assert isinstance(plan["model.layers.1.mlp.shared_experts.down_proj"], RowwiseParallel)
+    assert "model.layers.1.mlp" not in plan and not [p for p in plan if ".experts" in p], plan
+    check_tp_plan(deepseek, plan, 2)
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("qwen3_moe", "sequence_parallel=True with this qwen3_moe model and config.output_router_logits=True"),
+        ("deepseek_v3", "sequence_parallel=True with this deepseek_v3 model: its tp plan .* does not split attention"),
+    ],
+)
+def test_sequence_parallel_refused_where_routers_or_attention_would_see_a_slice(name, match):
+    model = transformers.AutoModelForCausalLM.from_config(config_of(name))
+    with pytest.raises(ValueError, match=match):
+        hf_tensor_parallel_plan(model, sequence_parallel=True)
+
+
+def test_pipeline_aux_loss_refuses_activation_checkpointing():
+    """Under pp with HF's auxiliary loss a recomputed layer would miss the stages' exchange: refused by name."""
+    from types import SimpleNamespace
+
+    from lightning_parallel.hf.moe_pipeline import pipeline_router_aux
+
+    model = transformers.AutoModelForCausalLM.from_config(config_of("mixtral"))
+    strategy = SimpleNamespace(
+        parallel_dims=SimpleNamespace(pp=2), config=SimpleNamespace(activation_checkpointing="full")
+    )
+    with pytest.raises(ValueError, match="activation_checkpointing='full' with pp=2 and config.output_router_logits"):
+        pipeline_router_aux(model, strategy)
+    plain = transformers.AutoModelForCausalLM.from_config(config_of("mixtral_plain"))
+    assert pipeline_router_aux(plain, strategy) is None  # no auxiliary loss: HF's forward needs nothing

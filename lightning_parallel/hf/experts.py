@@ -30,11 +30,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.causal_lm import _loss_pieces
 from lightning_parallel.parallel.dtensor import local
 from lightning_parallel.parallel.expert.apply import ExpertStyle, shard_expert_params
 from lightning_parallel.parallel.expert.dispatch import dispatch
+from lightning_parallel.parallel.tensor.plan import path_matches
 
 # HF's expert-parallel styles (transformers.distributed.expert_parallel) and what they become here
 DISPATCH, STACKED = "ep_dispatch_experts", "grouped_gemm"
@@ -155,8 +157,21 @@ def router_aux_loss(
     rank, and its gradient that rank's share of the global loss's gradient (f holds no gradient; P's sum is linear in
     each rank's probabilities) times ``ranks``, since the data-parallel reduction averages the gradients.
     """
+    experts = model.num_experts
+    counts, probs, rows = router_sums(router_logits, model, attention_mask)
+    totals = torch.cat([counts, probs.detach(), rows.view(1)])
+    if group is not None and ranks > 1:
+        dist.all_reduce(totals, group=group)
+    return balance_loss(totals, probs, experts, ranks)
+
+
+def router_sums(
+    router_logits: tuple[Tensor, ...] | list[Tensor], model: nn.Module, attention_mask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The sums behind HF's load-balancing loss of some layers' router logits: (top-k choices per expert (E,), router
+    probabilities per expert (E,) (with their gradient), rows), padding masked out; zeros for no layers."""
     experts, top_k = model.num_experts, model.num_experts_per_tok
-    device = router_logits[0].device
+    device = router_logits[0].device if router_logits else None
     counts = torch.zeros(experts, dtype=torch.float32, device=device)
     probs = torch.zeros(experts, dtype=torch.float32, device=device)
     rows = torch.zeros((), dtype=torch.float32, device=device)
@@ -172,21 +187,24 @@ def router_aux_loss(
             counts = counts.index_add(0, chosen, mask.repeat_interleave(top_k))
             probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(0)
             rows = rows + mask.sum()
-    totals = torch.cat([counts, probs.detach(), rows.view(1)])
-    if group is not None and ranks > 1:
-        dist.all_reduce(totals, group=group)
+    return counts, probs, rows
+
+
+def balance_loss(totals: Tensor, probs: Tensor, experts: int, ranks: int) -> Tensor:
+    """HF's loss from the global ``totals`` (counts, probabilities, rows of every layer and rank, as one (2E+1,)
+    tensor) whose gradient is that of this rank's ``probs`` (its share, times ``ranks``: see
+    :func:`router_aux_loss`)."""
     counts, all_probs, rows = totals[:experts], totals[experts:-1], totals[-1]
     value = (counts / rows * all_probs / rows).sum() * experts  # HF's order of operations
     share = (counts / rows * probs / rows).sum() * (experts * ranks)  # this rank's part of the gradient, times ranks
     return value + (share - share.detach())
 
 
-def check_hf_expert_degrees(model: nn.Module, *, pp: int, tp: int, ep: int) -> None:
+def check_hf_expert_degrees(model: nn.Module, *, ep: int) -> None:
     """Refuse, before launch, the layouts HF's MoE models cannot take here yet, each by its setting.
 
     Raises:
-        ValueError: ep > 1 on a model without ``base_model_ep_plan`` or together with tp > 1; pp > 1 with HF's
-            load-balancing loss on (it sums over every layer, which no pipeline stage holds).
+        ValueError: ep > 1 on a model without ``base_model_ep_plan``.
     """
     config = model.config
     if ep > 1 and not hf_expert_parallel_plan(model):
@@ -194,19 +212,58 @@ def check_hf_expert_degrees(model: nn.Module, *, pp: int, tp: int, ep: int) -> N
             f"ep={ep} splits the experts of MoE models, and this {config.model_type} model has none (no "
             "config.base_model_ep_plan): set ep=1."
         )
+
+
+def moe_block_paths(config: Any) -> list[str]:
+    """The MoE blocks' paths in the base model (``layers.*.mlp``): the parents of the ``ep_dispatch_experts``
+    modules of ``config.base_model_ep_plan``."""
     ep_plan = getattr(config, "base_model_ep_plan", None) or {}
-    blocks = {path.rpartition(".")[0] for path, style in ep_plan.items() if style == DISPATCH}
-    tp_plan = tp_plan_without_experts(getattr(config, "base_model_tp_plan", None) or {}, config)
-    dense = sorted(p for p in tp_plan if p.rpartition(".")[0] in blocks)
-    if tp > 1 and dense:
+    return [path.rpartition(".")[0] for path, style in ep_plan.items() if style == DISPATCH]
+
+
+def resolve_moe_block_entries(
+    model: nn.Module, plan: dict[str, ParallelStyle], prefix: str, sequence_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """``plan`` (paths relative to ``model``, the base model at ``prefix``) with every entry at or under a MoE block
+    path (``layers.*.mlp``) resolved to the layers that hold its module, the MoE blocks themselves left out.
+
+    Qwen3-MoE and DeepSeek-V3 name dense MLPs (``mlp.gate_proj``: the dense layers, DeepSeek's shared experts) at
+    the path of their MoE blocks: those split as any dense MLP, the block of a dense layer taking its input once,
+    while a MoE block keeps its input as it comes (its router and the experts over ep see plain hidden states).
+
+    Raises:
+        ValueError: ``sequence_parallel`` with a MoE model whose router sees the sequence split over tp (HF's
+            auxiliary loss would miss the other tp ranks' tokens) or whose attention the tp plan does not split
+            (DeepSeek-V3's: it would attend within a slice).
+    """
+    blocks = [prefix + path for path in moe_block_paths(model.config)]
+    if not blocks:
+        return plan
+    if sequence_parallel:
+        _check_moe_sequence_parallel(model, plan)
+    modules = dict(model.named_modules())
+    resolved: dict[str, ParallelStyle] = {}
+    for path, style in plan.items():
+        block = next((b for b in blocks if path == b or path.startswith(b + ".")), None)
+        if block is None:
+            resolved[path] = style
+            continue
+        for name in modules:
+            if path_matches(name, path) and not (path == block and f"{name}.experts" in modules):
+                resolved[name] = style
+    return resolved
+
+
+def _check_moe_sequence_parallel(model: nn.Module, plan: dict[str, ParallelStyle]) -> None:
+    kind = model.config.model_type
+    if has_router_aux_loss(model):
         raise ValueError(
-            f"tp={tp} with this {config.model_type} model is not supported yet: its tp plan splits dense MLPs at the "
-            f"path of its MoE blocks ({dense[0]!r}), whose routers take whole hidden states. Set tp=1 (ep and ZeRO "
-            "0-3 split it), or use a model whose MoE blocks have a path of their own (Mixtral)."
+            f"sequence_parallel=True with this {kind} model and config.output_router_logits=True: each tp rank "
+            "routes its slice of the sequence, and HF's load-balancing loss needs every token's router. Set "
+            "sequence_parallel=False, or output_router_logits=False."
         )
-    if pp > 1 and has_router_aux_loss(model):
+    if not any(".self_attn." in path for path in plan):
         raise ValueError(
-            f"pp={pp} with config.output_router_logits=True: HF's load-balancing loss combines the routers of every "
-            "layer, and each pipeline stage holds some of them. Use pp=1, or output_router_logits=False (no "
-            "auxiliary loss)."
+            f"sequence_parallel=True with this {kind} model: its tp plan (config.base_model_tp_plan) does not "
+            "split attention, which would then see a slice of the sequence. Set sequence_parallel=False."
         )

@@ -18,15 +18,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_parallel.causal_lm import refuse_adapter_layouts
 from lightning_parallel.hf.styles import LoraParallel
 from lightning_parallel.parallel.tensor.plan import path_matches
 
 SUPPORTED = "LoraConfig (LoRA)"
 # HFCausalLM(base_dtype=...): the dtypes a frozen base may be kept in, by the names a config gives them
 BASE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
-# layouts an adapted model cannot take yet, with the degree's setting name
-NOT_YET = ("cp", "ep")
 EXPERTS = (
     "LoRA on MoE routers or experts ({where}) is not supported yet: adapt the attention projections and dense or "
     "shared MLPs by name (e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']; peft's 'all-linear' reaches "
@@ -159,14 +156,12 @@ def base_of(model: nn.Module) -> tuple[nn.Module, str]:
 
 
 def check_peft_degrees(config: Any, **degrees: int) -> None:
-    """Refuse the layouts adapters cannot take yet (cp, ep), and under tp the LoRA variants whose extra
-    parameters or random masks the split does not follow, before any process group exists.
+    """Refuse, under tp, the LoRA variants whose extra parameters or random masks the split does not follow, before
+    any process group exists (LoRA runs under ZeRO 0-3, HSDP, tp, pp, cp and ep).
 
     Raises:
         ValueError: naming the setting and what works.
     """
-    works = "LoRA runs under ZeRO 0-3, HSDP, tp (with or without sequence_parallel) and pp"
-    refuse_adapter_layouts(NOT_YET, "HFCausalLM(peft_config=...)", works, **degrees)
     if degrees.get("tp", 1) > 1:
         for setting, neutral in (("use_dora", False), ("lora_dropout", 0.0)):
             value = getattr(config, setting, neutral)

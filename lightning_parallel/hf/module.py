@@ -28,6 +28,7 @@ from lightning_parallel.hf.layers import (
 )
 from lightning_parallel.hf.loading import load_local_weights, parameters_on_meta, safetensors_files, tied_aliases
 from lightning_parallel.hf.lora import apply_peft, base_of, cast_frozen_base, check_peft_degrees, resolve_base_dtype
+from lightning_parallel.hf.moe_pipeline import pipeline_router_aux
 from lightning_parallel.hf.plan import SP_WITH_PP, hf_tensor_parallel_plan
 from lightning_parallel.protocol import strategy_calls_materialize
 
@@ -193,9 +194,21 @@ class HFCausalLM(CausalLM):
         ``router_aux_loss_coef`` when the config's ``output_router_logits`` asks for it (as HF's own loss)."""
         loss = super().loss(logits, labels)
         aux, self._router_aux = getattr(self, "_router_aux", None), None
+        if aux is None and getattr(self, "_pipeline_aux", None) is not None:
+            aux = self._pipeline_aux.finish()  # under pp: over every stage's routers
         if aux is None:
             return loss
         return loss + as_loss_like(loss, self.hf_model.router_aux_loss_coef * aux.to(loss.device))
+
+    def on_fit_start(self) -> None:
+        """Under pp with HF's load-balancing loss: the stages' exchange of its sums (:mod:`~.hf.moe_pipeline`)."""
+        if getattr(self, "_pipeline_aux", None) is not None:
+            self._pipeline_aux.close()
+        self._pipeline_aux = pipeline_router_aux(self.hf_model, self.trainer.strategy)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if getattr(self, "_pipeline_aux", None) is not None:
+            self._pipeline_aux.flush()
 
     def unpack(self, batch: Any) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """(input_ids, labels, the model's other inputs) of a dict or tuple batch: ``attention_mask`` (padded
@@ -253,19 +266,21 @@ class HFCausalLM(CausalLM):
     def context_parallel(self, attention: Any, positions: Any) -> list[str]:
         """Under cp > 1: HF's attention through the attention-function interface, positions per chunk
         (:mod:`lightning_parallel.hf.context`)."""
-        return [f"model.{path}" for path in hf_context_parallel(self.hf_model, attention, positions)]
+        prefix = f"model.{base_of(self.model)[1]}"  # under peft the HF model sits at model.base_model.model
+        return [prefix + path for path in hf_context_parallel(self.hf_model, attention, positions)]
 
     def attention_heads(self) -> int:
         return hf_attention_heads(self.hf_model.config)
 
     def expert_parallel_plan(self) -> dict[str, Any]:
-        return {f"model.{path}": style for path, style in hf_expert_parallel_plan(self.hf_model).items()}
+        prefix = f"model.{base_of(self.model)[1]}"
+        return {prefix + path: style for path, style in hf_expert_parallel_plan(self.hf_model).items()}
 
     def check_parallel_degrees(self, pp: int, tp: int, cp: int = 1, ep: int = 1) -> None:
         if self.peft_config is not None:
             check_peft_degrees(self.peft_config, pp=pp, tp=tp, cp=cp, ep=ep)
         check_hf_degrees(self.hf_model, pp=pp, tp=tp, cp=cp)
-        check_hf_expert_degrees(self.hf_model, pp=pp, tp=tp, ep=ep)
+        check_hf_expert_degrees(self.hf_model, ep=ep)
         if pp > 1 and tp > 1 and getattr(self, "_sequence_parallel", False):
             raise ValueError(SP_WITH_PP)
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from lightning_parallel.hf.experts import tp_plan_without_experts
+from lightning_parallel.hf.experts import resolve_moe_block_entries, tp_plan_without_experts
 from lightning_parallel.hf.lora import base_of, has_lora_layers, lora_tensor_parallel_plan
 from lightning_parallel.hf.styles import Conv1DColwise, Conv1DRowwise, HiddenStatesInput, ReplicatedWithPartialGrad
 from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
@@ -103,7 +103,7 @@ def llama_like_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Para
             plan[parent] = HiddenStatesInput(seq, Replicate())
     if sequence_parallel:
         plan.update(_sequence_parallel_entries(model, prefix + layers, prefix + norm))
-    return plan
+    return resolve_moe_block_entries(model, plan, prefix, sequence_parallel)
 
 
 def _sequence_parallel_entries(model: nn.Module, layers: str, final_norm: str) -> dict[str, ParallelStyle]:

@@ -34,6 +34,15 @@ from lightning_parallel.parallel.pipeline.split import PipelineSplit
 _STAGE_INPUTS: ContextVar[dict[str, Any]] = ContextVar("stage_inputs", default={})  # noqa: B039  (never mutated)
 
 
+_CHUNK: ContextVar[int | None] = ContextVar("pipeline_chunk", default=None)
+
+
+def scheduled_chunk() -> int | None:
+    """The microbatch whose forward the running pipeline stage computes inside a schedule's step (None elsewhere:
+    shape inference, forward-only walks): for layers that exchange something per microbatch beside the schedule."""
+    return _CHUNK.get()
+
+
 def stage_inputs() -> dict[str, Any]:
     """The keyword inputs of the microbatch the running pipeline stage computes: the step's ``self(x, **kwargs)``
     keyword arguments, cut into microbatches as ``x`` is (the whole batch in forward-only runs). Empty outside a
@@ -120,11 +129,15 @@ class _Stage(ShapeInferenceHookStage):
     def forward_one_chunk(self, fwd_chunk_id: int, args: Any, kwargs: Any = None, *rest: Any, **more: Any) -> Any:
         self._wait_early("F", fwd_chunk_id)
         recorder = active_recorder()
-        with _inputs_of_stage(kwargs):
-            if recorder is None:
-                return super().forward_one_chunk(fwd_chunk_id, args, None, *rest, **more)
-            with recorder.action("F", self.stage_index, fwd_chunk_id):
-                return super().forward_one_chunk(fwd_chunk_id, args, None, *rest, **more)
+        token = _CHUNK.set(fwd_chunk_id)
+        try:
+            with _inputs_of_stage(kwargs):
+                if recorder is None:
+                    return super().forward_one_chunk(fwd_chunk_id, args, None, *rest, **more)
+                with recorder.action("F", self.stage_index, fwd_chunk_id):
+                    return super().forward_one_chunk(fwd_chunk_id, args, None, *rest, **more)
+        finally:
+            _CHUNK.reset(token)
 
     # Set by Pipeline: called with (stage index, False) just before the backward that completes the stage's weight
     # gradients for the step (torch's ``last_backward``: the last microbatch's full or weight-only backward), and

@@ -1,0 +1,167 @@
+"""Hugging Face's load-balancing loss under pp: each stage holds some of the routers the loss combines.
+
+HF's loss of a batch is ``E * sum_e f_e * P_e`` with f the fraction of top-k choices of expert e and P its mean
+router probability, both over every MoE layer and token (:func:`~lightning_parallel.hf.experts.router_aux_loss`).
+Its value needs the sums of every stage, and the gradient each stage's routers get needs the choice counts of every
+stage (``E * counts / rows**2`` per router probability): the later stages' counts exist only once they have run the
+microbatch's forward. So, per microbatch of a schedule's step, beside the schedule's own transfers (on a process
+group of their own, matched in microbatch order):
+
+- each stage but the last sums its routers' logits at the end of its forward (counts, probabilities, rows) and sends
+  them to the last stage; its output carries the probabilities' sum into the backward (:class:`_CountsInBackward`);
+- the last stage, computing the microbatch's loss, adds the other stages' sums to its own, all-reduces them over the
+  data-parallel ranks (the global batch's loss, as in one process) and sends the totals back: HF's value, with the
+  gradient of its own layers' share;
+- each earlier stage's backward of that microbatch receives the totals and gives its probabilities their gradient,
+  the factor its loss carries (:func:`~lightning_parallel.parallel.expert.aux.backward_scale`) included.
+
+Each pipeline microbatch is its own batch for the loss, as each micro-batch of gradient accumulation is (HF's loss
+is a product of batch means). Forward-only passes (validation, shape inference) add no auxiliary loss under pp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_parallel.causal_lm import _loss_pieces
+from lightning_parallel.hf.experts import balance_loss, has_router_aux_loss, router_sums
+from lightning_parallel.hf.layers import hf_pipeline_layers
+from lightning_parallel.parallel.expert.aux import backward_scale
+from lightning_parallel.parallel.pipeline.runner import scheduled_chunk, stage_inputs
+from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
+
+
+class PipelineRouterAux:
+    """This rank's part of HF's load-balancing loss under pp (see the module docstring).
+
+    Args:
+        model: the HF ``*ForCausalLM`` model, split over the stages.
+        layers: its pipeline layers in order (``hf_pipeline_layers``), other stages' as ``ElsewhereLayer``.
+        side: a process group of this rank's pipeline ranks in stage order, for these transfers only.
+        batch_group: the ranks that see different samples (None alone); batch_ranks: their number.
+
+    Raises:
+        ValueError: this rank holds more than one stage (interleaved schedules).
+    """
+
+    def __init__(
+        self, model: nn.Module, layers: list[nn.Module], side: Any, batch_group: Any, batch_ranks: int
+    ) -> None:
+        held = [i for i, layer in enumerate(layers) if not isinstance(layer, ElsewhereLayer)]
+        if held != list(range(held[0], held[-1] + 1)):
+            raise ValueError(
+                "output_router_logits=True under pp needs one pipeline stage per rank (HF's load-balancing loss "
+                "exchanges each stage's router sums): use a single-stage schedule (1F1B, GPipe), or "
+                "output_router_logits=False."
+            )
+        self.model, self.side, self.batch_group, self.batch_ranks = model, side, batch_group, batch_ranks
+        self.peers = dist.get_process_group_ranks(side)
+        self.is_last = held[-1] == len(layers) - 1
+        self.experts = int(model.num_experts)
+        self.logits: list[Tensor] = []
+        self.stash: tuple[Tensor, Tensor, Tensor] | None = None
+        self.sends: list[tuple[Any, Tensor]] = []  # (work, buffer) of sends not yet waited for
+        spec = type(model)._can_record_outputs["router_logits"]
+        self.index = spec.index
+        routers = [m for i in held for m in layers[i].modules() if isinstance(m, spec.target_class)]
+        self.hooks = [m.register_forward_hook(self._record) for m in routers]
+        self.hooks.append(layers[held[-1]].register_forward_hook(self._stage_end))
+
+    def _record(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if scheduled_chunk() is not None and torch.is_grad_enabled():
+            self.logits.append(output[self.index])
+
+    def _stage_end(self, module: nn.Module, args: tuple, output: Tensor) -> Tensor | None:
+        logits, self.logits = self.logits, []
+        if scheduled_chunk() is None or not torch.is_grad_enabled():
+            return None
+        if logits:
+            counts, probs, rows = router_sums(logits, self.model, stage_inputs().get("attention_mask"))
+        else:  # a stage without MoE layers takes part all the same
+            counts = probs = torch.zeros(self.experts, dtype=torch.float32, device=output.device)
+            rows = torch.zeros((), dtype=torch.float32, device=output.device)
+        if self.is_last:
+            self.stash = counts, probs, rows
+            return None
+        self._send(torch.cat([counts, probs.detach(), rows.view(1)]), self.peers[-1])
+        return _CountsInBackward.apply(output, probs, self)
+
+    def _send(self, tensor: Tensor, dst: int) -> None:
+        self.sends.append((dist.isend(tensor, dst, group=self.side), tensor))
+
+    def receive(self, size: int, src: int, device: torch.device) -> Tensor:
+        buffer = torch.empty(size, dtype=torch.float32, device=device)
+        dist.recv(buffer, src, group=self.side)
+        return buffer
+
+    def finish(self) -> Tensor | None:
+        """On the last stage, in the microbatch's loss: HF's load-balancing loss of the microbatch over every stage
+        and data-parallel rank (None outside a schedule's training step)."""
+        if self.stash is None:
+            return None
+        (counts, probs, rows), self.stash = self.stash, None
+        totals = torch.cat([counts, probs.detach(), rows.view(1)])
+        for src in self.peers[:-1]:
+            totals = totals + self.receive(totals.numel(), src, totals.device)
+        if self.batch_group is not None and self.batch_ranks > 1:
+            dist.all_reduce(totals, group=self.batch_group)
+        reply = torch.cat([totals[: self.experts], totals[-1:]])
+        for dst in self.peers[:-1]:
+            self._send(reply, dst)
+        return balance_loss(totals, probs, self.experts, self.batch_ranks)
+
+    def flush(self) -> None:
+        """Wait for the sends of the step (each is received within the step of its receiver)."""
+        sends, self.sends = self.sends, []
+        for work, _ in sends:
+            work.wait()
+
+    def close(self) -> None:
+        self.flush()
+        for hook in self.hooks:
+            hook.remove()
+
+
+def pipeline_router_aux(model: nn.Module, strategy: Any) -> PipelineRouterAux | None:
+    """The exchange of HF's load-balancing loss for ``model`` split by ``strategy`` (a mesh strategy with pp > 1 and
+    ``config.output_router_logits`` on), or None where HF's own forward computes it. Called on every rank once the
+    model is split and before training (it makes a process group of the pipeline ranks).
+
+    Raises:
+        ValueError: with activation checkpointing, or more than one stage per rank (not supported yet).
+    """
+    dims = getattr(strategy, "parallel_dims", None)
+    if dims is None or dims.pp == 1 or not has_router_aux_loss(model):
+        return None
+    recompute = getattr(getattr(strategy, "config", None), "activation_checkpointing", "none")
+    if recompute != "none":
+        raise ValueError(
+            f"activation_checkpointing={recompute!r} with pp={dims.pp} and config.output_router_logits=True is not "
+            "supported yet (a recomputed layer would not take part in the stages' exchange of router sums): set "
+            "activation_checkpointing='none', or output_router_logits=False."
+        )
+    side = dist.new_group(dist.get_process_group_ranks(strategy.mesh.group("stage")), use_local_synchronization=True)
+    batch_group, batch_ranks, _ = _loss_pieces(strategy)
+    return PipelineRouterAux(model, hf_pipeline_layers(model), side, batch_group, batch_ranks)
+
+
+class _CountsInBackward(torch.autograd.Function):
+    """A stage's output unchanged; in backward, its routers' probability sums (E,) get HF's loss's gradient from the
+    totals the last stage sends back: ``coef * scale * E * ranks * counts / rows**2``."""
+
+    @staticmethod
+    def forward(ctx, output: Tensor, probs: Tensor, aux: PipelineRouterAux) -> Tensor:
+        ctx.aux = aux
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        aux: PipelineRouterAux = ctx.aux
+        totals = aux.receive(aux.experts + 1, aux.peers[-1], grad.device)
+        counts, rows = totals[:-1], totals[-1]
+        factor = aux.model.router_aux_loss_coef * backward_scale() * aux.experts * aux.batch_ranks
+        return grad, counts / rows / rows * factor, None
