@@ -69,6 +69,24 @@ def test_torchft_lighthouse_backend_and_samples(monkeypatch):
     assert sampler_kwargs(ParallelConfig(), {"num_replicas": 2, "rank": 1}) == {"num_replicas": 2, "rank": 1}
 
 
+def test_torchft_front_doors():
+    """The recipes take it on strategy=hybrid3d only (zero1..3 and ddp would ignore it); Fabric refuses it."""
+    from omegaconf import OmegaConf
+
+    from lightning_parallel.fabric.strategy import check_fabric_config
+    from lightning_parallel.recipes.common import build_strategy
+    from lightning_parallel.recipes.config import StrategyConf
+
+    ft = {"fault_tolerance": "torchft", "ft_replica_id": 1, "ft_lighthouse": "http://h:1"}
+    strategy = build_strategy(OmegaConf.structured(StrategyConf(name="hybrid3d", zero_stage=2, **ft)))
+    assert (strategy.config.fault_tolerance, strategy.config.ft_replica_id) == ("torchft", 1)
+    for name in ("zero2", "ddp"):
+        with pytest.raises(ValueError, match="strategy.fault_tolerance=torchft.* needs strategy=hybrid3d"):
+            build_strategy(OmegaConf.structured(StrategyConf(name=name, **ft)))
+    with pytest.raises(ValueError, match="runs under the Trainer only"):
+        check_fabric_config(ParallelConfig(**ft).validate(), "Hybrid3DFabricStrategy")
+
+
 # ----- two replica groups, one killed -----
 
 

@@ -15,7 +15,7 @@ other group through torchft's :class:`~torchft.manager.Manager` and its reconfig
 So the final state equals a one-process run in which step ``s`` averaged the batches of the groups in step
 ``s``'s quorum (:attr:`FaultTolerantReplicas.participants`). Pure torch and torchft; torchft is imported lazily.
 
-May import: ``parallel.mesh``. Never Lightning.
+May import: nothing of this package (torch, and torchft lazily). Never Lightning.
 """
 
 from __future__ import annotations

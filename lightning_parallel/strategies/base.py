@@ -136,6 +136,12 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
         self._replicas: Any = None  # fault_tolerance='torchft': this rank's FaultTolerantReplicas
 
     @property
+    def replicas(self) -> Any:
+        """``fault_tolerance='torchft'``: this rank's :class:`~lightning_parallel.parallel.fault_tolerance.
+        FaultTolerantReplicas` (committed steps, groups in the quorum) once fit has set up; else None."""
+        return self._replicas
+
+    @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # states load into the sharded model and wrapped optimizers

@@ -50,7 +50,7 @@ class StepKeyed(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         # alone: slow, so that the other group (re)joins in time; together: slow enough for the test to kill at a step
-        time.sleep(self.sleep if self.trainer.strategy._replicas.participants < 2 else 0.05)
+        time.sleep(self.sleep if self.trainer.strategy.replicas.participants < 2 else 0.05)
         x, y = batch_of(self.global_step, self.replica, self.trainer.strategy.mesh.rank("batch"))
         return nn.functional.mse_loss(self.net(x), y)
 
@@ -61,7 +61,7 @@ class StepKeyed(pl.LightningModule):
             time.sleep(0.05)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        replicas = self.trainer.strategy._replicas
+        replicas = self.trainer.strategy.replicas
         with open(self.out / f"replica{self.replica}_rank{self.global_rank}.log", "a") as f:
             f.write(f"{replicas.step} {replicas.participants} {os.getpid()}\n")
 
