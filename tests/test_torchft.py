@@ -90,11 +90,11 @@ def test_torchft_front_doors():
 # ----- two replica groups, one killed -----
 
 
-def launch(replica: int, lighthouse: str, out: Path, *flags: str) -> subprocess.Popen:
+def launch(replica: int, lighthouse: str, out: Path, zero_stage: int, *flags: str) -> subprocess.Popen:
     env = recipe_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER)]
     cmd += ["--replica", str(replica), "--lighthouse", lighthouse, "--steps", str(STEPS), "--out", str(out)]
-    cmd += ["--sleep", "2.0", *flags]
+    cmd += ["--sleep", "2.0", "--zero-stage", str(zero_stage), *flags]
     log = open(out / f"torchrun{replica}.log", "a")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -141,7 +141,8 @@ def reference(sizes: list[int]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_torchft_killed_replica_rejoins_and_final_state_is_the_quorums_average(tmp_path):
+@pytest.mark.parametrize("zero_stage", [0, 2])  # 2: the optimizer's flat slices travel on the rejoin too
+def test_torchft_killed_replica_rejoins_and_final_state_is_the_quorums_average(tmp_path, zero_stage):
     coordination = pytest.importorskip("torchft.coordination", reason="fault_tolerance='torchft' needs torchft")
     lighthouse = coordination.LighthouseServer(
         bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=2000
@@ -149,13 +150,13 @@ def test_torchft_killed_replica_rejoins_and_final_state_is_the_quorums_average(t
     jobs: list[subprocess.Popen] = []
     try:
         address = lighthouse.address()
-        jobs += [launch(0, address, tmp_path), launch(1, address, tmp_path)]
+        jobs += [launch(0, address, tmp_path, zero_stage), launch(1, address, tmp_path, zero_stage)]
         wait_for(lambda: len(lines(tmp_path, 1, 0)) >= KILL_AT, jobs[1], tmp_path, "group 1 never reached KILL_AT")
         for pid in [*workers_of(jobs[1]), jobs[1].pid]:  # the whole group: both ranks (own sessions), its agent
             os.kill(pid, signal.SIGKILL)
         jobs[1].wait(timeout=60)
         killed_at = lines(tmp_path, 1, 0)[-1][0]
-        jobs[1] = launch(1, address, tmp_path, "--no-wait")
+        jobs[1] = launch(1, address, tmp_path, zero_stage, "--no-wait")
         for job in jobs:
             assert job.wait(timeout=600) == 0, "".join(p.read_text()[-4000:] for p in tmp_path.glob("torchrun*.log"))
     finally:
