@@ -48,7 +48,10 @@ def test_torchft_settings_are_checked_before_launch(monkeypatch):
         ParallelConfig(**ft, overlap_grad_reduce=True).validate()
     with pytest.warns(UserWarning, match="ft_\\* settings only apply"):
         ParallelConfig(ft_replicas=3).validate()
-    assert ParallelConfig(**ft, tp=2, zero_stage=3).validate().fault_tolerance == "torchft"
+    for refused in ({"tp": 2}, {"zero_stage": 3}):
+        with pytest.raises(ValueError, match="the live state transfer carries plain tensors"):
+            ParallelConfig(**ft, **refused).validate()
+    assert ParallelConfig(**ft, cp=2, zero_stage=2).validate().fault_tolerance == "torchft"
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(ValueError, match="needs torchft: pip install --no-deps torchft"):
         ParallelConfig(**ft).validate()

@@ -2,7 +2,7 @@
 
 The world is launched as ``ft_replicas`` independent replica groups, each its own ``torchrun`` (its own store and
 process group) with the same layout inside. Inside a group the strategy reduces gradients as usual (dp, ZeRO,
-tp, cp); across groups, each rank averages its gradient pieces with the rank of the same group rank in every
+cp); across groups, each rank averages its gradient pieces with the rank of the same group rank in every
 other group through torchft's :class:`~torchft.manager.Manager` and its reconfigurable process group. Each step:
 
 1. ``start_step``: the lighthouse forms a quorum of the groups alive now (at least ``ft_min_replicas``); a group
@@ -31,6 +31,10 @@ from torch import Tensor
 
 FAULT_TOLERANCE = ("none", "torchft")
 FT_SETTINGS = ("ft_replicas", "ft_replica_id", "ft_min_replicas", "ft_lighthouse", "ft_timeout")
+_DTENSOR_STATE = (
+    "its parameters and optimizer states are DTensors, and the live state transfer carries plain tensors "
+    "(a rejoining group would get optimizer states it cannot rebuild)"
+)
 # settings torchft cannot run with, and why (checked before launch)
 _REFUSED = {
     "pp": "a pipeline's stages hold different parameters and its schedule runs the forward before the quorum "
@@ -40,6 +44,8 @@ _REFUSED = {
     "grad_compression": "the compressed reduction keeps per-rank error state that a rejoining replica would not get",
     "overlap_grad_reduce": "the overlapped parameter gathers of a step may still write the parameters that a live "
     "state transfer loads",
+    "tp": _DTENSOR_STATE,
+    "ep": _DTENSOR_STATE,
 }
 
 
@@ -83,6 +89,10 @@ def check_fault_tolerance(config: Any, warn: Callable[[str], Any]) -> None:
         value = getattr(config, name)
         if value != getattr(type(config), name):  # set away from its default
             raise ValueError(f"fault_tolerance='torchft' with {name}={value!r}: not supported ({why}). Unset {name}.")
+    if config.zero_stage == 3:
+        raise ValueError(
+            f"fault_tolerance='torchft' with zero_stage=3: not supported ({_DTENSOR_STATE}). Use zero_stage 0-2."
+        )
 
 
 def lighthouse_address(setting: str | None) -> str:

@@ -37,16 +37,19 @@ def start_replicas(strategy: Any, trainer: Any) -> FaultTolerantReplicas | None:
     optimizers = [unwrap_optimizer(o) for o in strategy.optimizers]
 
     def state_dict() -> dict[str, Any]:
-        # the optimizers' parameters travel too: under ZeRO they are this rank's slices, not the module's tensors
+        # this rank's pieces only (tp, ZeRO-3: DTensors' local shards; the peer of the same group rank holds the
+        # same ones); the optimizers' parameters travel too: under ZeRO-1/2 they are flat slices, not the module's
         params = [[local(p) for g in o.param_groups for p in g["params"]] for o in optimizers]
         return {
-            "model": strategy.model.state_dict(),
+            "model": {name: local(t) for name, t in strategy.model.state_dict().items()},
             "optimizers": [o.state_dict() for o in optimizers],
             "params": params,
         }
 
     def load_state_dict(state: dict[str, Any]) -> None:
-        strategy.model.load_state_dict(state["model"])
+        with torch.no_grad():  # a module's state_dict tensors share storage with its parameters and buffers
+            for name, t in strategy.model.state_dict().items():
+                local(t).copy_(state["model"][name])
         for optimizer, saved, params in zip(optimizers, state["optimizers"], state["params"], strict=True):
             optimizer.load_state_dict(saved)
             with torch.no_grad():
