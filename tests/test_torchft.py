@@ -6,6 +6,7 @@ in step s's quorum. Plus the settings' checks (single process)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -180,6 +181,8 @@ def test_torchft_killed_replica_rejoins_and_final_state_is_the_quorums_average(t
     restarted = [step for step, _, pid in rejoined if pid != rejoined[0][2]]
     assert restarted and restarted[0] > killed_at, f"the restarted group began at {restarted[:1]}, not from a peer"
     assert sizes[-1] == 2 and rejoined[-1][0] == STEPS, "the restarted group did not rejoin up to max_steps"
+    runs = [(n, len(list(g))) for n, g in itertools.groupby(sizes)]
+    print(f"zero_stage={zero_stage}: killed at step {killed_at}; (groups, steps) in a row: {runs}")
     want = reference(sizes)
     for group in (0, 1):
         got = torch.load(tmp_path / f"replica{group}.pt")
