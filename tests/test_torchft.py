@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from parity import assert_same_params
+from recipe_runs import GPT, run_recipe
 from recipe_runs import env as recipe_env
 
 from lightning_parallel.parallel.config import ParallelConfig
@@ -187,3 +188,25 @@ def test_torchft_killed_replica_rejoins_and_final_state_is_the_quorums_average(t
     for group in (0, 1):
         got = torch.load(tmp_path / f"replica{group}.pt")
         assert_same_params(got, want, f"group {group}, quorum sizes per step {sizes}")
+
+
+@pytest.mark.slow
+def test_torchft_recipe_one_group_equals_the_plain_run(tmp_path):
+    """The recipe with strategy.fault_tolerance=torchft and a single replica group (a quorum of one) trains exactly
+    as without it: the same final train and validation losses."""
+    coordination = pytest.importorskip("torchft.coordination", reason="fault_tolerance='torchft' needs torchft")
+    args = ["trainer=debug", "trainer.max_steps=6", "sample_tokens=8", "strategy=hybrid3d", "strategy.zero_stage=1"]
+    lighthouse = coordination.LighthouseServer(bind="[::]:0", min_replicas=1)
+    try:
+        ft = [
+            "strategy.fault_tolerance=torchft",
+            "strategy.ft_replicas=1",
+            f"strategy.ft_lighthouse={lighthouse.address()}",
+        ]
+        (tmp_path / "ft").mkdir()
+        got = run_recipe(GPT, tmp_path / "ft", *args, *ft)
+    finally:
+        lighthouse.shutdown()
+    (tmp_path / "plain").mkdir()
+    want = run_recipe(GPT, tmp_path / "plain", *args)
+    assert (got["final_train_loss"], got["final_val_loss"]) == (want["final_train_loss"], want["final_val_loss"])
