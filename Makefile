@@ -11,11 +11,19 @@ endif
 LITGPT_VERSION ?= 0.5.13
 OUT ?= gpu_check_out
 
+# the ft extra (torchft) and the OpenTelemetry packages its import needs, as verified together
+FT_PACKAGES = torchft==0.2.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
+	opentelemetry-semantic-conventions==0.66b2 opentelemetry-exporter-otlp-proto-http==1.45.2 \
+	opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-proto==1.45.2 \
+	opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2 \
+	googleapis-common-protos==1.76.0 protobuf==7.36.2
+
 .PHONY: install install-torch train test test-full lint docs soak bench gpu-check gpu-wheels
 
 install: install-torch
 	$(PYTHON) -m pip install --quiet -e ".[dev,hf,peft,docs]"
 	$(PYTHON) -m pip install --quiet --no-deps litgpt==$(LITGPT_VERSION) psutil==7.2.2  # see the litgpt extra
+	$(PYTHON) -m pip install --quiet --no-deps $(FT_PACKAGES)  # see the ft extra
 ifeq ($(TORCH),cuda)
 	$(PYTHON) -c "import torch; assert torch.version.cuda, 'TORCH=cuda but torch ' + torch.__version__ + ' is a CPU build'"
 else

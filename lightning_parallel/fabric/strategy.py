@@ -63,6 +63,11 @@ def check_fabric_config(config: ParallelConfig, owner: str) -> None:
             f"{owner}(overlap_grad_reduce=True) is not available in Fabric (it needs to know which backward is a "
             "step's last): set overlap_grad_reduce=False, or train with the Trainer."
         )
+    if config.fault_tolerance != "none":
+        raise ValueError(
+            f"{owner}(fault_tolerance={config.fault_tolerance!r}) runs under the Trainer only for now (it steps the "
+            "optimizer only when torchft commits): train with Trainer(strategy=Hybrid3DStrategy(...)), or drop it."
+        )
 
 
 class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):

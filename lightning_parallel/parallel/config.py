@@ -6,7 +6,7 @@ Hydra schema extends it (``StrategyConf``), the planner validates layouts with i
 strategies from it. A new setting is a new field here, with its check in :meth:`ParallelConfig.validate`.
 
 May import: ``parallel.mesh``, ``parallel.pipeline.schedules``, ``parallel.data.stages``,
-``parallel.activation_checkpoint``. Never Lightning.
+``parallel.activation_checkpoint``, ``parallel.fault_tolerance``. Never Lightning.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from lightning_parallel.parallel.data.compression import check_grad_compression
 from lightning_parallel.parallel.data.hybrid_shard import check_hybrid_shard
 from lightning_parallel.parallel.data.powersgd import check_powersgd_settings
 from lightning_parallel.parallel.data.stages import check_zero_settings, zero_stage
+from lightning_parallel.parallel.fault_tolerance import check_fault_tolerance
 from lightning_parallel.parallel.mesh import ParallelDims, check_degree
 from lightning_parallel.parallel.pipeline.schedules import ScheduleSpec, schedule_spec
 
@@ -92,6 +93,11 @@ class ParallelConfig:
             parallelism and activation checkpointing, before data-parallel sharding (torchtitan's per-block way).
         activation_checkpointing: ``none``, ``full`` (recompute each layer in backward, keep its input) or
             ``selective`` (keep matmul, conv and attention outputs, recompute the rest).
+        fault_tolerance: ``none`` or ``torchft``: ``ft_replicas`` replica groups, each launched on its own, average
+            gradients through torchft and go on when one dies (:mod:`~lightning_parallel.parallel.fault_tolerance`).
+        ft_replicas, ft_replica_id: how many replica groups, and this launch's index among them.
+        ft_min_replicas: the fewest groups a step may run with. ft_lighthouse: the lighthouse's ``http://host:port``
+            (None: ``TORCHFT_LIGHTHOUSE``). ft_timeout: seconds for quorums, reductions and state transfers.
     """
 
     dp: Any = "auto"  # an int or "auto"
@@ -117,6 +123,12 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
     bucket_mb: float = 25.0
     compile: bool = False
+    fault_tolerance: str = "none"
+    ft_replicas: int = 2
+    ft_replica_id: int = 0
+    ft_min_replicas: int = 1
+    ft_lighthouse: str | None = None
+    ft_timeout: float = 60.0
 
     # ----- building -----
 
@@ -199,6 +211,7 @@ class ParallelConfig:
         check_grad_compression(self.grad_compression)
         check_flag("overlap_grad_reduce", self.overlap_grad_reduce)
         check_flag("compile", self.compile)
+        check_fault_tolerance(self, warn)
         check_powersgd_settings(
             self.grad_compression,
             self.powersgd_rank,

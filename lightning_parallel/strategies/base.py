@@ -56,6 +56,7 @@ from lightning_parallel.strategies.checkpointing import (
 )
 from lightning_parallel.strategies.checks import check_model
 from lightning_parallel.strategies.distributed import DistributedMixin
+from lightning_parallel.strategies.fault_tolerant_step import fault_tolerant_step, start_replicas
 from lightning_parallel.strategies.model_setup import ModelPlacement
 from lightning_parallel.strategies.pipelined_step import pipelined_step
 
@@ -132,6 +133,13 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
         self._parallelized: torch.nn.Module | None = None  # the model parallelize() ran on
         self._pipelined: Any = None  # PipelinedStep under pp > 1
         self._full_param_order: list[str] = []  # the unsplit model's parameter names: checkpoints number them
+        self._replicas: Any = None  # fault_tolerance='torchft': this rank's FaultTolerantReplicas
+
+    @property
+    def replicas(self) -> Any:
+        """``fault_tolerance='torchft'``: this rank's :class:`~lightning_parallel.parallel.fault_tolerance.
+        FaultTolerantReplicas` (committed steps, groups in the quorum) once fit has set up; else None."""
+        return self._replicas
 
     @property
     @override
@@ -172,6 +180,7 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
                 self.sharding.powersgd.keep_whole(embedding_weights(self.model) + (tied.params() if tied else []))
             for optimizer in self.optimizers:
                 self.sharding.shard_optimizer(optimizer)
+            self._replicas = self._replicas or start_replicas(self, trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
@@ -280,7 +289,14 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
             self._after_backward(raw)
             return result
 
-        result = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        if self._replicas is not None:  # fault_tolerance='torchft': across the replica groups alive now
+            grads = lambda: [g for g, _, _ in self.sharding.grad_pieces(raw)]  # noqa: E731
+            step = lambda done: super(MeshStrategy, self).optimizer_step(optimizer, done, model, **kwargs)  # noqa: E731
+            result = fault_tolerant_step(
+                self._replicas, self.lightning_module.trainer, raw, closure_then_reduce, step, grads
+            )
+        else:
+            result = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
         self.sharding.after_step(raw)
         return result
 
@@ -339,6 +355,9 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self._close_checkpointer()  # the save in flight lands first (also after a preemption's)
+        if self._replicas is not None:
+            self._replicas.shutdown()
+            self._replicas = None
         self.end_failure_watch()
         hidden = self.__dict__.pop("_hidden_example_input", None)
         if hidden is not None and self.lightning_module is not None:

@@ -29,6 +29,7 @@ from lightning_parallel.parallel.failure import (
     needs_watch,
     report_now,
 )
+from lightning_parallel.parallel.fault_tolerance import check_backend, lighthouse_address, sampler_kwargs
 from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.parallel.shutdown import release_at_exit
 from lightning_parallel.strategies.launcher import CheckFirstLauncher
@@ -114,7 +115,8 @@ class DistributedMixin:
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # every rank of one batch index sees the same samples: pipeline stages, tensor shards and cp ranks share one
-        return {"num_replicas": self.parallel_dims.role_size("batch"), "rank": self.mesh.rank("batch")}
+        kwargs = {"num_replicas": self.parallel_dims.role_size("batch"), "rank": self.mesh.rank("batch")}
+        return sampler_kwargs(self.config, kwargs)  # fault_tolerance='torchft': the other replica groups' too
 
     @property
     @override
@@ -209,6 +211,9 @@ class DistributedMixin:
     def setup_environment(self) -> None:
         self._check_launched_world()  # before the device is chosen and any process group exists
         super().setup_environment()
+        if self.config.fault_tolerance == "torchft":
+            check_backend(self.root_device)
+            lighthouse_address(self.config.ft_lighthouse)
         reset_seed()
         self.set_world_ranks()
         dims = self.parallel_dims
