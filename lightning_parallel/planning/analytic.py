@@ -74,15 +74,17 @@ class _Rank:
         self.r = x.tp if x.sequence_parallel else 1  # what divides the replicated (h-wide) activations
 
     # ----- memory -----
-    def layer_activations(self, moe: bool) -> float:
-        """Bytes one layer keeps for backward (Korthikanti et al. 2022, term by term)."""
-        s, x, a, T, t = self.s, self.x, self.a, self.tokens, self.x.tp
+    def layer_activations(self, moe: bool, mode: str | None = None, scores: bool = True) -> float:
+        """Bytes one layer keeps for backward (Korthikanti et al. 2022, term by term) under checkpointing ``mode``
+        (None: the layout's); ``scores=False`` leaves out the attention scores."""
+        s, a, T, t = self.s, self.a, self.tokens, self.x.tp
+        mode = mode or self.x.activation_checkpointing
         mask = T * s.hidden if s.dropout else 0.0
-        if x.activation_checkpointing == "full":
+        if mode == "full":
             return a * T * s.hidden / self.r
         repl = 2 * (2 * a * T * s.hidden + mask)  # norm inputs, qkv and fc1 inputs, two dropout masks
         attn = a * T * (s.heads * s.qk_head_dim + s.kv_heads * (s.qk_head_dim + s.v_head_dim) + s.heads * s.v_head_dim)
-        shard = attn + self._mlp_activations(moe) + self.scores()
+        shard = attn + self._mlp_activations(moe) + (self.scores(mode) if scores else 0.0)
         return repl / self.r + shard / t + (4 * T * s.experts if moe else 0.0)  # the router's fp32 logits
 
     def _mlp_activations(self, moe: bool) -> float:
@@ -92,19 +94,17 @@ class _Rank:
             return per_width * s.ffn
         return per_width * (s.top_k * s.moe_ffn + s.shared_ffn) + a * T * s.top_k * s.hidden * self.x.tp
 
-    def scores(self) -> float:
-        """The attention scores kept (softmax output, dropout mask and output) when they are materialized."""
+    def scores(self, mode: str) -> float:
+        """The attention scores kept (softmax output, dropout mask and output) when they are materialized, over
+        all tp ranks."""
         s, w = self.s, self.w
-        if w.attention == "flash" or self.x.activation_checkpointing != "none":
+        if w.attention == "flash" or mode != "none":
             return 4.0 * self.tokens * s.heads  # the softmax statistics
         return s.heads * self.tokens * w.seq_len * (self.a + (1 + self.a if s.dropout else 0))
 
     def working_layer(self, moe: bool) -> float:
         """What a fully checkpointed layer rebuilds during its backward."""
-        if self.x.activation_checkpointing != "full":
-            return 0.0
-        full = _Rank(self.s, self.c, Layout(**{**self.x.__dict__, "activation_checkpointing": "none"}), self.w)
-        return full.layer_activations(moe)
+        return self.layer_activations(moe, "none") if self.x.activation_checkpointing == "full" else 0.0
 
     def logits(self) -> float:
         return 4 * self.tokens * self.s.vocab / self.x.tp * 2  # fp32 logits and their log-softmax
@@ -130,15 +130,8 @@ class _Rank:
         ffn = s.shared_ffn if moe else s.ffn
         time += self.gemm(T, s.hidden, width * ffn / t) + self.gemm(T, ffn / t, s.hidden)
         hbm = self.c.device.hbm_bandwidth
-        time += TRAFFIC * (self.layer_activations_kept(moe) - self.scores()) / hbm
+        time += TRAFFIC * self.layer_activations(moe, "none", scores=False) / hbm
         return time + core, core
-
-    def layer_activations_kept(self, moe: bool) -> float:
-        if self.x.activation_checkpointing == "none":
-            return self.layer_activations(moe)
-        return _Rank(
-            self.s, self.c, Layout(**{**self.x.__dict__, "activation_checkpointing": "none"}), self.w
-        ).layer_activations(moe)
 
     def attention_core(self) -> float:
         """Forward seconds of softmax(QK^T)V on this rank (causal: fused kernels skip half the blocks)."""
@@ -236,26 +229,30 @@ def _step_times(r: _Rank, dense: int, moe: int, params: float, mv: tuple[int, in
     times = {"compute": m * compute, "bubble": (x.pp - 1) / v * per_mb}
     times.update({k: m * t for k, t in comm.items()})
     times["pp"] = m * p2p
-    times["dp"] = _dp_time(r, params, compute, m)
+    times["dp"] = _dp_time(r, params, compute, m, dense + moe)
     states_bytes = element_bytes(r.w.precision) * (2 + r.w.optimizer_states) * params / ((x.dp_shard or x.dp) * x.cp)
     times["optimizer"] = 2 * states_bytes / c.device.hbm_bandwidth
     return times
 
 
-def _dp_time(r: _Rank, params: float, compute: float, m: int) -> float:
-    """Exposed seconds of the data-parallel reduction (and ZeRO-3's gathers) per step."""
+def _dp_time(r: _Rank, params: float, compute: float, m: int, units: int) -> float:
+    """Exposed seconds of the data-parallel reduction (and ZeRO-3's gathers) per step, ``units`` collectives each
+    (one per layer: FSDP's units, the buckets)."""
     x, c = r.x, r.c
     stride, shard = x.tp, (x.dp_shard or x.dp) * x.cp
     grads = r.a * params
-    reduce = c.gather_time(grads, stride, shard) if x.zero_stage else c.all_reduce_time(grads, stride, shard)
+    if x.zero_stage:
+        reduce = c.gather_time(grads, stride, shard, units)
+    else:
+        reduce = c.all_reduce_time(grads, stride, shard, units)
     if x.dp_shard and x.dp_shard < x.dp:  # HSDP: the shard all-reduced across the replicas
-        reduce += c.all_reduce_time(grads / shard, stride * shard, x.dp // x.dp_shard)
+        reduce += c.all_reduce_time(grads / shard, stride * shard, x.dp // x.dp_shard, units)
     if x.zero_stage in (1, 2):  # the updated parameters gathered back
-        reduce += c.gather_time(grads, stride, shard)
+        reduce += c.gather_time(grads, stride, shard, units)
     hidden = compute * 2 / 3 if x.overlap_grad_reduce or x.zero_stage == 3 else 0.0
     exposed = max(0.0, reduce - hidden)
     if x.zero_stage == 3:  # parameter all-gathers per microbatch, prefetched behind each microbatch's compute
-        gathers = (2 if x.reshard_after_forward else 1) * c.gather_time(grads, stride, shard)
+        gathers = (2 if x.reshard_after_forward else 1) * c.gather_time(grads, stride, shard, units)
         exposed += m * max(0.0, gathers - compute)
     return exposed
 

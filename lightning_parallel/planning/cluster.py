@@ -10,6 +10,7 @@ at once (a group whose ranks are consecutive gets all of a node's NICs; tp=8 lea
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 # nominal figures; COMM_EFFICIENCY turns link bandwidth into what collectives achieve (NCCL's bus bandwidth)
@@ -29,6 +30,7 @@ class Device:
         inter_node_bw: bytes/s a whole node sends to others (all its NICs, one direction).
         gemm_efficiency: the fraction of ``peak_flops`` large matrix multiplies sustain.
         attention_efficiency: the fraction fused (flash) attention kernels sustain, forward and backward together.
+        intra_latency, inter_latency: seconds per step of a collective inside a node and across nodes.
     """
 
     name: str
@@ -39,6 +41,8 @@ class Device:
     inter_node_bw: float
     gemm_efficiency: float = 0.75
     attention_efficiency: float = 0.5
+    intra_latency: float = 3e-6
+    inter_latency: float = 10e-6
 
 
 GIB = 2**30
@@ -91,10 +95,22 @@ class Cluster:
         sharing = min(stride, self.gpus_per_node)
         return min(d.intra_node_bw, d.inter_node_bw / sharing) * COMM_EFFICIENCY
 
-    def all_reduce_time(self, payload: float, stride: int, size: int) -> float:
-        """Seconds of a ring all-reduce of ``payload`` bytes: 2 (n-1)/n of it through each rank."""
-        return 2 * payload * (size - 1) / size / self.bandwidth(stride, size) if size > 1 else 0.0
+    def latency(self, stride: int, size: int) -> float:
+        d = self.device
+        return d.intra_latency if stride * size <= self.gpus_per_node else d.inter_latency
 
-    def gather_time(self, payload: float, stride: int, size: int) -> float:
-        """Seconds of an all-gather, a reduce-scatter or an all-to-all of ``payload`` bytes (the full tensor)."""
-        return payload * (size - 1) / size / self.bandwidth(stride, size) if size > 1 else 0.0
+    def all_reduce_time(self, payload: float, stride: int, size: int, count: int = 1) -> float:
+        """Seconds of ``count`` all-reduces of ``payload`` bytes in all: 2 (n-1)/n of it through each rank, and
+        2 log2(n) latency steps each (NCCL's trees at scale)."""
+        if size == 1:
+            return 0.0
+        steps = 2 * math.ceil(math.log2(size)) * count
+        return 2 * payload * (size - 1) / size / self.bandwidth(stride, size) + steps * self.latency(stride, size)
+
+    def gather_time(self, payload: float, stride: int, size: int, count: int = 1) -> float:
+        """Seconds of ``count`` all-gathers, reduce-scatters or all-to-alls of ``payload`` bytes in all (whole
+        tensors): (n-1)/n of it through each rank, n-1 ring steps each."""
+        if size == 1:
+            return 0.0
+        steps = (size - 1) * count
+        return payload * (size - 1) / size / self.bandwidth(stride, size) + steps * self.latency(stride, size)

@@ -8,11 +8,13 @@ What a paper does not state (microbatch size, virtual stages) the planner choose
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from lightning_parallel.planning.cluster import Cluster, get_device
 from lightning_parallel.planning.hf_config import ModelShape, gpt_shape
 from lightning_parallel.planning.layout import Layout, Workload
+from lightning_parallel.planning.search import complete, search
 
 MEGATRON = "Megatron-LM (Narayanan et al. 2021), Table 1"
 LLAMA3 = "Llama 3 (Dubey et al. 2024), Table 4"
@@ -103,3 +105,55 @@ RUNS = [
     _llama3(16384, 8, 1, 16, 128, 8192, 16, 400),
     _llama3(16384, 8, 16, 16, 8, 131072, 16, 380),
 ]
+
+
+def counted_flops_per_token(run: Run, checkpointing: str) -> float:
+    """FLOPs per token as the run's source counts them (to turn its TFLOP/s into tokens/s)."""
+    from lightning_parallel.planning.analytic import AnalyticEstimate, _throughput
+
+    est = AnalyticEstimate(replace(run.layout, activation_checkpointing=checkpointing), step_time=1.0)
+    _throughput(est, run.shape, Cluster(1, 1, run.cluster.device), run.workload)
+    return est.tflops_per_gpu * 1e12 / (run.workload.global_batch * run.workload.seq_len)
+
+
+def compare(run: Run) -> dict[str, Any]:
+    """The planner's prediction for the published layout (the fields the paper leaves open chosen by it) and its
+    own recommendation, beside the published figure (read only here, after predicting)."""
+    predicted = complete(run.shape, run.cluster, run.layout, run.workload, run.free)
+    best = search(run.shape, run.cluster, run.workload, top=1)
+    assert predicted is not None, run.label
+    per_token = counted_flops_per_token(run, run.layout.activation_checkpointing)
+    published_tps = run.tflops * 1e12 * run.cluster.gpus / per_token
+    return {
+        "source": run.source,
+        "run": run.label,
+        "gpus": run.cluster.gpus,
+        "published_layout": run.layout.describe(),
+        "published_tflops": run.tflops,
+        "published_tokens_per_s": published_tps,
+        "predicted": predicted,
+        "error": predicted.tflops_per_gpu / run.tflops - 1,
+        "recommended": best[0] if best else None,
+    }
+
+
+def published_table() -> str:
+    """The Markdown table of docs/planner.md: every published run against the planner."""
+    lines = [
+        "| run | GPUs | published layout | published TFLOP/s per GPU (tokens/s) | predicted (error) | predicted "
+        "memory per GPU | recommended layout | its predicted tokens/s (vs published) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in RUNS:
+        c = compare(run)
+        p, r = c["predicted"], c["recommended"]
+        fits = "" if p.feasible else " (over the memory limit)"
+        rec = (
+            f"`{r.layout.describe()}` | {r.tokens_per_s:,.0f} ({r.tokens_per_s / c['published_tokens_per_s'] - 1:+.0%})"
+        )
+        lines.append(
+            f"| {c['run']} | {c['gpus']:,} | `{p.layout.describe()}` | {c['published_tflops']:.0f} "
+            f"({c['published_tokens_per_s']:,.0f}) | {p.tflops_per_gpu:.0f} ({c['error']:+.1%}) | "
+            f"{p.memory / 1e9:.1f} GB{fits} | {rec} |"
+        )
+    return "\n".join(lines)

@@ -29,7 +29,7 @@ def layout_options(layout: Layout, work: Workload, free: tuple[str, ...]) -> Ite
         "microbatches": sorted({per_dp // b for b in (1, 2, 4, 8) if per_dp % b == 0}),
         "pp_virtual_stages": [None, 2, 4, 8] if layout.pp_schedule == "interleaved_1f1b" else [None],
         "activation_checkpointing": list(CHECKPOINTING),
-        "zero_stage": [0, 1, 2, 3],
+        "zero_stage": [0, 2, 3],  # ZeRO-1 moves what ZeRO-2 moves and holds more
         "overlap_grad_reduce": [True],
         "sequence_parallel": [layout.tp > 1],
     }
