@@ -172,9 +172,8 @@ def _states(shape: ModelShape, x: Layout, work: Workload, dense: int, moe: int) 
     """(model-state bytes of the busiest rank, its non-expert and expert parameter counts)."""
     base_dense, _ = shape.layer_params(False)
     base_moe, experts = shape.layer_params(True)
-    params = (dense * base_dense + moe * base_moe) / x.tp + shape.vocab * shape.hidden / x.tp
-    if x.pp == 1 and not shape.tied:
-        params += shape.vocab * shape.hidden / x.tp
+    embedding = shape.embedding_params() - (shape.vocab * shape.hidden if x.pp > 1 and not shape.tied else 0)
+    params = (dense * base_dense + moe * base_moe + embedding) / x.tp  # the first stage: the embedding (and head)
     expert_params = moe * experts / x.ep / x.tp
     shard = (x.dp_shard or x.dp) * x.cp
     sharding, elem = zero_stage_of(x.zero_stage), element_bytes(work.precision)

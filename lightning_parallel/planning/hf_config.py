@@ -33,6 +33,8 @@ class ModelShape:
         dense_layers: how many layers have a dense MLP (the rest are MoE; 0 for a dense model with experts=0).
         dropout: the blocks keep dropout masks (Megatron's GPT does; current LLMs train without).
         seq_len: the model's context length (the default sequence).
+        biases: every linear and norm has a bias (GPT-2, Megatron's GPT); learned_positions: rows of a learned
+            position embedding (0: rotary).
     """
 
     name: str
@@ -54,6 +56,8 @@ class ModelShape:
     dense_layers: int = 0
     dropout: bool = False
     seq_len: int = 2048
+    biases: bool = False
+    learned_positions: int = 0
 
     @property
     def moe_layers(self) -> int:
@@ -68,6 +72,9 @@ class ModelShape:
     def mlp_params(self, width: int) -> int:
         return (3 if self.gated else 2) * self.hidden * width
 
+    def _mlp_biases(self, width: int) -> int:
+        return ((2 if self.gated else 1) * width + self.hidden) if self.biases else 0
+
     def expert_params_per_layer(self) -> int:
         """The routed experts' parameters of one MoE layer (split over ep)."""
         return self.experts * self.mlp_params(self.moe_ffn)
@@ -76,12 +83,16 @@ class ModelShape:
         """(non-expert, routed-expert) parameters of one layer: attention, norms, a dense MLP or a router, the
         shared experts and the routed ones."""
         base = self.attention_params() + 2 * self.hidden
+        if self.biases:  # q, k, v and output projections, two norms
+            base += self.heads * self.qk_head_dim + self.kv_heads * (self.qk_head_dim + self.v_head_dim)
+            base += 3 * self.hidden
         if not moe:
-            return base + self.mlp_params(self.ffn), 0
+            return base + self.mlp_params(self.ffn) + self._mlp_biases(self.ffn), 0
         return base + self.hidden * self.experts + self.mlp_params(self.shared_ffn), self.expert_params_per_layer()
 
     def embedding_params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+        extra = self.learned_positions * self.hidden + (self.hidden if self.biases else 0)
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden + extra
 
     def num_params(self) -> int:
         dense, _ = self.layer_params(False)
@@ -116,7 +127,7 @@ class ModelShape:
 
 
 def gpt_shape(name: str, layers: int, hidden: int, heads: int, vocab: int, seq_len: int) -> ModelShape:
-    """Megatron's GPT: fused MHA, a 4h GeLU MLP, tied embeddings, dropout."""
+    """Megatron's GPT: fused MHA, a 4h GeLU MLP, biases, learned positions, tied embeddings, dropout."""
     head = hidden // heads
     return ModelShape(
         name,
@@ -132,6 +143,8 @@ def gpt_shape(name: str, layers: int, hidden: int, heads: int, vocab: int, seq_l
         tied=True,
         dropout=True,
         seq_len=seq_len,
+        biases=True,
+        learned_positions=seq_len,
     )
 
 
@@ -172,7 +185,9 @@ def from_hf_config(c: dict[str, Any], name: str = "") -> ModelShape:
         qk_head_dim=head_dim,
         v_head_dim=head_dim,
         ffn=ffn,
-        gated=kind in GATED or "hidden_act" in c and kind != "gpt2",
+        gated=kind in GATED,
+        biases=kind == "gpt2",
+        learned_positions=c.get("n_positions", 0) if kind == "gpt2" else 0,
         tied=bool(c.get("tie_word_embeddings", kind == "gpt2")),
         seq_len=_get(c, "max_position_embeddings", "n_positions", default=2048),
     )

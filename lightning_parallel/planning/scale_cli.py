@@ -33,7 +33,7 @@ def add_scale_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inter-node-bw", type=float, help="override: bytes/s per node across nodes")
     g.add_argument("--hbm-bw", type=float, help="override: device memory bytes/s")
     g.add_argument("--seq-len", type=int, help="tokens per sample (default: the model's context)")
-    g.add_argument("--global-batch-tokens", type=_tokens, help="tokens per step, e.g. 4M (instead of samples)")
+    g.add_argument("--global-batch-tokens", type=_tokens, help="tokens per step, e.g. 4M (K, M, G: powers of 2)")
     g.add_argument("--attention", choices=["flash", "materialized"], default="flash")
     g.add_argument("--layout", type=parse_layout, help="evaluate one layout, e.g. tp=8,pp=8,dp=12,zero_stage=1")
     g.add_argument("--top", type=int, default=5, help="layouts to list from the search")
@@ -41,7 +41,7 @@ def add_scale_args(p: argparse.ArgumentParser) -> None:
 
 
 def _tokens(text: str) -> int:
-    scale = {"K": 1e3, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
     return int(float(text[:-1] if scale != 1 else text) * scale)
 
 
