@@ -41,6 +41,7 @@ from lightning_parallel.planning.estimate import (
     element_bytes,
     recommend,
 )
+from lightning_parallel.planning.hf_config import ModelShape, from_recipe
 from lightning_parallel.planning.profile import ModelSpec, plan_layouts
 from lightning_parallel.planning.published import published_table
 from lightning_parallel.planning.scale_cli import add_scale_args, format_scale_table, make_scale_plan
@@ -202,6 +203,16 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def recipe_shape(model: str) -> ModelShape | None:
+    """A recipe GPT's shape for the analytic planner (None: ``model`` names no recipe model)."""
+    if not model.endswith((".yaml", ".yml")) and not (CONF / "model" / f"{model}.yaml").is_file():
+        return None
+    kind, m = load_model_config(model)
+    if kind != "gpt":
+        raise ValueError(f"{model} is a {kind}: the analytic planner takes transformers (drop --gpus).")
+    return from_recipe(m, model)
+
+
 def _check_lora_args(args: argparse.Namespace, kind: str) -> None:
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank={args.lora_rank} is not a rank: give 1 or more (0: full fine-tuning).")
@@ -281,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if scale and args.model is None:
             raise ValueError("give a model: a Hugging Face config.json or folder, a LitGPT name or a recipe model.")
-        plan = make_scale_plan(args) if scale else make_plan(args)
+        plan = make_scale_plan(args, recipe_shape) if scale else make_plan(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

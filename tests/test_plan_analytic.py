@@ -181,3 +181,21 @@ def test_published_runs_predicted_within_20_percent_and_recommendation_no_slower
         assert rec.tokens_per_s >= 0.9 * row["published_tokens_per_s"], run.label
         hidden = complete(run.shape, run.cluster, run.layout, run.workload, run.free)  # what compare() predicts
         assert hidden.tflops_per_gpu == pred.tflops_per_gpu
+
+
+def test_lora_adapters_and_frozen_base():
+    """--lora-rank with --gpus: the adapters counted as the profiling planner counts them on a recipe GPT, the base
+    frozen (no optimizer states, no weight gradients: less memory and a shorter backward)."""
+    kind, m = load_model_config("gpt_tiny")
+    shape = from_recipe(m, "gpt_tiny")
+    profiled = make_plan(parse_args(["gpt_tiny", "--world-size", "1", "--device-memory", "80GB", "--lora-rank",
+                                     "8", "--global-batch-size", "8"]))  # fmt: skip
+    assert shape.layers * shape.lora_params(8, False) == profiled["adapter_params"]
+    cluster = Cluster(8, 8, get_device("h100"))
+    full, lora = Workload(2048, 64), Workload(2048, 64, lora_rank=8, base_bytes_per_param=2)
+    llama = from_hf_config({"model_type": "llama", **TINY, "hidden_size": 1024, "intermediate_size": 4096,
+                            "num_hidden_layers": 8})  # fmt: skip
+    a, b = (evaluate(llama, cluster, Layout(dp=8, microbatches=2), w) for w in (full, lora))
+    assert b.states < a.states / 5 and b.times["compute"] < a.times["compute"] and b.times["dp"] <= a.times["dp"]
+    with pytest.raises(ValueError, match="lora_rank=-1"):
+        Workload(2048, 64, lora_rank=-1)

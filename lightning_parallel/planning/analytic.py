@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from lightning_parallel.parallel.data.stages import zero_stage as zero_stage_of
 from lightning_parallel.parallel.pipeline.schedules import schedule_spec
+from lightning_parallel.planning.adapters import adapter_model_state_bytes
 from lightning_parallel.planning.cluster import Cluster
 from lightning_parallel.planning.estimate import element_bytes
 from lightning_parallel.planning.hf_config import ModelShape
@@ -169,7 +170,8 @@ def _stage_layers(shape: ModelShape, x: Layout) -> tuple[int, int]:
 
 
 def _states(shape: ModelShape, x: Layout, work: Workload, dense: int, moe: int) -> tuple[float, float, float]:
-    """(model-state bytes of the busiest rank, its non-expert and expert parameter counts)."""
+    """(model-state bytes of the busiest rank, the parameters it trains, the parameters it holds); with LoRA the
+    base is frozen (:mod:`lightning_parallel.planning.adapters`) and only the adapters train."""
     base_dense, _ = shape.layer_params(False)
     base_moe, experts = shape.layer_params(True)
     embedding = shape.embedding_params() - (shape.vocab * shape.hidden if x.pp > 1 and not shape.tied else 0)
@@ -177,9 +179,16 @@ def _states(shape: ModelShape, x: Layout, work: Workload, dense: int, moe: int) 
     expert_params = moe * experts / x.ep / x.tp
     shard = (x.dp_shard or x.dp) * x.cp
     sharding, elem = zero_stage_of(x.zero_stage), element_bytes(work.precision)
+    if work.lora_rank:
+        adapters = dense * shape.lora_params(work.lora_rank, False) + moe * shape.lora_params(work.lora_rank, True)
+        adapters //= x.tp
+        frozen = {"zero_stage": x.zero_stage, "base_bytes_per_param": work.base_bytes_per_param or elem}
+        states = adapter_model_state_bytes(int(params), adapters, dp=shard, **frozen)
+        states += adapter_model_state_bytes(int(expert_params), 0, dp=max(1, shard // x.ep), **frozen)
+        return states, adapters, params + expert_params
     states = sharding.state_bytes_exact(int(params), shard, elem, work.optimizer_states)
     states += sharding.state_bytes_exact(int(expert_params), max(1, shard // x.ep), elem, work.optimizer_states)
-    return states, params, expert_params
+    return states, params + expert_params, params + expert_params
 
 
 def evaluate(shape: ModelShape, cluster: Cluster, x: Layout, work: Workload) -> AnalyticEstimate:
@@ -192,25 +201,25 @@ def evaluate(shape: ModelShape, cluster: Cluster, x: Layout, work: Workload) -> 
     r, est = _Rank(shape, cluster, x, work), AnalyticEstimate(x)
     m, v = microbatches(x, work), x.virtual
     dense, moe = _stage_layers(shape, x)
-    states, params, expert_params = _states(shape, x, work, dense, moe)
+    states, trained, held = _states(shape, x, work, dense, moe)
     in_flight = schedule_spec(x.pp_schedule).in_flight(x.pp, m, 0, v) if x.pp > 1 else 1.0
     acts = in_flight * (dense * r.layer_activations(False) + moe * r.layer_activations(True))
     acts += r.working_layer(moe > 0) + (r.logits() if x.pp == 1 else 0.0)
     gathered = 0.0
     if x.zero_stage == 3:  # in the compute dtype: the unit being used and the one prefetched, or all of them
         units = 2 if x.reshard_after_forward else dense + moe
-        gathered = units * work.act_bytes * (params + expert_params) / max(1, dense + moe)
+        gathered = units * work.act_bytes * held / max(1, dense + moe)
     est.states, est.activations, est.memory = states, acts, states + acts + gathered
     if est.memory > (1 - work.margin) * cluster.device.memory:
         est.reason = f"needs {est.memory / 1e9:.1f} GB of {cluster.device.memory / 1e9:.1f} GB (margin {work.margin})"
-    est.times = _step_times(r, dense, moe, params + expert_params, (m, v))
+    est.times = _step_times(r, dense, moe, (trained, held), (m, v))
     est.step_time = sum(est.times.values())
     est.bound = max(est.times, key=est.times.__getitem__)
-    _throughput(est, shape, cluster, work)
+    count_throughput(est, shape, cluster, work)
     return est
 
 
-def _step_times(r: _Rank, dense: int, moe: int, params: float, mv: tuple[int, int]) -> dict[str, float]:
+def _step_times(r: _Rank, dense: int, moe: int, params: tuple[float, float], mv: tuple[int, int]) -> dict[str, float]:
     x, c, s, (m, v) = r.x, r.c, r.s, mv
     recompute = {"none": 0.0, "selective": 1.0, "full": 1.0}[x.activation_checkpointing]
     compute, comm = 0.0, {"tp": 0.0, "cp": 0.0, "ep": 0.0}
@@ -219,27 +228,27 @@ def _step_times(r: _Rank, dense: int, moe: int, params: float, mv: tuple[int, in
             continue
         fwd, core = r.layer_forward(is_moe)
         redo = fwd if x.activation_checkpointing == "full" else core * recompute
-        compute += count * (3 * fwd + redo)
+        compute += count * ((2 if r.w.lora_rank else 3) * fwd + redo)  # a frozen base: no weight gradients
         for k, t in r.layer_comm(is_moe, core).items():
             comm[k] += count * t
-    compute += r.gemm(r.tokens, s.hidden, s.vocab / x.tp, 3) / (1 if x.pp == 1 else 1)  # the output head
+    compute += r.gemm(r.tokens, s.hidden, s.vocab / x.tp, 3)  # the output head
     p2p = 2 * v * r.a * r.tokens * s.hidden / r.r / c.bandwidth(x.tp * x.cp * x.dp, 2) if x.pp > 1 else 0.0
     per_mb = compute + sum(comm.values()) + p2p
     times = {"compute": m * compute, "bubble": (x.pp - 1) / v * per_mb}
     times.update({k: m * t for k, t in comm.items()})
     times["pp"] = m * p2p
     times["dp"] = _dp_time(r, params, compute, m, dense + moe)
-    states_bytes = element_bytes(r.w.precision) * (2 + r.w.optimizer_states) * params / ((x.dp_shard or x.dp) * x.cp)
+    states_bytes = element_bytes(r.w.precision) * (2 + r.w.optimizer_states) * params[0] / ((x.dp_shard or x.dp) * x.cp)
     times["optimizer"] = 2 * states_bytes / c.device.hbm_bandwidth
     return times
 
 
-def _dp_time(r: _Rank, params: float, compute: float, m: int, units: int) -> float:
-    """Exposed seconds of the data-parallel reduction (and ZeRO-3's gathers) per step, ``units`` collectives each
-    (one per layer: FSDP's units, the buckets)."""
+def _dp_time(r: _Rank, params: tuple[float, float], compute: float, m: int, units: int) -> float:
+    """Exposed seconds of the data-parallel reduction of the trained ``params[0]`` (and ZeRO-3's gathers of all
+    ``params[1]``) per step, ``units`` collectives each (one per layer: FSDP's units, the buckets)."""
     x, c = r.x, r.c
     stride, shard = x.tp, (x.dp_shard or x.dp) * x.cp
-    grads = r.a * params
+    grads, weights = r.a * params[0], r.a * params[1]
     if x.zero_stage:
         reduce = c.gather_time(grads, stride, shard, units)
     else:
@@ -251,24 +260,25 @@ def _dp_time(r: _Rank, params: float, compute: float, m: int, units: int) -> flo
     hidden = compute * 2 / 3 if x.overlap_grad_reduce or x.zero_stage == 3 else 0.0
     exposed = max(0.0, reduce - hidden)
     if x.zero_stage == 3:  # parameter all-gathers per microbatch, prefetched behind each microbatch's compute
-        gathers = (2 if x.reshard_after_forward else 1) * c.gather_time(grads, stride, shard, units)
+        gathers = (2 if x.reshard_after_forward else 1) * c.gather_time(weights, stride, shard, units)
         exposed += m * max(0.0, gathers - compute)
     return exposed
 
 
-def _throughput(est: AnalyticEstimate, shape: ModelShape, cluster: Cluster, work: Workload) -> None:
+def count_throughput(est: AnalyticEstimate, shape: ModelShape, cluster: Cluster, work: Workload) -> None:
     """Tokens/s; MFU from the FLOPs the model needs (6 N per token, causal attention: half the score matrix);
     TFLOP/s per GPU as ``work.flops_count`` says the source counts them."""
     tokens = work.global_batch * work.seq_len
     attn = 2 * work.seq_len * shape.heads * (shape.qk_head_dim + shape.v_head_dim) * shape.layers  # per token fwd
     attn_counted = attn if work.flops_count == "megatron" else attn / 2
     layer_fwd = 2 * (shape.active_params() - shape.vocab * shape.hidden) + attn_counted
-    counted = tokens * (6 * shape.active_params() + 3 * attn_counted)
+    passes = 2 if work.lora_rank else 3  # forward and backward (without weight gradients under LoRA)
+    counted = tokens * (2 * passes * shape.active_params() + passes * attn_counted)
     if work.flops_count == "megatron":  # with the recomputed forward
         counted += {"none": 0.0, "selective": tokens * attn, "full": tokens * layer_fwd}[
             est.layout.activation_checkpointing
         ]
     est.tokens_per_s = tokens / est.step_time
-    est.mfu = tokens * (6 * shape.active_params() + 1.5 * attn) / est.step_time / cluster.gpus
+    est.mfu = tokens * passes * (2 * shape.active_params() + attn / 2) / est.step_time / cluster.gpus
     est.mfu /= cluster.device.peak_flops
     est.tflops_per_gpu = counted / est.step_time / cluster.gpus / 1e12

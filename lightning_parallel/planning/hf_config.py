@@ -90,6 +90,14 @@ class ModelShape:
             return base + self.mlp_params(self.ffn) + self._mlp_biases(self.ffn), 0
         return base + self.hidden * self.experts + self.mlp_params(self.shared_ffn), self.expert_params_per_layer()
 
+    def lora_params(self, rank: int, moe: bool) -> int:
+        """LoRA adapter elements of one layer at ``rank``: the q, k, v and output projections and the dense (or
+        shared-expert) MLP linears, r (in + out) each; routers and routed experts keep none."""
+        h, q, kv = self.hidden, self.heads * self.qk_head_dim, self.kv_heads * self.qk_head_dim
+        attn = (h + q) + (h + kv) + (h + self.kv_heads * self.v_head_dim) + (self.heads * self.v_head_dim + h)
+        width = self.shared_ffn if moe else self.ffn
+        return rank * (attn + ((3 if self.gated else 2) * (h + width) if width else 0))
+
     def embedding_params(self) -> int:
         extra = self.learned_positions * self.hidden + (self.hidden if self.biases else 0)
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden + extra

@@ -76,6 +76,8 @@ class Workload:
         flops_count: how TFLOP/s per GPU are counted: ``causal`` (what the model needs: 6 N per token and half
             the attention score matrix) or ``megatron`` (Narayanan et al.: the full score matrix and the
             recomputed forward, 96 B s l h^2 (1 + s/6h + V/16lh) for GPT).
+        lora_rank: LoRA adapters of this rank (0: every parameter trains), the base frozen in
+            ``base_bytes_per_param`` bytes (None: the precision's element).
     """
 
     seq_len: int
@@ -85,11 +87,15 @@ class Workload:
     optimizer_states: int = 2
     margin: float = 0.1
     flops_count: str = "causal"
+    lora_rank: int = 0
+    base_bytes_per_param: int | None = None
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
         if self.attention not in ("flash", "materialized"):
             raise ValueError(f"attention={self.attention!r} is unknown: use 'flash' or 'materialized'.")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank={self.lora_rank} is not a rank: give 1 or more (0: full training).")
         if self.flops_count not in ("causal", "megatron"):
             raise ValueError(f"flops_count={self.flops_count!r} is unknown: use 'causal' or 'megatron'.")
         if self.seq_len < 1 or self.global_batch < 1:

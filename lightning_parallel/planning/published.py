@@ -109,10 +109,10 @@ RUNS = [
 
 def counted_flops_per_token(run: Run, checkpointing: str) -> float:
     """FLOPs per token as the run's source counts them (to turn its TFLOP/s into tokens/s)."""
-    from lightning_parallel.planning.analytic import AnalyticEstimate, _throughput
+    from lightning_parallel.planning.analytic import AnalyticEstimate, count_throughput
 
     est = AnalyticEstimate(replace(run.layout, activation_checkpointing=checkpointing), step_time=1.0)
-    _throughput(est, run.shape, Cluster(1, 1, run.cluster.device), run.workload)
+    count_throughput(est, run.shape, Cluster(1, 1, run.cluster.device), run.workload)
     return est.tflops_per_gpu * 1e12 / (run.workload.global_batch * run.workload.seq_len)
 
 

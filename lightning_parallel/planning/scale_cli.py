@@ -11,13 +11,14 @@ config, a LitGPT name or a recipe model, a cluster from the device table, one ``
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from lightning_parallel.planning.analytic import AnalyticEstimate, evaluate
 from lightning_parallel.planning.cluster import DEVICES, Cluster, get_device
-from lightning_parallel.planning.hf_config import ModelShape, from_litgpt, from_recipe, load_hf_config
+from lightning_parallel.planning.hf_config import ModelShape, from_litgpt, load_hf_config
 from lightning_parallel.planning.layout import Layout, Workload, layout_error, parse_layout
 from lightning_parallel.planning.search import SEARCHED, complete, search
 
@@ -45,23 +46,20 @@ def _tokens(text: str) -> int:
     return int(float(text[:-1] if scale != 1 else text) * scale)
 
 
-def load_shape(model: str) -> ModelShape:
-    """A Hugging Face config.json or folder, a recipe model name or YAML, or a LitGPT model name."""
+def load_shape(model: str, recipe: Callable[[str], ModelShape | None] | None = None) -> ModelShape:
+    """A Hugging Face config.json or folder, a recipe model (``recipe`` returns its shape, None if ``model`` is no
+    recipe model), or a LitGPT model name."""
     if Path(model).is_dir() or model.endswith(".json"):
         return load_hf_config(model)
-    from lightning_parallel.plan import CONF, load_model_config  # the recipe loader lives with the CLI
-
-    if model.endswith((".yaml", ".yml")) or (CONF / "model" / f"{model}.yaml").is_file():
-        kind, m = load_model_config(model)
-        if kind != "gpt":
-            raise ValueError(f"{model} is a {kind}: the analytic planner takes transformers (drop --gpus).")
-        return from_recipe(m, model)
-    return from_litgpt(model)
+    shape = recipe(model) if recipe else None
+    return shape or from_litgpt(model)
 
 
-def make_scale_plan(args: argparse.Namespace) -> dict[str, Any]:
-    """The analytic planner's answer as plain data (what ``--json`` prints)."""
-    shape = load_shape(args.model)
+def make_scale_plan(
+    args: argparse.Namespace, recipe: Callable[[str], ModelShape | None] | None = None
+) -> dict[str, Any]:
+    """The analytic planner's answer as plain data (what ``--json`` prints); ``recipe`` as :func:`load_shape`'s."""
+    shape = load_shape(args.model, recipe)
     device = get_device(
         args.device,
         peak_flops=args.peak_flops,
@@ -76,7 +74,16 @@ def make_scale_plan(args: argparse.Namespace) -> dict[str, Any]:
         batch = max(1, args.global_batch_tokens // seq)
     else:
         batch = args.global_batch_size or args.gpus
-    work = Workload(seq, batch, precision=args.precision, attention=args.attention, margin=args.margin)
+    base_bytes = {"float32": 4, "bfloat16": 2}.get(args.lora_base_dtype or "")
+    work = Workload(
+        seq,
+        batch,
+        precision=args.precision,
+        attention=args.attention,
+        margin=args.margin,
+        lora_rank=args.lora_rank,
+        base_bytes_per_param=base_bytes,
+    )
     plan: dict[str, Any] = {"model": shape.name or args.model, "shape": asdict(shape), "params": shape.num_params()}
     plan.update(active_params=shape.active_params(), cluster=asdict(cluster), workload=asdict(work))
     if args.layout is not None:
