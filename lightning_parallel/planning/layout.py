@@ -3,7 +3,7 @@ and their checks. Pure Python."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, schedule_spec
 from lightning_parallel.planning.estimate import check_precision
@@ -164,8 +164,3 @@ def layout_error(shape: ModelShape, layout: Layout, work: Workload, gpus: int, g
 def microbatches(layout: Layout, work: Workload) -> int:
     """Microbatches per step of one dp rank (None: one sample each)."""
     return layout.microbatches or work.global_batch // layout.dp
-
-
-def with_defaults(layout: Layout) -> Layout:
-    """Sequence parallelism on whenever tp > 1 (it only saves memory)."""
-    return replace(layout, sequence_parallel=layout.sequence_parallel or layout.tp > 1)
