@@ -4,6 +4,10 @@
     python -m lightning_parallel.plan conf/model/vgg16.yaml --world-size 4 --device-memory 16GB --json
     python -m lightning_parallel.plan gpt2_350m --world-size 8 --device-memory 24GB --lora-rank 16 \
         --lora-base-dtype bfloat16  # LoRA: a frozen bf16 base, fp32 adapters
+    python -m lightning_parallel.plan path/to/config.json --gpus 256 --device h100 --seq-len 8192 --top 5
+
+With ``--gpus`` the analytic planner answers instead (:mod:`lightning_parallel.planning.scale_cli`): no profile,
+any size, a cluster from the device table.
 
 Builds the model on the meta device from its config (a name under ``conf/model/`` or a YAML path), measures
 each pipeline layer as one tp rank runs it (see :mod:`lightning_parallel.planning.profile`), and prints one row
@@ -37,7 +41,10 @@ from lightning_parallel.planning.estimate import (
     element_bytes,
     recommend,
 )
+from lightning_parallel.planning.hf_config import ModelShape, from_recipe
 from lightning_parallel.planning.profile import ModelSpec, plan_layouts
+from lightning_parallel.planning.published import published_table
+from lightning_parallel.planning.scale_cli import add_scale_args, format_scale_table, make_scale_plan
 from lightning_parallel.recipes.config import GPTModelConf, ImageDataConf, TextDataConf, VGGModelConf
 from lightning_parallel.recipes.gpt import MOE_KEYS
 
@@ -123,9 +130,14 @@ def vgg_spec(m: DictConfig) -> ModelSpec:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lightning_parallel.plan", description=__doc__.split("\n")[0])
-    p.add_argument("model", help="a conf/model name (gpt_small, vgg16, ...) or a model YAML path")
-    p.add_argument("--world-size", type=int, required=True, help="processes (devices) in the job")
-    p.add_argument("--device-memory", type=parse_bytes, required=True, help="per device, e.g. 80GB or 24GiB")
+    p.add_argument(
+        "model",
+        nargs="?",
+        help="a conf/model name (gpt_small, vgg16, ...) or a model YAML path; with --gpus also a Hugging Face "
+        "config.json or folder, or a LitGPT model name",
+    )
+    p.add_argument("--world-size", type=int, help="processes (devices) in the job (the profiling planner)")
+    p.add_argument("--device-memory", type=parse_bytes, help="per device, e.g. 80GB or 24GiB")
     p.add_argument("--global-batch-size", type=int, help="samples per step (default: the recipe's data config)")
     p.add_argument("--microbatches", type=int, help="per pipeline step (default: 2 * pp, as hybrid3d)")
     p.add_argument("--pp-schedule", choices=list(SCHEDULES), default="1f1b")
@@ -147,11 +159,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the frozen base's dtype with --lora-rank (default: the precision's parameters)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    add_scale_args(p)
     return p.parse_args(argv)
 
 
 def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     """Every layout's estimate and the recommendation, as plain data (what ``--json`` prints)."""
+    if args.world_size is None or args.device_memory is None or args.model is None:
+        raise ValueError("give a model, --world-size and --device-memory (or --gpus for the analytic planner).")
     if args.world_size < 1:
         raise ValueError(f"--world-size={args.world_size} must be at least 1.")
     kind, m = load_model_config(args.model)
@@ -186,6 +201,16 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "layouts": [_row(e) for e in estimates],
         "recommended": _row(best) if best else None,
     }
+
+
+def recipe_shape(model: str) -> ModelShape | None:
+    """A recipe GPT's shape for the analytic planner (None: ``model`` names no recipe model)."""
+    if not model.endswith((".yaml", ".yml")) and not (CONF / "model" / f"{model}.yaml").is_file():
+        return None
+    kind, m = load_model_config(model)
+    if kind != "gpt":
+        raise ValueError(f"{model} is a {kind}: the analytic planner takes transformers (drop --gpus).")
+    return from_recipe(m, model)
 
 
 def _check_lora_args(args: argparse.Namespace, kind: str) -> None:
@@ -260,12 +285,18 @@ def format_table(plan: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.published:
+        print(published_table())
+        return 0
+    scale = args.gpus is not None
     try:
-        plan = make_plan(args)
+        if scale and args.model is None:
+            raise ValueError("give a model: a Hugging Face config.json or folder, a LitGPT name or a recipe model.")
+        plan = make_scale_plan(args, recipe_shape) if scale else make_plan(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(plan, indent=2) if args.json else format_table(plan))
+    print(json.dumps(plan, indent=2) if args.json else (format_scale_table if scale else format_table)(plan))
     return 0
 
 

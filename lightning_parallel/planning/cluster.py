@@ -1,0 +1,116 @@
+"""The hardware the analytic planner (:mod:`.analytic`) times a layout on: a device table, the node size, and where
+each parallel axis sits on the mesh (so which bandwidth its collectives get). Pure Python.
+
+Axes are laid out innermost first: tp, cp, dp (its HSDP shard group inside its replicas, ep the inner part of
+dp), pp, as this package's mesh does. A group of ``size`` ranks ``stride`` apart stays inside one node when
+``stride * size <= gpus_per_node`` and then gets the NVLink-class bandwidth; otherwise it crosses nodes, and the
+node's network bandwidth is shared by the ``min(stride, gpus_per_node)`` groups of that axis running on the node
+at once (a group whose ranks are consecutive gets all of a node's NICs; tp=8 leaves each dp group one NIC).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+# nominal figures; COMM_EFFICIENCY turns link bandwidth into what collectives achieve (NCCL's bus bandwidth)
+COMM_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator and its node's links.
+
+    Attributes:
+        name: the ``--device`` value.
+        peak_flops: dense bf16/fp16 FLOP/s (no sparsity).
+        memory: bytes of device memory.
+        hbm_bandwidth: bytes/s of device memory (what memory-bound kernels run at).
+        intra_node_bw: bytes/s one device sends to others in its node (one direction).
+        inter_node_bw: bytes/s a whole node sends to others (all its NICs, one direction).
+        gemm_efficiency: the fraction of ``peak_flops`` large matrix multiplies sustain.
+        attention_efficiency: the fraction fused (flash) attention kernels sustain, forward and backward together.
+        intra_latency, inter_latency: seconds per step of a collective inside a node and across nodes.
+    """
+
+    name: str
+    peak_flops: float
+    memory: float
+    hbm_bandwidth: float
+    intra_node_bw: float
+    inter_node_bw: float
+    gemm_efficiency: float = 0.75
+    attention_efficiency: float = 0.5
+    intra_latency: float = 3e-6
+    inter_latency: float = 10e-6
+
+
+GIB = 2**30
+DEVICES = {
+    d.name: d
+    for d in (
+        Device("a100-40gb", 312e12, 40 * GIB, 1.555e12, 300e9, 200e9, 0.75, 0.55),  # NVLink3, 8 x HDR 200 Gb/s
+        Device("a100-80gb", 312e12, 80 * GIB, 2.039e12, 300e9, 200e9, 0.75, 0.55),
+        Device("h100", 989e12, 80 * GIB, 3.35e12, 450e9, 400e9, 0.7, 0.35),  # NVLink4, 8 x NDR 400 Gb/s
+        Device("h200", 989e12, 141e9, 4.8e12, 450e9, 400e9, 0.7, 0.35),
+        Device("mi300x", 1307e12, 192e9, 5.3e12, 448e9, 400e9, 0.55, 0.35),  # Infinity Fabric, 8 x 400 Gb/s
+    )
+}
+
+
+def get_device(name: str, **overrides: float | None) -> Device:
+    """A row of :data:`DEVICES`, with any non-None field of ``overrides`` replacing the table's figure."""
+    if name not in DEVICES:
+        raise ValueError(f"--device={name!r} is unknown: use one of {', '.join(DEVICES)} (and override figures).")
+    return replace(DEVICES[name], **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``gpus`` devices, ``gpus_per_node`` to a node.
+
+    Attributes:
+        gpus: the world size.
+        gpus_per_node: devices sharing one node's fast interconnect.
+        device: their :class:`Device`.
+    """
+
+    gpus: int
+    gpus_per_node: int
+    device: Device
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"--gpus={self.gpus} and --gpus-per-node={self.gpus_per_node} must be at least 1.")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(
+                f"--gpus={self.gpus} is not a whole number of nodes of {self.gpus_per_node}: give a multiple."
+            )
+
+    def bandwidth(self, stride: int, size: int) -> float:
+        """Bytes/s each rank of a group of ``size`` ranks ``stride`` apart achieves in a collective."""
+        d = self.device
+        if stride * size <= self.gpus_per_node:
+            return d.intra_node_bw * COMM_EFFICIENCY
+        sharing = min(stride, self.gpus_per_node)
+        return min(d.intra_node_bw, d.inter_node_bw / sharing) * COMM_EFFICIENCY
+
+    def latency(self, stride: int, size: int) -> float:
+        d = self.device
+        return d.intra_latency if stride * size <= self.gpus_per_node else d.inter_latency
+
+    def all_reduce_time(self, payload: float, stride: int, size: int, count: int = 1) -> float:
+        """Seconds of ``count`` all-reduces of ``payload`` bytes in all: 2 (n-1)/n of it through each rank, and
+        2 log2(n) latency steps each (NCCL's trees at scale)."""
+        if size == 1:
+            return 0.0
+        steps = 2 * math.ceil(math.log2(size)) * count
+        return 2 * payload * (size - 1) / size / self.bandwidth(stride, size) + steps * self.latency(stride, size)
+
+    def gather_time(self, payload: float, stride: int, size: int, count: int = 1) -> float:
+        """Seconds of ``count`` all-gathers, reduce-scatters or all-to-alls of ``payload`` bytes in all (whole
+        tensors): (n-1)/n of it through each rank, n-1 ring steps each."""
+        if size == 1:
+            return 0.0
+        steps = (size - 1) * count
+        return payload * (size - 1) / size / self.bandwidth(stride, size) + steps * self.latency(stride, size)
