@@ -47,7 +47,6 @@ def resolve_auto(cfg: DictConfig) -> None:
         )
     choice = plan_for(cfg)
     log.info(choice.describe())
-    print(choice.describe(), flush=True)
     c = choice.config
     s.name = "hybrid3d"
     for key in ("dp", "pp", "tp", "ep", "zero_stage", "microbatches", "pp_schedule"):
