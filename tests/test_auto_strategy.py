@@ -13,6 +13,7 @@ from recipe_runs import GPT, VGG, run_recipe
 from test_recipe_configs import compose_gpt, compose_vgg
 
 from lightning_parallel.plan import gpt_spec, load_model_config, vgg_spec
+from lightning_parallel.planning import profile
 from lightning_parallel.planning.auto import (
     HOST_BANDWIDTH,
     HOST_LATENCY,
@@ -27,6 +28,24 @@ from lightning_parallel.planning.profile import plan_layouts
 from lightning_parallel.recipes.auto import resolve_auto
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results.json"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def profile_once():
+    """Each model is profiled once per tp in this module (the planner's layer_costs, cached by the model's repr): the
+    choice is arithmetic on the profile, and a profile takes seconds."""
+    cache: dict[tuple, list] = {}
+    measure = profile.layer_costs
+
+    def cached(spec, tp, precision="32-true"):
+        key = (repr(spec.model), spec.lora_rank, tp, precision)
+        if key not in cache:
+            cache[key] = measure(spec, tp, precision)
+        return cache[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile, "layer_costs", cached)
+        yield
 
 
 @functools.cache
