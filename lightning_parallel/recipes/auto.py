@@ -1,4 +1,5 @@
-"""``strategy=auto`` in the recipes: before any worker starts, the planner's layout for the job
+"""``strategy=auto`` in the recipes (recipes/train_gpt.py and train_vgg.py call :func:`resolve_auto` before their
+checks): before any worker starts, the planner's layout for the job
 (:mod:`lightning_parallel.planning.auto`) replaces ``strategy=auto`` by ``strategy=hybrid3d`` with the chosen degrees,
 logged with its predicted figures; ``cfg.strategy.planned`` carries them to the workers, and metrics.json's
 ``planned`` beside the measured ones. Each process that runs the checks (the parent, or every rank under torchrun)

@@ -20,7 +20,6 @@ from lightning_parallel.hf.layers import hf_pipeline_layers
 from lightning_parallel.models import GPTConfig, LitGPT
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.parallel.context import check_heads, check_sequence, whole_sequence
-from lightning_parallel.recipes.auto import resolve_auto
 from lightning_parallel.recipes.common import (
     build_trainer,
     check_run_settings,
@@ -84,7 +83,6 @@ MOE_KEYS = (
 
 def check_config(cfg: DictConfig) -> None:
     """Everything that can be refused before a worker starts: names, degrees, sizes, batch splits."""
-    resolve_auto(cfg)  # strategy=auto: the planner's layout, set in cfg before anything reads it
     check_peft_settings(cfg)
     if is_hf_model(cfg.model):
         meta = check_hf_model(cfg)

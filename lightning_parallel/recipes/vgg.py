@@ -21,7 +21,6 @@ from lightning_parallel.callbacks.resume import ResumableDataLoader
 from lightning_parallel.models import LitVGG, VGGConfig
 from lightning_parallel.models.lit_vgg import LR_SCHEDULES, OPTIMIZERS
 from lightning_parallel.models.vgg import VGG
-from lightning_parallel.recipes.auto import resolve_auto
 from lightning_parallel.recipes.common import (
     build_trainer,
     check_run_settings,
@@ -58,7 +57,6 @@ def scaled_lr(cfg: DictConfig) -> float:
 
 def check_config(cfg: DictConfig) -> None:
     """Everything that can be refused before a worker starts: names, degrees, sizes, batch splits, data."""
-    resolve_auto(cfg)  # strategy=auto: the planner's layout, set in cfg before anything reads it
     for key in ("width", "num_classes"):
         if cfg.model[key] < 1:
             raise ValueError(f"model.{key}={cfg.model[key]} must be a positive size: set model.{key} to 1 or more.")
