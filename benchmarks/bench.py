@@ -12,6 +12,7 @@ benchmarks/results.json.
     python benchmarks/bench.py --only async    # parameter servers, one slowed worker: sync vs stale vs async
     python benchmarks/bench.py --only spatial  # VGG on 128 x 128 images: spatial=2 vs channel tp=2 vs dp=2
     python benchmarks/bench.py --only lora     # HF Llama, LoRA vs full fine-tuning at zero2, zero3, tp=2
+    python benchmarks/bench.py --only auto     # strategy=auto's pick against every valid layout, 4 models x 2 worlds
 
 Throughput pairs run interleaved (A, B, A, B, ...) so drifting machine load hits both alike; each figure is
 the median step time over the timed steps of a launch (the first two steps are warm-up, four where layers are
@@ -36,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from async_ps import run_async  # noqa: E402
+from auto_sweep import run_auto  # noqa: E402
 from context import run_context  # noqa: E402
 from harness import run_distributed  # noqa: E402
 from hsdp import run_hsdp  # noqa: E402
@@ -255,6 +257,7 @@ def run_sections(args: argparse.Namespace) -> dict[str, Any]:
             "LoRA against full fine-tuning",
             lambda: run_lora(args.out, args.repeats, args.steps, launch, step_time),
         ),
+        "auto": ("strategy=auto against every layout", lambda: run_auto(args.out, 1, args.steps, launch, step_time)),
     }
     results = {}
     for key, (title, run) in sections.items():
@@ -287,6 +290,7 @@ def main() -> None:
             "spatial",
             "async",
             "lora",
+            "auto",
         ],
         help="run these sections alone; the others' figures are kept from the last results.json",
     )

@@ -8,6 +8,7 @@ from statistics import median
 from typing import Any
 
 from async_ps import async_lines
+from auto_sweep import auto_lines
 from context import context_lines
 from hsdp import hsdp_lines
 from lora import lora_lines
@@ -298,6 +299,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         lines += spatial_lines(results["spatial"])
     if "lora" in results:
         lines += lora_lines(results["lora"])
+    if "auto" in results:
+        lines += auto_lines(results["auto"])
     if FINDINGS.exists():
         lines += ["## Findings", "", FINDINGS.read_text().strip(), ""]
     path.write_text("\n".join(lines))

@@ -27,10 +27,12 @@ register_configs()
 @hydra.main(config_path="../conf", config_name="train_gpt", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     import lightning_parallel  # noqa: F401  (registers the strategy names)
+    from lightning_parallel.recipes.auto import resolve_auto
     from lightning_parallel.recipes.gpt import check_config
     from lightning_parallel.recipes.launch import run
 
     try:
+        resolve_auto(cfg)  # strategy=auto: the planner's layout, written into cfg for the workers
         check_config(cfg)  # bad settings fail here, before any worker starts
     except (ValueError, TypeError, OSError, pickle.UnpicklingError) as err:
         # the message names the setting and the fix: a traceback through the checks would only bury it

@@ -11,6 +11,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.stages import OFFLOAD_STAGES, ZERO_STAGES, check_zero_settings
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, schedule_spec
+from lightning_parallel.recipes.auto import AUTO_KEYS
 from lightning_parallel.recipes.common import ASYNC_PS_KEYS
 from lightning_parallel.recipes.config import StrategyConf
 
@@ -66,4 +67,4 @@ def test_config_is_declared_once_for_strategies_recipes_and_planner():
     for f in dataclasses.fields(ParallelConfig):
         assert conf_fields[f.name] == f.default, f.name
     # besides the name and the timeout, only async_ps's own settings (its strategy has no mesh)
-    assert set(conf_fields) - set(ParallelConfig.names()) == {"name", "timeout_s", *ASYNC_PS_KEYS}
+    assert set(conf_fields) - set(ParallelConfig.names()) == {"name", "timeout_s", *ASYNC_PS_KEYS, *AUTO_KEYS}

@@ -15,6 +15,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 import lightning_parallel  # noqa: F401
 from lightning_parallel.hf.lora import apply_peft
 from lightning_parallel.models import GPTConfig, LitVGG
+from lightning_parallel.recipes.auto import resolve_auto
 from lightning_parallel.recipes.common import build_strategy, micro_batch_size
 from lightning_parallel.recipes.config import register_configs
 from lightning_parallel.recipes.finetune_assets import make_default_assets
@@ -83,8 +84,10 @@ def build_model(cfg) -> None:
 def test_every_option_composes_and_builds(group, option):
     overrides = [f"{group}={option}"] + (["data.path=/nowhere"] if option in ("cifar10", "hf_text") else [])
     overrides += ["model=hf_llama_tiny"] if group == "peft" else []  # adapters go on model=hf* (test_recipe_peft)
+    overrides += ["trainer.devices=2"] if (group, option) == ("strategy", "auto") else []
     cfg = compose_recipe(recipe_of(group, option), *overrides)
     build_model(cfg)
+    resolve_auto(cfg)  # strategy=auto: the planner's hybrid3d layout (tests/test_auto_strategy.py)
     strategy = build_strategy(cfg.strategy)
     devices = max(cfg.trainer.devices, 8 if group == "strategy" and option.startswith("hybrid3d_") else 2)
     pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision=cfg.precision.value, logger=False)
@@ -97,7 +100,8 @@ def test_every_precision_builds_with_every_strategy(strategy):
     for precision in options("precision"):
         if strategy == "async_ps" and precision not in ("32-true", "bf16-mixed"):
             continue  # refused before launch (test_bad_input_catalogue: async-recipe-fp16, async-half-weights)
-        cfg = compose_gpt(f"strategy={strategy}", f"precision={precision}")
+        cfg = compose_gpt(f"strategy={strategy}", f"precision={precision}", f"trainer.devices={devices}")
+        resolve_auto(cfg)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=devices,

@@ -94,6 +94,8 @@ class Settings:
         device_memory: bytes per device; margin: the fraction to keep free for what is not estimated.
         device_flops, bandwidth: sustained FLOP/s and bytes/s per rank for the step-time model.
         base_bytes_per_param: with adapters, bytes of one frozen base parameter (None: the precision's element).
+        latency: seconds each collective or point-to-point message costs besides its bytes (see
+            :func:`message_count`; 0: bytes alone, as on a fast interconnect with large messages).
     """
 
     global_batch: int
@@ -107,6 +109,7 @@ class Settings:
     device_flops: float = 100e12
     bandwidth: float = 50e9
     base_bytes_per_param: int | None = None
+    latency: float = 0.0
 
 
 @dataclass
@@ -128,6 +131,7 @@ class Estimate:
     comm: dict[str, float] = field(default_factory=dict)  # dp, tp, pp, ep bytes per step, the busiest rank
     expert_state_per_rank: list[float] = field(default_factory=list)  # the experts' part of model_state_per_rank
     step_time: float = math.inf
+    messages: float = 0.0  # collectives and pipeline messages of the busiest rank per step (message_count)
 
     @property
     def feasible(self) -> bool:
@@ -181,7 +185,7 @@ def estimate_layout(
     est = Estimate(pp, dp, tp, zero_stage, ep=ep, microbatches=m)
     schedule = schedule_spec(s.schedule)
     worst = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "ep": 0.0}
-    flops = 0.0
+    flops = messages = 0.0
     for rank, layers in enumerate(rank_layers(len(costs), stages, stage_ranks, pp)):
         keys: dict[str, int] = {}
         expert_keys: set[str] = set()
@@ -211,10 +215,39 @@ def estimate_layout(
         # forward + backward at twice its cost; a frozen base skips its weight gradients: backward about a forward
         passes = 2 if adapters else 3
         flops = max(flops, passes * m * batch * sum(costs[i].flops_per_sample for i in layers))
-    est.comm = worst
+        messages = max(messages, message_count([costs[i] for i in layers], (pp, dp, tp, ep), zero_stage, m, virtual))
+    est.comm, est.messages = worst, messages
     est.bubble = schedule.bubble(pp, m, virtual)
     est.step_time = flops / s.device_flops / (1 - est.bubble) + sum(worst.values()) / s.bandwidth
+    est.step_time += messages * s.latency
     return est
+
+
+def message_count(
+    held: Sequence[LayerCost], degrees: tuple[int, int, int, int], zero_stage: int, microbatches: int, virtual: int
+) -> float:
+    """Collectives and pipeline messages one rank issues per step, each costing :attr:`Settings.latency` besides its
+    bytes (what dominates small messages over gloo or a slow link): dp one gradient all-reduce (ZeRO 0), a
+    reduce-scatter and an all-gather (ZeRO 1-2), two all-gathers and a reduce-scatter per layer (ZeRO-3); tp four
+    all-reduces per layer with tp traffic per microbatch (a GPT block's count: two forward, two backward); ep four
+    all-to-alls per layer with routed rows per microbatch; pp a send and a receive each way per stage and
+    microbatch.
+
+    Args:
+        held: the :class:`LayerCost` of each layer the rank holds.
+        degrees: (pp, dp, tp, ep); zero_stage: 0..3; microbatches: per step; virtual: stages per rank.
+    """
+    pp, dp, tp, ep = degrees
+    count = 0.0
+    if dp > 1:
+        count += {0: 1, 1: 2, 2: 2}.get(zero_stage, 3 * len(held))
+    if tp > 1:
+        count += 4 * microbatches * sum(1 for c in held if c.tp_payload_per_sample)
+    if ep > 1:
+        count += 4 * microbatches * sum(1 for c in held if c.a2a_per_sample)
+    if pp > 1:
+        count += 4 * microbatches * virtual
+    return count
 
 
 def _model_states(

@@ -106,7 +106,7 @@ def build_strategy(conf: DictConfig) -> Any:
         return "ddp"
     raise ValueError(
         f"strategy={name!r} is unknown: use ddp, {', '.join(ZERO_NAMES)}, hybrid3d or async_ps (conf/strategy/ lists "
-        "presets)."
+        "presets); strategy=auto is resolved to hybrid3d by recipes/train_gpt.py and train_vgg.py (recipes/auto.py)."
     )
 
 

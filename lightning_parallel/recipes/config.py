@@ -36,6 +36,10 @@ class StrategyConf(ParallelConfig):
     # seconds a collective waits for its peers; when a rank fails the others end within it, naming the rank
     # (None: torch's default, 30 minutes)
     timeout_s: float | None = None
+    # strategy=auto: memory per device to plan for ("80GB"; null: CUDA's, else the host's shared by its processes);
+    # planned: set by the recipe, not by hand: the chosen layout's predicted figures (metrics.json's "planned")
+    auto_device_memory: str | None = None
+    planned: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_parallel.callbacks.activation import ActivationMemoryMonitor
@@ -66,6 +66,8 @@ def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_ste
         "activation_memory_bytes": all_ranks(_activation_bytes(trainer)),
         "activation_checkpointing": cfg.strategy.activation_checkpointing,
         "layout": layout,
+        # strategy=auto: the chosen layout's predicted figures (memory per rank, step time; recipes/auto.py)
+        "planned": OmegaConf.to_container(cfg.strategy.planned) if cfg.strategy.get("planned") else None,
         # per MoE layer: tokens per expert over the run (summed over the data-parallel ranks), their min and max,
         # the mean load-balancing loss and dropped fraction; {} for a dense model
         "moe": _moe_metrics(trainer),

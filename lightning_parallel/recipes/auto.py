@@ -1,0 +1,80 @@
+"""``strategy=auto`` in the recipes (recipes/train_gpt.py and train_vgg.py call :func:`resolve_auto` before their
+checks): before any worker starts, the planner's layout for the job
+(:mod:`lightning_parallel.planning.auto`) replaces ``strategy=auto`` by ``strategy=hybrid3d`` with the chosen degrees,
+logged with its predicted figures; ``cfg.strategy.planned`` carries them to the workers, and metrics.json's
+``planned`` beside the measured ones. Each process that runs the checks (the parent, or every rank under torchrun)
+plans from the same config and machine, without timing anything, so every rank gets the same layout."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.recipes.config import GPTModelConf, VGGModelConf
+
+log = logging.getLogger(__name__)
+
+AUTO_KEYS = ("auto_device_memory", "planned")  # StrategyConf's keys for strategy=auto
+# what strategy=auto chooses, and what the planner does not model: neither may be set beside it
+CHOSEN = ("dp", "pp", "tp", "ep", "zero_stage", "microbatches", "pp_schedule", "pp_virtual_stages")
+UNMODELED = ("cp", "spatial", "dp_shard", "offload", "sequence_parallel", "activation_checkpointing", "pp_balance")
+UNMODELED += ("pp_memory_budget",)
+
+
+def resolve_auto(cfg: DictConfig) -> None:
+    """With ``strategy=auto``: set ``cfg.strategy`` (in place) to the planner's layout for ``trainer.devices`` x
+    ``trainer.num_nodes`` processes and the machine's memory per device; without it, refuse its settings.
+
+    Args:
+        cfg: the composed recipe config (GPT or VGG recipe).
+    """
+    s = cfg.strategy
+    if s.name != "auto":
+        if s.auto_device_memory is not None:
+            raise ValueError(
+                f"strategy.auto_device_memory={s.auto_device_memory} only applies to strategy=auto: set strategy=auto "
+                "or drop the override."
+            )
+        return
+    set_ = list(ParallelConfig.from_mapping(s).non_defaults([*CHOSEN, *UNMODELED]))
+    if set_:
+        raise ValueError(
+            f"strategy.{set_[0]}={s[set_[0]]} cannot be set with strategy=auto: it chooses "
+            f"{', '.join(CHOSEN)} itself and plans without {', '.join(UNMODELED)}. Drop the override, or use "
+            "strategy=hybrid3d with the layout you want (python -m lightning_parallel.plan lists them)."
+        )
+    choice = plan_for(cfg)
+    log.info(choice.describe())
+    c = choice.config
+    s.name = "hybrid3d"
+    for key in ("dp", "pp", "tp", "ep", "zero_stage", "microbatches", "pp_schedule"):
+        s[key] = getattr(c, key)
+    s.planned = choice.planned()
+
+
+def plan_for(cfg: DictConfig) -> Any:
+    """The :class:`~lightning_parallel.planning.auto.AutoChoice` for the recipe's model, batch, precision and job."""
+    from lightning_parallel.plan import gpt_spec, parse_bytes, vgg_spec
+    from lightning_parallel.planning.auto import choose_layout, detect_machine
+
+    schema = OmegaConf.get_type(cfg.model)
+    if schema not in (GPTModelConf, VGGModelConf):
+        raise ValueError(
+            f"strategy=auto plans the recipe models (model=gpt_*, model=vgg*), not model={cfg.model.get('name') or ''}"
+            f" ({schema.__name__}): pick a layout with strategy=hybrid3d and its strategy.dp|pp|tp|zero_stage."
+        )
+    spec = gpt_spec(cfg.model) if schema is GPTModelConf else vgg_spec(cfg.model)
+    t = cfg.trainer
+    memory = cfg.strategy.auto_device_memory
+    try:
+        memory = parse_bytes(memory) if memory is not None else None
+    except ValueError:
+        raise ValueError(
+            f"strategy.auto_device_memory={memory!r} is not a size: write it like 80GB, 24GiB or 512MB."
+        ) from None
+    machine = detect_machine(t.devices * t.num_nodes, t.devices, t.accelerator, memory)
+    batch = max(1, cfg.data.global_batch_size // max(1, t.accumulate_grad_batches))  # samples per forward
+    return choose_layout(spec, machine, batch, precision=cfg.precision.value)

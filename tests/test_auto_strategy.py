@@ -1,0 +1,196 @@
+"""``strategy=auto``: the planner's layout for the job, chosen before launch (``planning/auto.py``,
+``recipes/auto.py``); single-process checks of the choice and its errors, one recipe launch at world 2, and (slow)
+the pick at world 4 against the planner's own recommendation."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+from recipe_runs import GPT, VGG, run_recipe
+from test_recipe_configs import compose_gpt, compose_vgg
+
+from lightning_parallel.plan import gpt_spec, load_model_config, vgg_spec
+from lightning_parallel.planning import profile
+from lightning_parallel.planning.auto import (
+    HOST_BANDWIDTH,
+    HOST_LATENCY,
+    Machine,
+    auto_settings,
+    candidates,
+    choose_layout,
+    detect_machine,
+)
+from lightning_parallel.planning.estimate import LayerCost, Settings, message_count, recommend
+from lightning_parallel.planning.profile import plan_layouts
+from lightning_parallel.recipes.auto import resolve_auto
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results.json"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def profile_once():
+    """Each model is profiled once per tp in this module (the planner's layer_costs, cached by the model's repr): the
+    choice is arithmetic on the profile, and a profile takes seconds."""
+    cache: dict[tuple, list] = {}
+    measure = profile.layer_costs
+
+    def cached(spec, tp, precision="32-true"):
+        key = (repr(spec.model), spec.lora_rank, tp, precision)
+        if key not in cache:
+            cache[key] = measure(spec, tp, precision)
+        return cache[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile, "layer_costs", cached)
+        yield
+
+
+@functools.cache
+def spec(name: str):
+    kind, m = load_model_config(name)
+    return gpt_spec(m) if kind == "gpt" else vgg_spec(m)
+
+
+def cpu(world: int, node: int | None = None, memory: float = 8e9) -> Machine:
+    return Machine(world, node or world, memory, 50e9, HOST_BANDWIDTH, HOST_LATENCY, "cpu")
+
+
+# ----- the choice -----
+
+
+def test_choice_is_the_planners_recommendation_as_a_parallel_config():
+    machine = cpu(4)
+    choice = choose_layout(spec("gpt_moe_tiny"), machine, 32)
+    settings = auto_settings(spec("gpt_moe_tiny"), machine, 32)
+    best = recommend(plan_layouts(spec("gpt_moe_tiny"), 4, settings), settings.device_memory, settings.margin)
+    c = choice.config
+    assert (c.dp, c.pp, c.tp, c.ep, c.zero_stage) == (best.dp, best.pp, best.tp, best.ep, best.zero_stage)
+    assert c.validate(warn=lambda m: None).dims(4).dp == best.dp  # a layout the strategy accepts
+    planned = choice.planned()
+    assert planned["layout"] == {"dp": c.dp, "pp": c.pp, "tp": c.tp, "ep": c.ep, "zero_stage": c.zero_stage}
+    assert planned["step_time_s"] == best.step_time and planned["memory_per_rank_bytes"] == best.memory
+    assert "predicted" in choice.describe() and "MB per rank" in choice.describe()
+
+
+def test_tp_stays_inside_a_node_and_memory_decides():
+    # 2 devices per node: every tp=4 layout of 4 devices is refused, tp=2 ones stay
+    estimates = candidates(spec("gpt_tiny"), cpu(4, 2), auto_settings(spec("gpt_tiny"), cpu(4, 2), 32))
+    assert all("spans nodes" in e.reason for e in estimates if e.tp == 4 and e.zero_stage is not None)
+    assert any(e.feasible for e in estimates if e.tp == 2)
+    # with less memory than the fastest layout needs, the pick is one that fits
+    roomy = choose_layout(spec("gpt_tiny"), cpu(2), 32)
+    tight_memory = 1.01 * min(e.memory for e in candidates(spec("gpt_tiny"), cpu(2), roomy.settings) if e.feasible)
+    tight = choose_layout(spec("gpt_tiny"), cpu(2, memory=tight_memory), 32)
+    assert tight.estimate.memory <= tight_memory and tight.config != roomy.config
+
+
+def test_impossible_memory_names_the_fix():
+    with pytest.raises(ValueError) as err:
+        choose_layout(spec("gpt_tiny"), cpu(2, memory=1e6), 32)
+    message = str(err.value)
+    assert "no layout fits 1.00 MB per device on 2 device(s)" in message
+    for fix in ("trainer.devices", "data.global_batch_size", "strategy.auto_device_memory"):
+        assert fix in message
+    with pytest.raises(ValueError, match="must be at least 1 sample"):
+        choose_layout(spec("gpt_tiny"), cpu(2), 0)
+    with pytest.raises(ValueError, match="not a whole number of nodes"):
+        detect_machine(3, 2, "cpu")
+
+
+def test_host_machine_shares_memory_and_cores_between_the_nodes_processes():
+    one, four = detect_machine(1, 1, "cpu"), detect_machine(4, 4, "cpu")
+    assert one.kind == "cpu" and one.device_memory == pytest.approx(4 * four.device_memory)
+    assert one.device_flops >= four.device_flops and four.latency == HOST_LATENCY
+    assert detect_machine(8, 4, "cpu", device_memory=5e9).device_memory == 5e9
+
+
+def test_message_count_per_axis():
+    dense, tp_layer = LayerCost(params={"w": 1}), LayerCost(params={"w": 1}, tp_payload_per_sample=8.0)
+    routed = LayerCost(params={"w": 1}, a2a_per_sample=8.0)
+    held = [dense, tp_layer, routed]
+    assert message_count(held, (1, 1, 1, 1), 0, 1, 1) == 0
+    assert [message_count(held, (1, 4, 1, 1), z, 1, 1) for z in range(4)] == [1, 2, 2, 9]
+    assert message_count(held, (1, 1, 2, 1), 0, 1, 1) == 4  # one layer with tp traffic
+    assert message_count(held, (1, 2, 1, 2), 0, 1, 1) == 1 + 4  # dp all-reduce + the routed layer's all-to-alls
+    assert message_count(held, (2, 1, 1, 1), 0, 4, 2) == 4 * 4 * 2
+    est = plan_layouts(spec("gpt_tiny"), 2, Settings(global_batch=32, latency=1.0))
+    no_latency = plan_layouts(spec("gpt_tiny"), 2, Settings(global_batch=32))
+    for a, b in zip(est, no_latency):
+        if a.zero_stage is not None:
+            assert a.step_time == pytest.approx(b.step_time + a.messages)
+
+
+def test_host_constants_rank_the_benchmarked_layouts_as_measured():
+    """The host model's pick among make bench's measured gpt_bench layouts at world 2 (benchmarks/results.json) is
+    within 10% of the fastest measured one."""
+    measured = {}
+    for row in json.loads(RESULTS.read_text())["memory"]:
+        layout = {"hybrid3d": (1, 0), "zero1": (1, 1), "zero2": (1, 2), "zero3": (1, 3), "hybrid3d:tp=2": (2, 0)}
+        if row["strategy"] in layout:
+            measured[layout[row["strategy"]]] = max(r["median_step_s"] for r in row["ranks"])
+    settings = auto_settings(spec("gpt_bench"), detect_machine(2, 2, "cpu"), 16)
+    estimates = plan_layouts(spec("gpt_bench"), 2, settings)
+    predicted = {(e.tp, e.zero_stage): e.step_time for e in estimates if e.pp == 1}
+    pick = min(measured, key=predicted.__getitem__)
+    assert measured[pick] <= 1.1 * min(measured.values()), (pick, measured)
+
+
+# ----- the recipes -----
+
+
+def test_recipe_resolves_auto_before_launch():
+    cfg = compose_gpt("strategy=auto", "trainer.devices=2", "trainer.num_nodes=2", "trainer.accelerator=cpu")
+    resolve_auto(cfg)
+    s = cfg.strategy
+    assert s.name == "hybrid3d" and s.planned["layout"]["dp"] * s.planned["layout"]["tp"] * s.pp == 4
+    assert s.planned["layout"] == {k: s[k] for k in ("dp", "pp", "tp", "ep", "zero_stage")}
+    assert s.tp <= 2  # 2 devices per node
+    again = compose_gpt("strategy=auto", "trainer.devices=2", "trainer.num_nodes=2", "trainer.accelerator=cpu")
+    resolve_auto(again)
+    assert again.strategy == s  # no timing: every rank plans the same
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["strategy=auto", "strategy.tp=2"], "strategy.tp=2 cannot be set with strategy=auto"),
+        (["strategy=auto", "strategy.cp=2"], "strategy.cp=2 cannot be set with strategy=auto"),
+        (["strategy=zero2", "strategy.auto_device_memory=8GB"], "only applies to strategy=auto"),
+        (["strategy=auto", "strategy.auto_device_memory=lots"], "strategy.auto_device_memory='lots' is not a size"),
+        (["strategy=auto", "model=hf_llama_tiny"], "strategy=auto plans the recipe models"),
+        (["strategy=auto", "strategy.auto_device_memory=1MB"], "no layout fits"),
+    ],
+)
+def test_recipe_refuses_auto_settings(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_auto(compose_gpt(*overrides, "trainer.devices=2"))
+
+
+RUN = ["trainer.max_steps=3", "trainer.logger=none", "trainer.enable_progress_bar=false", "trainer.accelerator=cpu"]
+
+
+def test_auto_recipe_trains_at_world_2_with_planned_beside_measured(tmp_path):
+    metrics = run_recipe(GPT, tmp_path, "strategy=auto", "trainer.devices=2", "sample_tokens=0", *RUN)
+    planned, layout = metrics["planned"], metrics["layout"]
+    assert {k: layout[k] for k in planned["layout"]} == planned["layout"] and layout["world_size"] == 2
+    # the plan's memory per rank (model states + activations) is what the ranks measure (docs/planner.md's table)
+    states = [s["total"] for s in metrics["model_state_bytes"]]
+    measured = [s + a for s, a in zip(states, metrics["activation_memory_bytes"])]
+    assert max(measured) == pytest.approx(planned["memory_per_rank_bytes"], rel=0.02)
+    assert planned["step_time_s"] > 0 and metrics["final_train_loss"] is not None
+
+
+@pytest.mark.slow
+def test_auto_pick_at_world_4_is_the_planners_recommendation(tmp_path):
+    run = ["data.global_batch_size=32", "data.num_train=256", "data.num_val=64", *RUN]
+    metrics = run_recipe(VGG, tmp_path, "strategy=auto", "trainer.devices=4", "model=vgg_tiny", *run)
+    cfg = compose_vgg("model=vgg_tiny", "data.global_batch_size=32")
+    settings = auto_settings(spec("vgg_tiny"), detect_machine(4, 4, "cpu"), 32, cfg.precision.value)
+    best = recommend(plan_layouts(spec("vgg_tiny"), 4, settings), settings.device_memory, settings.margin)
+    expected = {"dp": best.dp, "pp": best.pp, "tp": best.tp, "ep": best.ep, "zero_stage": best.zero_stage}
+    assert metrics["planned"]["layout"] == expected
+    assert {k: metrics["layout"][k] for k in expected} == expected
+    assert metrics["planned"]["step_time_s"] == pytest.approx(best.step_time)
