@@ -32,10 +32,7 @@ from lightning_parallel.recipes.checks import (
 )
 from lightning_parallel.recipes.config import StrategyConf
 from lightning_parallel.strategies.base import MeshStrategy
-from lightning_parallel.strategies.zero import ZERO_SETTINGS
-
-ZERO_NAMES = {"zero1": (1, False), "zero2": (2, False), "zero3": (3, False)}
-ZERO_NAMES |= {"zero2_offload": (2, True), "zero3_offload": (3, True)}
+from lightning_parallel.strategies.zero import ZERO_PRESETS, ZERO_SETTINGS
 
 
 def parallel_config(conf: DictConfig) -> ParallelConfig:
@@ -85,8 +82,8 @@ def build_strategy(conf: DictConfig) -> Any:
     if changed:
         set_ = ", ".join(f"strategy.{k}={conf[k]}" for k in changed)
         raise ValueError(f"{set_} needs strategy=hybrid3d: strategy={name} only splits data, so it would ignore it.")
-    if name in ZERO_NAMES:
-        stage, offload = ZERO_NAMES[name]
+    if name in ZERO_PRESETS:
+        stage, offload = ZERO_PRESETS[name]
         if config.zero_stage not in (0, stage) or (config.offload and not offload):
             raise ValueError(
                 f"strategy={name} is ZeRO stage {stage}: pick strategy=zero{config.zero_stage} instead of setting "
@@ -105,7 +102,7 @@ def build_strategy(conf: DictConfig) -> Any:
             )
         return "ddp"
     raise ValueError(
-        f"strategy={name!r} is unknown: use ddp, {', '.join(ZERO_NAMES)}, hybrid3d or async_ps (conf/strategy/ lists "
+        f"strategy={name!r} is unknown: use ddp, {', '.join(ZERO_PRESETS)}, hybrid3d or async_ps (conf/strategy/ lists "
         "presets)."
     )
 

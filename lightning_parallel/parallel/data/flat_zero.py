@@ -34,7 +34,13 @@ from lightning_parallel.parallel.data.fsdp import fsdp_units
 from lightning_parallel.parallel.data.offload import HostSlice
 from lightning_parallel.parallel.data.overlap import Prepare
 from lightning_parallel.parallel.data.powersgd import PowerSGD
-from lightning_parallel.parallel.data.sharding import DataParallelSharding, GradPiece
+from lightning_parallel.parallel.data.sharding import (
+    DataParallelSharding,
+    FlatSlice,
+    GradPiece,
+    StateView,
+    register_sharding,
+)
 from lightning_parallel.parallel.dtensor import like, local, placed_like, split_axes
 from lightning_parallel.parallel.expert.apply import is_expert_param
 
@@ -51,6 +57,8 @@ class FlatZero:
         offload: keep this rank's slice of parameters, gradients and optimizer state on the host and
             step there (stage 2 only, as ZeRO-Offload; pinned, asynchronous copies with an accelerator:
             offload.py).
+        replicate_group: HSDP: the ranks holding the same slice in the other replicas; each reduced slice is
+            all-reduced over them, and gradients are divided by every data-parallel rank (hybrid_shard.py).
     """
 
     def __init__(
@@ -63,6 +71,7 @@ class FlatZero:
         wire_dtype: torch.dtype | None = None,
         overlap_bucket_mb: float | None = None,
         powersgd: PowerSGD | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         assert stage in (1, 2) and not (offload and stage == 1)
         self.optimizer = optimizer
@@ -74,6 +83,9 @@ class FlatZero:
         self.powersgd = powersgd  # grad_compression="powersgd": reduces each flat group's views (powersgd.py)
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.replicate_group = replicate_group
+        replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.divisor = self.world * replicas  # the replica's sum divided by every data-parallel rank
         # index of every parameter the optimizer held, in torch's state_dict numbering
         self.original_params: list[list[nn.Parameter]] = [list(g["params"]) for g in optimizer.param_groups]
         # per optimizer group: its flat groups (the data-parallel one, then the experts' one when it has experts)
@@ -106,7 +118,7 @@ class FlatZero:
         host = HostSlice(shard) if self.offload else None
         shard = host.param if host is not None else shard
         fg = FlatGroup(
-            params, offsets, shard_numel, flat_param, flat_grad, shard, group, rank, self.world, bool(expert), host
+            params, offsets, shard_numel, flat_param, flat_grad, shard, group, rank, self.divisor, bool(expert), host
         )
         for p, view in fg.views(flat_param):
             if isinstance(p, DTensor):
@@ -215,7 +227,14 @@ class FlatZero:
     def _deliver(self, fg: FlatGroup, grad: Tensor) -> None:
         """This rank's reduced gradient slice (on the device) becomes what the optimizer steps with: under offload
         copied into the host buffer (async with an accelerator: waited for at the end of ``reduce_gradients``).
-        Every collective on it must come before (HSDP's replica all-reduce: hybrid_shard.py)."""
+        Every collective on it comes before: HSDP's replica all-reduce runs here, on the device (on CUDA the replicate
+        group is NCCL only and has no backend for host tensors)."""
+        if self.replicate_group is not None:
+            wire = self.wire_dtype if self.wire_dtype not in (None, grad.dtype) else None
+            sent = grad.to(wire) if wire is not None else grad
+            dist.all_reduce(sent, group=self.replicate_group)  # the only collective that crosses replicas
+            if wire is not None:
+                grad.copy_(sent)
         fg.shard.grad = fg.host.grad_from(grad) if fg.host is not None else grad
 
     def shard_grad_segments(self) -> list[tuple[Tensor, nn.Parameter, FlatGroup]]:
@@ -304,6 +323,7 @@ class FlatSharding(DataParallelSharding):
             wire_dtype=self.wire_dtype,
             overlap_bucket_mb=self.bucket_mb if self.overlap_grad_reduce else None,
             powersgd=self.powersgd,
+            replicate_group=self.replicate_group,
         )
 
     def before_last_backward(
@@ -330,6 +350,16 @@ class FlatSharding(DataParallelSharding):
     def flat(self, optimizer: Optimizer) -> FlatZero | None:
         return self._flat.get(id(optimizer))
 
+    def state_view(self, optimizer: Optimizer) -> StateView | None:
+        flat = self._flat.get(id(optimizer))
+        if flat is None:
+            return None
+        slices = [
+            [FlatSlice(fg.params, fg.offsets, *fg.local_range(), fg.shard, fg.flat_param, fg.group) for fg in fgs]
+            for fgs in flat.groups
+        ]
+        return StateView(flat.optimizer, flat.original_params, slices, flat.reload_offloaded)
+
     def _of(self, optimizer: Optimizer) -> FlatZero:
         flat = self._flat.get(id(optimizer))
         assert flat is not None, "shard_optimizer() takes every optimizer first"
@@ -351,6 +381,7 @@ class FlatSharding(DataParallelSharding):
         return self._of(optimizer).original_params
 
 
+@register_sharding("zero1")
 class ShardOptimizer(FlatSharding):
     stage = 1
     sharded = frozenset({"optimizer"})
@@ -358,6 +389,7 @@ class ShardOptimizer(FlatSharding):
     summary = "optimizer states sharded"
 
 
+@register_sharding("zero2")
 class ShardGradients(FlatSharding):
     stage = 2
     sharded = frozenset({"optimizer", "grads"})
