@@ -12,6 +12,7 @@ from lightning_parallel.strategies.base import MeshStrategy
 # the ParallelConfig settings a ZeRO strategy takes; the others (pp, tp, ...) need hybrid3d
 ZERO_SETTINGS = (
     "zero_stage",
+    "sharding",  # a registered variant of the preset's stage (ParallelConfig checks they agree)
     "dp_shard",
     "offload",
     "reshard_after_forward",
