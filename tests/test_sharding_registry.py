@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import PARITY_CASES, Batch
+from omegaconf import OmegaConf
 from parity import assert_same_losses, assert_same_params
 from torch.optim import Optimizer
 
@@ -15,6 +16,9 @@ from lightning_parallel.parallel.data.flat_zero import ShardGradients
 from lightning_parallel.parallel.data.fsdp import ShardParameters
 from lightning_parallel.parallel.data.sharding import SHARDINGS, register_sharding
 from lightning_parallel.parallel.data.stages import ZERO_NAMES, ZERO_STAGES, sharding_class
+from lightning_parallel.recipes.common import build_strategy
+from lightning_parallel.recipes.config import StrategyConf
+from lightning_parallel.strategies.zero import ZERO_PRESETS
 
 VARIANT = "zero2_counted"
 CASES = [c for c in PARITY_CASES if c["name"] in ("plain", "accumulate")]
@@ -96,3 +100,17 @@ def test_a_registered_variant_trains_like_one_process(reference, runs):
         assert_same_params(run.params(case["name"]), reference.params(case["name"]), label)
         for rank in range(2):  # one reduction per optimizer step, through the variant's class
             assert run.case(case["name"], rank)["variant_reductions"] == case["steps"], label
+
+
+def test_the_recipes_read_the_strategies_presets_and_pass_a_sharding_on():
+    built = build_strategy(OmegaConf.structured(StrategyConf(name="zero2", sharding=VARIANT)))
+    assert (built.config.sharding, built.config.zero_stage) == (VARIANT, 2)
+    assert ZERO_PRESETS == {
+        "zero1": (1, False),
+        "zero2": (2, False),
+        "zero3": (3, False),
+        "zero2_offload": (2, True),
+        "zero3_offload": (3, True),
+    }
+    with pytest.raises(ValueError, match=r"strategy=ddp does not shard \(strategy.sharding=zero2_counted\)"):
+        build_strategy(OmegaConf.structured(StrategyConf(name="ddp", sharding=VARIANT)))

@@ -96,10 +96,9 @@ def build_strategy(conf: DictConfig) -> Any:
             raise ValueError("strategy.timeout_s needs one of our strategies: use strategy=zero1..3 or hybrid3d.")
         if config.offload:
             raise ValueError("strategy=ddp keeps no state on the host (strategy.offload=true): use zero2_offload.")
-        if config.zero_stage:
-            raise ValueError(
-                f"strategy=ddp does not shard (strategy.zero_stage={config.zero_stage}): use strategy=zero1..3."
-            )
+        for key in ("zero_stage", "sharding"):
+            if getattr(config, key) not in (0, None):
+                raise ValueError(f"strategy=ddp does not shard (strategy.{key}={conf[key]}): use strategy=zero1..3.")
         return "ddp"
     raise ValueError(
         f"strategy={name!r} is unknown: use ddp, {', '.join(ZERO_PRESETS)}, hybrid3d or async_ps (conf/strategy/ lists "
