@@ -159,6 +159,29 @@ def test_parallel_imports_no_lightning_and_nothing_above_it():
             assert allowed, f"{path.relative_to(PACKAGE)} imports {module}"
 
 
+# The package's layers, lowest first: a module imports from its own layer or below, never above (the model adapters
+# no strategy, the strategies no Fabric glue or recipe). "" is the package's own __init__ (its public names).
+LAYERS = {
+    "_compat": 0,
+    "protocol": 0,
+    "parallel": 1,
+    **dict.fromkeys(("causal_lm", "models", "hf", "litgpt", "text", "planning", "plugins", "callbacks"), 2),
+    "strategies": 3,
+    "fabric": 4,
+    **dict.fromkeys(("", "checkpoint", "plan", "recipes"), 5),
+}
+
+
+def test_no_upward_import():
+    def layer(module: str) -> int:
+        top = module.split(".")[1] if "." in module else ""
+        assert top in LAYERS, f"{module}: put lightning_parallel.{top} in a layer of LAYERS"
+        return LAYERS[top]
+
+    upward = [f"{m} -> {d}" for m, deps in _graph().items() for d in deps if layer(d) > layer(m)]
+    assert not upward, f"imports from a higher layer: {upward}"
+
+
 def test_modules_stay_small():
     sizes = {p.relative_to(PACKAGE): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     big = {str(p): n for p, n in sizes.items() if n > MAX_LINES}

@@ -76,7 +76,7 @@ def save(strategy: Any, path: Any, state: dict[str, Any], storage_options: Any, 
         FABRIC_KEYS: {"model": model_key, "optimizers": optimizer_keys},
     }
     view = CheckpointView(strategy, model, optimizers)
-    flats = [strategy.sharding.flat(o) for o in optimizers]
+    flats = [strategy.sharding.state_view(o) for o in optimizers]
     sharded_checkpoint.save(view, checkpoint, path, flats, strategy._full_param_order)
 
 
@@ -100,7 +100,7 @@ def load(strategy: Any, path: Any, state: Any, strict: bool) -> dict[str, Any]:
     if ordered is not None and set(ordered) == set(optimizer_keys):
         optimizer_keys = list(ordered)  # the optimizers in the order they were saved
     view = CheckpointView(strategy, model, [state[k] for k in optimizer_keys])
-    remainder = sharded_checkpoint.load(view, path, [strategy.sharding.flat(state[k]) for k in optimizer_keys])
+    remainder = sharded_checkpoint.load(view, path, [strategy.sharding.state_view(state[k]) for k in optimizer_keys])
     for key in INTERNAL:
         remainder.pop(key, None)
     for key, obj in state.items():

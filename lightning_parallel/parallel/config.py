@@ -19,9 +19,8 @@ from typing import Any
 
 from lightning_parallel.parallel.activation_checkpoint import check_activation_checkpointing
 from lightning_parallel.parallel.data.compression import check_grad_compression
-from lightning_parallel.parallel.data.hybrid_shard import check_hybrid_shard
 from lightning_parallel.parallel.data.powersgd import check_powersgd_settings
-from lightning_parallel.parallel.data.stages import check_zero_settings, zero_stage
+from lightning_parallel.parallel.data.stages import check_sharding_name, check_zero_settings, sharding_class
 from lightning_parallel.parallel.fault_tolerance import check_fault_tolerance
 from lightning_parallel.parallel.mesh import ParallelDims, check_degree
 from lightning_parallel.parallel.pipeline.schedules import ScheduleSpec, schedule_spec
@@ -71,6 +70,10 @@ class ParallelConfig:
             all-reduce of the shard across replicas). None: shard over all of dp. Needs zero_stage 1-3.
         zero_stage: what data parallelism shards over dp: 0 nothing (gradients averaged), 1 optimizer
             states, 2 also gradients, 3 also parameters (FSDP2).
+        sharding: a data-parallel sharding by its registered name
+            (:data:`~lightning_parallel.parallel.data.sharding.SHARDINGS`: ``replicate``, ``zero1``-``zero3`` or a
+            variant registered with ``@register_sharding``); None: ``zero_stage``'s. It sets ``zero_stage`` to its
+            class's stage (a zero_stage set otherwise is refused).
         offload: keep the sharded states on the host and step there (stages 2 and 3).
         reshard_after_forward: stage 3: free gathered parameters after each unit's forward (less memory) or
             keep them until backward (less communication).
@@ -109,6 +112,7 @@ class ParallelConfig:
     spatial: int = 1
     dp_shard: int | None = None
     zero_stage: int = 0
+    sharding: str | None = None
     offload: bool = False
     reshard_after_forward: bool = True
     pp_schedule: str = "1f1b"
@@ -165,23 +169,62 @@ class ParallelConfig:
 
     def dims(self, world_size: int) -> ParallelDims:
         """The degrees for ``world_size`` processes (``dp="auto"`` resolved); a ValueError with the arithmetic
-        when they do not fit."""
-        return ParallelDims.from_degrees(
-            world_size,
-            pp=self.pp,
-            dp=self.dp,
-            tp=self.tp,
-            ep=self.ep,
-            cp=self.cp,
-            dp_shard=self.dp_shard,
-            spatial=self.spatial,
-        )
+        when they do not fit, or when ep or dp_shard does not divide the resolved dp."""
+        self._check_spatial()
+        degrees = {"pp": self.pp, "tp": self.tp, "cp": self.cp, "spatial": self.spatial}
+        dp = ParallelDims.from_degrees(world_size, dp=self.dp, **degrees).dp  # "auto" resolved
+        self._check_data_parallel(dp, resolved=self.dp == "auto")
+        return ParallelDims.from_degrees(world_size, dp=dp, ep=self.ep, dp_shard=self.dp_shard, **degrees)
+
+    def _check_data_parallel(self, dp: Any, resolved: bool = False) -> None:
+        """ep and HSDP's dp_shard divide the data-parallel degree ``dp`` (``resolved``: from dp="auto"; "auto":
+        not known yet)."""
+        check_degree_arg("ep", self.ep)
+        if isinstance(dp, int) and dp % self.ep:
+            what, fix = ("the data-parallel degree dp", ", or change pp, tp or the devices") if resolved else ("dp", "")
+            raise ValueError(
+                f"ep={self.ep} must divide {what}={dp} (expert parallelism is carved out of the data-parallel "
+                f"ranks): choose ep among the divisors of {dp}{fix}."
+            )
+        self._check_hybrid_shard(dp)
+
+    def _check_hybrid_shard(self, dp: Any) -> None:
+        """Validate ``dp_shard`` (HSDP) against the other settings (``dp``: an int, or "auto" before the world size
+        is known)."""
+        shard = self.dp_shard
+        if shard is None:
+            return
+        if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1:
+            raise ValueError(
+                f"dp_shard={shard!r} is not a parallel degree: set dp_shard to a positive integer or None."
+            )
+        if isinstance(dp, int) and not isinstance(dp, bool) and dp % shard:
+            raise ValueError(
+                f"dp_shard={shard} must divide dp={dp} (HSDP: dp / dp_shard replicas, each sharded over dp_shard "
+                f"ranks): choose dp_shard among the divisors of {dp}, or dp_shard=None to shard over all of dp."
+            )
+        stage = f"sharding={self.sharding!r}" if self.sharding is not None else f"zero_stage={self.zero_stage}"
+        refused = {  # setting -> (refused?, the fix)
+            stage: (not sharding_class(self).supports_hsdp, "set zero_stage to 1, 2 or 3 (HSDP shards model states)"),
+            f"ep={self.ep}": (self.ep > 1, "set ep=1 (experts would need replica groups of their own)"),
+            "grad_compression='powersgd'": (
+                self.grad_compression == "powersgd",
+                "use grad_compression='none', 'bf16' or 'fp16'",
+            ),
+            "overlap_grad_reduce=True": (self.overlap_grad_reduce is True, "set overlap_grad_reduce=False"),
+        }
+        for setting, (bad, fix) in refused.items():
+            if bad:
+                raise ValueError(
+                    f"dp_shard={shard} (HSDP) with {setting} is not supported: {fix}, or set dp_shard=None."
+                )
 
     def describe(self, name: str = "hybrid3d") -> str:
         ep = f", ep={self.ep}" if self.ep > 1 else ""
         cp = f", cp={self.cp}, cp_mode={self.cp_mode!r}" if self.cp > 1 else ""
         cp += f", spatial={self.spatial}" if self.spatial > 1 else ""
         cp += f", dp_shard={self.dp_shard}" if self.dp_shard is not None else ""
+        cp += f", sharding={self.sharding!r}" if self.sharding is not None else ""
         return f"strategy={name!r} (dp={self.dp!r}, pp={self.pp}, tp={self.tp}{ep}{cp}, zero_stage={self.zero_stage})"
 
     # ----- validation -----
@@ -194,18 +237,23 @@ class ParallelConfig:
         Raises:
             ValueError, TypeError: naming the setting and the fix.
         """
+        if self.sharding is not None:
+            stage = check_sharding_name(self.sharding).stage
+            if self.zero_stage not in (0, stage):
+                raise ValueError(
+                    f"sharding={self.sharding!r} is ZeRO stage {stage}, and zero_stage={self.zero_stage}: drop "
+                    "zero_stage (the sharding sets it), or sharding=None."
+                )
+            if self.zero_stage != stage:
+                return dataclasses.replace(self, zero_stage=stage).validate(warn)
         check_degree_arg("dp", self.dp, allow_auto=True)
         check_degree_arg("pp", self.pp)
         check_degree_arg("tp", self.tp)
-        check_degree_arg("ep", self.ep)
-        if isinstance(self.dp, int) and self.dp % self.ep:
-            raise ValueError(
-                f"ep={self.ep} must divide dp={self.dp} (expert parallelism is carved out of the data-parallel "
-                f"ranks): choose ep among the divisors of {self.dp}."
-            )
         self._check_context(warn)
         check_zero_settings(self.zero_stage, self.offload, name="zero_stage", allow_zero=True)
-        check_hybrid_shard(self)
+        if self.offload and not sharding_class(self).supports_offload:
+            raise ValueError(f"offload=True: sharding={self.sharding!r} has no offload. Set offload=False.")
+        self._check_data_parallel(self.dp)
         check_flag("sequence_parallel", self.sequence_parallel)
         check_flag("reshard_after_forward", self.reshard_after_forward)
         check_grad_compression(self.grad_compression)
@@ -254,7 +302,7 @@ class ParallelConfig:
             spec.check_microbatches(done.microbatches, self.pp, setting)
         done.activation_checkpointing = check_activation_checkpointing(self.activation_checkpointing)
         split_backward = self.pp > 1 and spec.split_backward
-        gathers_params = "params" in zero_stage(self.zero_stage).sharded  # reshard_after_forward is its setting
+        gathers_params = "params" in sharding_class(self).sharded  # reshard_after_forward is its setting
         if split_backward and done.activation_checkpointing == "selective":
             raise ValueError(
                 f"activation_checkpointing='selective' cannot run under pp_schedule={self.pp_schedule!r}: its split "

@@ -107,19 +107,17 @@ class ParallelDims:
         spatial: int = 1,
     ) -> ParallelDims:
         """Validate ``pp * dp * cp * tp == world_size``; ``dp="auto"`` takes the ranks the other axes leave;
-        ``dp_shard`` (HSDP: None shards over all of dp) divides dp, which it splits into dp / dp_shard replicas;
-        ``spatial`` (strips of images) takes the cp axis, and cp stays 1.
+        ``dp_shard`` (HSDP: None shards over all of dp) splits dp into dp / dp_shard replicas; ``spatial`` (strips
+        of images) takes the cp axis, and cp stays 1. Only the arithmetic: what the settings allow together (ep and
+        dp_shard dividing dp, spatial beside cp, ...) is :class:`~lightning_parallel.parallel.config.ParallelConfig`'s
+        to check (``ParallelConfig.dims``).
 
         Raises:
             ValueError: with the arithmetic and the fix, when the degrees do not fit the world size.
         """
         world_size = check_degree("world_size", world_size)
         check_degree("cp", cp)
-        if check_degree("spatial", spatial) > 1 and cp > 1:
-            raise ValueError(
-                f"spatial={spatial} with cp={cp}: both split each sample over the cp mesh axis (images into strips, "
-                "sequences into chunks). Set spatial=1 or cp=1."
-            )
+        assert check_degree("spatial", spatial) == 1 or cp == 1, "ParallelConfig refuses spatial with cp"
         split = "spatial" if spatial > 1 else CP  # the cp axis, named as the user set it
         cp = max(cp, spatial)
         given = {PP: check_degree("pp", pp), split: cp, TP: check_degree("tp", tp)}
@@ -143,26 +141,9 @@ class ParallelDims:
                 f"set the degrees so their product is {world_size}, or use dp='auto'."
             )
         ep = check_degree("ep", ep)
-        if dp % ep:
-            raise ValueError(
-                f"ep={ep} must divide the data-parallel degree dp={dp} (expert parallelism is carved out of the "
-                f"data-parallel ranks): choose ep among the divisors of {dp}, or change pp, tp or the devices."
-            )
-        dpr = 1
-        if dp_shard is not None:
-            dp_shard = check_degree("dp_shard", dp_shard)
-            if dp % dp_shard:
-                raise ValueError(
-                    f"dp_shard={dp_shard} must divide dp={dp} (HSDP: dp / dp_shard replicas, each sharded over "
-                    f"dp_shard ranks): choose dp_shard among the divisors of {dp}, or dp_shard=None to shard over "
-                    "all of dp."
-                )
-            dpr = dp // dp_shard
-        if dpr > 1 and ep > 1:
-            raise ValueError(
-                f"dp_shard={dp_shard} with ep={ep}: HSDP and expert parallelism together are not supported yet "
-                "(experts would need their own replica groups). Set dp_shard=None or ep=1."
-            )
+        dp_shard = dp if dp_shard is None else check_degree("dp_shard", dp_shard)
+        assert dp % ep == 0 and dp % dp_shard == 0, "ParallelConfig.dims checks that ep and dp_shard divide dp"
+        dpr = dp // dp_shard
         return cls(world_size=world_size, ep=ep, pp=given[PP], dp=dp, tp=given[TP], cp=cp, dpr=dpr, spatial=spatial)
 
     @property

@@ -32,10 +32,7 @@ from lightning_parallel.recipes.checks import (
 )
 from lightning_parallel.recipes.config import StrategyConf
 from lightning_parallel.strategies.base import MeshStrategy
-from lightning_parallel.strategies.zero import ZERO_SETTINGS
-
-ZERO_NAMES = {"zero1": (1, False), "zero2": (2, False), "zero3": (3, False)}
-ZERO_NAMES |= {"zero2_offload": (2, True), "zero3_offload": (3, True)}
+from lightning_parallel.strategies.zero import ZERO_PRESETS, ZERO_SETTINGS
 
 
 def parallel_config(conf: DictConfig) -> ParallelConfig:
@@ -85,8 +82,8 @@ def build_strategy(conf: DictConfig) -> Any:
     if changed:
         set_ = ", ".join(f"strategy.{k}={conf[k]}" for k in changed)
         raise ValueError(f"{set_} needs strategy=hybrid3d: strategy={name} only splits data, so it would ignore it.")
-    if name in ZERO_NAMES:
-        stage, offload = ZERO_NAMES[name]
+    if name in ZERO_PRESETS:
+        stage, offload = ZERO_PRESETS[name]
         if config.zero_stage not in (0, stage) or (config.offload and not offload):
             raise ValueError(
                 f"strategy={name} is ZeRO stage {stage}: pick strategy=zero{config.zero_stage} instead of setting "
@@ -99,13 +96,12 @@ def build_strategy(conf: DictConfig) -> Any:
             raise ValueError("strategy.timeout_s needs one of our strategies: use strategy=zero1..3 or hybrid3d.")
         if config.offload:
             raise ValueError("strategy=ddp keeps no state on the host (strategy.offload=true): use zero2_offload.")
-        if config.zero_stage:
-            raise ValueError(
-                f"strategy=ddp does not shard (strategy.zero_stage={config.zero_stage}): use strategy=zero1..3."
-            )
+        for key in ("zero_stage", "sharding"):
+            if getattr(config, key) not in (0, None):
+                raise ValueError(f"strategy=ddp does not shard (strategy.{key}={conf[key]}): use strategy=zero1..3.")
         return "ddp"
     raise ValueError(
-        f"strategy={name!r} is unknown: use ddp, {', '.join(ZERO_NAMES)}, hybrid3d or async_ps (conf/strategy/ lists "
+        f"strategy={name!r} is unknown: use ddp, {', '.join(ZERO_PRESETS)}, hybrid3d or async_ps (conf/strategy/ lists "
         "presets); strategy=auto is resolved to hybrid3d by recipes/train_gpt.py and train_vgg.py (recipes/auto.py)."
     )
 

@@ -34,7 +34,7 @@ from lightning_parallel.parallel.checkpoint.pipeline import (
     pipeline_local_optimizer_state,
 )
 from lightning_parallel.parallel.checkpoint.selection import unsaved_keys
-from lightning_parallel.parallel.data.flat_zero import FlatZero
+from lightning_parallel.parallel.data.sharding import StateView
 from lightning_parallel.strategies import sharded_checkpoint
 from lightning_parallel.strategies.sharded_checkpoint import LOADED_IN_PLACE
 
@@ -114,10 +114,10 @@ class ShardedCheckpointing:
         parallel = getattr(self, "_parallel", None)
         return parallel.split if parallel is not None else None
 
-    def _flat_of(self, optimizer: Any) -> FlatZero | None:
-        return self.sharding.flat(unwrap_optimizer(optimizer))  # type: ignore[attr-defined]
+    def _flat_of(self, optimizer: Any) -> StateView | None:
+        return self.sharding.state_view(unwrap_optimizer(optimizer))  # type: ignore[attr-defined]
 
-    def _flat_zeros(self) -> list[FlatZero | None]:
+    def _flat_zeros(self) -> list[StateView | None]:
         return [self._flat_of(o) for o in self.optimizers]  # type: ignore[attr-defined]
 
     def _settle_params(self) -> None:

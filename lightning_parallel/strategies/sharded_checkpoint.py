@@ -36,7 +36,7 @@ from lightning_parallel.parallel.checkpoint.sharded import (
     param_names,
 )
 from lightning_parallel.parallel.checkpoint.storage import Location
-from lightning_parallel.parallel.data.flat_zero import FlatZero
+from lightning_parallel.parallel.data.sharding import StateView
 
 LOADED_IN_PLACE = "lightning_parallel_loaded_in_place"  # marks a checkpoint whose states are already loaded
 
@@ -50,7 +50,7 @@ def save(
     strategy: Any,
     checkpoint: dict[str, Any],
     filepath: Location,
-    flat_zero: list[FlatZero | None],
+    views: list[StateView | None],
     order: list[str],
 ) -> None:
     """Write ``checkpoint`` as a sharded folder at ``filepath`` (collective; atomic; every rank raises
@@ -62,7 +62,7 @@ def save(
     # save_checkpoint(weights_only=True) leaves the optimizers out of the dict: leave them out of the folder
     optimizers = strategy.optimizers if checkpoint.pop("optimizer_states", None) is not None else []
     for i, optimizer in enumerate(optimizers):
-        tensors.update(optimizer_state(model, optimizer, i, order, flat_zero[i]))
+        tensors.update(optimizer_state(model, optimizer, i, order, views[i]))
     powersgd = strategy.sharding.powersgd if optimizers else None
     if powersgd is not None:  # Q and the dp-mean error of each matrix (collective over the dp ranks)
         tensors.update(powersgd.state_dict(_first_names(model), strategy.sharding.group))
@@ -180,7 +180,7 @@ def _all_gather(strategy: Any, obj: Any) -> list[Any]:
     return out
 
 
-def load(strategy: Any, path: Location, flat_zero: list[FlatZero | None]) -> dict[str, Any]:
+def load(strategy: Any, path: Location, views: list[StateView | None]) -> dict[str, Any]:
     """Fill the live model (and optimizers, when fitting) from a sharded folder; returns the rest of the
     checkpoint for Lightning's loops, schedulers and callbacks."""
     path = storage.local(strategy.broadcast(str(path)))
@@ -200,7 +200,7 @@ def load(strategy: Any, path: Location, flat_zero: list[FlatZero | None]) -> dic
         )
     for i, optimizer in enumerate(optimizers):
         _check_param_groups(path, i, saved_optimizers[i]["param_groups"], optimizer)
-        opt_targets, states = optimizer_load_targets(model, optimizer, i, saved, flat_zero[i])
+        opt_targets, states = optimizer_load_targets(model, optimizer, i, saved, views[i])
         targets.update(opt_targets)
         installs.append((optimizer, states, saved_optimizers[i]["param_groups"]))
     powersgd = strategy.sharding.powersgd if optimizers else None
@@ -208,9 +208,9 @@ def load(strategy: Any, path: Location, flat_zero: list[FlatZero | None]) -> dic
     checkpoint_io.load_sharded(path, {**targets, **extra})
     if powersgd is not None:
         powersgd.load_state(_first_names(model), extra)
-    for flat in flat_zero:
-        if flat is not None:
-            flat.reload_offloaded()  # the host copy of this rank's slice is what the optimizer steps
+    for view in views:
+        if view is not None:
+            view.reload()  # offload: the host copy of this rank's slice is what the optimizer steps
     for optimizer, states, groups in installs:
         install_optimizer_state(optimizer, states)
         for group, saved_group in zip(optimizer.param_groups, groups):

@@ -12,6 +12,7 @@ from lightning_parallel.strategies.base import MeshStrategy
 # the ParallelConfig settings a ZeRO strategy takes; the others (pp, tp, ...) need hybrid3d
 ZERO_SETTINGS = (
     "zero_stage",
+    "sharding",  # a registered variant of the preset's stage (ParallelConfig checks they agree)
     "dp_shard",
     "offload",
     "reshard_after_forward",
@@ -22,6 +23,11 @@ ZERO_SETTINGS = (
     "bucket_mb",
     "compile",
 )
+
+# the ZeRO presets by name: (stage, offload), from the table of stages; registered in Lightning's registries
+# (register_strategies) and read by the recipes' strategy=... (the one list of them)
+ZERO_PRESETS: dict[str, tuple[int, bool]] = {f"zero{stage}": (stage, False) for stage in ZERO_STAGES if stage > 0}
+ZERO_PRESETS |= {f"zero{stage}_offload": (stage, True) for stage in OFFLOAD_STAGES}
 
 
 class ZeroPreset:
@@ -82,16 +88,13 @@ class ZeroPreset:
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """The names in a registry (the Trainer's or Fabric's: the same ``register``)."""
-        for stage, sharding in ZERO_STAGES.items():
-            if stage == 0:
-                continue
-            description = f"ZeRO stage {stage}: {sharding.summary}"
-            strategy_registry.register(f"zero{stage}", cls, description=description, override=True, stage=stage)
-        for stage in OFFLOAD_STAGES:
-            description = f"ZeRO stage {stage} with the sharded states on the host"
-            strategy_registry.register(
-                f"zero{stage}_offload", cls, description=description, override=True, stage=stage, offload=True
-            )
+        for name, (stage, offload) in ZERO_PRESETS.items():
+            if offload:
+                description = f"ZeRO stage {stage} with the sharded states on the host"
+                strategy_registry.register(name, cls, description=description, override=True, stage=stage, offload=True)
+            else:
+                description = f"ZeRO stage {stage}: {ZERO_STAGES[stage].summary}"
+                strategy_registry.register(name, cls, description=description, override=True, stage=stage)
 
 
 class ZeroStrategy(ZeroPreset, MeshStrategy):

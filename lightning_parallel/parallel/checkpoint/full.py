@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_parallel._compat import all_gather_single
-from lightning_parallel.parallel.data.flat_zero import SCALAR_STATE_KEYS, FlatZero
+from lightning_parallel.parallel.data.flat_group import SCALAR_STATE_KEYS
+from lightning_parallel.parallel.data.sharding import StateView
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _GATHER_EVERYWHERE = StateDictOptions(full_state_dict=True)
@@ -115,26 +116,27 @@ def _to_local(p: nn.Parameter, full: Tensor) -> Tensor:
     return full
 
 
-def flat_full_state_dict(flat: FlatZero) -> dict:
-    """A ZeRO-1/2 optimizer's state as the unsharded optimizer would return it (collective: every rank calls)."""
+def flat_full_state_dict(flat: StateView) -> dict:
+    """A ZeRO-1/2 optimizer's state (the sharding's ``state_view``) as the unsharded optimizer would return it
+    (collective: every rank calls)."""
     state: dict[int, dict] = {}
     param_groups = []
     index = 0
-    for param_group, originals, fgs in zip(flat.optimizer.param_groups, flat.original_params, flat.groups):
+    for param_group, originals, fgs in zip(flat.optimizer.param_groups, flat.param_groups, flat.slices):
         ids = list(range(index, index + len(originals)))
         index += len(originals)
         param_groups.append({**{k: v for k, v in param_group.items() if k != "params"}, "params": ids})
         by_param = {id(p): i for p, i in zip(originals, ids)}
         for fg in fgs:
-            if not flat.optimizer.state.get(fg.shard):
+            if not flat.optimizer.state.get(fg.key):
                 continue
             per_param: dict[int, dict] = {by_param[id(p)]: {} for p in fg.params}
-            for key, value in flat.optimizer.state[fg.shard].items():
+            for key, value in flat.optimizer.state[fg.key].items():
                 if key in SCALAR_STATE_KEYS or not torch.is_tensor(value):
                     for entry in per_param.values():
                         entry[key] = value.clone() if torch.is_tensor(value) else value
                     continue
-                full = torch.empty_like(fg.flat_param)
+                full = torch.empty_like(fg.buffer)
                 all_gather_single(full, value.to(full.device), group=fg.group)
                 for p, view in fg.views(full):
                     per_param[by_param[id(p)]][key] = _to_full(p, view)
@@ -142,7 +144,7 @@ def flat_full_state_dict(flat: FlatZero) -> dict:
     return {"state": state, "param_groups": param_groups}
 
 
-def load_flat_full_state_dict(flat: FlatZero, state_dict: dict) -> None:
+def load_flat_full_state_dict(flat: StateView, state_dict: dict) -> None:
     """Give a ZeRO-1/2 optimizer this rank's slice of a state in torch's per-parameter format (any layout's)."""
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(flat.optimizer.param_groups):
@@ -151,7 +153,7 @@ def load_flat_full_state_dict(flat: FlatZero, state_dict: dict) -> None:
             f"returned one with {len(flat.optimizer.param_groups)}: resume with the same optimizer setup."
         )
     for param_group, saved, originals, fgs in zip(
-        flat.optimizer.param_groups, saved_groups, flat.original_params, flat.groups
+        flat.optimizer.param_groups, saved_groups, flat.param_groups, flat.slices
     ):
         if len(saved["params"]) != len(originals):
             raise ValueError(
@@ -165,13 +167,13 @@ def load_flat_full_state_dict(flat: FlatZero, state_dict: dict) -> None:
             if any(e is None for e in entries):
                 continue
             shard_state = {}
-            start, end = fg.local_range()
+            start, end = fg.start, fg.end
             for key, value in entries[0].items():
                 if key in SCALAR_STATE_KEYS or not torch.is_tensor(value):
                     shard_state[key] = value.clone() if torch.is_tensor(value) else value
                     continue
-                full = torch.zeros_like(fg.flat_param)
+                full = torch.zeros_like(fg.buffer)
                 for (p, view), entry in zip(fg.views(full), entries):
                     view.copy_(_to_local(p, entry[key]).reshape(view.shape))
-                shard_state[key] = full[start:end].clone().to(fg.shard.device)
-            flat.optimizer.state[fg.shard] = shard_state
+                shard_state[key] = full[start:end].clone().to(fg.key.device)
+            flat.optimizer.state[fg.key] = shard_state

@@ -26,7 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_parallel._compat import compute_local_shape_and_global_offset
 from lightning_parallel.parallel.checkpoint.chunks import chunked_view
-from lightning_parallel.parallel.data.flat_zero import SCALAR_STATE_KEYS, FlatGroup, FlatZero
+from lightning_parallel.parallel.data.flat_group import SCALAR_STATE_KEYS
+from lightning_parallel.parallel.data.sharding import FlatSlice, StateView
 from lightning_parallel.parallel.dtensor import local as _local
 
 MODEL = "state_dict."
@@ -60,10 +61,10 @@ def _local_shape(p: Tensor) -> tuple[int, ...]:
     return tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
 
 
-def _flat_pieces(flat_zero: FlatZero, fg: FlatGroup, buffer: Tensor) -> Iterable[tuple[nn.Parameter, Tensor]]:
-    """(parameter, its elements in this rank's slice ``buffer`` of a flat group, as a ChunkedTensor)."""
-    start, end = fg.local_range()
-    for p, off in zip(fg.params, fg.offsets):
+def _flat_pieces(piece: FlatSlice, buffer: Tensor) -> Iterable[tuple[nn.Parameter, Tensor]]:
+    """(parameter, its elements in this rank's slice ``buffer`` of a flat buffer, as a ChunkedTensor)."""
+    start, end = piece.start, piece.end
+    for p, off in zip(piece.params, piece.offsets):
         lo, hi = max(start, off), min(end, off + _local(p).numel())
         if lo < hi:
             view = buffer[lo - start : hi - start]
@@ -75,41 +76,41 @@ def optimizer_state(
     optimizer: torch.optim.Optimizer,
     index: int,
     full_order: list[str],
-    flat_zero: FlatZero | None = None,
+    view: StateView | None = None,
 ) -> dict[str, Any]:
     """One optimizer's per-parameter state under ``optimizer_states.<index>.``, sharded as it is held.
 
     Args:
         module: the model the optimizer trains (its parameter names are the keys).
-        optimizer: the optimizer (for ZeRO-1/2: the one FlatZero wraps).
+        optimizer: the optimizer (for ZeRO-1/2: the one stepping the flat slices).
         index: the optimizer's position in ``configure_optimizers``.
         full_order: the single-process model's parameter names in ``named_parameters()`` order: the
             position of each parameter, so a single-process optimizer's index numbering can be rebuilt.
-        flat_zero: the ZeRO-1/2 wrapper when the state lives in flat buffers.
+        view: the sharding's view of the state when it lives in flat slices (``sharding.state_view``).
     """
     prefix, names, position = optimizer_prefix(index), param_names(module), {n: i for i, n in enumerate(full_order)}
     out: dict[str, Any] = {}
-    groups = flat_zero.original_params if flat_zero is not None else [g["params"] for g in optimizer.param_groups]
+    groups = view.param_groups if view is not None else [g["params"] for g in optimizer.param_groups]
     for g, params in enumerate(groups):
         for p in params:
             for name in names.get(id(p), []):
                 if name in position:
                     out[f"{prefix}order.{name}"] = torch.tensor([g, position[name]], dtype=torch.int64)
-    if flat_zero is None:
+    if view is None:
         for p, state in optimizer.state.items():
             for name in names.get(id(p), []):
                 out.update({f"{prefix}state.{name}.{k}": v for k, v in state.items() if torch.is_tensor(v)})
         return out
-    for fg in flat_zero.flat_groups:
-        for key, value in optimizer.state.get(fg.shard, {}).items():
+    for piece in (piece for pieces in view.slices for piece in pieces):
+        for key, value in optimizer.state.get(piece.key, {}).items():
             if not torch.is_tensor(value):
                 continue
             if key in SCALAR_STATE_KEYS:
-                pieces: Iterable[tuple[nn.Parameter, Tensor]] = ((p, value) for p in fg.params)
+                parts: Iterable[tuple[nn.Parameter, Tensor]] = ((p, value) for p in piece.params)
             else:
-                pieces = _flat_pieces(flat_zero, fg, value)
-            for p, piece in pieces:
-                out.update({f"{prefix}state.{name}.{key}": piece for name in names[id(p)]})
+                parts = _flat_pieces(piece, value)
+            for p, part in parts:
+                out.update({f"{prefix}state.{name}.{key}": part for name in names[id(p)]})
     return out
 
 
@@ -129,7 +130,7 @@ def optimizer_load_targets(
     optimizer: torch.optim.Optimizer,
     index: int,
     saved: dict[str, Any],
-    flat_zero: FlatZero | None = None,
+    view: StateView | None = None,
 ) -> tuple[dict[str, Any], dict[Tensor, dict[str, Tensor]]]:
     """Fresh optimizer-state tensors shaped for this rank's layout, for DCP to fill from a checkpoint.
 
@@ -147,7 +148,7 @@ def optimizer_load_targets(
     def dtype(key: str) -> torch.dtype:
         return saved[key].properties.dtype
 
-    if flat_zero is None:
+    if view is None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 name = _saved_name(saved, prefix, names.get(id(p), []))
@@ -163,8 +164,8 @@ def optimizer_load_targets(
                     targets[full_key] = state[key]
                 states[p] = state
         return targets, states
-    for fg in flat_zero.flat_groups:
-        chosen = [(p, _saved_name(saved, prefix, names[id(p)])) for p in fg.params]
+    for piece in (piece for pieces in view.slices for piece in pieces):
+        chosen = [(p, _saved_name(saved, prefix, names[id(p)])) for p in piece.params]
         if any(name is None for _, name in chosen):
             continue
         p0, name0 = chosen[0]
@@ -175,11 +176,11 @@ def optimizer_load_targets(
                 state[key] = targets[first_key] = torch.empty(tuple(saved[first_key].size), dtype=dtype(first_key))
                 continue
             # zeros: the buffer's padding belongs to no parameter and is never read back
-            state[key] = torch.zeros_like(fg.shard, dtype=dtype(first_key))
+            state[key] = torch.zeros_like(piece.key, dtype=dtype(first_key))
             by_param = dict(chosen)
-            for p, piece in _flat_pieces(flat_zero, fg, state[key]):
-                targets[f"{prefix}state.{by_param[p]}.{key}"] = piece
-        states[fg.shard] = state
+            for p, part in _flat_pieces(piece, state[key]):
+                targets[f"{prefix}state.{by_param[p]}.{key}"] = part
+        states[piece.key] = state
     return targets, states
 
 

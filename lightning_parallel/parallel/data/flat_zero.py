@@ -43,16 +43,14 @@ from lightning_parallel.parallel.data.flat_group import (
     pack,
     rank_major,
 )
-from lightning_parallel.parallel.data.flat_overlap import FlatBuckets, flat_overlap_stats
-from lightning_parallel.parallel.data.fsdp import fsdp_units
+from lightning_parallel.parallel.data.flat_overlap import FlatBuckets
 from lightning_parallel.parallel.data.offload import HostSlice
 from lightning_parallel.parallel.data.overlap import DEFAULT_BUCKET_MB, Prepare
 from lightning_parallel.parallel.data.powersgd import PowerSGD
-from lightning_parallel.parallel.data.sharding import DataParallelSharding, GradPiece
-from lightning_parallel.parallel.dtensor import like, local, placed_like, split_axes
+from lightning_parallel.parallel.dtensor import like, local, placed_like
 from lightning_parallel.parallel.expert.apply import is_expert_param
 
-__all__ = ["SCALAR_STATE_KEYS", "FlatGroup", "FlatSharding", "FlatZero", "ShardGradients", "ShardOptimizer"]
+__all__ = ["SCALAR_STATE_KEYS", "FlatGroup", "FlatZero"]
 
 
 class FlatZero:
@@ -65,6 +63,8 @@ class FlatZero:
         offload: keep this rank's slice of parameters, gradients and optimizer state on the host and
             step there (stage 2 only, as ZeRO-Offload; pinned, asynchronous copies with an accelerator:
             offload.py).
+        replicate_group: HSDP: the ranks holding the same slice in the other replicas; each reduced slice is
+            all-reduced over them, and gradients are divided by every data-parallel rank (hybrid_shard.py).
     """
 
     def __init__(
@@ -77,6 +77,7 @@ class FlatZero:
         wire_dtype: torch.dtype | None = None,
         overlap_bucket_mb: float | None = None,
         powersgd: PowerSGD | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         assert stage in (1, 2) and not (offload and stage == 1)
         self.optimizer = optimizer
@@ -88,6 +89,9 @@ class FlatZero:
         self.powersgd = powersgd  # grad_compression="powersgd": reduces each flat group's views (powersgd.py)
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.replicate_group = replicate_group
+        replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.divisor = self.world * replicas  # the replica's sum divided by every data-parallel rank
         # index of every parameter the optimizer held, in torch's state_dict numbering
         self.original_params: list[list[nn.Parameter]] = [list(g["params"]) for g in optimizer.param_groups]
         # per optimizer group: its flat groups (the data-parallel one, then the experts' one when it has experts)
@@ -127,7 +131,7 @@ class FlatZero:
         host = HostSlice(shard) if self.offload else None
         shard = host.param if host is not None else shard
         fg = FlatGroup(
-            params, offsets, shard_numel, flat_param, None, shard, group, rank, self.world, bool(expert), host
+            params, offsets, shard_numel, flat_param, None, shard, group, rank, self.divisor, bool(expert), host
         )
         for p, view in fg.views(flat_param):
             if isinstance(p, DTensor):
@@ -236,7 +240,14 @@ class FlatZero:
     def _deliver(self, fg: FlatGroup, grad: Tensor) -> None:
         """This rank's reduced gradient slice (on the device) becomes what the optimizer steps with: under offload
         copied into the host buffer (async with an accelerator: waited for at the end of ``reduce_gradients``).
-        Every collective on it must come before (HSDP's replica all-reduce: hybrid_shard.py)."""
+        Every collective on it comes before: HSDP's replica all-reduce runs here, on the device (on CUDA the replicate
+        group is NCCL only and has no backend for host tensors)."""
+        if self.replicate_group is not None:
+            wire = self.wire_dtype if self.wire_dtype not in (None, grad.dtype) else None
+            sent = grad.to(wire) if wire is not None else grad
+            dist.all_reduce(sent, group=self.replicate_group)  # the only collective that crosses replicas
+            if wire is not None:
+                grad.copy_(sent)
         fg.shard.grad = fg.host.grad_from(grad) if fg.host is not None else grad
 
     def shard_grad_segments(self) -> list[tuple[Tensor, nn.Parameter, FlatGroup]]:
@@ -305,90 +316,3 @@ class FlatZero:
 
 
 _grad = attrgetter("grad")
-
-
-class FlatSharding(DataParallelSharding):
-    """Stages 1 and 2: each optimizer's groups packed into flat buffers, each rank stepping its slice."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._flat: dict[int, FlatZero] = {}  # id(optimizer) -> its flat sharding
-        self._layers: list[tuple[nn.Module, list[str]]] = []  # roots and their layers (overlap: forward pre-hooks)
-
-    def shard_module(self, root: nn.Module, units: list[str] | None = None) -> list[str]:
-        # nothing sharded: the layers (ZeRO-3's units) are remembered for overlap_grad_reduce's forward hooks
-        if self.overlap_grad_reduce:
-            self._layers.append((root, fsdp_units(root) if units is None else units))
-        return []
-
-    def shard_optimizer(self, optimizer: Optimizer) -> None:
-        super().shard_optimizer(optimizer)
-        self._flat[id(optimizer)] = FlatZero(
-            optimizer,
-            self.group,
-            self.stage,
-            offload=self.offload,
-            expert_group=self.expert_group,
-            wire_dtype=self.wire_dtype,
-            overlap_bucket_mb=self.bucket_mb if self.overlap_grad_reduce else None,
-            powersgd=self.powersgd,
-        )
-
-    def before_last_backward(
-        self, optimizer: Optimizer, only: list[nn.Parameter] | None = None, prepare: Prepare | None = None
-    ) -> None:
-        flat = self._of(optimizer)
-        if flat._overlap and not flat.forward_waits:  # the gathers after each step: waited for in forward
-            for buckets in flat._overlap.values():
-                for root, layers in self._layers:
-                    buckets.wait_before_forward(root, layers)
-            flat.forward_waits = True
-        flat.arm(only, prepare)
-
-    def arm_more(self, optimizer: Optimizer, params: list[nn.Parameter], ready: bool = False) -> None:
-        self._of(optimizer).arm_more(params, ready)
-
-    def settle_params(self) -> None:
-        for flat in self._flat.values():
-            flat.settle()
-
-    def overlap_stats(self) -> dict[str, int]:
-        return flat_overlap_stats([b for flat in self._flat.values() for b in flat._overlap.values()])
-
-    def flat(self, optimizer: Optimizer) -> FlatZero | None:
-        return self._flat.get(id(optimizer))
-
-    def _of(self, optimizer: Optimizer) -> FlatZero:
-        flat = self._flat.get(id(optimizer))
-        assert flat is not None, "shard_optimizer() takes every optimizer first"
-        return flat
-
-    def reduce_gradients(self, optimizer: Optimizer) -> None:
-        self._of(optimizer).reduce_gradients()
-
-    def grad_pieces(self, optimizer: Optimizer) -> list[GradPiece]:
-        return [
-            (g, p, (*(self.expert_axes if fg.expert else self.axes), *split_axes(p)))
-            for g, p, fg in self._of(optimizer).shard_grad_segments()
-        ]
-
-    def after_step(self, optimizer: Optimizer) -> None:
-        self._of(optimizer).discard_unstepped()  # fp16 skipped the update: forget the reduced gradients
-
-    def param_groups(self, optimizer: Optimizer) -> list[list[nn.Parameter]]:
-        return self._of(optimizer).original_params
-
-
-class ShardOptimizer(FlatSharding):
-    stage = 1
-    sharded = frozenset({"optimizer"})
-    comm_factor = 1.5  # gradients all-reduced (whole on every rank for hooks and clipping), slices all-gathered
-    summary = "optimizer states sharded"
-
-
-class ShardGradients(FlatSharding):
-    stage = 2
-    sharded = frozenset({"optimizer", "grads"})
-    comm_factor = 1.0  # reduce-scatter + all-gather: an all-reduce's volume
-    supports_offload = True
-    summary = "optimizer states and gradients sharded"

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_parallel._compat import StridedShard
-from lightning_parallel.parallel.data.sharding import DataParallelSharding
+from lightning_parallel.parallel.data.sharding import DataParallelSharding, register_sharding
 from lightning_parallel.parallel.expert.apply import is_expert_param
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -151,11 +151,12 @@ def set_prefetch(root: nn.Module, units: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+@register_sharding("zero3")
 class ShardParameters(DataParallelSharding):
     """Stage 3: parameters too, with torch's FSDP2; gradients arrive reduce-scattered as DTensors.
 
     Units whose gradients are divided by something other than their group's size (expert units: every data-parallel
-    rank; HSDP: both steps, hybrid_shard.py) reduce with a plain sum and one division after it, on every device
+    rank; HSDP: both steps) reduce with a plain sum and one division after it, on every device
     (``set_force_sum_reduction_for_comms``). Without it FSDP2 (torch 2.13, ``_get_gradient_divide_factors``) takes
     another path on CUDA than on the CPU: a ``PREMUL_SUM(1/f)`` reduce-scatter (gloo has none) for expert units and
     NCCL's ``AVG`` at each HSDP step. Both are the same mean, sum(g_i / f) against sum(g_i) / f, equal bitwise
@@ -164,6 +165,9 @@ class ShardParameters(DataParallelSharding):
     this path anyway). Not on a group of one: torch's copy for a single rank divides, and the forced post-divide
     would divide again; unforced, it divides once on every device (pre- and post-factors stay None for fp32/bf16).
     Plain units keep FSDP2's default ``AVG``, which gloo 2.13 has too.
+
+    HSDP: FSDP2 on the 2-D (replicate, shard) mesh is HSDP (``fully_shard`` reduce-scatters over the shard dimension,
+    then all-reduces over the replicate one: ``foreach_reduce`` in torch's ``_fully_shard``).
     """
 
     stage = 3
@@ -175,7 +179,7 @@ class ShardParameters(DataParallelSharding):
     @property
     def fsdp_mesh(self) -> DeviceMesh:
         """The mesh the non-expert units shard over (HSDP: the 2-D replicate x shard mesh)."""
-        return self.mesh
+        return self.hsdp_mesh if self.hsdp_mesh is not None else self.mesh
 
     def shard_module(self, root: nn.Module, units: list[str] | None = None) -> list[str]:
         # experts split over ep first, as units of their own over the ranks holding the same experts (torchtitan's
@@ -195,7 +199,7 @@ class ShardParameters(DataParallelSharding):
             unit.set_gradient_divide_factor(float(self.data_parallel_size))  # type: ignore[operator]
             if not alone:
                 unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
-        return experts + apply_fsdp(
+        made = apply_fsdp(
             root,
             self.fsdp_mesh,
             reshard_after_forward=self.reshard_after_forward,
@@ -203,6 +207,10 @@ class ShardParameters(DataParallelSharding):
             units=units,
             reduce_dtype=self.wire_dtype,
         )
+        for path in made if self.hsdp_mesh is not None else []:
+            # HSDP: sum both steps and divide once after, on every device (see above)
+            root.get_submodule(path).set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+        return experts + made
 
 
 def expert_units(root: nn.Module) -> list[str]:

@@ -27,7 +27,7 @@ from lightning_parallel.parallel.data.overlap import (
     buckets_of,
     overlap_summary,
 )
-from lightning_parallel.parallel.data.sharding import DataParallelSharding, trainable
+from lightning_parallel.parallel.data.sharding import DataParallelSharding, register_sharding, trainable
 from lightning_parallel.parallel.dtensor import local, placed_like
 from lightning_parallel.parallel.expert.apply import is_expert_param
 
@@ -108,12 +108,14 @@ def _all_reduce_bucket(grads: list[Tensor], group: dist.ProcessGroup, divisor: i
     torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
 
 
+@register_sharding("replicate")
 class Replicate(DataParallelSharding):
     """Stage 0: every rank holds everything; gradients are averaged once per step."""
 
     stage = 0
     sharded = frozenset()
     comm_factor = 1.0
+    supports_hsdp = False  # nothing is sharded, so there is nothing to replicate across replicas
     summary = "nothing sharded, gradients averaged"
 
     def __init__(self, *args, **kwargs) -> None:

@@ -1,4 +1,4 @@
-"""The interface every data-parallel sharding implements: one subclass per ZeRO stage. Pure torch.
+"""The interface every data-parallel sharding implements, and the registry of shardings by name. Pure torch.
 
 A sharding is told the mesh it shards over (the mesh's ``shard`` role) and is asked, in this order, to shard
 the model (ZeRO-3 wraps it in FSDP2 units; the others leave it), to shard each optimizer, to reduce the
@@ -6,15 +6,22 @@ gradients after the last backward of a step, to hand its local gradient pieces t
 after the step. Its class attributes are the ZeRO paper's formulas, so the planner, the profiler and the
 memory report compute one quantity one way.
 
-Adding a variant (HSDP, ZeRO++'s hpZ, ...): a subclass in a module of its own beside these, and a row in
-:mod:`lightning_parallel.parallel.data.stages`.
+HSDP is a property of the mesh, not a class: every sharding gets the 2-D (replicate, shard) mesh when the mesh has
+replicas (``hsdp_mesh``), divides by every data-parallel rank (:attr:`DataParallelSharding.data_parallel_size`), and
+all-reduces its reduced shard over the replicas (:attr:`DataParallelSharding.replicate_group`).
+
+Adding a variant (ZeRO-3 with a quantized all-gather, ZeRO-2 with fp32 master weights, ...): a subclass in a module
+of its own beside these, decorated ``@register_sharding("name")``, imported by
+:mod:`lightning_parallel.parallel.data.stages`; ``ParallelConfig(sharding="name")`` selects it. Checkpoints read
+what it holds through one method, :meth:`DataParallelSharding.state_view`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -73,11 +80,69 @@ def trainable(optimizer: Optimizer) -> list[nn.Parameter]:
     return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
 
 
+@dataclass
+class FlatSlice:
+    """A flat buffer of packed parameters as a checkpoint sees it: this rank holds elements ``[start, end)``, and
+    the optimizer keys that slice's state by ``key``."""
+
+    params: list[nn.Parameter]  # the parameters packed in the buffer, in order
+    offsets: list[int]  # where each one's (local, flattened) elements start in the buffer
+    start: int
+    end: int
+    key: Tensor  # the optimizer's parameter standing for this slice (its state: optimizer.state[key])
+    buffer: Tensor  # the whole buffer, every rank's slice (a template: its size, dtype and device)
+    group: torch.distributed.ProcessGroup | None  # the ranks holding the other slices
+
+    def views(self, flat: Tensor) -> Iterator[tuple[nn.Parameter, Tensor]]:
+        """Each parameter's elements in a buffer shaped like :attr:`buffer`, shaped like its local tensor."""
+        for p, off in zip(self.params, self.offsets):
+            shard = local(p)
+            yield p, flat[off : off + shard.numel()].view(shard.shape)
+
+
+@dataclass
+class StateView:
+    """How a sharding holds one optimizer's state, for checkpoints to read and fill (:meth:`~DataParallelSharding.
+    state_view`): the optimizer steps flat slices, not the model's parameters."""
+
+    optimizer: Optimizer  # the optimizer whose ``state`` holds the slices' state
+    param_groups: list[list[nn.Parameter]]  # the model parameters of each group, as configure_optimizers built them
+    slices: list[list[FlatSlice]]  # per group, the flat buffers its state is held in
+    reload: Callable[[], None] = field(default=lambda: None)  # after loading into the slices in place
+
+
+SHARDINGS: dict[str, type[DataParallelSharding]] = {}
+_Sharding = TypeVar("_Sharding", bound="type[DataParallelSharding]")
+
+
+def register_sharding(name: str) -> Callable[[_Sharding], _Sharding]:
+    """Class decorator: the sharding under ``name`` in :data:`SHARDINGS`, which ``ParallelConfig.sharding`` and
+    the ZeRO stages' names (:mod:`~lightning_parallel.parallel.data.stages`) pick from.
+
+    Args:
+        name: lowercase, unique (``zero3``, ``zero3_qwz``, ...).
+    """
+
+    def register(cls: _Sharding) -> _Sharding:
+        taken = SHARDINGS.get(name)
+        if taken is not None and taken is not cls:
+            raise ValueError(
+                f"sharding {name!r} names {taken.__name__} already: register {cls.__name__} under another name."
+            )
+        cls.name = name
+        SHARDINGS[name] = cls
+        return cls
+
+    return register
+
+
 class DataParallelSharding:
     """How model states are split over the data-parallel ranks of ``mesh``, and how gradients meet there.
 
     Args:
         mesh: the 1-D mesh of the ranks that shard (or replicate) the states.
+        expert_mesh: the 1-D mesh of the ranks holding the same experts (default ``mesh``).
+        hsdp_mesh: HSDP (``dp_shard``): the 2-D (replicate, shard) mesh; None without replicas.
         offload: keep the sharded states on the host (stages that allow it).
         reshard_after_forward: stage 3's FSDP2 setting.
         grad_compression: ``none``, ``bf16`` or ``fp16``: the dtype of the gradient reduction
@@ -88,10 +153,12 @@ class DataParallelSharding:
         setting: how the user named this layout, for error messages.
     """
 
-    stage: ClassVar[int]
+    name: ClassVar[str]  # its name in SHARDINGS (register_sharding)
+    stage: ClassVar[int]  # the ZeRO stage whose formulas it follows
     sharded: ClassVar[frozenset[str]]  # which of MODEL_STATES are split over the ranks
     comm_factor: ClassVar[float]  # bytes sent per step per rank, in units of a ring all-reduce of the gradients
     supports_offload: ClassVar[bool] = False
+    supports_hsdp: ClassVar[bool] = True  # it can shard inside replicas (dp_shard)
     summary: ClassVar[str]
 
     def __init__(
@@ -99,6 +166,7 @@ class DataParallelSharding:
         mesh: DeviceMesh,
         *,
         expert_mesh: DeviceMesh | None = None,
+        hsdp_mesh: DeviceMesh | None = None,
         offload: bool = False,
         reshard_after_forward: bool = True,
         grad_compression: str = "none",
@@ -117,15 +185,18 @@ class DataParallelSharding:
         # expert parameters (split over ep) meet over the ranks holding the same experts; their gradient is
         # divided by the whole data-parallel degree all the same (each expert saw the tokens of its ep group)
         self.expert_mesh = expert_mesh if expert_mesh is not None else mesh
+        self.hsdp_mesh = hsdp_mesh
         self.offload = offload
         self.reshard_after_forward = reshard_after_forward
         self.setting = setting
 
     @classmethod
     def from_mesh(cls, mesh: ParallelMesh, **settings: Any) -> DataParallelSharding:
-        """The sharding over the world's mesh: its ``shard`` role, and ``expert_shard`` for expert parameters (a
-        variant over other roles overrides this)."""
-        return cls(mesh["shard"], expert_mesh=mesh["expert_shard"], **settings)
+        """The sharding over the world's mesh: its ``shard`` role, ``expert_shard`` for expert parameters and, when
+        the mesh has replicas (HSDP), the 2-D (``replicate``, ``shard``) mesh (a variant over other roles overrides
+        this)."""
+        hsdp = mesh.hsdp_mesh() if mesh.dims.dpr > 1 else None
+        return cls(mesh["shard"], expert_mesh=mesh["expert_shard"], hsdp_mesh=hsdp, **settings)
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -149,9 +220,19 @@ class DataParallelSharding:
         return self.expert_mesh.get_group()
 
     @property
+    def replicas(self) -> int:
+        """HSDP's replicas (1 without)."""
+        return self.hsdp_mesh.size(0) if self.hsdp_mesh is not None else 1
+
+    @property
+    def replicate_group(self) -> torch.distributed.ProcessGroup | None:
+        """HSDP: the ranks holding the same shard in the other replicas (None without replicas)."""
+        return self.hsdp_mesh.get_group(0) if self.hsdp_mesh is not None else None
+
+    @property
     def data_parallel_size(self) -> int:
         """Every data-parallel rank: what every gradient, expert or not, is divided by."""
-        return self.mesh.size()
+        return self.mesh.size() * self.replicas
 
     # ----- the steps -----
 
@@ -200,8 +281,14 @@ class DataParallelSharding:
     def after_step(self, optimizer: Optimizer) -> None:
         """After ``optimizer_step`` (also one that fp16 skipped)."""
 
+    def state_view(self, optimizer: Optimizer) -> StateView | None:
+        """What checkpoints read and fill of ``optimizer``'s state: None when the optimizer holds it per model
+        parameter, as torch's does (ZeRO 0 and 3), else the flat slices it steps (ZeRO 1-2)."""
+        return None
+
     def flat(self, optimizer: Optimizer) -> Any:
-        """The ZeRO-1/2 flat buffers of ``optimizer`` (checkpoints read their ranges), None for other stages."""
+        """The ZeRO-1/2 flat buffers of ``optimizer`` for tests to inspect, None for other stages (checkpoints read
+        :meth:`state_view`)."""
         return None
 
     def param_groups(self, optimizer: Optimizer) -> list[list[nn.Parameter]]:
@@ -229,7 +316,3 @@ class DataParallelSharding:
     def comm_bytes(cls, grad_bytes: float, dp: int) -> float:
         """Bytes one rank sends per step: ``comm_factor`` ring all-reduces of the gradients, 2 g (w-1)/w each."""
         return cls.comm_factor * 2 * grad_bytes * (dp - 1) / dp if dp > 1 else 0.0
-
-
-def describe_stages(stages: Sequence[type[DataParallelSharding]]) -> str:
-    return "; ".join(f"{s.stage}: {s.summary}" for s in stages)

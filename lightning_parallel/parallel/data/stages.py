@@ -1,30 +1,48 @@
-"""The table of data-parallel shardings, one row per ZeRO stage: ``zero_stage`` (or a ``zero*`` strategy name)
-picks a row here, and nothing else compares stage numbers. Pure torch.
+"""The ZeRO stages by number and the choice of a sharding: ``zero_stage`` (or a ``zero*`` strategy name) maps to a
+registered sharding's name here (:data:`ZERO_NAMES`), and nothing else compares stage numbers; ``sharding`` (a name
+in :data:`~lightning_parallel.parallel.data.sharding.SHARDINGS`) picks any registered sharding, variants included.
+Importing this module registers the built-in shardings. Pure torch.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning_parallel.parallel.data.flat_zero import ShardGradients, ShardOptimizer
-from lightning_parallel.parallel.data.fsdp import ShardParameters
-from lightning_parallel.parallel.data.hybrid_shard import HYBRID_STAGES
-from lightning_parallel.parallel.data.replicate import Replicate
-from lightning_parallel.parallel.data.sharding import DataParallelSharding
+# imported to register their shardings (register_sharding); a new variant's module is imported here too
+from lightning_parallel.parallel.data import flat_sharding, fsdp, replicate  # noqa: F401
+from lightning_parallel.parallel.data.sharding import SHARDINGS, DataParallelSharding
 from lightning_parallel.parallel.mesh import ParallelMesh
 
 if TYPE_CHECKING:  # config.py imports this module's checks
     from lightning_parallel.parallel.config import ParallelConfig
 
-ZERO_STAGES: dict[int, type[DataParallelSharding]] = {
-    cls.stage: cls for cls in (Replicate, ShardOptimizer, ShardGradients, ShardParameters)
-}
+ZERO_NAMES: dict[int, str] = {0: "replicate", 1: "zero1", 2: "zero2", 3: "zero3"}  # zero_stage -> sharding name
+ZERO_STAGES: dict[int, type[DataParallelSharding]] = {stage: SHARDINGS[name] for stage, name in ZERO_NAMES.items()}
 OFFLOAD_STAGES = tuple(stage for stage, cls in ZERO_STAGES.items() if cls.supports_offload)
 
 
 def zero_stage(stage: int) -> type[DataParallelSharding]:
     """The sharding class of a (validated) stage number."""
     return ZERO_STAGES[stage]
+
+
+def sharding_class(config: ParallelConfig) -> type[DataParallelSharding]:
+    """The sharding a (validated) config picks: ``config.sharding`` by name, else its ZeRO stage's."""
+    return SHARDINGS[config.sharding if config.sharding is not None else ZERO_NAMES[config.zero_stage]]
+
+
+def check_sharding_name(name: object) -> type[DataParallelSharding]:
+    """The registered sharding called ``name``.
+
+    Raises:
+        ValueError: naming the registered shardings.
+    """
+    if not isinstance(name, str) or name not in SHARDINGS:
+        raise ValueError(
+            f"sharding={name!r} is not a registered sharding: set sharding to one of {', '.join(SHARDINGS)} "
+            "(register a new one with @register_sharding), or sharding=None to use zero_stage's."
+        )
+    return SHARDINGS[name]
 
 
 def check_zero_settings(stage: object, offload: object, *, name: str = "stage", allow_zero: bool = False) -> None:
@@ -44,10 +62,9 @@ def check_zero_settings(stage: object, offload: object, *, name: str = "stage", 
 
 
 def make_sharding(config: ParallelConfig, mesh: ParallelMesh, setting: str = "") -> DataParallelSharding:
-    """The sharding of ``config.zero_stage`` over the world's ``mesh`` (it picks the roles it shards over; HSDP's
-    variant when the mesh has replicas), with the config's data-parallel settings."""
-    cls = HYBRID_STAGES[config.zero_stage] if mesh.dims.dpr > 1 else zero_stage(config.zero_stage)
-    return cls.from_mesh(
+    """The sharding ``config`` picks (:func:`sharding_class`) over the world's ``mesh`` (it picks the roles it
+    shards over, the replicas' too under HSDP), with the config's data-parallel settings."""
+    return sharding_class(config).from_mesh(
         mesh,
         offload=config.offload,
         reshard_after_forward=config.reshard_after_forward,
