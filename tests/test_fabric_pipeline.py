@@ -13,6 +13,7 @@ import torch
 from conftest import Batch
 from harness import run_distributed
 from parity import assert_same_losses, assert_same_params
+from test_precision import TOLERANCE
 
 from lightning_parallel import Hybrid3DFabricStrategy
 from lightning_parallel.fabric.pipeline import loss_of
@@ -70,8 +71,12 @@ def test_pipeline_step_without_a_loss_asks_for_loss_fn():
 
 
 ACCUMULATED = [CASES[1]]
+# fp16 with the loss scaler: clipped; and from a scale of 2**19 the first steps overflow until it has backed off
+FP16 = [{"name": "fp16", "steps": 10, "clip": 0.05, "fp16": 1}, {"name": "fp16_backoff", "steps": 6, "fp16": 2**19}]
 WIDE = {
-    "reference": (1, "auto", CASES),
+    "reference": (1, "auto", [*CASES, *FP16]),
+    "zero2_fp16": (2, "zero2", FP16),
+    "pp2_fp16": (2, "hybrid3d:pp=2", FP16),
     "gpipe": (2, "hybrid3d:pp=2,pp_schedule=gpipe", ACCUMULATED),
     "interleaved": (2, "hybrid3d:pp=2,pp_schedule=interleaved_1f1b", ACCUMULATED),  # 2 stages per rank
     "zero_bubble": (2, "hybrid3d:pp=2,pp_schedule=zero_bubble", ACCUMULATED),  # ZB-V, split backward
@@ -97,6 +102,21 @@ def test_fabric_pp_schedules_match_one_process(wide, label):
         # under tp every rank of a dp index holds the same loss: the mean over all ranks is the dp mean
         assert_same_losses(run.losses(name), ref.losses(name), f"fabric {label} {name}")
         assert_same_params(run.params(name), ref.params(name), f"fabric {label} {name}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", ["zero2_fp16", "pp2_fp16"])
+def test_fabric_fp16_matches_one_process(wide, label):
+    """16-mixed: the losses of one process with torch's GradScaler within fp16's bar, and the same loss scale after
+    every step (the same steps skipped on every rank)."""
+    run, ref = wide[label], wide["reference"]
+    for case in FP16:
+        name = case["name"]
+        want, got = ref.losses(name), run.losses(name)
+        assert all(abs(g - w) <= TOLERANCE["fp16"] * abs(w) for g, w in zip(got, want)), f"{label} {name}: {got}"
+        for rank in range(2):
+            assert run.case(name, rank)["scales"] == ref.case(name)["scales"], f"{label} {name} rank {rank}"
+    assert ref.case("fp16_backoff")["scales"][0] < 2**19  # the overflow path ran
 
 
 def _run(script: str, world: int, strategy: str, cases: list[dict], out: Path) -> list[list[dict]]:

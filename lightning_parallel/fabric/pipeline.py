@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from lightning_parallel.parallel.pipeline.runner import Pipeline
 from lightning_parallel.parallel.pipeline.split import PipelineSplit
 from lightning_parallel.parallel.tensor.loss import full_loss, vocab_parallel_loss
+from lightning_parallel.plugins.precision import loss_scale_of
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -62,7 +63,8 @@ def pipelined_loss(
     context = loss_parallel() if tp else contextlib.nullcontext()
     inputs, kwargs = strategy.precision.convert_input((inputs, kwargs))
     with context, strategy.precision.forward_context():
-        return pipeline.train_step(inputs, kwargs, target, loss_scale=scale)
+        # fp16: the schedule backpropagates the loss times the current scale (as the precision's pre_backward would)
+        return pipeline.train_step(inputs, kwargs, target, loss_scale=scale * loss_scale_of(strategy.precision))
 
 
 def unpipelined_loss(

@@ -53,6 +53,7 @@ from lightning_parallel.parallel.parallelize import Parallelized, parallelize
 from lightning_parallel.parallel.pipeline.runner import Pipeline
 from lightning_parallel.parallel.step import clip_model_grad_norm, reduce_step_gradients
 from lightning_parallel.parallel.tensor.loss import vocab_parallel_loss
+from lightning_parallel.plugins.precision import loss_scaler_like
 from lightning_parallel.protocol import has_loss
 from lightning_parallel.strategies.base import build_config
 from lightning_parallel.strategies.checks import check_model
@@ -147,10 +148,9 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
     @override
     def precision(self, precision: Precision | None) -> None:
         if isinstance(precision, MixedPrecision) and precision.precision == "16-mixed":
-            raise ValueError(
-                f"{type(self).__name__} with precision='16-mixed' in Fabric: fp16 loss scaling over the whole mesh "
-                "runs under the Trainer only for now: use precision='bf16-mixed' or '32-true' in Fabric."
-            )
+            # torch's GradScaler decides on overflow per rank and cannot unscale DTensor gradients: the Trainer's
+            # scaler (same settings, one verdict for the whole mesh) in its place
+            precision.scaler = loss_scaler_like(precision.scaler, precision.device)
         self._precision = precision
 
     # ----- building and splitting the model -----

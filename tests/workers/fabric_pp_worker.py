@@ -3,7 +3,8 @@ parallelism in Fabric); writes rank<N>.json. One process ("auto", Lightning's ow
 the plain Fabric loop (``model.loss(model(x), y)``, ``fabric.backward``): the reference.
 
 Strategy specs as fabric_worker.py's ("hybrid3d:pp=2,tp=2,pp_schedule=gpipe"). Case keys: name, steps, accumulate,
-clip, global_batch, epoch_steps (steps per pass over the data), meta (build under
+clip, global_batch, fp16 (16-mixed; the loss scale after each step in ``scales``; fp16 > 1: the first scale),
+epoch_steps (steps per pass over the data), meta (build under
 ``fabric.init_module(empty_init=True)``), load (a checkpoint folder, Fabric's or the Trainer's, filled in first),
 save (a folder written after the last step). Each rank records its micro-batches' losses; rank 0 saves the whole
 model's parameters as <name>_params.pt.
@@ -18,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 from fabric_worker import build_fabric_strategy
 from gpt_worker import TINY, run_batches
+from lightning.fabric.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel.models import LitGPT, SyntheticTokens
@@ -48,7 +50,11 @@ def micro_step(fabric: L.Fabric, model, idx, targets, accumulate: int) -> float:
 def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
     steps, accumulate = case.get("steps", 10), case.get("accumulate", 1)
     global_batch = case.get("global_batch", 16)
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=build_fabric_strategy(spec), precision="32-true")
+    # fp16: Lightning's own plugin with torch's GradScaler (precision="16-mixed" alone runs bf16 on CPU)
+    first_scale = float(case["fp16"]) if case.get("fp16", 0) > 1 else 2.0**16
+    plugin = MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=first_scale))
+    precision = {"plugins": [plugin]} if case.get("fp16") else {"precision": "32-true"}
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=build_fabric_strategy(spec), **precision)
     fabric.launch()
     pl.seed_everything(0, verbose=False)
     with fabric.init_module(empty_init=bool(case.get("meta")) and spec != "auto"):
@@ -64,7 +70,7 @@ def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
     loader = DataLoader(
         data, batch_size=micro, sampler=DistributedSampler(data, shuffle=True, seed=0, **sampler_kwargs)
     )
-    losses, batches = [], iter(())
+    losses, scales, batches = [], [], iter(())
     for _ in range(steps):
         for i in range(accumulate):
             batch = next(batches, None)
@@ -78,12 +84,14 @@ def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
             fabric.clip_gradients(model, optimizer, max_norm=case["clip"])
         optimizer.step()
         optimizer.zero_grad()
+        if case.get("fp16"):
+            scales.append(fabric.strategy.precision.scaler.get_scale())
     state = whole_state(fabric, model.module)
     if fabric.global_rank == 0:
         torch.save({k: v.detach().cpu() for k, v in state.items()}, out / f"{case['name']}_params.pt")
     if case.get("save"):
         fabric.save(case["save"], {"model": model, "optimizer": optimizer, "steps": steps})
-    return {"name": case["name"], "losses": losses}
+    return {"name": case["name"], "losses": losses, "scales": scales}
 
 
 if __name__ == "__main__":
