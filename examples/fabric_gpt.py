@@ -9,7 +9,8 @@ The loop is ordinary Fabric: ``fabric.setup``, ``fabric.backward``, ``fabric.cli
 the strategy splits the model (on the meta device under ``fabric.init_module(empty_init=True)``: no rank ever holds
 a whole copy under zero3 or tp), reduces the gradients once per step and writes sharded, layout-independent
 checkpoints that the Trainer strategies resume too. Under ``--pp`` no rank holds the whole model: each micro-batch
-runs through ``fabric.strategy.pipeline_step`` (every microbatch's forward and backward under the schedule). Fabric starts the extra processes itself (it re-runs this script).
+runs through ``fabric.strategy.pipeline_step`` (every microbatch's forward and backward under the schedule).
+Fabric starts the extra processes itself (it re-runs this script).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ The process group, the mesh and the collectives are
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +35,7 @@ from typing_extensions import override
 
 from lightning_parallel import _compat
 from lightning_parallel.fabric import checkpoint
+from lightning_parallel.fabric.full_state import accept_whole_state
 from lightning_parallel.fabric.pipeline import (
     LossFn,
     as_inputs,
@@ -77,6 +78,9 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         config: the parallel settings (see :class:`~lightning_parallel.parallel.config.ParallelConfig`); its
             fields may also be given as keyword arguments (they override the config's).
         timeout: a ``timedelta`` or seconds bounding every collective.
+        prepare_model: called with the model at ``fabric.setup``, before the checks and the split: gives a model
+            that lacks them the protocol methods the layout needs (LitGPT's ``GPT`` in LitGPT's own scripts:
+            :func:`lightning_parallel.litgpt.fabric.litgpt_protocol`).
         accelerator, parallel_devices, cluster_environment, precision, process_group_backend: Fabric's.
     """
 
@@ -92,10 +96,12 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         precision: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
+        prepare_model: Callable[[nn.Module], Any] | None = None,
         **settings: Any,
     ) -> None:
         self.config = build_config(type(self).__name__, config, settings)
         check_fabric_config(self.config, type(self).__name__)
+        self.prepare_model = prepare_model
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -193,7 +199,10 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
             raise ValueError(
                 f"{type(self).__name__} sets up one model: call fabric.setup once, or use one Fabric per model."
             )
+        if self.prepare_model is not None:
+            self.prepare_model(module)
         check_model(module, self.config, self.parallel_dims)
+        whole_keys = set(module.state_dict())
         self._names = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             self._names.setdefault(id(p), name)
@@ -215,6 +224,7 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
             module.loss = vocab_parallel_loss(module.loss)  # logits stay split over the vocabulary
         if splits_model(self.config):
             module.to(self.root_device)
+        accept_whole_state(module, whole_keys - set(module.state_dict()))  # model.load_state_dict(single-process)
         self._module = module
         self.barrier()
         return module
@@ -240,14 +250,18 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         current = {id(p) for p in now.values()}
         split = self._parallel.split if self._parallel is not None else None
         held: dict[str, list[nn.Parameter]] = {}  # the unsplit model's name -> this rank's parameters under it
+        named: dict[int, str] = {}  # this rank's parameters -> that name
         for name, p in now.items():
-            copies = held.setdefault(split.canonical.get(name, name) if split is not None else name, [])
+            key = split.canonical.get(name, name) if split is not None else name
+            copies = held.setdefault(key, [])
+            named.setdefault(id(p), key)
             if all(p is not q for q in copies):
                 copies.append(p)
         for group in optimizer.param_groups:
             params: list[nn.Parameter] = []
             for p in group["params"]:
-                name = self._names.get(id(p))
+                # a parameter of the split model by its own name: the id of one the split replaced may be reused
+                name = named[id(p)] if id(p) in current else self._names.get(id(p))
                 if name is None and id(p) not in current:
                     raise ValueError(
                         f"{type(self).__name__}: the optimizer holds a parameter of shape {tuple(p.shape)} that is not "
