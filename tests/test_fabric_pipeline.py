@@ -5,14 +5,13 @@ accumulated: losses within 1e-5, parameters within PARAM_ATOL); pp checkpoints a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import Batch
-from harness import run_distributed
 from parity import assert_same_losses, assert_same_params
+from test_fabric_layouts import _run  # one launch of one run
 from test_precision import TOLERANCE
 
 from lightning_parallel import Hybrid3DFabricStrategy
@@ -117,14 +116,6 @@ def test_fabric_fp16_matches_one_process(wide, label):
         for rank in range(2):
             assert run.case(name, rank)["scales"] == ref.case(name)["scales"], f"{label} {name} rank {rank}"
     assert ref.case("fp16_backoff")["scales"][0] < 2**19  # the overflow path ran
-
-
-def _run(script: str, world: int, strategy: str, cases: list[dict], out: Path) -> list[list[dict]]:
-    out.mkdir(parents=True, exist_ok=True)
-    runs = out / "runs.json"
-    runs.write_text(json.dumps([{"label": "run", "strategy": strategy, "cases": cases}]))
-    run_distributed(script, world, ["--runs-file", str(runs)], out)
-    return [json.loads((out / "run" / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.mark.slow
