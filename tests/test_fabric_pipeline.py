@@ -75,7 +75,9 @@ FP16 = [{"name": "fp16", "steps": 10, "clip": 0.05, "fp16": 1}, {"name": "fp16_b
 WIDE = {
     "reference": (1, "auto", [*CASES, *FP16]),
     "zero2_fp16": (2, "zero2", FP16),
-    "pp2_fp16": (2, "hybrid3d:pp=2", FP16),
+    # under pp each microbatch backpropagates its loss times scale / microbatches: it overflows at other scales than
+    # one process's whole-batch backward, so the backoff case is the non-pp run's
+    "pp2_fp16": (2, "hybrid3d:pp=2", FP16[:1]),
     "gpipe": (2, "hybrid3d:pp=2,pp_schedule=gpipe", ACCUMULATED),
     "interleaved": (2, "hybrid3d:pp=2,pp_schedule=interleaved_1f1b", ACCUMULATED),  # 2 stages per rank
     "zero_bubble": (2, "hybrid3d:pp=2,pp_schedule=zero_bubble", ACCUMULATED),  # ZB-V, split backward
@@ -109,7 +111,7 @@ def test_fabric_fp16_matches_one_process(wide, label):
     """16-mixed: the losses of one process with torch's GradScaler within fp16's bar, and the same loss scale after
     every step (the same steps skipped on every rank)."""
     run, ref = wide[label], wide["reference"]
-    for case in FP16:
+    for case in WIDE[label][2]:
         name = case["name"]
         want, got = ref.losses(name), run.losses(name)
         assert all(abs(g - w) <= TOLERANCE["fp16"] * abs(w) for g, w in zip(got, want)), f"{label} {name}: {got}"
