@@ -14,7 +14,7 @@ and launch the script's own ``main`` (see ``examples/litgpt_scripts.py``)::
 batch by it). Nothing needs to pass LitGPT's ``isinstance`` checks: their fallback (``model.load_state_dict`` of the
 whole ``lit_model.pth``) loads into any layout here (:mod:`lightning_parallel.fabric.full_state`), and
 ``fabric.save`` writes this package's sharded folder (at the script's ``.../lit_model.pth`` path, a folder:
-``lightning_parallel.parallel.checkpoint.consolidate.consolidate(folder, file)`` makes it one file).
+``python -m lightning_parallel.checkpoint consolidate`` makes it one file).
 """
 
 from __future__ import annotations
