@@ -64,6 +64,14 @@ def test_pipeline_step_needs_the_set_up_model():
         strategy.pipeline_step(torch.nn.Linear(2, 2), torch.ones(4, 2), torch.ones(4, 2))
 
 
+def test_pipeline_settings_refused_as_under_the_trainer():
+    """The Trainer's checks of the schedule table, when the Fabric strategy is built (before any process)."""
+    with pytest.raises(ValueError, match="at least one microbatch per stage"):
+        Hybrid3DFabricStrategy(pp=2, microbatches=1)
+    with pytest.raises(ValueError, match="pp_virtual_stages"):
+        Hybrid3DFabricStrategy(pp=2, pp_schedule="1f1b", pp_virtual_stages=2)
+
+
 def test_pipeline_step_without_a_loss_asks_for_loss_fn():
     with pytest.raises(TypeError, match="loss_fn="):
         loss_of(torch.nn.Linear(2, 2), None, "Hybrid3DFabricStrategy")
