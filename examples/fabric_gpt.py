@@ -3,11 +3,14 @@
     python examples/fabric_gpt.py                                  # zero3 on 2 CPU processes
     python examples/fabric_gpt.py --strategy hybrid3d --tp 2 --devices 4 --save ckpt
     python examples/fabric_gpt.py --strategy zero2 --devices 2 --load ckpt   # any layout resumes the folder
+    python examples/fabric_gpt.py --strategy hybrid3d --pp 2 --schedule zero_bubble --devices 2 --load ckpt
 
 The loop is ordinary Fabric: ``fabric.setup``, ``fabric.backward``, ``fabric.clip_gradients``, ``optimizer.step``;
 the strategy splits the model (on the meta device under ``fabric.init_module(empty_init=True)``: no rank ever holds
 a whole copy under zero3 or tp), reduces the gradients once per step and writes sharded, layout-independent
-checkpoints that the Trainer strategies resume too. Fabric starts the extra processes itself (it re-runs this script).
+checkpoints that the Trainer strategies resume too. Under ``--pp`` no rank holds the whole model: each micro-batch
+runs through ``fabric.strategy.pipeline_step`` (every microbatch's forward and backward under the schedule).
+Fabric starts the extra processes itself (it re-runs this script).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", default="zero3", help="zero1, zero2, zero3, zero3_offload, hybrid3d, ...")
     parser.add_argument("--tp", type=int, default=1, help="hybrid3d: tensor-parallel degree")
+    parser.add_argument("--pp", type=int, default=1, help="hybrid3d: pipeline-parallel degree")
+    parser.add_argument("--schedule", default="1f1b", help="hybrid3d under pp: gpipe, 1f1b, interleaved_1f1b, ...")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--steps", type=int, default=50)
@@ -33,7 +38,8 @@ def main() -> None:
     parser.add_argument("--load", help="a sharded checkpoint folder (Fabric's or the Trainer's) to resume from")
     args = parser.parse_args()
 
-    strategy = Hybrid3DFabricStrategy(tp=args.tp) if args.strategy == "hybrid3d" else args.strategy
+    pipeline = {"pp": args.pp, "pp_schedule": args.schedule} if args.pp > 1 else {}
+    strategy = Hybrid3DFabricStrategy(tp=args.tp, **pipeline) if args.strategy == "hybrid3d" else args.strategy
     fabric = L.Fabric(accelerator=args.accelerator, devices=args.devices, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(0)
@@ -53,8 +59,11 @@ def main() -> None:
         for i in range(args.accumulate):
             idx, targets = next(batches)
             with fabric.no_backward_sync(model, enabled=i < args.accumulate - 1):
-                loss = model.loss(model(idx), targets)
-                fabric.backward(loss / args.accumulate)
+                if args.pp > 1:  # forward and backward of every microbatch, under the schedule
+                    loss = fabric.strategy.pipeline_step(model, idx, targets, scale=1 / args.accumulate)
+                else:
+                    loss = model.loss(model(idx), targets)
+                    fabric.backward(loss / args.accumulate)
         norm = fabric.clip_gradients(model, optimizer, max_norm=1.0)  # the whole model's norm, however split
         optimizer.step()
         optimizer.zero_grad()

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
+import torch
 from conftest import Batch
 from lightning.fabric.plugins.precision import MixedPrecision
 from parity import assert_same_losses, assert_same_params
 
 import lightning_parallel  # noqa: F401  (registers the names)
 from lightning_parallel import Hybrid3DFabricStrategy, ZeroFabricStrategy
+from lightning_parallel.parallel.loss_scaler import LossScaler
 
 CASES = [
     {"name": "plain", "steps": 10},
@@ -73,7 +75,7 @@ def test_names_in_fabrics_registry():
     [
         (lambda: ZeroFabricStrategy(stage=2, tp=2), "ZeroFabricStrategy does not take tp"),
         (lambda: ZeroFabricStrategy(stage=4), "stage"),
-        (lambda: Hybrid3DFabricStrategy(pp=2), r"pp=2.*Trainer"),
+        (lambda: Hybrid3DFabricStrategy(pp=2, pp_schedule="bogus"), "pp_schedule"),
         (lambda: Hybrid3DFabricStrategy(overlap_grad_reduce=True), "overlap_grad_reduce"),
         (lambda: Hybrid3DFabricStrategy(bogus=1), "unknown setting"),
     ],
@@ -90,7 +92,13 @@ def test_bad_degrees_refused_before_launch():
         L.Fabric(accelerator="cpu", devices=1, strategy="zero2")
 
 
-def test_fp16_refused_in_fabric():
-    # Fabric itself turns 16-mixed into bf16 on CPU; on a GPU the plugin reaches the strategy
-    with pytest.raises(ValueError, match="16-mixed"):
-        ZeroFabricStrategy(stage=2, precision=MixedPrecision("16-mixed", device="cuda"))
+def test_fp16_gets_the_mesh_wide_loss_scaler():
+    """16-mixed in Fabric: torch's GradScaler (one verdict per rank, no DTensor gradients) is swapped for the
+    Trainer's LossScaler with its settings (the runs: tests/test_fabric_pipeline.py's fp16 cases)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
+    strategy = ZeroFabricStrategy(stage=2, precision=MixedPrecision("16-mixed", device="cpu", scaler=scaler))
+    assert isinstance(strategy.precision.scaler, LossScaler)
+    assert (
+        strategy.precision.scaler.get_scale() == 1024.0
+        and strategy.precision.scaler.state_dict()["growth_interval"] == 7
+    )

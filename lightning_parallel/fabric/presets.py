@@ -17,8 +17,9 @@ class Hybrid3DFabricStrategy(Hybrid3DPreset, MeshFabricStrategy):
 
     Args:
         config: the parallel settings; every field of :class:`ParallelConfig` may also be given by name
-            (``dp``, ``tp``, ``zero_stage``, ``sequence_parallel``, ``cp``, ``ep``, ``dp_shard``, ...). ``pp`` > 1
-            is refused in Fabric for now.
+            (``dp``, ``tp``, ``zero_stage``, ``sequence_parallel``, ``cp``, ``ep``, ``dp_shard``, ``pp``,
+            ``pp_schedule``, ``microbatches``, ...). Under ``pp`` > 1 the loop runs each batch with
+            :meth:`~MeshFabricStrategy.pipeline_step`.
         **kwargs: the settings above, and :class:`MeshFabricStrategy`'s (``timeout``, ``process_group_backend``,
             Fabric's).
     """

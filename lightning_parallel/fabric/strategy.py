@@ -17,7 +17,7 @@ The process group, the mesh and the collectives are
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +35,15 @@ from typing_extensions import override
 
 from lightning_parallel import _compat
 from lightning_parallel.fabric import checkpoint
+from lightning_parallel.fabric.full_state import accept_whole_state
+from lightning_parallel.fabric.pipeline import (
+    LossFn,
+    as_inputs,
+    build_pipeline,
+    loss_of,
+    pipelined_loss,
+    unpipelined_loss,
+)
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.powersgd import embedding_weights
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
@@ -42,8 +51,10 @@ from lightning_parallel.parallel.failure import FailureBoard, to_timeout
 from lightning_parallel.parallel.materialize import splits_model
 from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.parallel.parallelize import Parallelized, parallelize
+from lightning_parallel.parallel.pipeline.runner import Pipeline
 from lightning_parallel.parallel.step import clip_model_grad_norm, reduce_step_gradients
 from lightning_parallel.parallel.tensor.loss import vocab_parallel_loss
+from lightning_parallel.plugins.precision import loss_scaler_like
 from lightning_parallel.protocol import has_loss
 from lightning_parallel.strategies.base import build_config
 from lightning_parallel.strategies.checks import check_model
@@ -53,11 +64,6 @@ from lightning_parallel.strategies.model_setup import ModelPlacement
 
 def check_fabric_config(config: ParallelConfig, owner: str) -> None:
     """What the Fabric strategies do not run yet, refused before any process starts."""
-    if config.pp > 1:
-        raise ValueError(
-            f"{owner}(pp={config.pp}): pipeline parallelism runs under the Trainer only for now: use "
-            "Trainer(strategy=Hybrid3DStrategy(pp=...)), or pp=1 in Fabric."
-        )
     if config.overlap_grad_reduce:
         raise ValueError(
             f"{owner}(overlap_grad_reduce=True) is not available in Fabric (it needs to know which backward is a "
@@ -77,6 +83,9 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         config: the parallel settings (see :class:`~lightning_parallel.parallel.config.ParallelConfig`); its
             fields may also be given as keyword arguments (they override the config's).
         timeout: a ``timedelta`` or seconds bounding every collective.
+        prepare_model: called with the model at ``fabric.setup``, before the checks and the split: gives a model
+            that lacks them the protocol methods the layout needs (LitGPT's ``GPT`` in LitGPT's own scripts:
+            :func:`lightning_parallel.litgpt.fabric.litgpt_protocol`).
         accelerator, parallel_devices, cluster_environment, precision, process_group_backend: Fabric's.
     """
 
@@ -92,10 +101,12 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         precision: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
+        prepare_model: Callable[[nn.Module], Any] | None = None,
         **settings: Any,
     ) -> None:
         self.config = build_config(type(self).__name__, config, settings)
         check_fabric_config(self.config, type(self).__name__)
+        self.prepare_model = prepare_model
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -111,6 +122,7 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         self._sharding: DataParallelSharding | None = None
         self._parallel: Parallelized | None = None
         self._module: nn.Module | None = None  # the model setup_module split
+        self._pipeline: Pipeline | None = None  # this rank's stages under the schedule (pp > 1)
         self._names: dict[int, str] = {}  # the unsplit model's parameters by id: optimizers are re-pointed by name
         self._full_param_order: list[str] = []  # the unsplit model's parameter names: checkpoints number them
         self._optimizers: list[Optimizer] = []
@@ -147,10 +159,9 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
     @override
     def precision(self, precision: Precision | None) -> None:
         if isinstance(precision, MixedPrecision) and precision.precision == "16-mixed":
-            raise ValueError(
-                f"{type(self).__name__} with precision='16-mixed' in Fabric: fp16 loss scaling over the whole mesh "
-                "runs under the Trainer only for now: use precision='bf16-mixed' or '32-true' in Fabric."
-            )
+            # torch's GradScaler decides on overflow per rank and cannot unscale DTensor gradients: the Trainer's
+            # scaler (same settings, one verdict for the whole mesh) in its place
+            precision.scaler = loss_scaler_like(precision.scaler, precision.device)
         self._precision = precision
 
     # ----- building and splitting the model -----
@@ -193,7 +204,10 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
             raise ValueError(
                 f"{type(self).__name__} sets up one model: call fabric.setup once, or use one Fabric per model."
             )
+        if self.prepare_model is not None:
+            self.prepare_model(module)
         check_model(module, self.config, self.parallel_dims)
+        whole_keys = set(module.state_dict())
         self._names = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             self._names.setdefault(id(p), name)
@@ -209,10 +223,13 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
             info=rank_zero_info,
             rng_state=self.take_init_rng(),
         )
-        if self.parallel_dims.tp > 1 and has_loss(module):
+        if self._parallel.split is not None:  # pp: pipeline_step runs the stages
+            self._pipeline = build_pipeline(self, module, self._parallel.split)
+        elif self.parallel_dims.tp > 1 and has_loss(module):
             module.loss = vocab_parallel_loss(module.loss)  # logits stay split over the vocabulary
         if splits_model(self.config):
             module.to(self.root_device)
+        accept_whole_state(module, whole_keys - set(module.state_dict()))  # model.load_state_dict(single-process)
         self._module = module
         self.barrier()
         return module
@@ -231,19 +248,32 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         return optimizer
 
     def _repoint(self, optimizer: Optimizer) -> None:
+        """Each parameter becomes what this rank holds under its name: its split (tp, ZeRO-3), nothing (pp: another
+        stage's), or one parameter per site of a weight tied across stages (pp: each kept copy)."""
         assert self._module is not None
         now = dict(self._module.named_parameters(remove_duplicate=False))
         current = {id(p) for p in now.values()}
+        split = self._parallel.split if self._parallel is not None else None
+        held: dict[str, list[nn.Parameter]] = {}  # the unsplit model's name -> this rank's parameters under it
+        named: dict[int, str] = {}  # this rank's parameters -> that name
+        for name, p in now.items():
+            key = split.canonical.get(name, name) if split is not None else name
+            copies = held.setdefault(key, [])
+            named.setdefault(id(p), key)
+            if all(p is not q for q in copies):
+                copies.append(p)
         for group in optimizer.param_groups:
-            params = []
+            params: list[nn.Parameter] = []
             for p in group["params"]:
-                name = self._names.get(id(p))
-                if id(p) not in current and name is None:
+                # a parameter of the split model by its own name: the id of one the split replaced may be reused
+                name = named[id(p)] if id(p) in current else self._names.get(id(p))
+                if name is None and id(p) not in current:
                     raise ValueError(
                         f"{type(self).__name__}: the optimizer holds a parameter of shape {tuple(p.shape)} that is not "
                         "the model's: build the optimizer over model.parameters() of the model you set up."
                     )
-                params.append(p if id(p) in current else now[name])
+                found = [p] if name is None else held.get(name, [])
+                params.extend(q for q in found if all(q is not r for r in params))
             group["params"] = params
 
     # ----- gradients and steps -----
@@ -256,6 +286,44 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         # loop sets around its backward with parallel.expert.aux.aux_loss_scale (1 by default), as in one process
         with context:
             super().backward(tensor, module, *args, **kwargs)
+
+    def pipeline_step(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        target: Any,
+        loss_fn: LossFn | None = None,
+        *,
+        scale: float = 1.0,
+        **kwargs: Any,
+    ) -> Tensor:
+        """Forward and backward of one batch: under pp every microbatch's, under the configured schedule
+        (``pp_schedule``, ``microbatches``); without pp ``loss_fn(model(*inputs), target)`` and
+        ``fabric.backward``. The gradients of ``loss * scale`` add up in the parameters as after
+        ``fabric.backward(loss * scale)``; returns the batch's loss (detached; under pp the mean of the
+        microbatches' losses, the same on every pp rank).
+
+        Args:
+            model: the model ``fabric.setup`` returned (or the module inside it).
+            inputs: the model's positional inputs: one tensor, or a tuple of them.
+            target: what ``loss_fn`` compares the output with (cut into microbatches as ``inputs`` are).
+            loss_fn: ``loss_fn(output, target)``, a mean over the samples; None: the model's own ``loss``.
+            scale: the factor of the loss backpropagated (``1 / accumulate`` under gradient accumulation).
+            **kwargs: keyword inputs of the model (each stage reads its microbatch's with
+                :func:`~lightning_parallel.parallel.pipeline.runner.stage_inputs`).
+        """
+        module = getattr(model, "module", model)  # Fabric's wrapper, or the module
+        if self._module is None or module is not self._module:
+            raise ValueError(
+                f"{type(self).__name__}.pipeline_step runs the model set up with fabric.setup: pass it (or "
+                "fabric.setup(model, optimizer) first)."
+            )
+        self._reduced.clear()  # a new backward: the step's gradients are not reduced yet
+        args = as_inputs(inputs)
+        if self._pipeline is None:
+            return unpipelined_loss(self, module, args, kwargs, target, loss_fn, scale)
+        loss = loss_of(module, loss_fn, type(self).__name__)
+        return pipelined_loss(self, self._pipeline, args, kwargs, target, loss, scale)
 
     def _reduce_once(self, optimizer: Optimizer) -> None:
         if id(optimizer) not in self._reduced:

@@ -89,7 +89,7 @@ class MeshHalfPrecision(_GlobalNormClipping, HalfPrecision):
         _GlobalNormClipping.clip_grad_by_norm(self, optimizer, clip_val)
 
 
-def _loss_scaler_like(scaler: Any, device: str) -> LossScaler:
+def loss_scaler_like(scaler: Any, device: str) -> LossScaler:
     """Our scaler with the settings of a torch ``GradScaler`` (its defaults when it is disabled)."""
     if scaler is None or not scaler.is_enabled():
         return LossScaler(device=device)
@@ -111,7 +111,7 @@ def to_mesh_precision(plugin: Precision, strategy_name: str, clip_fn: ClipFn) ->
     elif type(plugin) is MixedPrecision and plugin.precision == "bf16-mixed":
         converted = MeshMixedPrecision("bf16-mixed", device=plugin.device)
     elif type(plugin) is MixedPrecision and plugin.precision == "16-mixed":
-        converted = MeshMixedPrecision("16-mixed", plugin.device, _loss_scaler_like(plugin.scaler, plugin.device))
+        converted = MeshMixedPrecision("16-mixed", plugin.device, loss_scaler_like(plugin.scaler, plugin.device))
     elif type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
         converted = MeshHalfPrecision("bf16-true")
     else:

@@ -55,12 +55,16 @@ def _common_ancestor(a: str, b: str) -> str:
 def fsdp_units(root: nn.Module) -> list[str]:
     """Module paths to shard as units, innermost first; ``""`` is the root itself.
 
-    Units are the repeated blocks, then every top-level child with parameters left over, then the root
+    Units are the repeated blocks, then every top-level child with parameters left over (a ModuleDict's
+    children in its place), then the root
     when parameters remain directly on it. Two units that share a parameter (tied embedding and head)
     are replaced by their closest common ancestor, so the shared weight is gathered once.
     """
     units = set(_block_units(root, ""))
-    units |= {name for name, _ in root.named_children() if _owned_params(root, name, units)}
+    for name, child in root.named_children():
+        # a ModuleDict has no forward for FSDP2 to hook (LitGPT's ``transformer``): its children are the units
+        inner = [f"{name}.{n}" for n, _ in child.named_children()] if isinstance(child, nn.ModuleDict) else [name]
+        units |= {path for path in inner if _owned_params(root, path, units)}
     changed = True
     while changed:
         changed = False
