@@ -1,5 +1,5 @@
-"""Shared by tests/test_hf_parity.py and tests/test_litgpt_parity.py: the cases hf_worker.py trains (labels say
-"clip", "accum", "tuple"), the single-process reference loop, and the check of a run against it.
+"""Shared by tests/test_hf_parity.py and tests/test_litgpt_parity.py: the cases tests/workers/cases/hf.py trains (labels
+say "clip", "accum", "tuple"), the single-process reference loop, and the check of a run against it.
 
 Runs are ``label -> (world, strategy spec, model name, tp)``."""
 
@@ -26,7 +26,7 @@ def options(label: str) -> dict:
 def launch(
     tmp_path_factory, folders: dict[str, str], runs: dict, tag: str, library: str, extra: dict | None = None
 ) -> Batch:
-    """Every run of one world size in one hf_worker.py launch; ``library`` "hf" or "litgpt"; ``extra``: more case
+    """Every run of one world size in one launch of cases/hf.py; ``library`` "hf" or "litgpt"; ``extra``: more case
     keys per model name (``lora``: adapters)."""
     case = {"name": "train", "steps": STEPS, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN, "lr": LR}
     extra = extra or {}
@@ -35,7 +35,7 @@ def launch(
                                    **options(label), **extra.get(model, {})}])
         for label, (world, strategy, model, _) in runs.items()
     }  # fmt: skip
-    return Batch(tmp_path_factory, spec, tag=tag, worker="hf_worker.py")
+    return Batch(tmp_path_factory, spec, tag=tag, worker="hf")
 
 
 def train_reference(
@@ -106,7 +106,7 @@ def layout_of(strategy: str, world: int, tp: int) -> tuple[int, int]:
 
 
 def check_frozen_base(runs: Batch, label: str, spec: tuple, adapters: list[Tensor]) -> None:
-    """What every rank of a LoRA run holds for the frozen base (hf_worker.py's ``frozen_report``): no frozen parameter
+    """What every rank of a LoRA run holds for the frozen base (cases/hf.py's ``frozen_report``): no frozen parameter
     ever had a gradient before a step, none is in the optimizer or a ZeRO-1/2 flat buffer, the trainable elements
     are the ``adapters``' (under pp: over the stages of one (dp, tp) position; a stage may hold none, and then no
     state), optimizer state covers at most this rank's share of them (ZeRO 1-3), the frozen base is most of the

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import run_distributed
+from harness import run_worker
 
 # 10 steps of AdamW on the tiny GPT, plain, with clipping, and with accumulation (validation on one).
 PARITY_CASES = [
@@ -40,22 +40,22 @@ class Run:
 def launch(tmp_path_factory, strategy: str, world: int, cases: list[dict], tag: str = "") -> Run:
     safe = strategy.replace(":", "_").replace(",", "_").replace("=", "")
     out = tmp_path_factory.mktemp(f"{safe}_w{world}{tag}")
-    ranks = run_distributed("gpt_worker.py", world, ["--strategy", strategy, "--cases", json.dumps(cases)], out)
+    ranks = run_worker("gpt", world, ["--strategy", strategy, "--cases", json.dumps(cases)], out)
     return Run(ranks, out)
 
 
 class Batch:
-    """Independent gpt_worker runs, ``label -> (world, strategy, cases)``, launched together: every run of one
-    world size goes into one launch (one process start-up, one process group), the first time any of them is
-    asked for. A run that fails fails the runs after it in its launch, with its traceback in the error.
-    ``worker``: another script in tests/workers/ taking the same ``--runs-file`` (hf_worker.py)."""
+    """Independent runs of a case module of tests/workers/cases/ (``worker``, default "gpt"), ``label -> (world,
+    strategy, cases)``, launched together: every run of one world size goes into one launch (one process start-up,
+    one process group), the first time any of them is asked for. A run that fails fails the runs after it in its
+    launch, with its traceback in the error."""
 
     def __init__(
         self,
         tmp_path_factory,
         runs: dict[str, tuple[int, str, list[dict]]],
         tag: str = "",
-        worker: str = "gpt_worker.py",
+        worker: str = "gpt",
     ) -> None:
         self.factory, self.runs, self.tag, self.worker = tmp_path_factory, runs, tag, worker
         self._done: dict[str, Run] = {}
@@ -75,7 +75,7 @@ class Batch:
         runs_file = out / "runs.json"
         runs_file.write_text(json.dumps(spec))
         steps = sum(case.get("steps", 10) for _, _, cases in mine.values() for case in cases)
-        run_distributed(self.worker, world, ["--runs-file", str(runs_file)], out, timeout=120 + 2 * world * steps)
+        run_worker(self.worker, world, ["--runs-file", str(runs_file)], out, timeout=120 + 2 * world * steps)
         for label in mine:
             folder = out / _safe(label)
             self._done[label] = Run([json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)], folder)

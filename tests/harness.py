@@ -123,3 +123,11 @@ def run_distributed(
         why = f"hung: stopped after {timeout:.0f} s" if timed_out else "failed"
         raise AssertionError(f"{script} at world {world_size} {why}:\n{failed}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def run_worker(
+    name: str, world_size: int, args: list[str], out_dir: Path, timeout: float = 300
+) -> list[dict[str, Any]]:
+    """Run the case module ``tests/workers/cases/<name>.py`` through ``tests/workers/run.py`` (its ``ARGS``:
+    ``--cases``, ``--runs-file``, ``--opts``, ``--strategy``), as :func:`run_distributed` runs a script."""
+    return run_distributed("run.py", world_size, [name, *args], out_dir, timeout)

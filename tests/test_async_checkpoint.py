@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 from conftest import Batch
-from harness import run_distributed
+from harness import run_worker
 from parity import assert_same_losses
 
 from lightning_parallel.parallel.checkpoint import files as checkpoint_io
 from lightning_parallel.parallel.checkpoint.async_save import AsyncCheckpointer, HostStager
 from lightning_parallel.parallel.checkpoint.chunks import chunked_view
 
-WORKER = "async_ckpt_worker.py"
+WORKER = "async_ckpt"
 STEP2, STEP4 = "epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"  # two steps an epoch: saves at epochs' ends
 
 
@@ -78,7 +78,7 @@ def test_sigkill_during_an_async_save_leaves_last_resumable(tmp_path, tmp_path_f
     folder = tmp_path / "ckpts"
     killed = {**saving(folder, True, steps=6)[0], "slow_write": 0.5, "kill_at": 4}
     with pytest.raises(AssertionError, match="exited"):
-        run_distributed(WORKER, 2, ["--runs-file", _runs_file(tmp_path, [killed])], tmp_path / "killed")
+        run_worker(WORKER, 2, ["--runs-file", _runs_file(tmp_path, [killed])], tmp_path / "killed")
     partial = [p.name for p in folder.iterdir() if p.name.startswith(".")]
     assert partial and all(".partial-" in name for name in partial), partial
     assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == [STEP2, "last.ckpt"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_distributed
+from harness import run_worker
 
 from lightning_parallel.checkpoint import consolidate, consolidated, main
 from lightning_parallel.models.gpt import GPT, GPTConfig
@@ -126,7 +126,7 @@ STRATEGY = "hybrid3d:pp=2"  # each rank holds other tensors: a rank alone would 
 
 def launch(tmp_path: Path, tag: str, cases: list[dict]) -> tuple[list[dict[str, dict]], Path]:
     out = tmp_path / tag
-    results = run_distributed("integrity_worker.py", 2, ["--strategy", STRATEGY, "--cases", json.dumps(cases)], out)
+    results = run_worker("integrity", 2, ["--strategy", STRATEGY, "--cases", json.dumps(cases)], out)
     return [{c["name"]: c for c in rank} for rank in results], out
 
 

@@ -1,10 +1,10 @@
 """Context parallelism (cp): the attention against plain causal attention, and training against one process.
 
-Attention (tests/workers/context_worker.py, world 2 and 4): ring and Ulysses attention on each rank's two mirrored
+Attention (tests/workers/cases/context.py, world 2 and 4): ring and Ulysses attention on each rank's two mirrored
 chunks give the rows and the q, k, v gradients of ``scaled_dot_product_attention(is_causal=True)`` on the whole
 sequence; the ring sends exactly the bytes of ``ring_bytes`` (its block kernels: tests/test_ring_kernels.py, its
 overlap: tests/test_ring_overlap.py, its 16-bit wire: tests/test_ring_precision.py). Training
-(tests/workers/gpt_worker.py): fp32, 10 AdamW steps, plain / clipped / accumulated, the tiny GPT (sequence 16:
+(tests/workers/cases/gpt.py): fp32, 10 AdamW steps, plain / clipped / accumulated, the tiny GPT (sequence 16:
 2 x cp chunks of 4 at cp=2, of 2 at cp=4); losses within 1e-5 relative and parameters within 1e-5 of the
 single-process run.
 """
@@ -17,7 +17,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from conftest import PARITY_CASES, Batch
-from harness import run_distributed
+from harness import run_worker
 from parity import assert_same_losses, assert_same_params
 from recipe_runs import GPT, run_recipe
 
@@ -74,7 +74,7 @@ def test_bad_splits_name_the_setting():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_attention_matches_plain_causal_attention(world, tmp_path):
-    ranks = run_distributed("context_worker.py", world, ["--cases", json.dumps(ATTENTION_CASES)], tmp_path)
+    ranks = run_worker("context", world, ["--cases", json.dumps(ATTENTION_CASES)], tmp_path)
     for rank, results in enumerate(ranks):
         for got in results:
             bar = 1e-12 if got["name"].endswith("fp64") else 2e-6

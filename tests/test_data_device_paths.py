@@ -4,7 +4,7 @@ call, and a bucket's wait does not block the host.
 
 Unit level (no process group): which collectives a backend gets, when host buffers are pinned and copies
 asynchronous (and the waits that order them), where a bucket's timeline bar ends on CUDA. Distributed
-(tests/workers/data_worker.py, worlds 2 and 4): HSDP ZeRO-2 with offload while every group pretends to be
+(tests/workers/cases/data_paths.py, worlds 2 and 4): HSDP ZeRO-2 with offload while every group pretends to be
 device-only, the three ways a bucket's pieces travel (bitwise at 2 ranks, within rounding at 4), ZeRO-0's bounded
 buckets.
 """
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_distributed
+from harness import run_worker
 
 from lightning_parallel.parallel.data import offload, overlap
 from lightning_parallel.parallel.data.flat_overlap import PieceCollectives, even, piece_collectives, serving_backend
 from lightning_parallel.parallel.data.offload import HostSlice, host_buffer, pinned_transfers
 
-STEPS = 6  # tests/workers/data_worker.py
+STEPS = 6  # tests/workers/cases/data_paths.py
 
 
 # ----- which collectives, by backend -----
@@ -202,7 +202,7 @@ def test_on_cuda_a_bucket_ends_with_its_collective_not_with_the_host(monkeypatch
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["world2", "world4"])
 def ranks(request, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp(f"data-device-paths-{request.param}")
-    return run_distributed("data_worker.py", request.param, [], out, timeout=300)
+    return run_worker("data_paths", request.param, [], out, timeout=300)
 
 
 def test_hsdp_offload_reduces_across_replicas_on_the_device(ranks):

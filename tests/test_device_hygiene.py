@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from harness import free_port, run_distributed
+from harness import free_port, run_worker
 from torch import nn
 
 from lightning_parallel import _compat
@@ -143,7 +143,7 @@ def test_early_receives_read_the_group_backend(world):
 def test_mesh_groups_take_the_timeout_on_every_backend(tmp_path):
     """G5: the timeout is set on each group once built (NCCL's split refuses generic backend options): every
     axis and every flattened role (``dp_cp`` here, which spans the world: torch hands out the world's group)."""
-    for rank in run_distributed("mesh_worker.py", 4, ["--degrees", "dp=2,cp=2", "--timeout", "77"], tmp_path):
+    for rank in run_worker("mesh", 4, ["--opts", '{"degrees": "dp=2,cp=2", "timeout": 77}'], tmp_path):
         assert set(rank.values()) == {77.0} and len(rank) == 16, rank
 
 

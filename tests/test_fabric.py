@@ -33,7 +33,7 @@ FAST = {
 
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory) -> Batch:
-    return Batch(tmp_path_factory, FAST, tag="fabric", worker="fabric_worker.py")
+    return Batch(tmp_path_factory, FAST, tag="fabric", worker="fabric")
 
 
 @pytest.mark.parametrize("label", ["zero2", "zero3", "tp2", "dp2"])

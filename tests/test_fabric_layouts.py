@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import PARITY_CASES, Batch
-from harness import run_distributed
+from harness import run_worker
 from parity import assert_same_losses, assert_same_params
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ WIDE = {
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory) -> Batch:
-    return Batch(tmp_path_factory, WIDE, tag="fabric_wide", worker="fabric_worker.py")
+    return Batch(tmp_path_factory, WIDE, tag="fabric_wide", worker="fabric")
 
 
 @pytest.mark.parametrize("label", ["dp2_tp2", "sp", "zero1", "zero3_offload", "cp2", "hsdp", "ep2"])
@@ -52,12 +52,12 @@ def test_fabric_reference_is_the_trainers(wide, reference):
     assert_same_params(wide["reference"].params("plain"), reference.params("plain"), "fabric vs trainer")
 
 
-def _run(script: str, world: int, strategy: str, cases: list[dict], out: Path) -> list[list[dict]]:
-    """One launch of one run; each rank's case results."""
+def _run(worker: str, world: int, strategy: str, cases: list[dict], out: Path) -> list[list[dict]]:
+    """One launch of one run of a case module (``worker``: "fabric" or "gpt"); each rank's case results."""
     out.mkdir(parents=True, exist_ok=True)
     runs = out / "runs.json"
     runs.write_text(json.dumps([{"label": "run", "strategy": strategy, "cases": cases}]))
-    run_distributed(script, world, ["--runs-file", str(runs)], out)
+    run_worker(worker, world, ["--runs-file", str(runs)], out)
     return [json.loads((out / "run" / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -66,26 +66,26 @@ def test_checkpoints_across_front_doors(tmp_path):
     loads it; the Trainer (zero2) saves after 5 steps and Fabric (hybrid3d dp=2) resumes it. Every pass repeats
     the same 5 batches, so each resumed run's 5 steps are steps 5-9 of one process training 10."""
     epoch = {"epoch_steps": 5}
-    ref = _run("fabric_worker.py", 1, "auto", [{"name": "ten", "steps": 10, **epoch}], tmp_path / "ref")
+    ref = _run("fabric", 1, "auto", [{"name": "ten", "steps": 10, **epoch}], tmp_path / "ref")
     want = ref[0][0]["losses"][5:]
     fabric_ckpt, trainer_ckpt = tmp_path / "fabric_ckpt", tmp_path / "trainer_ckpt"
     _run(
-        "fabric_worker.py",
+        "fabric",
         2,
         "zero3",
         [{"name": "first", "steps": 5, "save": str(fabric_ckpt), **epoch}],
         tmp_path / "f",
     )
     first = {"name": "first", "steps": 5, "save": str(trainer_ckpt), **epoch}
-    _run("gpt_worker.py", 2, "zero2", [first], tmp_path / "t")
+    _run("gpt", 2, "zero2", [first], tmp_path / "t")
     resumed = {"name": "next", "steps": 5, **epoch}
-    by_trainer = _run("gpt_worker.py", 2, "hybrid3d:tp=2", [{**resumed, "resume": str(fabric_ckpt)}], tmp_path / "tr")
+    by_trainer = _run("gpt", 2, "hybrid3d:tp=2", [{**resumed, "resume": str(fabric_ckpt)}], tmp_path / "tr")
     assert_same_losses(by_trainer[0][0]["losses"], want, "fabric zero3 -> trainer tp=2")
     cases = [{**resumed, "name": "from_fabric", "load": str(fabric_ckpt)}]
-    by_fabric = _run("fabric_worker.py", 2, "hybrid3d:tp=2", cases, tmp_path / "fr")
+    by_fabric = _run("fabric", 2, "hybrid3d:tp=2", cases, tmp_path / "fr")
     assert_same_losses(by_fabric[0][0]["losses"], want, "fabric zero3 -> fabric tp=2")
     cases = [{**resumed, "name": "from_trainer", "load": str(trainer_ckpt)}]
-    by_fabric = _run("fabric_worker.py", 2, "hybrid3d", cases, tmp_path / "ft")
+    by_fabric = _run("fabric", 2, "hybrid3d", cases, tmp_path / "ft")
     # dp=2: each rank's micro-batch losses, their mean the global loss
     got = [sum(pair) / 2 for pair in zip(by_fabric[0][0]["losses"], by_fabric[1][0]["losses"])]
     assert_same_losses(got, want, "trainer zero2 -> fabric dp=2")

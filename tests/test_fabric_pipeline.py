@@ -40,7 +40,7 @@ def fast(tmp_path_factory) -> Batch:
         "pp2": (2, "hybrid3d:pp=2", CASES),  # 1f1b, 4 microbatches
         **_chain(tmp_path_factory.mktemp("fabric_pp_ckpt"), "hybrid3d:pp=2", "hybrid3d:tp=2"),
     }
-    return Batch(tmp_path_factory, runs, tag="fabric_pp", worker="fabric_pp_worker.py")
+    return Batch(tmp_path_factory, runs, tag="fabric_pp", worker="fabric_pp")
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in CASES])
@@ -99,7 +99,7 @@ WIDE = {
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory) -> Batch:
-    return Batch(tmp_path_factory, WIDE, tag="fabric_pp_wide", worker="fabric_pp_worker.py")
+    return Batch(tmp_path_factory, WIDE, tag="fabric_pp_wide", worker="fabric_pp")
 
 
 @pytest.mark.slow
@@ -132,15 +132,15 @@ def test_fabric_fp16_matches_one_process(wide, label):
 def test_fabric_pp_checkpoints_across_front_doors(tmp_path):
     """A Fabric pp=2 save resumed by the Trainer at tp=2; a Trainer pp=2 save loaded by Fabric at pp=2 (zero
     bubble): both next 5 losses are steps 5-9 of one process training 10."""
-    want = _run("fabric_pp_worker.py", 1, "auto", [{"name": "ten", "steps": 10, **EPOCH}], tmp_path / "ref")[0][0]
+    want = _run("fabric_pp", 1, "auto", [{"name": "ten", "steps": 10, **EPOCH}], tmp_path / "ref")[0][0]
     want = want["losses"][5:]
     fabric_ckpt, trainer_ckpt = tmp_path / "fabric_ckpt", tmp_path / "trainer_ckpt"
     first = {"name": "first", "steps": 5, **EPOCH}
-    _run("fabric_pp_worker.py", 2, "hybrid3d:pp=2", [{**first, "save": str(fabric_ckpt)}], tmp_path / "f")
-    _run("gpt_worker.py", 2, "hybrid3d:pp=2", [{**first, "save": str(trainer_ckpt)}], tmp_path / "t")
+    _run("fabric_pp", 2, "hybrid3d:pp=2", [{**first, "save": str(fabric_ckpt)}], tmp_path / "f")
+    _run("gpt", 2, "hybrid3d:pp=2", [{**first, "save": str(trainer_ckpt)}], tmp_path / "t")
     resumed = {"name": "next", "steps": 5, **EPOCH}
-    by_trainer = _run("gpt_worker.py", 2, "hybrid3d:tp=2", [{**resumed, "resume": str(fabric_ckpt)}], tmp_path / "tr")
+    by_trainer = _run("gpt", 2, "hybrid3d:tp=2", [{**resumed, "resume": str(fabric_ckpt)}], tmp_path / "tr")
     assert_same_losses(by_trainer[0][0]["losses"], want, "fabric pp=2 -> trainer tp=2")
     cases = [{**resumed, "load": str(trainer_ckpt)}]
-    by_fabric = _run("fabric_pp_worker.py", 2, "hybrid3d:pp=2,pp_schedule=zero_bubble", cases, tmp_path / "fr")
+    by_fabric = _run("fabric_pp", 2, "hybrid3d:pp=2,pp_schedule=zero_bubble", cases, tmp_path / "fr")
     assert_same_losses(by_fabric[0][0]["losses"], want, "trainer pp=2 -> fabric pp=2 zero bubble")

@@ -6,7 +6,7 @@ model's logits.
 
 The uninterrupted run is zero3 at world 2 (its parity with one process: tests/test_hf_lora.py); it saves after
 ``SAVE`` steps. Epochs of one step: Lightning resumes a checkpoint with one batch of the epoch it was saved in and then
-starts the next epoch, which is then the uninterrupted order (tests/workers/hf_worker.py's ``SaveAt``).
+starts the next epoch, which is then the uninterrupted order (tests/workers/cases/hf.py's ``SaveAt``).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def folders(tmp_path_factory) -> dict[str, str]:
 
 
 def launch_runs(tmp_path_factory, folders, runs: dict, tag: str) -> tuple[Batch, dict[str, str]]:
-    """One hf_worker.py launch; returns the batch and each saving run's checkpoint path."""
+    """One launch of cases/hf.py; returns the batch and each saving run's checkpoint path."""
     ckpt_dir = tmp_path_factory.mktemp(f"lora_ckpts{tag}")
     path = {label: str(ckpt_dir / f"{label.replace(' ', '_')}.ckpt") for label, run in runs.items() if run[5]}
     spec = {}
@@ -78,7 +78,7 @@ def launch_runs(tmp_path_factory, folders, runs: dict, tag: str) -> tuple[Batch,
         if "full fine-tuning" not in label:
             case["lora"] = LORA[model]
         spec[label] = (world, strategy, [case])
-    batch = Batch(tmp_path_factory, spec, tag=f"lora_ckpt{tag}", worker="hf_worker.py")
+    batch = Batch(tmp_path_factory, spec, tag=f"lora_ckpt{tag}", worker="hf")
     batch[next(iter(runs))]  # launched now: the checkpoints are written
     return batch, path
 

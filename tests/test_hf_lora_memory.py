@@ -14,7 +14,7 @@ from causal_lm_parity import CLIP, launch, layout_of, options, train_reference
 from conftest import Batch
 from parity import PARAM_ATOL, assert_same_losses, assert_same_params
 from test_hf_lora import LORA, folders, lora_config, small  # noqa: F401  (folders: the fixture)
-from workers.lora_memory import gradient_leaves
+from workers.cases.lora_memory import gradient_leaves
 
 from lightning_parallel.hf import HFCausalLM
 from lightning_parallel.hf.lora import apply_peft, cast_frozen_base
@@ -62,7 +62,7 @@ def bars(spec: tuple) -> tuple[float, float]:
     return BARS["tp" if spec[3] > 1 else "dp"]
 
 
-# hf_worker.py's case keys per model: the adapters, the bf16 base, what each rank holds
+# cases/hf.py's case keys per model: the adapters, the bf16 base, what each rank holds
 EXTRA = {m: {"lora": c, "base_dtype": "bf16", "memory": True} for m, c in LORA.items()}
 
 
@@ -205,7 +205,7 @@ def counts(model: str) -> tuple[int, int]:
 
 
 def layout(runs: Batch, label: str, spec: tuple) -> tuple[int, int, list[tuple[str, dict]]]:
-    """(ZeRO stage, dp, [(rank label, that rank's result: its ``memory`` report, hf_worker.py's frozen_report)])."""
+    """(ZeRO stage, dp, [(rank label, that rank's result: its ``memory`` report, cases/hf.py's frozen_report)])."""
     world, strategy, _, tp = spec
     stage = int(strategy[4]) if strategy.startswith("zero") else int(strategy.partition("zero_stage=")[2][:1] or 0)
     reports = [(f"{label} rank {rank}", runs[label].case("train", rank)) for rank in range(world)]

@@ -1,6 +1,6 @@
 """HSDP (``dp_shard``): ZeRO 1-3 sharded inside dp_shard ranks, replicated across dp / dp_shard replicas.
 
-Training (tests/workers/gpt_worker.py): 2 replicas x 2 shards at world 4, fp32, 10 AdamW steps, plain / clipped /
+Training (tests/workers/cases/gpt.py): 2 replicas x 2 shards at world 4, fp32, 10 AdamW steps, plain / clipped /
 accumulated: losses within 1e-5 relative and parameters within 1e-5 of the single-process run. The mesh and the
 checks need no process group: a replica's shards (and tp, cp) are neighbouring ranks, and a layout whose node-local
 axes do not divide the node size is refused with the node size in the message. Checkpoints saved under HSDP resume

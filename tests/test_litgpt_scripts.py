@@ -24,7 +24,7 @@ def scripts(tmp_path_factory) -> Batch:
         "zero3": (2, "zero3", [{**case, "dp": 2}]),
         "tp2": (2, "hybrid3d:tp=2", [case]),  # dp=1: the script's "devices" is 1
     }
-    return Batch(tmp_path_factory, runs, tag="litgpt_scripts", worker="litgpt_script_worker.py")
+    return Batch(tmp_path_factory, runs, tag="litgpt_scripts", worker="litgpt_script")
 
 
 @pytest.mark.parametrize("label", ["zero3", "tp2"])

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import PARITY_CASES, Batch
-from harness import run_distributed
+from harness import run_worker
 from parity import assert_same_losses, assert_same_params
 from torch import nn
 
@@ -28,12 +28,12 @@ from lightning_parallel.protocol import reset_units
 
 BUDGET = 0.75  # of the whole model: what one rank may hold; the model does not fit one rank
 BIG = {"vocab_size": 256, "seq_len": 64, "n_layer": 24, "n_head": 8, "d_model": 256}  # 19M parameters, 73 MiB
-SMALL = {"vocab_size": 64, "seq_len": 16, "n_layer": 2, "n_head": 8, "d_model": 32}  # as gpt_worker's TINY
+SMALL = {"vocab_size": 64, "seq_len": 16, "n_layer": 2, "n_head": 8, "d_model": 32}  # the workers' TINY
 
 
 def _setup(tmp_path_factory, tag: str, cases: list[dict], world: int = 2) -> tuple[list[list[dict]], Path]:
     out = tmp_path_factory.mktemp(tag)
-    return run_distributed("meta_init_worker.py", world, ["--cases", json.dumps(cases)], out), out
+    return run_worker("meta_init", world, ["--cases", json.dumps(cases)], out), out
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def _single_process_gpt() -> dict[str, torch.Tensor]:
 
 
 def _single_process_mlp() -> dict[str, torch.Tensor]:
-    from workers.meta_init_worker import PlainMLP
+    from workers.cases.meta_init import PlainMLP
 
     torch.manual_seed(0)
     return {f"net.{k}": v for k, v in PlainMLP.build().state_dict().items()}

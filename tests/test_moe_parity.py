@@ -2,7 +2,7 @@
 the load-balancing loss on), checkpoints saved at ep=2 resume at ep=1, ep=4 and in one process.
 
 The model is the tiny GPT with 8 experts top-2 in every other block (block 1 of 2; blocks 1, 3, 5 of the deep one),
-and, as a model that is not the recipe GPT, a token classifier with one MoE layer (tests/workers/gpt_worker.py).
+and, as a model that is not the recipe GPT, a token classifier with one MoE layer (tests/workers/cases/gpt.py).
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_distributed
+from harness import run_worker
 from recipe_runs import GPT, run_recipe
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
-from workers.gpt_worker import TINY
+from workers.cases.common import TINY
 
 from lightning_parallel.callbacks.monitor import LocalFlopCounter, peak_flops
 from lightning_parallel.models.gpt import GPT as GPTModel
@@ -122,7 +122,7 @@ def test_bubble_of_an_ideal_schedule_is_the_textbook_one(schedule, tmp_path):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("observability")
-    ranks = run_distributed("obs_worker.py", 2, ["--cases", json.dumps(CASES)], out, timeout=400)
+    ranks = run_worker("obs", 2, ["--cases", json.dumps(CASES)], out, timeout=400)
     return {c["name"]: [ranks[r][i] for r in range(2)] for i, c in enumerate(CASES)}, out
 
 

@@ -13,7 +13,7 @@ import json
 
 import pytest
 from conftest import Batch
-from harness import run_distributed
+from harness import run_worker
 
 CASES = [{"name": "plain", "steps": 10}, {"name": "accumulate", "steps": 10, "accumulate": 2, "clip": 0.05}]
 SHORT = [{"name": "accumulate", "steps": 4, "accumulate": 2, "clip": 0.05}]
@@ -108,7 +108,7 @@ def test_the_timeline_shows_each_bucket_next_to_the_backward_it_overlaps(tmp_pat
     inside the backward of their stage's last microbatch (the others wait for the tied weight's pp sum)."""
     strategy = "hybrid3d:pp=2,microbatches=2,pp_schedule=1f1b" + OVERLAP
     cases = [{"name": "overlap", "strategy": strategy, "timeline": True}]
-    run_distributed("obs_worker.py", 2, ["--cases", json.dumps(cases)], tmp_path, timeout=300)
+    run_worker("obs", 2, ["--cases", json.dumps(cases)], tmp_path, timeout=300)
     assert (tmp_path / "overlap" / "timeline.png").is_file()
     trace = json.loads((tmp_path / "overlap" / "timeline.json").read_text())
     boxes = [e for e in trace["traceEvents"] if e["ph"] == "X"]

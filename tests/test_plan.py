@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from harness import REPO, run_distributed
+from harness import REPO, run_worker
 
 from lightning_parallel.parallel.data.stages import zero_stage
 from lightning_parallel.parallel.pipeline.partition import uniform_partition
@@ -202,8 +202,8 @@ def test_memory_estimate_within_15_percent_of_measured(name, tmp_path):
     overrides = [o for o in overrides if not o.startswith("model=")]
     common = ["trainer.max_steps=3", "trainer.logger=none", "trainer.enable_progress_bar=false", "sample_tokens=0"]
     common = common if recipe == "gpt" else common[:-1]
-    args = ["--recipe", recipe, f"trainer.devices={world}", f"model={model}", *common, *overrides]
-    ranks = run_distributed("plan_worker.py", world, args, tmp_path, timeout=300)
+    opts = {"recipe": recipe, "overrides": [f"trainer.devices={world}", f"model={model}", *common, *overrides]}
+    ranks = run_worker("plan", world, ["--opts", json.dumps(opts)], tmp_path, timeout=300)
     layout = ranks[0]["layout"]
     plan = make_plan(parse_args([model, "--world-size", str(world), "--device-memory", "1TB"]))
     keys = ("pp", "dp", "tp", "ep", "zero_stage")

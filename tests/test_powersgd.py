@@ -1,6 +1,6 @@
 """PowerSGD (``grad_compression="powersgd"``): the factorization and its error feedback without a process group
 (the data-parallel ranks simulated by threads), then at world 2 under ZeRO 0, 1 and 2
-(tests/workers/powersgd_worker.py): at full rank the reduction equals the uncompressed one, at low rank training
+(tests/workers/cases/powersgd.py): at full rank the reduction equals the uncompressed one, at low rank training
 still learns and fewer bytes travel, and a resume from a sharded checkpoint continues with the losses of the run that
 never stopped."""
 
@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 from conftest import Batch
-from harness import run_distributed
+from harness import run_worker
 from parity import assert_same_losses
 from recipe_runs import GPT, run_recipe
 from torch import nn
@@ -173,7 +173,7 @@ FULL_RANK_BAR = 1e-5
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     out = tmp_path_factory.mktemp("powersgd_w2")
-    return run_distributed("powersgd_worker.py", 2, [], out, timeout=240)
+    return run_worker("powersgd", 2, [], out, timeout=240)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

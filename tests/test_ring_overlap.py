@@ -1,4 +1,4 @@
-"""Ring attention overlaps its exchanges with its block computations (tests/workers/context_worker.py, gloo).
+"""Ring attention overlaps its exchanges with its block computations (tests/workers/cases/context.py, gloo).
 
 Every exchange of the ring and every block computed is recorded in order on each rank (the worker wraps
 ``ring.RingHop`` and the block kernels). Forward: the keys and values of block h are posted before block h - 1 is
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import run_distributed
+from harness import run_worker
 
 from lightning_parallel.parallel.context import ring_bytes
 
@@ -47,7 +47,7 @@ def check_overlap(events: list, cp: int, label: str) -> None:
 
 @pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_ring_exchanges_are_in_flight_while_blocks_compute(world, tmp_path):
-    ranks = run_distributed("context_worker.py", world, ["--cases", json.dumps([CASE])], tmp_path)
+    ranks = run_worker("context", world, ["--cases", json.dumps([CASE])], tmp_path)
     for rank, (got,) in enumerate(ranks):
         label = f"cp={world} rank {rank}"
         assert got["out"] <= 2e-6 and max(got["grads"]) <= 2e-6, f"{label}: {got}"

@@ -1,4 +1,4 @@
-"""What ring attention's 16-bit wire costs in accuracy (tests/workers/context_worker.py, cp=4, gloo).
+"""What ring attention's 16-bit wire costs in accuracy (tests/workers/cases/context.py, cp=4, gloo).
 
 Keys, values and the dK/dV accumulators travel in the input dtype (``ring_attention(grad_dtype=None)``). Keys and
 values lose nothing (they are the inputs); a 16-bit accumulator is rounded once per rank it passes, cp roundings of
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import run_distributed
+from harness import run_worker
 
 from lightning_parallel.parallel.context import ring_bytes
 
@@ -32,7 +32,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    ranks = run_distributed("context_worker.py", CP, ["--cases", json.dumps(CASES)], tmp_path_factory.mktemp("ring"))
+    ranks = run_worker("context", CP, ["--cases", json.dumps(CASES)], tmp_path_factory.mktemp("ring"))
     return {case["name"]: [rank[i] for rank in ranks] for i, case in enumerate(CASES)}
 
 

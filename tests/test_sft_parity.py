@@ -120,7 +120,7 @@ def launch(tmp_path_factory, setup: dict, runs: dict, tag: str) -> Batch:
                                    "validate": "validate" in label}])
         for label, (world, strategy, _) in runs.items()
     }  # fmt: skip
-    return Batch(tmp_path_factory, spec, tag=tag, worker="sft_worker.py")
+    return Batch(tmp_path_factory, spec, tag=tag, worker="sft")
 
 
 @pytest.fixture(scope="module")

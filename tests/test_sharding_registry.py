@@ -89,7 +89,7 @@ def runs(tmp_path_factory) -> Batch:
     """The variant at world 2 through a worker that registers it (a variant in the package needs none: importing
     parallel/data/stages.py registers it)."""
     runs = {VARIANT: (2, f"hybrid3d:sharding={VARIANT}", CASES)}
-    return Batch(tmp_path_factory, runs, tag="registry", worker="sharding_registry_worker.py")
+    return Batch(tmp_path_factory, runs, tag="registry", worker="sharding_registry")
 
 
 def test_a_registered_variant_trains_like_one_process(reference, runs):

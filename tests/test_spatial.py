@@ -1,11 +1,11 @@
 """Spatial parallelism (``spatial``): images split into strips of rows over the cp mesh axis.
 
 One process: the halo rows of each kind of convolution, the strips and their inverse, the layout checks (the errors a
-user can configure into), the settings. Two processes (tests/workers/spatial_worker.py): a patched convolution of
+user can configure into), the settings. Two processes (tests/workers/cases/spatial.py): a patched convolution of
 several kernels, strides, paddings and dilations gives this rank's rows of the whole convolution and its gradients;
 the gather and its scaled backward; a VGG11 with BatchNorm on strips gives one process's logits, gradients and running
 statistics; the halo bytes equal the formula; the activations kept for backward are about 1/S. Training
-(tests/workers/gpt_worker.py, the VGG with BatchNorm on 64 x 64 random images, 128 x 128 at spatial=4): fp32, 10 SGD
+(tests/workers/cases/gpt.py, the VGG with BatchNorm on 64 x 64 random images, 128 x 128 at spatial=4): fp32, 10 SGD
 steps, plain / clipped / accumulated, losses within 1e-5 relative and parameters (running statistics included) within
 1e-5 of one process.
 """
@@ -18,7 +18,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from conftest import Batch, launch
-from harness import run_distributed
+from harness import run_worker
 from parity import assert_same_losses, assert_same_params
 from recipe_runs import VGG as VGG_RECIPE
 from recipe_runs import run_recipe
@@ -203,13 +203,13 @@ def check_units(ranks: list[list[dict]], world: int) -> None:
 
 
 def test_pieces_match_one_process_at_spatial2(tmp_path):
-    ranks = run_distributed("spatial_worker.py", 2, ["--cases", json.dumps(_unit_cases(2))], tmp_path)
+    ranks = run_worker("spatial", 2, ["--cases", json.dumps(_unit_cases(2))], tmp_path)
     check_units(ranks, 2)
 
 
 @pytest.mark.slow
 def test_pieces_match_one_process_at_spatial4(tmp_path):
-    ranks = run_distributed("spatial_worker.py", 4, ["--cases", json.dumps(_unit_cases(4))], tmp_path)
+    ranks = run_worker("spatial", 4, ["--cases", json.dumps(_unit_cases(4))], tmp_path)
     check_units(ranks, 4)
 
 

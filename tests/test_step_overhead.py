@@ -1,5 +1,5 @@
 """Issue 32: a step does no collective it can do without. One launch at world 2 counts the collectives of one
-steady step of the tiny GPT per strategy (tests/workers/collective_count_worker.py), by kind and group size, and
+steady step of the tiny GPT per strategy (tests/workers/cases/collectives.py), by kind and group size, and
 the barriers; Lightning's ddp is counted beside them. What a step needs: the gradients' reduction (one bucket at
 ZeRO 0; one reduce-scatter or all-reduce and one all-gather at ZeRO 1-2) and the logged loss's
 all-reduce over dp; no barrier, nothing over a group of one, the norm's all-reduce only when clipping. ZeRO 1-2
@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from harness import run_distributed
+from harness import run_worker
 
 from lightning_parallel.parallel import clip
 from lightning_parallel.parallel.data.flat_group import FlatGroup, comm_sets, rank_major
@@ -23,7 +23,7 @@ SPECS = ["ddp", "hybrid3d", "hybrid3d+clip", "zero1", "zero2", "zero2+clip", "hy
 @pytest.fixture(scope="module")
 def counted(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("collective_counts")
-    ranks = run_distributed("collective_count_worker.py", 2, ["--specs", json.dumps(SPECS)], out, timeout=300)
+    ranks = run_worker("collectives", 2, ["--opts", json.dumps({"specs": SPECS})], out, timeout=300)
     assert ranks[0] == ranks[1]  # every rank issues the same collectives
     return ranks[0]
 

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import Run, launch
-from harness import run_distributed
+from harness import run_worker
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from parity import assert_same_losses, assert_same_params
@@ -154,7 +154,7 @@ UNIT_CASES = [
 @pytest.fixture(scope="module")
 def unit(tmp_path_factory):
     out = tmp_path_factory.mktemp("sync_bn_unit")
-    return run_distributed("sync_bn_worker.py", 2, ["--cases", json.dumps(UNIT_CASES)], out, timeout=120)
+    return run_worker("sync_bn", 2, ["--cases", json.dumps(UNIT_CASES)], out, timeout=120)
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in UNIT_CASES if "batch_split_input" not in c])

@@ -9,7 +9,7 @@ import json
 import lightning.pytorch as pl
 import pytest
 import torch
-from harness import run_distributed
+from harness import run_worker
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, TensorDataset
@@ -182,7 +182,7 @@ def test_lit_vgg_trains_and_validates_under_auto(optimizer):
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
     out = tmp_path_factory.mktemp("vgg_tp2")
-    return run_distributed("vgg_worker.py", 2, ["--cases", json.dumps(TP_CASES)], out, timeout=120)
+    return run_worker("vgg", 2, ["--cases", json.dumps(TP_CASES)], out, timeout=120)
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in TP_CASES])

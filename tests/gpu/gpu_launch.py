@@ -96,7 +96,7 @@ class Launch:
             raise AssertionError(f"{self.label} at world {self.world} {why}:\n{tails}")
 
     def results(self, timeout: float = 300) -> list[Any]:
-        """Each rank's ``rank<N>.json`` (gpt_worker's results)."""
+        """Each rank's ``rank<N>.json`` (for run.py, the list of its cases' results)."""
         self.wait(timeout)
         return [json.loads((self.out / f"rank{r}.json").read_text()) for r in range(self.world)]
 

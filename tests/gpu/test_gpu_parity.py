@@ -32,7 +32,7 @@ MATRIX = {  # label: (world, strategy spec, dp, tp)
 def _launch(tmp_path_factory, label: str, world: int, spec: str) -> Run:
     args = ["--strategy", spec, "--cases", json.dumps(PARITY_CASES)]
     out = tmp_path_factory.mktemp(label)
-    return Run(Launch.start(label, "gpt_worker.py", world, args, out).results(timeout=600), out)
+    return Run(Launch.start(label, "run.py", world, ["gpt", *args], out).results(timeout=600), out)
 
 
 @pytest.fixture(scope="module")

@@ -43,9 +43,9 @@ def launches(tmp_path_factory) -> dict[str, Launch]:
     return {
         label: Launch.start(
             label,
-            "gpt_worker.py",
+            "run.py",
             1,
-            ["--strategy", spec, "--cases", json.dumps(cases)],
+            ["gpt", "--strategy", spec, "--cases", json.dumps(cases)],
             tmp_path_factory.mktemp(label),
         )
         for label, (spec, cases) in specs.items()

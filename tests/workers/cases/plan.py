@@ -1,18 +1,16 @@
-"""One recipe run in this process (started torchrun-style by tests/harness.py), recording per-rank memory.
+"""Case ``plan`` (one per launch; tests/test_plan.py): one recipe run in this process, recording per-rank memory.
 
-    python plan_worker.py --recipe gpt|vgg --out DIR [override ...]
+    run.py plan --opts '{"recipe": "gpt" | "vgg", "overrides": [override, ...]}' --out DIR
 
 Composes conf/train_<recipe>.yaml with the overrides and runs the recipe's own ``train(cfg, run_dir)``, with one
 extra callback: the model-state bytes of this rank after the last optimizer step (parallel/memory.py's
 ``model_state_bytes``, the quantity the recipes' metrics.json reports as ``model_state_bytes`` where it has it).
-Writes ``rank<N>.json``: that, the run's ``activation_memory_bytes`` of this rank, and the layout.
+Its result: that, the run's ``activation_memory_bytes`` of this rank, and the layout.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
 import os
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from lightning_parallel.parallel.measure.memory import model_state_bytes
 from lightning_parallel.recipes.config import register_configs
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF = Path(__file__).resolve().parents[3] / "conf"
 
 
 class ModelStateProbe(pl.Callback):
@@ -37,17 +35,14 @@ class ModelStateProbe(pl.Callback):
             self.bytes = model_state_bytes(trainer.strategy.model, opts)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--recipe", choices=("gpt", "vgg"), required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    args, overrides = parser.parse_known_args()
-    rank = int(os.environ["RANK"])
-    os.chdir(args.out)  # the default GPT corpus is written under ./data
+def run_case(case: dict, ctx) -> dict:
+    rank, recipe_name, overrides = ctx.rank, case["recipe"], case["overrides"]
+    assert recipe_name in ("gpt", "vgg"), recipe_name
+    os.chdir(ctx.out)  # the default GPT corpus is written under ./data
     register_configs()
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose(f"train_{args.recipe}", overrides=overrides)
-    recipe = importlib.import_module(f"lightning_parallel.recipes.{args.recipe}")
+        cfg = compose(f"train_{recipe_name}", overrides=overrides)
+    recipe = importlib.import_module(f"lightning_parallel.recipes.{recipe_name}")
     probe = ModelStateProbe()
     build_trainer = recipe.build_trainer
 
@@ -55,7 +50,7 @@ def main() -> None:
         return build_trainer(cfg, run_dir, callbacks=[*kwargs.pop("callbacks", []), probe], **kwargs)
 
     recipe.build_trainer = with_probe
-    metrics = recipe.train(cfg, args.out)
+    metrics = recipe.train(cfg, ctx.out)
     states = metrics.get("model_state_bytes")  # the recipe's own field, once it reports one
     result = {
         "model_state": states[rank]["total"] if states else probe.bytes["total"],
@@ -63,8 +58,4 @@ def main() -> None:
         "activation": metrics["activation_memory_bytes"][rank],
         "layout": metrics["layout"],
     }
-    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
-
-
-if __name__ == "__main__":
-    main()
+    return result

@@ -1,6 +1,5 @@
-"""Worker: PowerSGD on the data-parallel reduction of ZeRO 0 and 2, pure torch (no Lightning); writes rank<N>.json.
-
-Run by tests/harness.py on N processes (torchrun's environment). A small net (an embedding, three linear layers,
+"""Case ``powersgd`` (one per launch): PowerSGD on the data-parallel reduction of ZeRO 0 and 2, pure torch (no
+Lightning; tests/test_powersgd.py). A small net (an embedding, three linear layers,
 a LayerNorm) learns a token mapping; each rank trains on its slice of the same global batch with AdamW through the
 sharding's ``shard_optimizer`` / ``reduce_gradients``. Recorded on every rank:
 
@@ -12,11 +11,6 @@ sharding's ``shard_optimizer`` / ``reduce_gradients``. Recorded on every rank:
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,8 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_parallel.parallel.data.stages import zero_stage
 from lightning_parallel.parallel.measure.comm_volume import CommCounter
-from lightning_parallel.parallel.shutdown import release_process_groups
 
+PROCESS_GROUP = True
 VOCAB, WIDTH, GLOBAL_BATCH, STEPS = 32, 48, 16, 10
 
 
@@ -114,13 +108,9 @@ def compare(got: dict, want: dict) -> dict:
     return {"loss_diff": loss_diff, "param_diff": param_diff, "losses": got["losses"], "want": want["losses"]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+def run_case(case: dict, ctx) -> dict:
+    """Every result on this rank (no case keys)."""
+    mesh = init_device_mesh("cpu", (ctx.world,), mesh_dim_names=("dp",))
     results = {}
     want = reference(STEPS)
     for stage in (0, 1, 2):
@@ -129,10 +119,4 @@ def main() -> None:
         for label, compression in (("low_rank", "powersgd"), ("uncompressed", "none")):
             run = train(mesh, stage, compression, 2, False, 3 * STEPS)
             results[f"{label}_zero{stage}"] = {k: v for k, v in run.items() if k != "params"}
-    rank = int(os.environ["RANK"])
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results))
-    release_process_groups()
-
-
-if __name__ == "__main__":
-    main()
+    return results

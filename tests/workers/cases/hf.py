@@ -1,7 +1,7 @@
-"""Worker: trains a Hugging Face causal LM (``HFCausalLM`` loaded from a save_pretrained folder) or, with case key
+"""Case ``hf``: trains a Hugging Face causal LM (``HFCausalLM`` loaded from a save_pretrained folder) or, with case key
 ``library: litgpt``, LitGPT's GPT (``LitGPTCausalLM`` from a litgpt checkpoint folder) under one strategy for a
-list of cases; writes rank<N>.json (+ params), as gpt_worker.py does (same ``--runs-file`` batching,
-so tests/conftest.py's ``Batch`` can launch it).
+list of cases; rank 0 saves the gathered parameters as <name>_params.pt, as cases/gpt.py does (tests/conftest.py's
+``Batch``, ``worker="hf"``).
 
 Case keys: name, path (the model folder), steps, global_batch, seq_len, lr, tuple_batch (batches as
 (input_ids, labels) instead of dicts), accumulate (micro-batches per optimizer step), clip (gradient norm), lora
@@ -14,18 +14,17 @@ save_step steps, see ``SaveAt``), resume (ckpt_path for fit), config (instead of
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import lightning.pytorch as pl
 import torch
-from gpt_worker import ShardedData, batch_ranks, build_strategy, run_batches
-from lora_memory import LoraMemoryProbe
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.data import Dataset
 
 from lightning_parallel.hf import HFCausalLM
 from lightning_parallel.parallel.dtensor import local
 from lightning_parallel.parallel.mesh import TP
+
+from .common import ShardedData, batch_ranks, build_strategy, make_trainer, save_full_params
+from .lora_memory import LoraMemoryProbe
 
 
 class RandomTokens(Dataset):
@@ -91,7 +90,8 @@ def module_class(library: str) -> type:
     return HFCausalLM
 
 
-def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
+def run_case(case: dict, ctx) -> dict:
+    strategy, world, out = ctx.strategy, ctx.world, ctx.out
     pl.seed_everything(0, verbose=False)
     steps, global_batch, accumulate = case.get("steps", 10), case.get("global_batch", 8), case.get("accumulate", 1)
     strategy_obj = build_strategy(strategy)
@@ -103,7 +103,7 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
         from peft import LoraConfig
 
         peft = {"peft_config": LoraConfig(**case["lora"])}
-        # case keys base_dtype (HFCausalLM's) and memory (what each rank holds, from its tensors: lora_memory.py)
+        # case keys base_dtype (HFCausalLM's) and memory (what each rank holds, from its tensors: cases/lora_memory.py)
         peft.update({"base_dtype": case["base_dtype"]} if case.get("base_dtype") else {})
     source = model_source(case)
     model = recording(module_class(case.get("library", "hf")))(source, lr=case.get("lr", 1e-3), eps=1e-6, **peft)
@@ -111,26 +111,16 @@ def run_case(case: dict, strategy: str, world: int, out: Path) -> dict:
     data = RandomTokens(epoch, case.get("seq_len", 16), model.model.config.vocab_size)
     data.as_tuple = bool(case.get("tuple_batch"))
     probes = [LoraMemoryProbe(steps)] if case.get("memory") else []
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy_obj,
+    trainer = make_trainer(
+        world,
+        strategy_obj,
         max_steps=steps,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=case.get("clip"),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
         callbacks=probes + ([SaveAt(case["save"], case["save_step"])] if case.get("save") else []),
     )
     trainer.fit(model, datamodule=ShardedData(data, micro), ckpt_path=case.get("resume"))
-    state = trainer.strategy.full_state_dict() if hasattr(trainer.strategy, "full_state_dict") else model.state_dict()
-    if trainer.global_rank == 0:
-        torch.save({k: v.detach().cpu() for k, v in state.items()}, out / f"{case['name']}_params.pt")
+    save_full_params(trainer, model, out / f"{case['name']}_params.pt")
     # one loss per optimizer step: the mean of its micro-batches' (equal token counts: the global batch's loss)
     losses = [sum(model.losses[i : i + accumulate]) / accumulate for i in range(0, len(model.losses), accumulate)]
     result = {"name": case["name"], "losses": losses, "bytes_read": getattr(model, "weight_bytes_read", 0)}
@@ -186,7 +176,3 @@ def frozen_report(model: torch.nn.Module, trainer: pl.Trainer) -> dict:
 def tp_replicated(p: torch.Tensor) -> bool:
     names = p.device_mesh.mesh_dim_names or () if isinstance(p, DTensor) else ()
     return TP in names and isinstance(p.placements[names.index(TP)], Replicate)
-
-
-if __name__ == "__main__":
-    run_batches(run_case)

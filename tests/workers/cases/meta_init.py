@@ -1,4 +1,5 @@
-"""Worker: sets a model up under one strategy (no training step) and measures what each rank held on the way.
+"""Case ``meta_init``: sets a model up under one strategy (no training step) and measures what each rank held on
+the way.
 
 Run by tests/test_meta_init.py through tests/harness.py. Each case builds a model one way (``build``: ``host`` in
 ``__init__``, ``configure`` in ``configure_model``, ``init_module`` under ``Trainer.init_module()``), runs
@@ -18,11 +19,7 @@ MLP whose modules keep torch's default init, drawn from the global generator), g
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
-import os
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -31,13 +28,12 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.multiprocessing.reductions import StorageWeakRef
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt_worker import build_strategy  # noqa: E402
+from lightning_parallel._compat import TorchDispatchMode, tree_leaves
+from lightning_parallel.models import GPTConfig, LitGPT
+from lightning_parallel.models.gpt import GPT
+from lightning_parallel.parallel.dtensor import local
 
-from lightning_parallel._compat import TorchDispatchMode, tree_leaves  # noqa: E402
-from lightning_parallel.models import GPTConfig, LitGPT  # noqa: E402
-from lightning_parallel.models.gpt import GPT  # noqa: E402
-from lightning_parallel.parallel.dtensor import local  # noqa: E402
+from .common import build_strategy
 
 
 class PeakTensorBytes(TorchDispatchMode):
@@ -88,7 +84,7 @@ def _reset_rss_peak() -> bool:
         return False
 
 
-def _return_freed_memory_at_once() -> None:
+def setup() -> None:  # once per process, before the first case
     """glibc: blocks of 64 KiB and more are mmapped and unmapped on free (no dynamic threshold), heap tops trimmed."""
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
@@ -144,7 +140,8 @@ def _model(case: dict, build_here: bool) -> pl.LightningModule:
     return LitGPT(GPTConfig(**case.get("gpt", {})), build_in_configure_model=not build_here)
 
 
-def run_case(case: dict, world: int, out: Path) -> dict:
+def run_case(case: dict, ctx) -> dict:
+    world, out = ctx.world, ctx.out
     pl.seed_everything(0, verbose=False)
     config = GPTConfig(**case.get("gpt", {}))
     with torch.device("meta"):  # no draws from the global generator
@@ -186,21 +183,3 @@ def run_case(case: dict, world: int, out: Path) -> dict:
         if trainer.global_rank == 0:
             torch.save(state, out / f"{case['name']}_params.pt")
     return result
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    out = Path(args.out)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    torch.set_num_threads(1)
-    _return_freed_memory_at_once()
-    results = [run_case(case, world, out) for case in json.loads(args.cases)]
-    (out / f"rank{rank}.json").write_text(json.dumps(results))
-
-
-if __name__ == "__main__":
-    main()

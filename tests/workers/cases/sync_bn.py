@@ -1,6 +1,5 @@
-"""Worker: SyncBatchNorm over the dp group against torch's BatchNorm on the concatenated batch; writes rank<N>.json.
-
-Run by tests/harness.py on N processes (torchrun's environment). Every rank builds the same global batch and
+"""Case ``sync_bn``: SyncBatchNorm over the dp group against torch's BatchNorm on the concatenated batch
+(tests/test_sync_batchnorm.py). Every rank builds the same global batch and
 a plain BatchNorm copy of the layer; the synced layer sees only this rank's slice (ranks may hold different
 numbers of samples), the plain one the whole batch. A weighted sum of the outputs is the loss (each rank's
 share of it over its own slice), so gradients flow through the shared statistics. Recorded per step: the
@@ -16,10 +15,6 @@ DTensors), batch_split_input (record the error a DTensor input split on the batc
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -28,9 +23,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_parallel.parallel.data.sync_batchnorm import convert_sync_batchnorm
-from lightning_parallel.parallel.shutdown import release_process_groups
 from lightning_parallel.parallel.tensor.conv import ChannelNormParallel
 
+PROCESS_GROUP = True
 _PLAIN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 _SPATIAL = {1: (5,), 2: (3, 4), 3: (2, 3, 2)}
 
@@ -45,7 +40,8 @@ def max_diff(a: Tensor, b: Tensor) -> float:
     return ((a - b).abs() / (1 + b.abs())).max().item() if a.numel() else 0.0
 
 
-def run_case(case: dict, rank: int, world: int) -> dict:
+def run_case(case: dict, ctx) -> dict:
+    rank, world = ctx.rank, ctx.world
     dims, channels, sizes = case.get("dims", 2), case.get("channels", 4), case.get("sizes", [3, 5])
     assert len(sizes) == world
     g = torch.Generator().manual_seed(0)  # the same global batch and layer on every rank
@@ -106,20 +102,3 @@ def batch_split_error(sync: nn.Module, world: int) -> str:
     except ValueError as err:
         return str(err)
     return ""
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", required=True, help="JSON list of cases")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    results = [run_case(case, rank, world) for case in json.loads(args.cases)]
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results))
-    release_process_groups()  # plain torch.distributed: the script releases what it made
-
-
-if __name__ == "__main__":
-    main()

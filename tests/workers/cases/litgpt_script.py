@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from gpt_worker import _value, run_batches
 from lightning.fabric.loggers import Logger
 from litgpt import Config
 from litgpt.args import EvalArgs, TrainArgs
@@ -28,6 +27,8 @@ from litgpt.finetune import full
 from lightning_parallel import Hybrid3DFabricStrategy, ZeroFabricStrategy
 from lightning_parallel.litgpt.fabric import litgpt_protocol
 from lightning_parallel.recipes.finetune_assets import LITGPT_DIR, instruction_pairs
+
+from .common import _value
 
 
 class Recorder(Logger):
@@ -62,7 +63,8 @@ def build_strategy(spec: str) -> Any:
     return ZeroFabricStrategy(stage=int(name[-1]), **settings, prepare_model=litgpt_protocol)
 
 
-def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
+def run_case(case: dict, ctx) -> dict:
+    spec, world, out = ctx.strategy, ctx.world, ctx.out
     # the sampler's seed is PL_GLOBAL_SEED when Fabric sets the loaders up, before the script seeds: a run before this
     # one in the same launch left its seed there
     os.environ.pop("PL_GLOBAL_SEED", None)
@@ -87,7 +89,7 @@ def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
     )
     evals = EvalArgs(interval=10**6, max_new_tokens=2, max_iters=1, initial_validation=False, final_validation=False)
     config = Config.from_file(folder / "model_config.yaml")
-    # AdamW with eps 1e-6, as gpt_worker's (see there): at torch's 1e-8 a gradient at float32 rounding level gets a
+    # AdamW with eps 1e-6, as cases/models.py's (see there): at torch's 1e-8 a gradient at float32 rounding level gets a
     # full-size update of pure rounding noise, which says nothing about a layout
     optimizer = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3, "eps": 1e-6}}
     try:
@@ -102,7 +104,3 @@ def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
             last = row["step"]
     final = out / "run" / "final" / "lit_model.pth"
     return {"name": case["name"], "losses": steps, "saved": final.exists(), "rows": len(recorder.rows)}
-
-
-if __name__ == "__main__":
-    run_batches(run_case)

@@ -1,7 +1,6 @@
-"""Worker: spatial parallelism's pieces against one process; writes rank<N>.json.
-
-Run by tests/harness.py on N processes (torchrun's environment). Every rank builds the same whole images and the
-same model; the reference runs them whole, the spatial version this rank's strip. Recorded per case:
+"""Case ``spatial``: spatial parallelism's pieces against one process (tests/test_spatial.py). Every rank builds
+the same whole images and the same model; the reference runs them whole, the spatial version this rank's strip.
+Recorded per case:
 
 - ``conv``: one nn.Conv2d patched by apply_spatial_parallel (several kernels, strides, paddings, dilations): the
   largest difference of this rank's output rows and input-gradient rows, of the weight gradient summed over the ranks,
@@ -14,10 +13,6 @@ same model; the reference runs them whole, the spatial version this rank's strip
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -25,9 +20,10 @@ from torch import nn
 
 from lightning_parallel.models.vgg import VGG, VGGConfig
 from lightning_parallel.parallel.measure.memory import measure_saved_activation_bytes
-from lightning_parallel.parallel.shutdown import release_process_groups
 from lightning_parallel.parallel.spatial import SENT, apply_spatial_parallel, conv_halo, gather_strips, halo_bytes
 from lightning_parallel.parallel.spatial.split import shard_height
+
+PROCESS_GROUP = True
 
 
 def _max(t: torch.Tensor) -> float:
@@ -169,19 +165,6 @@ def _conv_inputs(model: VGG, size: int) -> list:
 CASES = {"conv": run_conv, "gather": run_gather, "vgg": run_vgg}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", required=True, help="JSON list of cases")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.group.WORLD
-    results = [CASES[case["kind"]](case, group, rank, world) for case in json.loads(args.cases)]
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results))
-    release_process_groups()
-
-
-if __name__ == "__main__":
-    main()
+def run_case(case: dict, ctx) -> dict:
+    """Case key ``kind``: ``conv``, ``gather`` or ``vgg``."""
+    return CASES[case["kind"]](case, dist.group.WORLD, ctx.rank, ctx.world)

@@ -1,6 +1,5 @@
-"""Worker: the data-parallel shardings' device paths, pure torch (no Lightning); writes rank<N>.json.
-
-Run by tests/harness.py on N processes (torchrun's environment). A small net learns a token mapping; each rank
+"""Case ``data_paths`` (one per launch): the data-parallel shardings' device paths, pure torch (no Lightning;
+tests/test_data_device_paths.py). A small net learns a token mapping; each rank
 trains on its slice of the same global batch with SGD (momentum). Recorded on every rank:
 
 - ``hsdp_offload`` (world/2 ranks per shard group, 2 replicas): HSDP ZeRO-2 with offload while
@@ -17,12 +16,9 @@ trains on its slice of the same global batch with SGD (momentum). Recorded on ev
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,9 +29,11 @@ from lightning_parallel.parallel.data import replicate
 from lightning_parallel.parallel.data.flat_overlap import PieceCollectives, even
 from lightning_parallel.parallel.data.flat_zero import FlatZero
 from lightning_parallel.parallel.data.hybrid_shard import HybridFlatZero
-from lightning_parallel.parallel.shutdown import release_process_groups
 
-VOCAB, WIDTH, GLOBAL_BATCH, STEPS = 32, 48, 16, 6
+from .powersgd import VOCAB, Net
+
+PROCESS_GROUP = True
+GLOBAL_BATCH, STEPS = 16, 6  # the net and its token mapping: cases/powersgd.py's
 COLLECTIVES = (
     "all_reduce",
     "reduce_scatter_single",
@@ -50,20 +48,6 @@ PATHS = {  # label: (collectives, bucket MB: None = one bucket over the whole bu
     "grouped": (PieceCollectives(True, False), 0.004),
     "even": (PieceCollectives(True, True), 1000.0),
 }
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, 24)
-        self.up = nn.Linear(24, WIDTH)
-        self.mid = nn.Linear(WIDTH, WIDTH)
-        self.norm = nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, x: Tensor) -> Tensor:  # (B,) -> (B, VOCAB)
-        h = torch.relu(self.up(self.embed(x)))
-        return self.head(self.norm(torch.relu(self.mid(h))))
 
 
 def fresh() -> tuple[Net, torch.optim.Optimizer]:
@@ -197,13 +181,9 @@ def replicated(bucket_mb: float, sizes: list[int]) -> dict[str, Tensor]:
     return {n: p.grad.clone() for n, p in net.named_parameters()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
+def run_case(case: dict, ctx) -> dict:
+    """Every result on this rank (no case keys)."""
+    world, rank = ctx.world, ctx.rank
     results: dict = {}
     want = reference()
     size = world // 2  # 2 replicas of world/2 shards; every rank builds every group
@@ -236,9 +216,4 @@ def main() -> None:
         "buckets": len(small),
         "whole": whole,
     }
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results))
-    release_process_groups()
-
-
-if __name__ == "__main__":
-    main()
+    return results

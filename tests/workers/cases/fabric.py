@@ -1,8 +1,8 @@
-"""Worker: the tiny GPT trained by a Fabric loop under one strategy, for a list of cases; writes rank<N>.json.
+"""Case ``fabric``: the tiny GPT trained by a Fabric loop under the run's strategy (tests/test_fabric*.py).
 
 The loop is the one a Fabric user writes (``fabric.setup``, ``no_backward_sync`` over accumulated micro-batches,
 ``fabric.backward``, ``fabric.clip_gradients``, ``optimizer.step``), on the same model, data and optimizer as
-gpt_worker.py's Trainer runs, so its losses compare with the Trainer path's too. Strategy specs: "auto" (one
+cases/gpt.py's Trainer runs, so its losses compare with the Trainer path's too. Strategy specs: "auto" (one
 process, Lightning's own), a registered name ("zero3"), or "hybrid3d:tp=2,..." / "zero3:offload=1" (the class
 with those settings).
 
@@ -18,35 +18,23 @@ collectives' answers; rank 0 saves the gathered parameters as <name>_params.pt.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import lightning as L
 import lightning.pytorch as pl
 import torch
-from gpt_worker import TINY, _value, run_batches
-from lightning.fabric.strategies import STRATEGY_REGISTRY
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_parallel import Hybrid3DFabricStrategy
 from lightning_parallel.models import LitGPT, SyntheticTokens
 from lightning_parallel.parallel.checkpoint.full import full_model_state_dict
 
-
-def build_fabric_strategy(spec: str):
-    if ":" not in spec:
-        return spec
-    name, _, items = spec.partition(":")
-    kwargs = {key: _value(key, value) for key, value in (item.split("=") for item in items.split(","))}
-    if name == "hybrid3d":
-        return Hybrid3DFabricStrategy(**kwargs)
-    entry = STRATEGY_REGISTRY[name]
-    return entry["strategy"](**entry["init_params"], **kwargs)
+from .common import TINY, build_strategy
 
 
-def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
+def run_case(case: dict, ctx) -> dict:
+    spec, world, out = ctx.strategy, ctx.world, ctx.out
     steps, accumulate = case.get("steps", 10), case.get("accumulate", 1)
     global_batch = case.get("global_batch", 16)
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=build_fabric_strategy(spec), precision="32-true")
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=build_strategy(spec, fabric=True), precision="32-true")
     fabric.launch()
     pl.seed_everything(case.get("seed", 0), verbose=False)
     if case.get("expect_error"):  # a plain MLP (no tensor-parallel plan): the Trainer's refusal, on every rank
@@ -57,7 +45,7 @@ def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
         raise AssertionError("fabric.setup accepted a model the layout cannot split")
     with fabric.init_module(empty_init=bool(case.get("meta")) and spec != "auto"):
         config = dataclasses.replace(TINY, **case["moe"]) if case.get("moe") else TINY  # moe_experts, ...
-        model = LitGPT(config=config, lr=1e-3, eps=1e-6)  # eps as gpt_worker's (see there)
+        model = LitGPT(config=config, lr=1e-3, eps=1e-6)  # eps as cases/models.py's (see there)
     if case.get("separately"):  # setup_module, then the optimizer over the split model's parameters
         model = fabric.setup_module(model)
         optimizer = fabric.setup_optimizers(model.configure_optimizers())
@@ -99,7 +87,3 @@ def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
     if case.get("save"):
         fabric.save(case["save"], {"model": model, "optimizer": optimizer, "steps": steps})
     return result
-
-
-if __name__ == "__main__":
-    run_batches(run_case)

@@ -1,7 +1,6 @@
-"""Worker: context-parallel attention (ring and Ulysses) against plain causal attention; writes rank<N>.json.
-
-Run by tests/harness.py on N processes (torchrun's environment). Every rank builds the same q, k, v and output
-gradient for the whole sequence (drawn in fp64, cast to the case's dtype); the reference is
+"""Case ``context``: context-parallel attention (ring and Ulysses) against plain causal attention
+(tests/test_context_parallel.py, test_ring_overlap.py, test_ring_precision.py). Every rank builds the same q, k, v
+and output gradient for the whole sequence (drawn in fp64, cast to the case's dtype); the reference is
 ``scaled_dot_product_attention(is_causal=True)`` on all of it in the same dtype, the context-parallel attention sees
 this rank's two chunks (``shard_sequence``). Recorded: the largest absolute difference of this rank's output rows and
 of its q, k, v gradients, and the bytes the ring sent.
@@ -14,11 +13,8 @@ ring and of the one-process reference against fp64, relative to the largest fp64
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections import Counter
 from contextlib import ExitStack
-from pathlib import Path
 from unittest import mock
 
 import torch
@@ -29,7 +25,8 @@ from lightning_parallel.parallel.context import ring
 from lightning_parallel.parallel.context.ring import ring_attention
 from lightning_parallel.parallel.context.split import shard_sequence
 from lightning_parallel.parallel.context.ulysses import ulysses_attention
-from lightning_parallel.parallel.shutdown import release_process_groups
+
+PROCESS_GROUP = True
 
 
 def attention(case: dict):
@@ -84,7 +81,8 @@ def traced(events: list, stack: ExitStack) -> None:
     stack.enter_context(mock.patch.object(ring, "block_attention_backward", backward))
 
 
-def run_case(case: dict, rank: int, world: int) -> dict:
+def run_case(case: dict, ctx) -> dict:
+    rank, world = ctx.rank, ctx.world
     dtype = getattr(torch, case.get("dtype", "float32"))
     shape = (case.get("batch", 2), case.get("heads", 4), case["seq_len"], case.get("head_dim", 8))
     g = torch.Generator().manual_seed(0)
@@ -119,20 +117,3 @@ def run_case(case: dict, rank: int, world: int) -> dict:
             "one_process": [diff(shard_sequence(a, world, rank, dim=2), t) / s for a, t, s in zip(want, truth, scale)],
         }
     return result
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", required=True, help="JSON list of cases")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    results = [run_case(case, rank, world) for case in json.loads(args.cases)]
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results))
-    release_process_groups()
-
-
-if __name__ == "__main__":
-    main()

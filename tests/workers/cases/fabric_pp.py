@@ -2,7 +2,7 @@
 parallelism in Fabric); writes rank<N>.json. One process ("auto", Lightning's own strategy, no pipeline_step) runs
 the plain Fabric loop (``model.loss(model(x), y)``, ``fabric.backward``): the reference.
 
-Strategy specs as fabric_worker.py's ("hybrid3d:pp=2,tp=2,pp_schedule=gpipe"). Case keys: name, steps, accumulate,
+Strategy specs as cases/fabric.py's ("hybrid3d:pp=2,tp=2,pp_schedule=gpipe"). Case keys: name, steps, accumulate,
 clip, global_batch, fp16 (16-mixed; the loss scale after each step in ``scales``; fp16 > 1: the first scale),
 epoch_steps (steps per pass over the data), meta (build under
 ``fabric.init_module(empty_init=True)``), load (a checkpoint folder, Fabric's or the Trainer's, filled in first),
@@ -12,18 +12,16 @@ model's parameters as <name>_params.pt.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import lightning as L
 import lightning.pytorch as pl
 import torch
-from fabric_worker import build_fabric_strategy
-from gpt_worker import TINY, run_batches
 from lightning.fabric.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel.models import LitGPT, SyntheticTokens
 from lightning_parallel.parallel.checkpoint.full import full_model_state_dict
+
+from .common import TINY, build_strategy
 
 
 def whole_state(fabric: L.Fabric, module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -47,18 +45,19 @@ def micro_step(fabric: L.Fabric, model, idx, targets, accumulate: int) -> float:
     return loss.item()
 
 
-def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
+def run_case(case: dict, ctx) -> dict:
+    spec, world, out = ctx.strategy, ctx.world, ctx.out
     steps, accumulate = case.get("steps", 10), case.get("accumulate", 1)
     global_batch = case.get("global_batch", 16)
     # fp16: Lightning's own plugin with torch's GradScaler (precision="16-mixed" alone runs bf16 on CPU)
     first_scale = float(case["fp16"]) if case.get("fp16", 0) > 1 else 2.0**16
     plugin = MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=first_scale))
     precision = {"plugins": [plugin]} if case.get("fp16") else {"precision": "32-true"}
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=build_fabric_strategy(spec), **precision)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=build_strategy(spec, fabric=True), **precision)
     fabric.launch()
     pl.seed_everything(0, verbose=False)
     with fabric.init_module(empty_init=bool(case.get("meta")) and spec != "auto"):
-        model = LitGPT(config=TINY, lr=1e-3, eps=1e-6)  # eps as gpt_worker's (see there)
+        model = LitGPT(config=TINY, lr=1e-3, eps=1e-6)  # eps as cases/models.py's (see there)
     optimizer = model.configure_optimizers()
     model, optimizer = fabric.setup(model, optimizer)
     if case.get("load"):
@@ -92,7 +91,3 @@ def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
     if case.get("save"):
         fabric.save(case["save"], {"model": model, "optimizer": optimizer, "steps": steps})
     return {"name": case["name"], "losses": losses, "scales": scales}
-
-
-if __name__ == "__main__":
-    run_batches(run_case)

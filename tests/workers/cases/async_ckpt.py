@@ -1,5 +1,5 @@
-"""Worker: the tiny GPT trained with periodic checkpoints (ModelCheckpoint, save_last) written sync or async;
-writes OUT/<label>/rank<N>.json (conftest's ``Batch``, ``worker="async_ckpt_worker.py"``).
+"""Case ``async_ckpt``: the tiny GPT trained with periodic checkpoints (ModelCheckpoint, save_last) written sync or
+async (conftest's ``Batch``, ``worker="async_ckpt"``; tests/test_async_checkpoint.py).
 
 Case keys: name, steps, async (the strategy's async_save), dir (the checkpoint folder: a path or a URL: file://,
 memory://),
@@ -15,29 +15,18 @@ import contextlib
 import os
 import signal
 import time
-from pathlib import Path
 
 import lightning.pytorch as pl
 import torch.distributed.checkpoint.filesystem as dcp_fs
-from gpt_worker import TINY, RecordingGPT, ShardedData, _value, batch_ranks, run_batches
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_parallel import Hybrid3DStrategy
 from lightning_parallel.models import SyntheticTokens
+
+from .common import TINY, ShardedData, batch_ranks, build_strategy, make_trainer
+from .models import RecordingGPT
 
 GLOBAL_BATCH = 16
 EPOCH_STEPS = 2  # saves every 2 steps fall at epochs' ends: a resume starts the next epoch where training did
-
-
-def build_strategy(spec: str, async_save: bool):
-    """'zero2' or 'hybrid3d:tp=2,...' with ``async_save``."""
-    name, _, items = spec.partition(":")
-    kwargs = {k: _value(k, v) for k, v in (item.split("=") for item in items.split(",") if item)}
-    if name == "hybrid3d":
-        return Hybrid3DStrategy(**kwargs, async_save=async_save)
-    entry = StrategyRegistry[name]
-    return entry["strategy"](**entry["init_params"], **kwargs, async_save=async_save)
 
 
 class KillDuringSave(pl.Callback):
@@ -77,9 +66,10 @@ def slow_writes(seconds: float):
         dcp_fs._write_item, dcp_fs.FileSystemWriter.finish = original, original_finish
 
 
-def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
+def run_case(case: dict, ctx) -> dict:
+    spec, world = ctx.strategy, ctx.world
     pl.seed_everything(0, verbose=False)
-    strategy = build_strategy(spec, bool(case.get("async")))
+    strategy = build_strategy(spec, async_save=bool(case.get("async")))  # 'zero2' or 'hybrid3d:tp=2,...'
     dp = batch_ranks(strategy, world)
     data = SyntheticTokens(num_samples=GLOBAL_BATCH * EPOCH_STEPS, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
     model = RecordingGPT(config=TINY, lr=1e-3, eps=1e-6)
@@ -98,19 +88,8 @@ def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
         )
     if case.get("kill_at"):
         callbacks.append(KillDuringSave(case["kill_at"]))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        max_steps=case["steps"],
-        logger=False,
-        enable_checkpointing=bool(case.get("every")),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-        callbacks=callbacks,
+    trainer = make_trainer(
+        world, strategy, max_steps=case["steps"], enable_checkpointing=bool(case.get("every")), callbacks=callbacks
     )
     resume = case.get("resume")
     if resume == "last":
@@ -119,7 +98,3 @@ def run_case(case: dict, spec: str, world: int, out: Path) -> dict:
         trainer.fit(model, datamodule=ShardedData(data, GLOBAL_BATCH // dp), ckpt_path=resume)
     checkpointer = getattr(trainer.strategy, "_async_checkpointer", None)
     return {"name": case["name"], "losses": model.losses, "step": trainer.global_step, "closed": checkpointer is None}
-
-
-if __name__ == "__main__":
-    run_batches(run_case)

@@ -1,6 +1,6 @@
-"""Worker: channel-split tensor parallelism of VGG against a single-process copy; writes rank<N>.json.
+"""Case ``vgg``: channel-split tensor parallelism of VGG against a single-process copy (tests/test_vgg_tp.py).
 
-Run by tests/harness.py on N processes (torchrun's environment). For each case it builds a VGG, keeps a
+For each case it builds a VGG, keeps a
 plain copy, shards the original over a 1-D tp mesh of all ranks with ``vgg_tp_plan``, runs the same batch
 through both in train mode (BatchNorm batch statistics) and in eval mode (running statistics), and records
 the largest differences of the outputs, the input gradient, every parameter's gradient and every buffer.
@@ -11,20 +11,16 @@ steps before the eval step: running statistics move each one).
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-from pathlib import Path
+from functools import cache
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
-from lightning_parallel.parallel.shutdown import release_process_groups
 from lightning_parallel.parallel.tensor.plan import apply_tp
 
 
@@ -68,7 +64,17 @@ def compare(tp_model: nn.Module, ref: nn.Module, x: Tensor, target: Tensor) -> d
     }
 
 
-def run_case(case: dict, mesh) -> dict:
+PROCESS_GROUP = True
+
+
+@cache
+def tp_mesh(world: int):
+    """A 1-D tp mesh of all ranks, built once."""
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+
+
+def run_case(case: dict, ctx) -> dict:
+    mesh = tp_mesh(ctx.world)
     torch.manual_seed(case.get("seed", 0))
     cfg = VGGConfig(name=case["model"], width=case.get("width", 8), batch_norm=case.get("batch_norm", True))
     model = VGG(cfg)
@@ -94,20 +100,3 @@ def run_case(case: dict, mesh) -> dict:
     model.eval(), ref.eval()
     result["eval"] = compare(model, ref, x, target)
     return result
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", required=True, help="JSON list of cases")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    results = [run_case(case, mesh) for case in json.loads(args.cases)]
-    (Path(args.out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
-    release_process_groups()  # plain torch.distributed: the script releases what it made
-
-
-if __name__ == "__main__":
-    main()

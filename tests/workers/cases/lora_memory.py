@@ -1,4 +1,4 @@
-"""What a rank holds for a model with adapters on a frozen base, read from its tensors (hf_worker.py's case key
+"""What a rank holds for a model with adapters on a frozen base, read from its tensors (cases/hf.py's case key
 ``memory``; tests/test_hf_lora_memory.py checks it): model-state bytes after the last step, every tensor a
 backward gives a gradient to, and every gradient buffer held after backward and after the step."""
 
