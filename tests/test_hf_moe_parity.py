@@ -84,6 +84,7 @@ WORLD8 = {"mixtral ep2 tp2 dp2 clip": (8, "hybrid3d:ep=2,tp=2", "mixtral", 2)}
 PIPELINE = {
     "mixtral pp2 ep2 clip accum": (4, "hybrid3d:pp=2,ep=2,microbatches=2", "mixtral", 1),
     "qwen3_moe pp2 ep2 accum": (4, "hybrid3d:pp=2,ep=2,microbatches=2", "qwen3_moe", 1),
+    "deepseek_v3 pp2 ep2 clip": (4, "hybrid3d:pp=2,ep=2,microbatches=2", "deepseek_v3", 1),
 }
 
 
