@@ -314,3 +314,15 @@ def test_pipeline_aux_loss_refuses_activation_checkpointing():
         pipeline_router_aux(model, strategy)
     plain = transformers.AutoModelForCausalLM.from_config(config_of("mixtral_plain"))
     assert pipeline_router_aux(plain, strategy) is None  # no auxiliary loss: HF's forward needs nothing
+
+
+def test_pipeline_aux_loss_refuses_a_first_stage_that_trains_nothing():
+    """A frozen first stage (LoRA adapters only on later layers) never runs its backward, so it would not take the
+    last stage's totals of the load-balancing loss: refused by name, before the exchange starts."""
+    from lightning_parallel.hf.moe_pipeline import PipelineRouterAux
+    from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
+
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    layers = [frozen, ElsewhereLayer("model.layers.1", 1)]
+    with pytest.raises(ValueError, match="first pipeline stage that trains nothing"):
+        PipelineRouterAux(torch.nn.Module(), layers, None, None, 1)

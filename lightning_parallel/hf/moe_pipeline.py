@@ -45,7 +45,7 @@ class PipelineRouterAux:
         batch_group: the ranks that see different samples (None alone); batch_ranks: their number.
 
     Raises:
-        ValueError: this rank holds more than one stage (interleaved schedules).
+        ValueError: this rank holds more than one stage (interleaved schedules), or the first stage trains nothing.
     """
 
     def __init__(
@@ -57,6 +57,14 @@ class PipelineRouterAux:
                 "output_router_logits=True under pp needs one pipeline stage per rank (HF's load-balancing loss "
                 "exchanges each stage's router sums): use a single-stage schedule (1F1B, GPipe), or "
                 "output_router_logits=False."
+            )
+        first_frozen = held[0] == 0 and not any(p.requires_grad for i in held for p in layers[i].parameters())
+        if first_frozen and held[-1] < len(layers) - 1:
+            raise ValueError(
+                "output_router_logits=True under pp with a first pipeline stage that trains nothing (every parameter "
+                "of its layers frozen, as LoRA adapters only on later layers leave it): its backward never runs, so "
+                "it would not take the last stage's totals of HF's load-balancing loss: put adapters on the first "
+                "stage's layers too (peft target_modules), or set output_router_logits=False."
             )
         self.model, self.side, self.batch_group, self.batch_ranks = model, side, batch_group, batch_ranks
         self.peers = dist.get_process_group_ranks(side)
