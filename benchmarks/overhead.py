@@ -33,7 +33,7 @@ PAIRS = [
     # world 4: the setup of each axis beside dp (issue 32: setup at world 2 and 4 for pp, tp and dp against ddp)
     ("hybrid3d", "ddp", 4),
     ("hybrid3d:tp=2", "ddp", 4),
-    ("hybrid3d:pp=2", "ddp", 4),
+    ("hybrid3d:pp=2,microbatches=2", "ddp", 4),  # 4 samples over dp=2: 2 per rank
 ]
 COUNT_SPECS = ["ddp", "model_parallel", "hybrid3d", "zero1", "zero2", "zero3"]
 COUNT_SPECS += ["model_parallel:tp=2", "hybrid3d:tp=2", "hybrid3d:pp=2", "model_parallel:tp=2@4", "hybrid3d:tp=2@4"]
