@@ -30,6 +30,16 @@ from lightning_parallel.parallel.checkpoint.full import full_model_state_dict
 from .common import TINY, build_strategy
 
 
+def fabric_loader(fabric: L.Fabric, case: dict, steps: int, accumulate: int, global_batch: int) -> DataLoader:
+    """The tiny GPT's synthetic tokens split as the strategy's sampler arguments say (one process: whole), in
+    micro-batches of the global batch over the batch ranks and accumulation; ``epoch_steps`` steps per pass."""
+    sampler_kwargs = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+    micro = global_batch // (accumulate * sampler_kwargs["num_replicas"])
+    epoch_steps = case.get("epoch_steps", steps)
+    data = SyntheticTokens(num_samples=global_batch * epoch_steps, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
+    return DataLoader(data, batch_size=micro, sampler=DistributedSampler(data, shuffle=True, seed=0, **sampler_kwargs))
+
+
 def run_case(case: dict, ctx) -> dict:
     spec, world, out = ctx.strategy, ctx.world, ctx.out
     steps, accumulate = case.get("steps", 10), case.get("accumulate", 1)
@@ -54,12 +64,7 @@ def run_case(case: dict, ctx) -> dict:
         model, optimizer = fabric.setup(model, optimizer)
     if case.get("load"):
         fabric.load(case["load"], {"model": model, "optimizer": optimizer}, strict=False)
-    sampler_kwargs = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
-    micro = global_batch // (accumulate * sampler_kwargs["num_replicas"])
-    epoch_steps = case.get("epoch_steps", steps)
-    data = SyntheticTokens(num_samples=global_batch * epoch_steps, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
-    sampler = DistributedSampler(data, shuffle=True, seed=0, **sampler_kwargs)
-    loader = DataLoader(data, batch_size=micro, sampler=sampler)
+    loader = fabric_loader(fabric, case, steps, accumulate, global_batch)
     losses, reduced, batches = [], [], iter(())
     for _ in range(steps):
         for i in range(accumulate):

@@ -16,12 +16,12 @@ import lightning as L
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.precision import MixedPrecision
-from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_parallel.models import LitGPT, SyntheticTokens
+from lightning_parallel.models import LitGPT
 from lightning_parallel.parallel.checkpoint.full import full_model_state_dict
 
 from .common import TINY, build_strategy
+from .fabric import fabric_loader
 
 
 def whole_state(fabric: L.Fabric, module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -62,13 +62,7 @@ def run_case(case: dict, ctx) -> dict:
     model, optimizer = fabric.setup(model, optimizer)
     if case.get("load"):
         fabric.load(case["load"], {"model": model, "optimizer": optimizer}, strict=False)
-    sampler_kwargs = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
-    micro = global_batch // (accumulate * sampler_kwargs["num_replicas"])
-    epoch_steps = case.get("epoch_steps", steps)
-    data = SyntheticTokens(num_samples=global_batch * epoch_steps, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
-    loader = DataLoader(
-        data, batch_size=micro, sampler=DistributedSampler(data, shuffle=True, seed=0, **sampler_kwargs)
-    )
+    loader = fabric_loader(fabric, case, steps, accumulate, global_batch)
     losses, scales, batches = [], [], iter(())
     for _ in range(steps):
         for i in range(accumulate):
