@@ -12,6 +12,9 @@ rank, measured by :mod:`lightning_parallel.planning.profile`), so it is unit-tes
   forward and backward), (ep-1)/ep of them leaving the rank;
 - with LoRA adapters (:mod:`lightning_parallel.planning.adapters`): the frozen base's parameters alone, sharded
   over dp only under ZeRO-3, and the adapters' 16 bytes per parameter sharded as the stage shards them;
+- context parallelism: 1/cp of every sample's tokens per rank, the states sharded over dp x cp; HSDP: over one
+  replica's ``dp_shard`` ranks, each shard all-reduced across the replicas; sequence parallelism: the norms'
+  inputs (measured per layer) split over tp; activation checkpointing: measured by the profile itself;
 - communication bytes per step per rank, and a step time under a simple cost model.
 """
 
@@ -220,7 +223,7 @@ def estimate_layout(
         adapters = sum(costs[i].adapter_params for i in layers)
         states, expert_states, dp_sent = _model_states(params, experts, adapters, (shard, ep, zero_stage), elem, s)
         if shard < dp * cp:  # HSDP: each shard all-reduced across the replicas
-            dp_sent += all_reduce_bytes((params + experts) * elem / shard, dp * cp // shard)
+            dp_sent += all_reduce_bytes(elem * (params / shard + experts / max(1, shard // ep)), dp * cp // shard)
         est.expert_state_per_rank.append(expert_states)
         act = sum(_saved_bytes(costs[i], batch, sp) for i in layers)
         act *= schedule.in_flight(pp, m, rank, virtual)
@@ -290,7 +293,9 @@ def _model_states(
     dp, ep, stage = degrees
     sharding = zero_stage_of(stage)
     if not adapters:
-        expert_states = sharding.state_bytes_exact(experts, dp // ep, elem, s.optimizer_states) if experts else 0
+        expert_states = (
+            sharding.state_bytes_exact(experts, max(1, dp // ep), elem, s.optimizer_states) if experts else 0
+        )
         states = sharding.state_bytes_exact(params, dp, elem, s.optimizer_states) + expert_states
         sent = sharding.comm_bytes(params * elem, dp) + sharding.comm_bytes(experts * elem, dp // ep)
         return states, expert_states, sent
