@@ -10,6 +10,7 @@ import pytest
 from conftest import Batch
 
 from lightning_parallel.parallel.data.stages import zero_stage
+from lightning_parallel.parallel.pipeline.partition import uniform_partition
 from lightning_parallel.plan import gpt_spec, load_model_config
 from lightning_parallel.planning.analytic import evaluate
 from lightning_parallel.planning.cluster import Cluster, get_device
@@ -35,12 +36,20 @@ RUNS = {
     "dp2_tp2_sp": (4, "gpt_tiny", ["strategy.tp=2", "strategy.sequence_parallel=true"], 32),
     "cp2_dp2": (4, "gpt_long", ["strategy.cp=2"], 4),
     "ep2_dp4": (4, "gpt_moe_tiny", ["strategy.ep=2", "strategy.zero_stage=1"], 32),
+    "pp2_ac_full": (2, "gpt_tiny", ["strategy.pp=2", "strategy.activation_checkpointing=full"], 32),
+    "tp2_sp_ac_selective": (
+        2,
+        "gpt_tiny",
+        ["strategy.tp=2", "strategy.sequence_parallel=true", "strategy.activation_checkpointing=selective"],
+        32,
+    ),
+    "cp2_dp2_zero3": (4, "gpt_long", ["strategy.cp=2", "strategy.zero_stage=3"], 4),
 }
 # the runs the analytic planner models as this package runs them; not: torch's sequence parallelism keeps the
 # gathered inputs of the column-parallel linears (the analytic formula, Megatron's, gathers them again in
 # backward), selective checkpointing here is torchtitan's op-level policy (the analytic one recomputes the
 # attention core only, Korthikanti et al.), and MoE activations follow the routing
-ANALYTIC = ("ac_full", "cp2_ring", "cp2_ulysses", "hsdp", "cp2_dp2")
+ANALYTIC = ("ac_full", "cp2_ring", "cp2_ulysses", "hsdp", "cp2_dp2", "cp2_dp2_zero3")
 
 
 def _case(world: int, model: str, overrides: list[str], batch: int) -> dict:
@@ -54,9 +63,9 @@ def runs(tmp_path_factory) -> Batch:
     return Batch(tmp_path_factory, spec, tag="memory", worker="plan")
 
 
-def estimates(label: str, layout: dict) -> tuple[tuple[float, float], tuple[float, float]]:
-    """((model states, activations) per rank from the profiling planner, the same from the analytic planner) for
-    one run's reported layout (metrics.json's ``layout``)."""
+def estimates(label: str, layout: dict) -> tuple[list[tuple[float, float]], tuple[float, float]]:
+    """((model states, activations) of each pp rank from the profiling planner, the same for the first pp rank
+    from the analytic planner) for one run's reported layout (metrics.json's ``layout``)."""
     world, model, overrides, batch = RUNS[label]
     mode = next((o.split("=")[1] for o in overrides if "activation_checkpointing" in o), "none")
     sp = "strategy.sequence_parallel=true" in overrides
@@ -64,39 +73,43 @@ def estimates(label: str, layout: dict) -> tuple[tuple[float, float], tuple[floa
     _, m = load_model_config(model)
     costs = layer_costs(gpt_spec(m), layout["tp"], "32-true", mode)
     s = Settings(global_batch=batch, activation_checkpointing=mode)
-    dims, degrees = (1, layout["dp"], layout["tp"]), {"cp": layout["cp"], "dp_shard": shard, "sequence_parallel": sp}
-    est = estimate_layout(costs, [range(len(costs))], [0], dims, layout["zero_stage"], s, layout["ep"], **degrees)
+    pp, degrees = layout["pp"], {"cp": layout["cp"], "dp_shard": shard, "sequence_parallel": sp}
+    dims, stages = (pp, layout["dp"], layout["tp"]), uniform_partition(len(costs), pp)
+    est = estimate_layout(costs, stages, list(range(pp)), dims, layout["zero_stage"], s, layout["ep"], **degrees)
     x = Layout(
-        **{k: layout[k] for k in ("tp", "dp", "ep", "zero_stage")},
+        **{k: layout[k] for k in ("tp", "pp", "dp", "ep", "zero_stage")},
         **degrees,
         activation_checkpointing=mode,
         cp_mode=layout["cp_mode"] or "ring",
-        microbatches=1,
+        microbatches=2 * pp if pp > 1 else 1,  # the strategy's default
     )
     a = evaluate(from_recipe(m, model), Cluster(world, 8, get_device("h100")), x, Workload(m.seq_len, batch, "32-true"))
-    return (est.model_state_per_rank[0], est.activation_per_rank[0]), (a.states, a.activations - a.recompute)
+    profiled = list(zip(est.model_state_per_rank, est.activation_per_rank))
+    return profiled, (a.states, a.activations - a.recompute)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("label", list(RUNS))
 def test_memory_estimates_against_measured(label, runs):
     ranks = [r[0] for r in runs[label].ranks]
-    profiled, analytic = estimates(label, ranks[0]["layout"])
+    layout = ranks[0]["layout"]
+    per_pp_rank, analytic = estimates(label, layout)
+    profiled = [per_pp_rank[rank // (layout["world_size"] // layout["pp"])] for rank in range(len(ranks))]
     rows = []
     for rank, r in enumerate(ranks):
         measured = r["model_state"] + r["activation"]
-        errors = [sum(est) / measured - 1 for est in (profiled, analytic)]
+        errors = [sum(est) / measured - 1 for est in (profiled[rank], analytic)]
         rows.append(
             f"{label} rank {rank}: measured {r['model_state']} + {r['activation']} = {measured}; profile "
-            f"{profiled[0]:.0f} + {profiled[1]:.0f} ({errors[0]:+.1%}); analytic {analytic[0]:.0f} + "
+            f"{profiled[rank][0]:.0f} + {profiled[rank][1]:.0f} ({errors[0]:+.1%}); analytic {analytic[0]:.0f} + "
             f"{analytic[1]:.0f} ({errors[1]:+.1%})"
         )
     print("\n" + "\n".join(rows))
     moe = RUNS[label][1] == "gpt_moe_tiny"
     for rank, r in enumerate(ranks):
         measured = r["model_state"] + r["activation"]
-        assert r["model_state"] == profiled[0], rows[rank]
-        assert abs(sum(profiled) - measured) <= (MOE_TOLERANCE if moe else TOLERANCE) * measured, rows[rank]
+        assert r["model_state"] == profiled[rank][0], rows[rank]
+        assert abs(sum(profiled[rank]) - measured) <= (MOE_TOLERANCE if moe else TOLERANCE) * measured, rows[rank]
         if label in ANALYTIC:
             assert abs(sum(analytic) - measured) <= TOLERANCE * measured, rows[rank]
 
