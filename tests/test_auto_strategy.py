@@ -37,10 +37,10 @@ def profile_once():
     cache: dict[tuple, list] = {}
     measure = profile.layer_costs
 
-    def cached(spec, tp, precision="32-true"):
-        key = (repr(spec.model), spec.lora_rank, tp, precision)
+    def cached(spec, tp, precision="32-true", activation_checkpointing="none"):
+        key = (repr(spec.model), spec.lora_rank, tp, precision, activation_checkpointing)
         if key not in cache:
-            cache[key] = measure(spec, tp, precision)
+            cache[key] = measure(spec, tp, precision, activation_checkpointing)
         return cache[key]
 
     with pytest.MonkeyPatch.context() as patch:

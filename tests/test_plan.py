@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from harness import REPO, run_worker
+from conftest import Batch
+from harness import REPO
 
 from lightning_parallel.parallel.data.stages import zero_stage
 from lightning_parallel.parallel.pipeline.partition import uniform_partition
@@ -195,15 +196,30 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("name", list(RUNS))
-def test_memory_estimate_within_15_percent_of_measured(name, tmp_path):
+def _model(name: str) -> str:
+    recipe, _, overrides = RUNS[name]
+    return next((o.split("=")[1] for o in overrides if o.startswith("model=")), f"{recipe}_tiny")
+
+
+def _recipe_case(name: str) -> dict:
     recipe, world, overrides = RUNS[name]
-    model = next((o.split("=")[1] for o in overrides if o.startswith("model=")), f"{recipe}_tiny")
     overrides = [o for o in overrides if not o.startswith("model=")]
     common = ["trainer.max_steps=3", "trainer.logger=none", "trainer.enable_progress_bar=false", "sample_tokens=0"]
     common = common if recipe == "gpt" else common[:-1]
-    opts = {"recipe": recipe, "overrides": [f"trainer.devices={world}", f"model={model}", *common, *overrides]}
-    ranks = run_worker("plan", world, ["--opts", json.dumps(opts)], tmp_path, timeout=300)
+    return {"recipe": recipe, "overrides": [f"trainer.devices={world}", f"model={_model(name)}", *common, *overrides]}
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory) -> Batch:
+    """Every run of :data:`RUNS` in one launch per world size."""
+    spec = {name: (run[1], "", [_recipe_case(name)]) for name, run in RUNS.items()}
+    return Batch(tmp_path_factory, spec, tag="plan", worker="plan")
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_memory_estimate_within_15_percent_of_measured(name, recipe_runs):
+    world, model = RUNS[name][1], _model(name)
+    ranks = [r[0] for r in recipe_runs[name].ranks]
     layout = ranks[0]["layout"]
     plan = make_plan(parse_args([model, "--world-size", str(world), "--device-memory", "1TB"]))
     keys = ("pp", "dp", "tp", "ep", "zero_stage")

@@ -24,7 +24,7 @@ from lightning_parallel.parallel.data.stages import zero_stage as zero_stage_of
 from lightning_parallel.parallel.pipeline.schedules import schedule_spec
 from lightning_parallel.planning.adapters import adapter_model_state_bytes
 from lightning_parallel.planning.cluster import Cluster
-from lightning_parallel.planning.estimate import element_bytes
+from lightning_parallel.planning.estimate import element_bytes, shard_degree
 from lightning_parallel.planning.hf_config import ModelShape
 from lightning_parallel.planning.layout import Layout, Workload, microbatches
 
@@ -39,6 +39,8 @@ class AnalyticEstimate:
     Attributes:
         layout: what was estimated; reason: why it cannot run ("" if it can).
         memory: bytes on the busiest rank; states, activations: its parts.
+        recompute: the part of ``activations`` a fully checkpointed layer rebuilds during its backward (the rest
+            is what the forward leaves for backward, what ``ActivationMemoryMonitor`` measures).
         step_time: seconds; times: its parts (compute, bubble, tp, cp, ep, pp, dp, optimizer).
         tokens_per_s: for the whole job; mfu: the FLOPs the model needs (6 N per token and causal attention, no
             recomputation) per second per device over the device's peak.
@@ -52,6 +54,7 @@ class AnalyticEstimate:
     memory: float = 0.0
     states: float = 0.0
     activations: float = 0.0
+    recompute: float = 0.0
     step_time: float = math.inf
     times: dict[str, float] = field(default_factory=dict)
     tokens_per_s: float = 0.0
@@ -177,7 +180,7 @@ def _states(shape: ModelShape, x: Layout, work: Workload, dense: int, moe: int) 
     embedding = shape.embedding_params() - (shape.vocab * shape.hidden if x.pp > 1 and not shape.tied else 0)
     params = (dense * base_dense + moe * base_moe + embedding) / x.tp  # the first stage: the embedding (and head)
     expert_params = moe * experts / x.ep / x.tp
-    shard = (x.dp_shard or x.dp) * x.cp
+    shard = shard_degree(x.dp, x.cp, x.dp_shard)
     sharding, elem = zero_stage_of(x.zero_stage), element_bytes(work.precision)
     if work.lora_rank:
         adapters = dense * shape.lora_params(work.lora_rank, False) + moe * shape.lora_params(work.lora_rank, True)
@@ -204,7 +207,8 @@ def evaluate(shape: ModelShape, cluster: Cluster, x: Layout, work: Workload) -> 
     states, trained, held = _states(shape, x, work, dense, moe)
     in_flight = schedule_spec(x.pp_schedule).in_flight(x.pp, m, 0, v) if x.pp > 1 else 1.0
     acts = in_flight * (dense * r.layer_activations(False) + moe * r.layer_activations(True))
-    acts += r.working_layer(moe > 0) + (r.logits() if x.pp == 1 else 0.0)
+    est.recompute = r.working_layer(moe > 0)
+    acts += est.recompute + (r.logits() if x.pp == 1 else 0.0)
     gathered = 0.0
     if x.zero_stage == 3:  # in the compute dtype: the unit being used and the one prefetched, or all of them
         units = 2 if x.reshard_after_forward else dense + moe
@@ -238,7 +242,9 @@ def _step_times(r: _Rank, dense: int, moe: int, params: tuple[float, float], mv:
     times.update({k: m * t for k, t in comm.items()})
     times["pp"] = m * p2p
     times["dp"] = _dp_time(r, params, compute, m, dense + moe)
-    states_bytes = element_bytes(r.w.precision) * (2 + r.w.optimizer_states) * params[0] / ((x.dp_shard or x.dp) * x.cp)
+    states_bytes = (
+        element_bytes(r.w.precision) * (2 + r.w.optimizer_states) * params[0] / shard_degree(x.dp, x.cp, x.dp_shard)
+    )
     times["optimizer"] = 2 * states_bytes / c.device.hbm_bandwidth
     return times
 
@@ -247,7 +253,7 @@ def _dp_time(r: _Rank, params: tuple[float, float], compute: float, m: int, unit
     """Exposed seconds of the data-parallel reduction of the trained ``params[0]`` (and ZeRO-3's gathers of all
     ``params[1]``) per step, ``units`` collectives each (one per layer: FSDP's units, the buckets)."""
     x, c = r.x, r.c
-    stride, shard = x.tp, (x.dp_shard or x.dp) * x.cp
+    stride, shard = x.tp, shard_degree(x.dp, x.cp, x.dp_shard)
     grads, weights = r.a * params[0], r.a * params[1]
     if x.zero_stage:
         reduce = c.gather_time(grads, stride, shard, units)

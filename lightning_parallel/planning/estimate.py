@@ -12,6 +12,9 @@ rank, measured by :mod:`lightning_parallel.planning.profile`), so it is unit-tes
   forward and backward), (ep-1)/ep of them leaving the rank;
 - with LoRA adapters (:mod:`lightning_parallel.planning.adapters`): the frozen base's parameters alone, sharded
   over dp only under ZeRO-3, and the adapters' 16 bytes per parameter sharded as the stage shards them;
+- context parallelism: 1/cp of every sample's tokens per rank, the states sharded over dp x cp; HSDP: over one
+  replica's ``dp_shard`` ranks, each shard all-reduced across the replicas; sequence parallelism: the norms'
+  inputs (measured per layer) split over tp; activation checkpointing: measured by the profile itself;
 - communication bytes per step per rank, and a step time under a simple cost model.
 """
 
@@ -42,6 +45,12 @@ def element_bytes(precision: str) -> int:
     return 2 if check_precision(precision) == "bf16-true" else 4
 
 
+def shard_degree(dp: int, cp: int = 1, dp_shard: int | None = None) -> int:
+    """Ranks ZeRO shards model states over: the data-parallel ranks (HSDP: one replica's ``dp_shard`` of them)
+    times the context-parallel ranks, which see the same samples."""
+    return (dp_shard or dp) * cp
+
+
 def all_reduce_bytes(payload: float, world: int) -> float:
     """Bytes one rank sends in a ring all-reduce of ``payload`` bytes: 2 * payload * (w-1)/w."""
     return 2 * payload * (world - 1) / world
@@ -65,6 +74,8 @@ class LayerCost:
             one all-to-all's payload.
         adapter_params: LoRA adapter elements on this tp rank (0: every parameter trains; else ``params`` are the
             frozen base's).
+        norm_in_per_sample: bytes of the layer's norm inputs, the residual stream that sequence parallelism
+            splits over tp (part of ``act_per_sample``).
     """
 
     params: dict[str, int]
@@ -79,6 +90,7 @@ class LayerCost:
     expert_params: frozenset[str] = frozenset()
     a2a_per_sample: float = 0.0
     adapter_params: int = 0
+    norm_in_per_sample: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -96,6 +108,8 @@ class Settings:
         base_bytes_per_param: with adapters, bytes of one frozen base parameter (None: the precision's element).
         latency: seconds each collective or point-to-point message costs besides its bytes (see
             :func:`message_count`; 0: bytes alone, as on a fast interconnect with large messages).
+        activation_checkpointing: ``none``, ``full`` or ``selective``, as the strategy applies it (the profile
+            measures each layer checkpointed so).
     """
 
     global_batch: int
@@ -110,6 +124,7 @@ class Settings:
     bandwidth: float = 50e9
     base_bytes_per_param: int | None = None
     latency: float = 0.0
+    activation_checkpointing: str = "none"
 
 
 @dataclass
@@ -159,6 +174,10 @@ def estimate_layout(
     zero_stage: int,
     s: Settings,
     ep: int = 1,
+    *,
+    cp: int = 1,
+    dp_shard: int | None = None,
+    sequence_parallel: bool = False,
 ) -> Estimate:
     """Memory, bubble, communication and step time of one feasible layout.
 
@@ -176,11 +195,18 @@ def estimate_layout(
         dims: (pp, dp, tp); zero_stage: 0..3.
         s: the batch, schedule, precision, device and cost-model settings.
         ep: expert-parallel degree (divides dp).
+        cp: context-parallel degree: each rank holds 1/cp of every sample's tokens (and of what scales with them).
+        dp_shard: HSDP's shard group (None: all of dp); ZeRO shards over it times cp (:func:`shard_degree`).
+        sequence_parallel: the norms' inputs (the residual stream) split over tp too.
     """
     pp, dp, tp = dims
     m = 1 if pp == 1 else (s.microbatches or 2 * pp)
     virtual = len(stages) // pp
-    batch = s.global_batch / dp / m  # samples per microbatch (the whole dp share when pp == 1)
+    # samples per microbatch (the whole dp share when pp == 1), in tokens' worth: cp splits each sample
+    batch = s.global_batch / dp / m / cp
+    shard = shard_degree(dp, cp, dp_shard)
+    # sequence parallelism's split of the residual stream (counted where the layers keep their norms' inputs)
+    sp = tp if sequence_parallel and s.activation_checkpointing == "none" else 1
     elem = element_bytes(s.precision)
     est = Estimate(pp, dp, tp, zero_stage, ep=ep, microbatches=m)
     schedule = schedule_spec(s.schedule)
@@ -195,9 +221,11 @@ def estimate_layout(
         experts = sum(n for k, n in keys.items() if k in expert_keys) // ep  # E/ep experts on this rank
         params = sum(n for k, n in keys.items() if k not in expert_keys)
         adapters = sum(costs[i].adapter_params for i in layers)
-        states, expert_states, dp_sent = _model_states(params, experts, adapters, (dp, ep, zero_stage), elem, s)
+        states, expert_states, dp_sent = _model_states(params, experts, adapters, (shard, ep, zero_stage), elem, s)
+        if shard < dp * cp:  # HSDP: each shard all-reduced across the replicas
+            dp_sent += all_reduce_bytes(elem * (params / shard + experts / max(1, shard // ep)), dp * cp // shard)
         est.expert_state_per_rank.append(expert_states)
-        act = sum(costs[i].act_fixed + costs[i].act_per_sample * batch for i in layers)
+        act = sum(_saved_bytes(costs[i], batch, sp) for i in layers)
         act *= schedule.in_flight(pp, m, rank, virtual)
         if pp == 1:
             act += costs[-1].loss_fixed + costs[-1].loss_per_sample * batch
@@ -221,6 +249,11 @@ def estimate_layout(
     est.step_time = flops / s.device_flops / (1 - est.bubble) + sum(worst.values()) / s.bandwidth
     est.step_time += messages * s.latency
     return est
+
+
+def _saved_bytes(cost: LayerCost, batch: float, sp: int) -> float:
+    """Bytes one layer keeps for backward for ``batch`` samples, its norms' inputs split over ``sp`` ranks."""
+    return cost.act_fixed + (cost.act_per_sample - cost.norm_in_per_sample * (1 - 1 / sp)) * batch
 
 
 def message_count(
@@ -260,7 +293,9 @@ def _model_states(
     dp, ep, stage = degrees
     sharding = zero_stage_of(stage)
     if not adapters:
-        expert_states = sharding.state_bytes_exact(experts, dp // ep, elem, s.optimizer_states) if experts else 0
+        expert_states = (
+            sharding.state_bytes_exact(experts, max(1, dp // ep), elem, s.optimizer_states) if experts else 0
+        )
         states = sharding.state_bytes_exact(params, dp, elem, s.optimizer_states) + expert_states
         sent = sharding.comm_bytes(params * elem, dp) + sharding.comm_bytes(experts * elem, dp // ep)
         return states, expert_states, sent

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_parallel.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.stages import ZERO_STAGES
 from lightning_parallel.parallel.expert.moe import GroupedExperts, MoE
@@ -33,6 +34,9 @@ from lightning_parallel.parallel.pipeline.partition import uniform_partition
 from lightning_parallel.parallel.tensor.conv import ChannelInParallel, ChannelNormParallel, ChannelOutParallel
 from lightning_parallel.planning.adapters import lora_params
 from lightning_parallel.planning.estimate import Estimate, LayerCost, Settings, check_precision, estimate_layout
+
+# the norms whose inputs sequence parallelism splits over tp (with the residual stream they read)
+NORMS = (nn.LayerNorm, nn.RMSNorm)
 
 
 @dataclass
@@ -146,7 +150,12 @@ def _measure(
     the bytes tp all-reduces, and the output's shape and dtype."""
     sink: dict[str, Any] = {"bytes": 0, "inputs": set()}
     handles = tp_hooks(layer, sink)
-    routed = [0]
+    routed, norms = [0], [0]
+
+    def count_norm_inputs(mod: nn.Module, args: tuple, out: Tensor) -> None:  # what sequence parallelism splits
+        norms[0] += args[0].nbytes
+
+    handles += [m.register_forward_hook(count_norm_inputs) for m in layer.modules() if isinstance(m, NORMS)]
 
     def count_rows(mod: nn.Module, args: tuple, out: Tensor) -> None:  # one all-to-all's payload: tokens x k x d
         routed[0] += args[0].numel() * mod.top_k * args[0].element_size()
@@ -179,11 +188,17 @@ def _measure(
         "flops": counter.get_total_flops(),
         "tp": sink["bytes"],
         "a2a": routed[0],
+        "norm": norms[0],
     }
 
 
-def layer_costs(spec: ModelSpec, tp: int, precision: str = "32-true") -> list[LayerCost]:
-    """Each pipeline layer's :class:`LayerCost` on one tp rank, measured at micro-batch sizes 1 and 2.
+def layer_costs(
+    spec: ModelSpec, tp: int, precision: str = "32-true", activation_checkpointing: str = "none"
+) -> list[LayerCost]:
+    """Each pipeline layer's :class:`LayerCost` on one tp rank, measured at micro-batch sizes 1 and 2, each layer
+    checkpointed as ``activation_checkpointing`` says (``none``, ``full``, ``selective``: the strategy's own
+    :func:`~lightning_parallel.parallel.activation_checkpoint.apply_activation_checkpointing`, so what it keeps is
+    measured, not modeled).
 
     Layers of the same shape (a GPT's blocks) are measured once. Parameters are counted exactly from the
     local copies; a weight shared by two layers (a tied embedding and head) keeps one key, so a stage
@@ -200,6 +215,7 @@ def layer_costs(spec: ModelSpec, tp: int, precision: str = "32-true") -> list[La
         local = local_copy(layer, prefix, spec.plan, tp)
         if precision == "bf16-true":
             local = local.to(torch.bfloat16)
+        apply_activation_checkpointing([local], activation_checkpointing)
         params = {names[id(p)]: local.get_parameter(n).numel() for n, p in layer.named_parameters()}
         experts = frozenset(
             names[id(p)]
@@ -258,6 +274,7 @@ def _layer_cost(params: dict[str, int], runs: dict[int, dict], outputs: dict[int
         flops_per_sample=runs[2]["flops"] - runs[1]["flops"],
         tp_payload_per_sample=runs[2]["tp"] - runs[1]["tp"],
         a2a_per_sample=runs[2]["a2a"] - runs[1]["a2a"],
+        norm_in_per_sample=runs[2]["norm"] - runs[1]["norm"],
     )
 
 
@@ -280,7 +297,7 @@ def plan_layouts(spec: ModelSpec, world: int, settings: Settings) -> list[Estima
                 out.append(Estimate(pp, dp, tp, None, reason=reason))
                 continue
             if tp not in profiles:
-                profiles[tp] = layer_costs(spec, tp, settings.precision)
+                profiles[tp] = layer_costs(spec, tp, settings.precision, settings.activation_checkpointing)
             stages = uniform_partition(num_layers, pp * config.stages_per_rank)
             ranks = config.schedule.stage_ranks(len(stages), pp)
             expert_degrees = [ep for ep in divisors(dp) if spec.num_experts % ep == 0] if spec.num_experts else [1]

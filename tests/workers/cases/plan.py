@@ -1,4 +1,5 @@
-"""Case ``plan`` (one per launch; tests/test_plan.py): one recipe run in this process, recording per-rank memory.
+"""Case ``plan`` (tests/test_plan.py, tests/test_plan_memory.py): one recipe run in this process, recording per-rank
+memory; several run one after another in one launch through ``--runs-file`` (conftest's Batch).
 
     run.py plan --opts '{"recipe": "gpt" | "vgg", "overrides": [override, ...]}' --out DIR
 
