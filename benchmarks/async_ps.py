@@ -4,7 +4,7 @@ asynchronous (1000).
 
 1. The same wall-time budget each (every worker stops by itself after ``BUDGET_S`` seconds of training): the
    servers' updates per second and the validation loss the final parameters reach (the tiny GPT of the tests on
-   its synthetic bigram data, tests/workers/async_ps_worker.py). One *update* is one optimizer step on the
+   its synthetic bigram data, tests/workers/cases/async_ps.py). One *update* is one optimizer step on the
    servers: at staleness 0 the mean of both workers' gradients of a step (a global batch), above 0 one worker's
    push (half a global batch); samples per second count both.
 2. Convergence after the same number of updates of the same size, through the GPT recipe (``gpt_tiny``, no
@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = "async_ps_worker.py"
 STALENESS = (0, 4, 1000)
 BUDGET_S, SLOW_SLEEP_S, GLOBAL_BATCH = 20.0, 0.1, 16
 UPDATES = 300
@@ -35,20 +34,10 @@ RECIPE += ["trainer.logger=none", "trainer.limit_val_batches=16", "strategy=asyn
 def run_budget(out: Path, run_distributed: Any) -> list[dict[str, Any]]:
     rows = []
     for s in STALENESS:
-        args = [
-            "--staleness",
-            str(s),
-            "--steps",
-            "100000",
-            "--epoch-steps",
-            "200",
-            "--global-batch",
-            str(GLOBAL_BATCH),
-            "--d-model",
-            "64",
-        ]
-        args += ["--slow-sleep", str(SLOW_SLEEP_S), "--max-seconds", str(BUDGET_S), "--val-every", "100000"]
-        ranks = run_distributed(WORKER, 3, args, out / f"async_budget_s{s}", timeout=600)
+        case = {"staleness": s, "steps": 100000, "epoch_steps": 200, "global_batch": GLOBAL_BATCH, "d_model": 64}
+        case |= {"slow_sleep": SLOW_SLEEP_S, "max_seconds": BUDGET_S, "val_every": 100000}
+        args = ["async_ps", "--opts", json.dumps(case)]  # tests/workers/run.py's case
+        ranks = run_distributed("run.py", 3, args, out / f"async_budget_s{s}", timeout=600)
         (server,) = ranks[0]["counters"]
         per_update = GLOBAL_BATCH // (1 if s == 0 else 2)
         rate = server["updates_per_second"]

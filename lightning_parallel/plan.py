@@ -19,22 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_parallel.models.gpt import GPT, GPTConfig, gpt_tp_plan
-from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, schedule_spec
 from lightning_parallel.planning.adapters import lora_params
 from lightning_parallel.planning.estimate import (
-    OPTIMIZER_STATES,
     PRECISIONS,
     Estimate,
     Settings,
@@ -42,24 +36,13 @@ from lightning_parallel.planning.estimate import (
     recommend,
 )
 from lightning_parallel.planning.hf_config import ModelShape, from_recipe
-from lightning_parallel.planning.profile import ModelSpec, plan_layouts
+from lightning_parallel.planning.profile import plan_layouts
 from lightning_parallel.planning.published import published_table
 from lightning_parallel.planning.scale_cli import add_scale_args, format_scale_table, make_scale_plan
 from lightning_parallel.recipes.config import GPTModelConf, ImageDataConf, TextDataConf, VGGModelConf
-from lightning_parallel.recipes.gpt import MOE_KEYS
+from lightning_parallel.recipes.specs import gpt_spec, parse_bytes, vgg_spec
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-_UNITS["TIB"] = 2**40
-
-
-def parse_bytes(text: str) -> float:
-    """``80GB`` (10^9), ``80GiB`` (2^30), ``512MB`` or a plain byte count."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).upper() if match else None
-    if not match or unit not in _UNITS:
-        raise ValueError(f"--device-memory={text!r} is not a size: write it like 80GB, 80GiB or 512MB.")
-    return float(match.group(1)) * _UNITS[unit]
 
 
 def load_model_config(model: str) -> tuple[str, DictConfig]:
@@ -76,56 +59,7 @@ def load_model_config(model: str) -> tuple[str, DictConfig]:
     raise ValueError(f"{path} extends neither gpt_schema nor vgg_schema: start it with `defaults: [gpt_schema]`.")
 
 
-# LoRA's targets in the recipe GPT (--lora-rank): the attention and MLP linears (a shared expert's too), not the
-# router nor the routed experts (grouped weights, no linear layers), nor the embedding and head
-GPT_LORA_TARGETS = r"^blocks\.\d+\.(attn\.(q|k|v|proj)|mlp\.(fc|proj|shared\.\d+))$"
 BASE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-
-
-def gpt_spec(m: DictConfig, lora_rank: int = 0) -> ModelSpec:
-    """The planner's view of a recipe GPT; ``lora_rank`` > 0: LoRA adapters on :data:`GPT_LORA_TARGETS`, the
-    base frozen."""
-    moe = {key: m[key] for key in MOE_KEYS}
-    config = GPTConfig(m.vocab_size, m.seq_len, m.n_layer, m.n_head, m.d_model, m.mlp_ratio, m.dropout, **moe)
-    with torch.device("meta"):
-        model = GPT(config)
-
-    def loss(logits: torch.Tensor, batch: int) -> torch.Tensor:  # LitGPT.loss
-        targets = torch.zeros(logits.shape[:-1], dtype=torch.long)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
-
-    return ModelSpec(
-        model=model,
-        layers=model.layers(),
-        plan=gpt_tp_plan("", False, config.moe_blocks, config.n_layer),
-        make_input=lambda b: torch.zeros(b, config.seq_len, dtype=torch.long),
-        loss=loss,
-        check_tp=lambda tp: GPT.check_tensor_parallel_config(config, tp),
-        optimizer_states=OPTIMIZER_STATES["adamw"],
-        num_experts=config.moe_experts,
-        lora_rank=lora_rank,
-        lora_targets=GPT_LORA_TARGETS,
-    )
-
-
-def vgg_spec(m: DictConfig) -> ModelSpec:
-    config = VGGConfig(m.name, m.num_classes, m.width, image_size=m.image_size, batch_norm=m.batch_norm)
-    with torch.device("meta"):
-        model = VGG(config)
-
-    def loss(logits: torch.Tensor, batch: int) -> torch.Tensor:  # LitVGG.loss
-        return F.cross_entropy(logits.float(), torch.zeros(batch, dtype=torch.long))
-
-    optimizer = m.optimizer if m.optimizer == "adamw" or m.momentum else "sgd_no_momentum"
-    return ModelSpec(
-        model=model,
-        layers=model.layers(),
-        plan=vgg_tp_plan("", config),
-        make_input=lambda b: torch.randn(b, config.in_channels, config.image_size, config.image_size),
-        loss=loss,
-        check_tp=lambda tp: VGG.check_tensor_parallel_config(config, tp),
-        optimizer_states=OPTIMIZER_STATES[optimizer],
-    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

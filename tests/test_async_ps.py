@@ -17,14 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import REPO, WORKERS, _env, free_port, run_distributed
+from harness import REPO, WORKERS, _env, free_port, run_worker
 from parity import assert_same_losses, assert_same_params
 
 from lightning_parallel import AsyncPSStrategy
 from lightning_parallel.parallel.async_ps import FlatLayout, check_settings
 from lightning_parallel.parallel.async_ps.layout import shard_optimizer
 
-WORKER = "async_ps_worker.py"
+
+def run_ps(world: int, out: Path, **case) -> list[dict]:
+    """``case`` (cases/async_ps.py's settings) on ``world`` processes: each rank's result."""
+    return run_worker("async_ps", world, ["--opts", json.dumps(case)], out)
 
 
 def mean_losses(ranks: list[dict]) -> list[float]:
@@ -36,14 +39,14 @@ def mean_losses(ranks: list[dict]) -> list[float]:
     return [sum(v) / len(v) for _, v in sorted(by_step.items())]
 
 
-def reference(tmp_path: Path, *args: str) -> tuple[list[float], dict]:
-    ranks = run_distributed(WORKER, 1, ["--reference", *args], tmp_path / "ref")
+def reference(tmp_path: Path, **case) -> tuple[list[float], dict]:
+    ranks = run_ps(1, tmp_path / "ref", reference=True, **case)
     return mean_losses(ranks), torch.load(tmp_path / "ref" / "params.pt")
 
 
-def parity(tmp_path: Path, world: int, servers: int, *args: str) -> None:
-    want_losses, want_params = reference(tmp_path, *args)
-    ranks = run_distributed(WORKER, world, ["--num-servers", str(servers), "--staleness", "0", *args], tmp_path / "ps")
+def parity(tmp_path: Path, world: int, servers: int, **case) -> None:
+    want_losses, want_params = reference(tmp_path, **case)
+    ranks = run_ps(world, tmp_path / "ps", num_servers=servers, staleness=0, **case)
     workers = [r for r in ranks if r["role"] == "worker"]
     assert len(workers) == world - servers and all(r["global_step"] == 10 for r in workers)
     label = f"async_ps staleness=0, {len(workers)} workers + {servers} servers"
@@ -55,19 +58,18 @@ def parity(tmp_path: Path, world: int, servers: int, *args: str) -> None:
 
 
 def test_staleness0_equals_one_process(tmp_path):
-    parity(tmp_path, 3, 1, "--clip", "0.5")
+    parity(tmp_path, 3, 1, clip=0.5)
 
 
 @pytest.mark.slow
 def test_staleness0_with_two_servers_equals_one_process(tmp_path):
     """The flat parameters split over 2 servers: the clipping norm sums both servers' slices."""
-    parity(tmp_path, 4, 2, "--clip", "0.5")
+    parity(tmp_path, 4, 2, clip=0.5)
 
 
 def test_bounded_staleness_keeps_workers_within_the_bound(tmp_path):
     """One worker sleeps 0.1 s a step: the other runs ahead, but never more than staleness=2 steps."""
-    args = ["--staleness", "2", "--steps", "12", "--slow-sleep", "0.1", "--val-every", "6"]
-    ranks = run_distributed(WORKER, 3, args, tmp_path)
+    ranks = run_ps(3, tmp_path, staleness=2, steps=12, slow_sleep=0.1, val_every=6)
     (server,) = ranks[0]["counters"]
     assert server["pushes"] == {"0": 12, "1": 12} and server["updates"] == 24  # every push is one update
     assert server["max_clock_gap"] == 2, server  # ran ahead as far as allowed, no further
@@ -79,7 +81,7 @@ def test_bounded_staleness_keeps_workers_within_the_bound(tmp_path):
     assert final[-1] < final[0] - 0.3, final  # it trains
 
 
-def launch_independent(world: int, out: Path, args: list[str]) -> list[subprocess.Popen]:
+def launch_independent(world: int, out: Path, case: dict) -> list[subprocess.Popen]:
     """Each rank its own process with torchrun's environment and no agent above them: nothing ends the others
     when one dies (torchrun's agent, and the tests' zygote, stop every rank once one has failed)."""
     port, procs = free_port(), []
@@ -87,7 +89,7 @@ def launch_independent(world: int, out: Path, args: list[str]) -> list[subproces
     for rank in range(world):
         env = {**_env(world, port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
         log = open(out / f"rank{rank}.log", "w")
-        cmd = [sys.executable, str(WORKERS / WORKER), *args, "--out", str(out)]
+        cmd = [sys.executable, str(WORKERS / "run.py"), "async_ps", "--opts", json.dumps(case), "--out", str(out)]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
     return procs
 
@@ -96,7 +98,7 @@ def test_killed_worker_leaves_the_run_going(tmp_path):
     """Synchronous (staleness=0), 2 workers + 1 server: worker 1 is SIGKILLed in the forward of its step 3. The
     server drops it from the synchronous wait (its step 3 is lost: it never pushed it); worker 0 and the server
     finish all 10 steps and exit 0; from step 3 on, each update is worker 0's gradient alone."""
-    procs = launch_independent(3, tmp_path, ["--kill-rank", "1", "--kill-step", "3"])
+    procs = launch_independent(3, tmp_path, {"kill_rank": 1, "kill_step": 3})
     deadline = time.monotonic() + 240
     for proc in procs:
         proc.wait(timeout=max(1, deadline - time.monotonic()))
@@ -118,12 +120,11 @@ def test_checkpoint_resumes_like_the_uninterrupted_run(tmp_path):
     """staleness=0: a checkpoint at step 5 (the server's shard, Adam state and update counter) resumed for
     steps 5..9 gives the uninterrupted run's losses and final parameters."""
     # epochs of 5 batches: the checkpoint at step 5 ends an epoch, and a plain DataLoader resumes exactly there
-    epochs = ["--epoch-steps", "5"]
-    whole = run_distributed(WORKER, 3, [*epochs, "--ckpt-dir", str(tmp_path / "ckpts")], tmp_path / "whole")
+    whole = run_ps(3, tmp_path / "whole", epoch_steps=5, ckpt_dir=str(tmp_path / "ckpts"))
     saved = tmp_path / "ckpts" / "epoch=0-step=5.ckpt"
     state = torch.load(saved, weights_only=False)
     assert state["optimizer_states"][0]["async_ps"]["servers"][0]["updates"] == 5
-    resumed = run_distributed(WORKER, 3, [*epochs, "--resume", str(saved)], tmp_path / "resumed")
+    resumed = run_ps(3, tmp_path / "resumed", epoch_steps=5, resume=str(saved))
     want = mean_losses(whole[:2])[5:]
     assert_same_losses(mean_losses(resumed[:2]), want, "resumed at step 5")
     assert resumed[0]["counters"][0]["updates"] == 10
@@ -136,8 +137,7 @@ def test_checkpoint_resumes_like_the_uninterrupted_run(tmp_path):
 def test_fully_async_fast_worker_is_not_held_back(tmp_path):
     """staleness above max_steps: the slowed worker (0.3 s a step) holds nobody; the fast worker finishes its
     steps while the slow one has pushed fewer (counts, not timings)."""
-    args = ["--staleness", "1000", "--steps", "12", "--slow-sleep", "0.3"]
-    ranks = run_distributed(WORKER, 3, args, tmp_path)
+    ranks = run_ps(3, tmp_path, staleness=1000, steps=12, slow_sleep=0.3)
     (server,) = ranks[0]["counters"]
     assert server["updates"] == 24 and server["max_clock_gap"] > 2, server
 

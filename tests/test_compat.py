@@ -130,22 +130,40 @@ def _graph() -> dict[str, set[str]]:
     return {name: {m for m in _imports(path, names) if m in names and m != name} for name, path in modules.items()}
 
 
-def test_no_import_circle():
-    graph = _graph()
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (node -> the nodes it imports), or None."""
     state: dict[str, int] = {}
 
-    def visit(node: str, trail: list[str]) -> None:
+    def visit(node: str, trail: list[str]) -> list[str] | None:
         state[node] = 1
-        for nxt in graph[node]:
-            if state.get(nxt) == 1:
-                raise AssertionError("import circle: " + " -> ".join([*trail, node, nxt]))
-            if nxt not in state:
-                visit(nxt, [*trail, node])
+        for nxt in graph.get(node, ()):
+            found = [*trail, node, nxt] if state.get(nxt) == 1 else None if nxt in state else visit(nxt, [*trail, node])
+            if found:
+                return found
         state[node] = 2
+        return None
 
-    for node in graph:
-        if node not in state:
-            visit(node, [])
+    return next((c for node in list(graph) if node not in state and (c := visit(node, []))), None)
+
+
+def test_no_import_circle():
+    circle = _circle(_graph())
+    assert circle is None, "import circle: " + " -> ".join(circle or [])
+
+
+def test_no_import_circle_between_packages():
+    """At every level too: each module counted as its package (or top module) at that depth, the packages'
+    imports of one another make no circle (a package importing its own subpackages, or they it, is no edge)."""
+    modules = _graph()
+    for depth in range(1, max(m.count(".") for m in modules) + 1):
+        graph: dict[str, set[str]] = {}
+        for module, deps in modules.items():
+            a = ".".join(module.split(".")[: depth + 1])
+            for b in {".".join(d.split(".")[: depth + 1]) for d in deps}:
+                if not (a == b or b.startswith(f"{a}.") or a.startswith(f"{b}.")):
+                    graph.setdefault(a, set()).add(b)
+        circle = _circle(graph)
+        assert circle is None, f"import circle between packages (depth {depth}): " + " -> ".join(circle or [])
 
 
 def test_parallel_imports_no_lightning_and_nothing_above_it():

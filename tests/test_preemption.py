@@ -58,8 +58,8 @@ def test_sigterm_saves_last_and_the_resumed_run_ends_like_an_undisturbed_one(tmp
 
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """Lightning's launcher, hybrid3d on 2 processes; rank 1 alone gets SIGTERM, during step 3."""
-    cmd = [sys.executable, WORKERS / "rank_failure_worker.py", "--fail", "sigterm", "--rank", "1", "--step", "3"]
-    cmd += ["--devices", "2", "--out", tmp_path]
+    case = {"fail": "sigterm", "rank": 1, "step": 3, "devices": 2}
+    cmd = [sys.executable, WORKERS / "run.py", "rank_failure", "--opts", json.dumps(case), "--out", tmp_path]
     result = subprocess.run(list(map(str, cmd)), cwd=tmp_path, env=recipe_env(), capture_output=True, text=True)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]

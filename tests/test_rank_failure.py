@@ -5,6 +5,7 @@ dp x tp) and through the recipe's launcher (torch elastic)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -25,8 +26,12 @@ from lightning_parallel.recipes.common import build_strategy
 from lightning_parallel.recipes.config import StrategyConf
 
 TIMEOUT = 30  # strategy timeout, seconds: every rank must be gone this long after the failure
-WORKER = WORKERS / "rank_failure_worker.py"
-RECIPE = WORKERS / "recipe_failure.py"
+RUN = WORKERS / "run.py"
+
+
+def case(**settings) -> list[str]:
+    """run.py's arguments for cases/rank_failure.py with ``settings``."""
+    return [RUN, "rank_failure", "--opts", json.dumps(settings)]
 
 
 def run(cmd: list, cwd: Path) -> tuple[int, str, float]:
@@ -51,7 +56,7 @@ def assert_ended_in_time(output: str, ended: float, world: int) -> dict[int, int
 
 @pytest.mark.parametrize("how", ["raise", pytest.param("kill", marks=pytest.mark.slow)])
 def test_lightning_launcher_ends_every_rank_and_names_the_failed_one(how, tmp_path):
-    cmd = [sys.executable, WORKER, "--fail", how, "--rank", "1", "--devices", "2", "--timeout", TIMEOUT]
+    cmd = [sys.executable, *case(fail=how, rank=1, devices=2, timeout=TIMEOUT)]
     code, output, ended = run([*cmd, "--out", tmp_path], tmp_path)
     assert code != 0
     pids = assert_ended_in_time(output, ended, 2)
@@ -67,7 +72,7 @@ def test_torchrun_world4_every_survivor_names_the_failed_rank(tmp_path):
     """dp=2 x tp=2: rank 2 shares no group with rank 1, yet ends too and names it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--monitor-interval", "0.5"]
     cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{free_port()}"]
-    cmd += [WORKER, "--fail", "raise", "--rank", "1", "--devices", "4", "--tp", "2", "--timeout", TIMEOUT]
+    cmd += case(fail="raise", rank=1, devices=4, tp=2, timeout=TIMEOUT)
     code, output, ended = run([*cmd, "--out", tmp_path], tmp_path)
     assert code != 0
     assert_ended_in_time(output, ended, 4)
@@ -82,7 +87,8 @@ def test_recipe_launcher_names_the_first_failure(how, tmp_path):
     """torch elastic's own "first observed failure" is the first exit the agent saw; the error names the
     rank that failed first by the workers' record (or the rank a signal killed)."""
     args = [*SHORT, "strategy=zero2", "trainer.devices=2", f"strategy.timeout_s={TIMEOUT}"]
-    code, output, ended = run([sys.executable, RECIPE, tmp_path / "run", how, "1", "3", *args], tmp_path)
+    recipe = case(recipe=[str(tmp_path / "run"), *args], fail=how, rank=1, step=3)
+    code, output, ended = run([sys.executable, *recipe, "--out", tmp_path], tmp_path)
     assert code != 0
     pids = assert_ended_in_time(output, ended, 2)
     if how == "raise":

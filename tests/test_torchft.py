@@ -7,6 +7,7 @@ in step s's quorum. Plus the settings' checks (single process)."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -19,13 +20,12 @@ import torch
 from parity import assert_same_params
 from recipe_runs import GPT, run_recipe
 from recipe_runs import env as recipe_env
+from workers.cases.fault_tolerance import batch_of, model, optimizer
 
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.fault_tolerance import check_backend, lighthouse_address, sampler_kwargs
 
-WORKER = Path(__file__).parent / "workers" / "torchft_worker.py"
-sys.path.insert(0, str(WORKER.parent))
-from torchft_worker import batch_of, model, optimizer  # noqa: E402
+RUN = Path(__file__).parent / "workers" / "run.py"
 
 STEPS, KILL_AT = 80, 8
 
@@ -95,11 +95,12 @@ def test_torchft_front_doors():
 # ----- two replica groups, one killed -----
 
 
-def launch(replica: int, lighthouse: str, out: Path, zero_stage: int, *flags: str) -> subprocess.Popen:
+def launch(replica: int, lighthouse: str, out: Path, zero_stage: int, no_wait: bool = False) -> subprocess.Popen:
     env = recipe_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER)]
-    cmd += ["--replica", str(replica), "--lighthouse", lighthouse, "--steps", str(STEPS), "--out", str(out)]
-    cmd += ["--sleep", "2.0", "--zero-stage", str(zero_stage), *flags]
+    case = {"replica": replica, "lighthouse": lighthouse, "steps": STEPS, "sleep": 2.0, "zero_stage": zero_stage}
+    case |= {"dir": str(out), "no_wait": no_wait}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(RUN)]
+    cmd += ["fault_tolerance", "--opts", json.dumps(case), "--out", str(out / f"replica{replica}")]
     log = open(out / f"torchrun{replica}.log", "a")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -161,7 +162,7 @@ def test_torchft_killed_replica_rejoins_and_final_state_is_the_quorums_average(t
             os.kill(pid, signal.SIGKILL)
         jobs[1].wait(timeout=60)
         killed_at = lines(tmp_path, 1, 0)[-1][0]
-        jobs[1] = launch(1, address, tmp_path, zero_stage, "--no-wait")
+        jobs[1] = launch(1, address, tmp_path, zero_stage, no_wait=True)
         for job in jobs:
             assert job.wait(timeout=600) == 0, "".join(p.read_text()[-4000:] for p in tmp_path.glob("torchrun*.log"))
     finally:
@@ -182,6 +183,8 @@ def test_torchft_killed_replica_rejoins_and_final_state_is_the_quorums_average(t
     restarted = [step for step, _, pid in rejoined if pid != rejoined[0][2]]
     assert restarted and restarted[0] > killed_at, f"the restarted group began at {restarted[:1]}, not from a peer"
     assert sizes[-1] == 2 and rejoined[-1][0] == STEPS, "the restarted group did not rejoin up to max_steps"
+    ends = [json.loads((tmp_path / f"replica{g}" / f"rank{r}.json").read_text()) for g in (0, 1) for r in (0, 1)]
+    assert all(end["global_step"] == STEPS for end in ends), f"the ranks' global steps at the end: {ends}"
     runs = [(n, len(list(g))) for n, g in itertools.groupby(sizes)]
     print(f"zero_stage={zero_stage}: killed at step {killed_at}; (groups, steps) in a row: {runs}")
     want = reference(sizes)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_parallel.causal_lm import IGNORE_INDEX, CausalLM, causal_lm_loss  # noqa: F401  (re-exported)
+from lightning_parallel.causal_lm import CausalLM
 from lightning_parallel.hf.adapters import PEFT_KEY, BaseIdentity, check_same_base, save_record
 from lightning_parallel.hf.context import check_hf_context, hf_attention_heads, hf_context_parallel
 from lightning_parallel.hf.experts import as_loss_like, check_hf_expert_degrees, hf_expert_parallel_plan, router_aux_of

@@ -57,8 +57,8 @@ def resolve_auto(cfg: DictConfig) -> None:
 
 def plan_for(cfg: DictConfig) -> Any:
     """The :class:`~lightning_parallel.planning.auto.AutoChoice` for the recipe's model, batch, precision and job."""
-    from lightning_parallel.plan import gpt_spec, parse_bytes, vgg_spec
     from lightning_parallel.planning.auto import choose_layout, detect_machine
+    from lightning_parallel.recipes.specs import gpt_spec, parse_bytes, vgg_spec
 
     schema = OmegaConf.get_type(cfg.model)
     if schema not in (GPTModelConf, VGGModelConf):

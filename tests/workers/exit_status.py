@@ -6,6 +6,9 @@ runs ``python SCRIPT ARGS...`` as a child with this process's environment, passe
 (torchrun signals only the processes it started), waits, writes the child's exit status to
 ``STATUS_DIR/rank<RANK>.status`` (``-N``: killed by signal N) and exits with it. torchrun itself reports no
 statuses once it was signalled, and a shell would add a process of its own: this adds nothing else.
+
+Kept a script, not a case of run.py: it is a launcher's shim around the user's command (a process torchrun starts
+that exits with its child's status), not code run on a rank for a result.
 """
 
 from __future__ import annotations

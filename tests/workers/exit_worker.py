@@ -3,6 +3,9 @@ bring-your-own-model example), one of our strategies, ``trainer.fit`` (then opti
 the end of the script. Nothing here ends the process early: it exits the way Python exits, so its exit status
 is what a user's job would report.
 
+Kept a script, not a case of run.py: its exit status is the claim under test, and it must be that of a plain user
+script (``python script.py`` / ``torchrun script.py``), with no harness of ours between ``fit`` and the exit.
+
     torchrun --standalone --nproc-per-node 2 exit_worker.py --strategy zero2 [--test] [--raise-at STEP]
     python exit_worker.py --strategy zero3 --devices 2        # Lightning's own launcher
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_parallel.parallel.context.kernels import (  # noqa: F401  (block_* re-exported for the GPU check)
+from lightning_parallel.parallel.context.kernels import (
     block_attention,
     block_attention_backward,
     compute_dtype,

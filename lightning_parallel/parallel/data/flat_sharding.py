@@ -71,9 +71,6 @@ class FlatSharding(DataParallelSharding):
     def overlap_stats(self) -> dict[str, int]:
         return flat_overlap_stats([b for flat in self._flat.values() for b in flat._overlap.values()])
 
-    def flat(self, optimizer: Optimizer) -> FlatZero | None:
-        return self._flat.get(id(optimizer))
-
     def state_view(self, optimizer: Optimizer) -> StateView | None:
         flat = self._flat.get(id(optimizer))
         if flat is None:

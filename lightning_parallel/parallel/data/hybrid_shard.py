@@ -27,10 +27,6 @@ layout reads them back (the pieces are those of plain ZeRO over dp_shard ranks).
 
 from __future__ import annotations
 
-from lightning_parallel.parallel.data.flat_zero import FlatZero
-
-HybridFlatZero = FlatZero  # the name tests/workers/data_worker.py builds ZeRO-1/2 under HSDP by (replicate_group=)
-
 
 def replica_bytes(grad_bytes: float, dp_shard: int, replicas: int) -> float:
     """Bytes one rank sends across replicas per step: a ring all-reduce of its shard, 2 (g / dp_shard) (r-1)/r."""

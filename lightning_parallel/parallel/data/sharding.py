@@ -286,11 +286,6 @@ class DataParallelSharding:
         parameter, as torch's does (ZeRO 0 and 3), else the flat slices it steps (ZeRO 1-2)."""
         return None
 
-    def flat(self, optimizer: Optimizer) -> Any:
-        """The ZeRO-1/2 flat buffers of ``optimizer`` for tests to inspect, None for other stages (checkpoints read
-        :meth:`state_view`)."""
-        return None
-
     def param_groups(self, optimizer: Optimizer) -> list[list[nn.Parameter]]:
         """The model parameters of each of the optimizer's groups, as ``configure_optimizers`` built them."""
         return [list(g["params"]) for g in optimizer.param_groups]

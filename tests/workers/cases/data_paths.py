@@ -28,7 +28,6 @@ from lightning_parallel import _compat
 from lightning_parallel.parallel.data import replicate
 from lightning_parallel.parallel.data.flat_overlap import PieceCollectives, even
 from lightning_parallel.parallel.data.flat_zero import FlatZero
-from lightning_parallel.parallel.data.hybrid_shard import HybridFlatZero
 
 from .powersgd import VOCAB, Net
 
@@ -127,7 +126,7 @@ def reference() -> dict[str, Tensor]:
 def hsdp(groups: tuple, offload: bool, calls: Counter, stage: int = 2) -> dict[str, Tensor]:
     shard, replicas = groups
     net, optimizer = fresh()
-    flat = HybridFlatZero(optimizer, shard, stage, offload=offload, replicate_group=replicas)
+    flat = FlatZero(optimizer, shard, stage, offload=offload, replicate_group=replicas)
     host = set()
     for fg in flat.flat_groups:
         assert (fg.host is not None) == offload and (fg.shard.grad is None)

@@ -154,8 +154,8 @@ def frozen_report(model: torch.nn.Module, trainer: pl.Trainer) -> dict:
     optimizer = trainer.optimizers[0]
     params = list(model.parameters())
     frozen = {id(p) for p in params if not p.requires_grad}  # ZeRO-1/2's optimizer holds flat slices, not these
-    flat = trainer.strategy.sharding.flat(optimizer) if hasattr(trainer.strategy, "sharding") else None
-    flat_groups = flat.flat_groups if flat is not None else []
+    view = trainer.strategy.sharding.state_view(optimizer) if hasattr(trainer.strategy, "sharding") else None
+    flat_slices = [s for group in view.slices for s in group] if view is not None else []  # ZeRO-1/2's flat buffers
     state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
     replicated = {  # this rank's part of each adapter replicated over tp (its dp shard under ZeRO-3)
         n: local(p).double().sum().item() for n, p in model.named_parameters() if p.requires_grad and tp_replicated(p)
@@ -167,8 +167,8 @@ def frozen_report(model: torch.nn.Module, trainer: pl.Trainer) -> dict:
         "frozen_numel": sum(p.numel() for p in params if not p.requires_grad),
         "optimizer_params_frozen": sum(id(p) in frozen for g in optimizer.param_groups for p in g["params"]),
         "state_numel": sum(local(v).numel() for v in state),
-        "flat_numel": sum(fg.flat_param.numel() for fg in flat_groups),
-        "flat_frozen": sum(not p.requires_grad for fg in flat_groups for p in fg.params),
+        "flat_numel": sum(s.buffer.numel() for s in flat_slices),
+        "flat_frozen": sum(not p.requires_grad for s in flat_slices for p in s.params),
         "replicated_sums": replicated,
     }
 

@@ -30,17 +30,14 @@ def gradient_leaves(loss: Tensor) -> list[Tensor]:
 
 def gradient_buffers(model: nn.Module, trainer: pl.Trainer) -> list[tuple[str, int, int]]:
     """(what, its storage's address, that storage's bytes) of every gradient tensor held now: each parameter's
-    ``.grad`` (a frozen one's named ``frozen:<name>``), each optimizer parameter's (ZeRO-1/2's slices) and ZeRO-1's
-    flat gradient buffers. Views of one buffer share its address."""
+    ``.grad`` (a frozen one's named ``frozen:<name>``) and each optimizer parameter's (ZeRO-1/2's slices: under
+    ZeRO-1 a view of the flat gradient buffer, whose whole storage it names). Views of one buffer share its address."""
     held = [(f"{'adapter' if p.requires_grad else 'frozen'}:{n}", p.grad) for n, p in model.named_parameters()
             if p.grad is not None]  # fmt: skip
     own = {id(p) for p in model.parameters()}
     for optimizer in trainer.optimizers:
         held += [("optimizer slice", p.grad) for g in optimizer.param_groups for p in g["params"]
                  if p.grad is not None and id(p) not in own]  # fmt: skip
-        flat = trainer.strategy.sharding.flat(optimizer) if hasattr(trainer.strategy, "sharding") else None
-        groups = flat.flat_groups if flat is not None else []
-        held += [("flat_grad", fg.flat_grad) for fg in groups if fg.flat_grad is not None]
     storages = [(what, local(t).untyped_storage()) for what, t in held]
     return [(what, s.data_ptr(), s.nbytes()) for what, s in storages]
 

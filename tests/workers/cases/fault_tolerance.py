@@ -1,18 +1,18 @@
-"""Worker: one torchft replica group (run under ``torchrun --nproc-per-node 2``), Hybrid3DStrategy with
-``fault_tolerance='torchft'``. Its batches are a function of (step, replica group, dp rank), so the test can
-rebuild in one process what every step averaged, whichever groups its quorum held.
+"""Case ``fault_tolerance``: one torchft replica group, Hybrid3DStrategy with ``fault_tolerance='torchft'``
+(tests/test_torchft.py starts each group as its own ``torchrun --nproc-per-node 2 run.py fault_tolerance``, as
+torchft expects). Its batches are a function of (step, replica group, dp rank), so the test can rebuild in one
+process what every step averaged, whichever groups its quorum held.
 
-Every rank appends ``<step> <groups in the quorum> <pid>`` to ``OUT/replica<R>_rank<N>.log`` after each step
-(step: the committed steps so far). A group alone in its quorum sleeps ``--sleep`` seconds a step, so that a
-(re)starting group joins before max_steps; the groups start their first step together (not with --no-wait).
-Rank 0 saves the final parameters to ``OUT/replica<R>.pt``.
-
-    --replica R  --lighthouse http://HOST:PORT  --steps S  --zero-stage Z  --sleep SECONDS  --out DIR  [--no-wait]
+Case keys: replica, lighthouse (its address), steps, zero_stage, sleep (seconds a step while the group is alone in
+its quorum, so that a (re)starting group joins before max_steps), dir (the folder both groups share), no_wait (a
+restarted group: it does not wait for the other at its first step; the groups otherwise start together).
+Every rank appends ``<step> <groups in the quorum> <pid>`` to ``DIR/replica<R>_rank<N>.log`` after each step
+(step: the committed steps so far); rank 0 saves the final parameters to ``DIR/replica<R>.pt``. Returns this rank's
+global step at the end.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
@@ -55,7 +55,7 @@ class StepKeyed(pl.LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def on_train_start(self) -> None:
-        # both groups start together (as a scheduler would start them); a restarted one (--no-wait) does not wait
+        # both groups start together (as a scheduler would start them); a restarted one (no_wait) does not wait
         (self.out / f"ready{self.replica}_{self.global_rank}").touch()
         while not self.no_wait and not (self.out / f"ready{1 - self.replica}_{self.global_rank}").exists():
             time.sleep(0.05)
@@ -72,42 +72,29 @@ class StepKeyed(pl.LightningModule):
         return DataLoader(range(100_000), batch_size=1)  # a clock only: the batches are batch_of's
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--replica", type=int, required=True)
-    p.add_argument("--lighthouse", required=True)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--zero-stage", type=int, default=0)
-    p.add_argument("--sleep", type=float, default=0.0)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--no-wait", action="store_true")
-    a = p.parse_args()
+def run_case(case: dict, ctx) -> dict:
+    replica, out = case["replica"], Path(case["dir"])
     strategy = Hybrid3DStrategy(
-        zero_stage=a.zero_stage,
+        zero_stage=case.get("zero_stage", 0),
         fault_tolerance="torchft",
         ft_replicas=2,
-        ft_replica_id=a.replica,
-        ft_lighthouse=a.lighthouse,
+        ft_replica_id=replica,
+        ft_lighthouse=case["lighthouse"],
         ft_timeout=30.0,
     )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
-        max_steps=a.steps,
+        max_steps=case.get("steps", 40),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
     )
-    module = StepKeyed(a.replica, a.out, a.sleep, a.no_wait)
+    module = StepKeyed(replica, out, case.get("sleep", 0.0), case.get("no_wait", False))
     trainer.fit(module)
     if trainer.global_rank == 0:
-        torch.save(
-            {k: v.detach().clone() for k, v in module.net.state_dict().items()}, a.out / f"replica{a.replica}.pt"
-        )
-
-
-if __name__ == "__main__":
-    main()
+        torch.save({k: v.detach().clone() for k, v in module.net.state_dict().items()}, out / f"replica{replica}.pt")
+    return {"global_step": trainer.global_step}

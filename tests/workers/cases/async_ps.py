@@ -1,21 +1,21 @@
-"""Worker: the tiny GPT under strategy='async_ps' (or the single-process reference); writes rank<N>.json.
+"""Case ``async_ps``: the tiny GPT under strategy='async_ps' (or the single-process reference)
+(tests/test_async_ps.py; ``make bench``'s async section, benchmarks/async_ps.py).
 
 Each worker records its own loss per step (its share of the global batch: the mean over the workers is the
 global batch's loss) and each validation loss; rank 0 (and the reference) save the final parameters to
-params.pt; a server records its counters. ``--kill-rank R --kill-step K``: rank R kills itself with SIGKILL in
-the forward of its step K (after its pull, before its push). ``--ckpt-dir``: a checkpoint every
-``--ckpt-every`` steps; ``--resume``: fit from that checkpoint. ``APS_DEBUG=SECONDS`` in the environment: dump every
+``OUT/params.pt``; a server records its counters. Case keys (:class:`Settings`): reference (one process, the whole
+global batch), num_servers, staleness, steps, global_batch, clip, lr, slow_sleep, val_every, kill_rank and kill_step
+(rank R kills itself with SIGKILL in the forward of its step K: after its pull, before its push), ckpt_dir (a
+checkpoint every ckpt_every steps), resume (fit from that checkpoint), epoch_steps (batches per epoch; 0: steps),
+max_seconds (each worker's wall budget for training), d_model. ``APS_DEBUG=SECONDS`` in the environment: dump every
 thread's stack and exit after that long (a hang's diagnosis).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -24,11 +24,38 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
-import lightning_parallel  # noqa: F401  (registers the strategy names)
 from lightning_parallel import AsyncPSStrategy
 from lightning_parallel.models import GPTConfig, LitGPT, SyntheticTokens
 
 TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    reference: bool = False
+    num_servers: int = 1
+    staleness: int = 0
+    steps: int = 10
+    global_batch: int = 8
+    clip: float | None = None
+    lr: float = 3e-3
+    slow_sleep: float = 0.0
+    val_every: int = 0
+    kill_rank: int = -1
+    kill_step: int = -1
+    ckpt_dir: str | None = None
+    ckpt_every: int = 5
+    resume: str | None = None
+    epoch_steps: int = 0
+    max_seconds: float | None = None
+    d_model: int = 32
+
+
+def setup() -> None:
+    if os.environ.get("APS_DEBUG"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["APS_DEBUG"]), exit=True)
 
 
 class Recording(LitGPT):
@@ -96,43 +123,17 @@ class Data(pl.LightningDataModule):
         return self._loader(self.val, shuffle=False)
 
 
-def main() -> None:
-    if os.environ.get("APS_DEBUG"):
-        import faulthandler
-
-        faulthandler.dump_traceback_later(float(os.environ["APS_DEBUG"]), exit=True)
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--reference", action="store_true", help="one process, the whole global batch")
-    parser.add_argument("--num-servers", type=int, default=1)
-    parser.add_argument("--staleness", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--global-batch", type=int, default=8)
-    parser.add_argument("--clip", type=float, default=None)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--slow-sleep", type=float, default=0.0)
-    parser.add_argument("--val-every", type=int, default=0)
-    parser.add_argument("--kill-rank", type=int, default=-1)
-    parser.add_argument("--kill-step", type=int, default=-1)
-    parser.add_argument("--ckpt-dir", type=Path, default=None)
-    parser.add_argument("--ckpt-every", type=int, default=5)
-    parser.add_argument("--resume", type=str, default=None)
-    parser.add_argument("--epoch-steps", type=int, default=0, help="batches per epoch (0: --steps)")
-    parser.add_argument("--max-seconds", type=float, default=None, help="each worker's wall budget for training")
-    parser.add_argument("--d-model", type=int, default=32)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-
+def run_case(case: dict, ctx) -> dict:
+    args = Settings(**case)
     pl.seed_everything(0, verbose=False)
-    config = dataclasses.replace(TINY, d_model=args.d_model)
-    model = Recording(args.kill_rank, args.kill_step, config, lr=args.lr)
+    model = Recording(args.kill_rank, args.kill_step, dataclasses.replace(TINY, d_model=args.d_model), lr=args.lr)
     if args.reference:
         strategy, devices = "auto", 1
     else:
         strategy = AsyncPSStrategy(
             num_servers=args.num_servers, staleness=args.staleness, slow_worker_sleep=args.slow_sleep
         )
-        devices = int(os.environ["WORLD_SIZE"])
+        devices = ctx.world
     callbacks: list = [WallBudget(args.max_seconds)] if args.max_seconds else []
     if args.ckpt_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=-1))
@@ -172,10 +173,5 @@ def main() -> None:
     if rank == 0 and args.max_seconds:
         result["final_val_loss"] = val_loss(model, data.val)
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / "params.pt")
-    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
-    print(f"DONE rank {rank} step {trainer.global_step}", flush=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, Path(ctx.out) / "params.pt")
+    return result
