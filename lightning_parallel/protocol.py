@@ -269,7 +269,8 @@ def reset_units(module: Any, root: nn.Module, names: set[str]) -> list[tuple[str
 
 def _post_order(root: nn.Module, prefix: str = "") -> dict[str, int]:
     """Module paths of ``root``, each after its children: a module's ``__init__`` builds its submodules (each drawing
-    its values) before its own ``reset_parameters()`` draws (``nn.MultiheadAttention``, LitGPT's ``LoRALinear``)."""
+    its values) before its own ``reset_parameters()`` draws (LitGPT's ``LoRALinear``: its ``linear``, then its
+    ``lora_A``)."""
     order: dict[str, int] = {}
     for name, child in root.named_children():
         for path in _post_order(child, f"{prefix}{name}."):
