@@ -3,9 +3,10 @@ strategies, on the tiny LitGPT checkpoint folder made locally (slow tier, one la
 logged loss at each optimizer step under zero3 (dp=2), hybrid3d tp=2, zero2 (dp=2, with the script's in-loop
 validation and rank-0 generation), tp=2 x dp=2 and tp=2 x ZeRO-3 dp=2 equals the same script in one process, within
 1e-5; the LoRA file it saves (``lit_model.pth.lora``) is the one-process file; the ``lit_model.pth`` its final
-``merge_lora`` writes loads into LitGPT's plain ``GPT`` and equals the one-process one. Lightning's ``ModelParallelStrategy`` (the script's own
-choice) runs on CPU/gloo at dp=2 too: its losses equal until the first update takes effect, then not, since its
-``empty_init=True`` materialization draws other initial adapters than one process (ours replays them).
+``merge_lora`` writes loads into LitGPT's plain ``GPT`` and equals the one-process one. Lightning's
+``ModelParallelStrategy`` (the script's own choice) runs on CPU/gloo at dp=2 too: its losses equal until the first
+update takes effect, then not, since its ``empty_init=True`` materialization draws other initial adapters than one
+process (ours replays them).
 
 Fast tier: the meta-device build draws one process's values (the mechanism behind the equal adapters) and the
 stand-in for the CLI-only ``save_hyperparameters`` feeds LitGPT's ``merge_lora``.
