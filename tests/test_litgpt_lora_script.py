@@ -6,7 +6,7 @@ validation and rank-0 generation), tp=2 x dp=2 and tp=2 x ZeRO-3 dp=2 equals the
 ``merge_lora`` writes loads into LitGPT's plain ``GPT`` and equals the one-process one. Lightning's
 ``ModelParallelStrategy`` (the script's own choice) runs on CPU/gloo at dp=2 too: its losses equal until the first
 update takes effect, then not, since its ``empty_init=True`` materialization draws other initial adapters than one
-process (ours replays them).
+process (ours replays them); given one process's values before its ``parallelize_fn``, it equals throughout.
 
 Fast tier: the meta-device build draws one process's values (the mechanism behind the equal adapters) and the
 stand-in for the CLI-only ``save_hyperparameters`` feeds LitGPT's ``merge_lora``.
@@ -98,6 +98,7 @@ def scripts(tmp_path_factory) -> Batch:
         "tp2": (2, "hybrid3d:tp=2", [case]),  # dp=1: the script's "devices" is 1
         "zero2": (2, "zero2", [{**looped, "dp": 2}]),
         "lightning": (2, "modelparallel", [{**case, "dp": 2}]),
+        "lightning_same_init": (2, "modelparallel:same_init", [{**case, "dp": 2}]),
         "tp2_dp2": (4, "hybrid3d:tp=2", [{**case, "dp": 2}]),
         "tp2_zero3": (4, "hybrid3d:tp=2,zero_stage=3", [{**case, "dp": 2}]),
     }
@@ -138,3 +139,14 @@ def test_lightning_model_parallel_runs_the_script_with_other_initial_adapters(sc
     assert abs(got[2] - want[2]) / want[2] > 1e-5
     lora, one = _saved(run.case("lora")["lora_file"])["model"], _saved(ref.case("lora")["lora_file"])["model"]
     assert (lora["lm_head.lora_A"] - one["lm_head.lora_A"]).abs().max() > 1e-2
+
+
+@pytest.mark.slow
+def test_lightning_model_parallel_from_one_process_values_matches(scripts):
+    run, ours = scripts["lightning_same_init"], scripts["zero3"]
+    # the model filled with one process's values before the script's parallelize_fn: nothing else differs
+    assert_same_losses(run.losses("lora"), scripts["reference"].case("lora")["losses"], "ModelParallelStrategy")
+    for rank in range(2):  # each dp rank's own micro-batches, as under zero3
+        assert_same_losses(run.case("lora", rank)["losses"], ours.case("lora", rank)["losses"], f"rank {rank}")
+    lora, want = _saved(run.case("lora")["lora_file"]), _saved(scripts["reference"].case("lora")["lora_file"])
+    assert_same_params(lora["model"], want["model"], "ModelParallelStrategy: lit_model.pth.lora")

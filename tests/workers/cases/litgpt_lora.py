@@ -5,7 +5,8 @@ file and merged checkpoint lie.
 
 Strategy specs: those of :mod:`.litgpt_script` ("ddp" at world 1 is the one-process reference; "zero2", "zero3",
 "hybrid3d:tp=2" this package's), and "modelparallel": Lightning's ``ModelParallelStrategy`` with the script's own
-``parallelize_fn`` (FSDP2 over dp, what the script's ``setup`` builds). Case keys: name, assets (the folder
+``parallelize_fn`` (FSDP2 over dp, what the script's ``setup`` builds); "modelparallel:same_init" fills the model
+with one process's values first. Case keys: name, assets (the folder
 ``make_default_assets`` wrote), steps, global_batch, dp (the script's ``devices``), eval_interval (optimizer steps
 between the script's validations; each is followed by its rank-0 generation, which runs only where every rank
 holds the whole model). The script's ``save_hyperparameters`` is CLI-only (it parses ``sys.argv`` with LitGPT's
@@ -20,17 +21,20 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.fabric.strategies import ModelParallelStrategy
 from litgpt.args import EvalArgs, TrainArgs
 from litgpt.data import JSON
 from litgpt.finetune import lora
 from litgpt.lora import Config
 
-from lightning_parallel.litgpt.fabric import hyperparameters_writer
+from lightning_parallel.litgpt.fabric import hyperparameters_writer, replay_discarded_draws
+from lightning_parallel.parallel.materialize import fill_meta_tensors
 from lightning_parallel.recipes.finetune_assets import LITGPT_DIR, instruction_pairs
 
 from .litgpt_script import Recorder, build_strategy
 
+SEED = 1337  # the script's seed argument
 # every adapter LitGPT has (q, k, v, projection, MLP, head); no dropout: its draws differ by rank
 LORA = {
     "lora_r": 4,
@@ -59,9 +63,21 @@ class ValRecorder(Recorder):
             super().log_metrics(metrics, step)
 
 
+def _one_process_values(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """The script's ``parallelize_fn`` after filling the meta-built model with the values one process draws (this
+    package's replay, from the generator as the script's ``seed_everything(1337)`` left it): Lightning's own
+    materialization then has nothing left to draw."""
+    if any(p.is_meta for p in model.parameters()):
+        replay_discarded_draws(model)
+        state = torch.Generator().manual_seed(SEED).get_state()
+        fill_meta_tensors(model, model, torch.device("cpu"), rng_state=state)
+    return lora.parallelize_fn(model, mesh)
+
+
 def _strategy(spec: str, dp: int) -> Any:
-    if spec == "modelparallel":  # the script's own choice in its setup
-        return ModelParallelStrategy(parallelize_fn=lora.parallelize_fn, data_parallel_size=dp, tensor_parallel_size=1)
+    if spec.startswith("modelparallel"):  # the script's own choice in its setup
+        fn = _one_process_values if spec.endswith(":same_init") else lora.parallelize_fn
+        return ModelParallelStrategy(parallelize_fn=fn, data_parallel_size=dp, tensor_parallel_size=1)
     return build_strategy(spec)
 
 
@@ -90,7 +106,7 @@ def run_case(case: dict, ctx) -> dict:
     optimizer = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3, "eps": 1e-6}}  # as litgpt_script's
     run = out / "run"
     lora.save_hyperparameters = hyperparameters_writer(checkpoint_dir=folder, precision="32-true", **LORA)
-    fabric.launch(lora.main, dp, 1337, config, data, folder, run, train, evals, optimizer, 1, "32-true")
+    fabric.launch(lora.main, dp, SEED, config, data, folder, run, train, evals, optimizer, 1, "32-true")
     steps, last = [], 0
     for row in recorder.rows:
         if row.get("step", 0) > last:  # the iteration that stepped: the window is the step's micro-batches
