@@ -1,9 +1,9 @@
 """LitGPT's own LoRA fine-tuning script (``litgpt.finetune.lora.main``, unchanged) under this package's Fabric
 strategies, on the tiny LitGPT checkpoint folder made locally (slow tier, one launch each at world 1, 2 and 4): its
 logged loss at each optimizer step under zero3 (dp=2), hybrid3d tp=2, zero2 (dp=2, with the script's in-loop
-validation and rank-0 generation), tp=2 x dp=2 and tp=2 x ZeRO-3 dp=2 equals the same script in one process, within
-1e-5; the LoRA file it saves (``lit_model.pth.lora``) is the one-process file; the ``lit_model.pth`` its final
-``merge_lora`` writes loads into LitGPT's plain ``GPT`` and equals the one-process one. Lightning's
+validation and rank-0 generation), zero1 (dp=2), tp=2 x dp=2 and tp=2 x ZeRO-3 dp=2 equals the same script in one
+process, within 1e-5; the LoRA file it saves (``lit_model.pth.lora``) is the one-process file; the ``lit_model.pth``
+its final ``merge_lora`` writes loads into LitGPT's plain ``GPT`` and equals the one-process one. Lightning's
 ``ModelParallelStrategy`` (the script's own choice) runs on CPU/gloo at dp=2 too: its losses equal until the first
 update takes effect, then not, since its ``empty_init=True`` materialization draws other initial adapters than one
 process (ours replays them); given one process's values before its ``parallelize_fn``, it equals throughout.
@@ -97,6 +97,7 @@ def scripts(tmp_path_factory) -> Batch:
         "zero3": (2, "zero3", [{**case, "dp": 2}]),
         "tp2": (2, "hybrid3d:tp=2", [case]),  # dp=1: the script's "devices" is 1
         "zero2": (2, "zero2", [{**looped, "dp": 2}]),
+        "zero1": (2, "zero1", [{**case, "dp": 2}]),
         "lightning": (2, "modelparallel", [{**case, "dp": 2}]),
         "lightning_same_init": (2, "modelparallel:same_init", [{**case, "dp": 2}]),
         "tp2_dp2": (4, "hybrid3d:tp=2", [{**case, "dp": 2}]),
@@ -110,7 +111,7 @@ def _saved(path: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("label", ["zero3", "tp2", "zero2", "tp2_dp2", "tp2_zero3"])
+@pytest.mark.parametrize("label", ["zero3", "tp2", "zero2", "zero1", "tp2_dp2", "tp2_zero3"])
 def test_litgpt_lora_script_matches_one_process(scripts, label):
     run, ref = scripts[label], scripts["reference"]
     want = ref.case("lora")
