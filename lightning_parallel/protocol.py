@@ -231,9 +231,10 @@ def _resettable(module: Any) -> bool:
 
 def reset_units(module: Any, root: nn.Module, names: set[str]) -> list[tuple[str, nn.Module]]:
     """The modules whose ``reset_parameters()`` initialize the tensors ``names`` of ``root`` (built on the meta
-    device), as (path, module) in ``root``'s module order: the pipeline layer holding a tensor when ``module`` has
-    ``pipeline_layers()`` and that layer a ``reset_parameters()`` (the GPT's layers seed their own draws), else the
-    module owning it (``nn.Linear``'s own init, as Lightning's meta-device materialization does).
+    device), as (path, module) in ``root``'s module order, a unit after the units inside it: the pipeline layer
+    holding a tensor when ``module`` has ``pipeline_layers()`` and that layer a ``reset_parameters()`` (the GPT's
+    layers seed their own draws), else the module owning it (``nn.Linear``'s own init, as Lightning's meta-device
+    materialization does).
 
     Raises:
         TypeError: a tensor whose owner has no ``reset_parameters()`` (naming it and the fix).
@@ -262,8 +263,20 @@ def reset_units(module: Any, root: nn.Module, names: set[str]) -> list[tuple[str
             "holding them from pipeline_layers(), with a reset_parameters()), give the module a materialize(device), "
             "or build the model in __init__."
         )
-    order = {path: i for i, path in enumerate(paths.values())}
+    order = _post_order(root)  # a unit after the units inside it: modules draw their own tensors after children's
     return sorted(units.items(), key=lambda item: order.get(item[0], len(order)))
+
+
+def _post_order(root: nn.Module, prefix: str = "") -> dict[str, int]:
+    """Module paths of ``root``, each after its children: a module's ``__init__`` builds its submodules (each drawing
+    its values) before its own ``reset_parameters()`` draws (LitGPT's ``LoRALinear``: its ``linear``, then its
+    ``lora_A``)."""
+    order: dict[str, int] = {}
+    for name, child in root.named_children():
+        for path in _post_order(child, f"{prefix}{name}."):
+            order.setdefault(path, len(order))
+    order.setdefault(prefix[:-1], len(order))
+    return order
 
 
 def unfilled_error(module: Any, root: nn.Module, names: list[str]) -> TypeError:

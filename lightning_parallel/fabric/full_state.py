@@ -10,6 +10,7 @@ works under any layout. Pure torch.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from torch import Tensor, nn
@@ -23,8 +24,12 @@ def _whole(value: Any) -> Any:
 
 def accept_whole_state(module: nn.Module, elsewhere: set[str]) -> None:
     """Let ``module`` (split in place) load a single-process state dict; ``elsewhere``: the keys of the unsplit
-    model that other pipeline stages hold (dropped from what is loaded here)."""
-    mine = dict(module.state_dict(keep_vars=True))
+    model that other pipeline stages hold (dropped from what is loaded here).
+
+    Each value becomes a DTensor in the pre-hook of the module that holds the parameter, when torch's loading
+    reaches it: after any renaming a parent's ``_load_from_state_dict`` does first (LitGPT's LoRA ``GPT`` maps a
+    base checkpoint's ``attn.qkv.weight`` onto its ``attn.qkv.linear.weight`` there)."""
+    mine = set(module.state_dict(keep_vars=True))
 
     def hook(_: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
         if prefix:
@@ -32,12 +37,20 @@ def accept_whole_state(module: nn.Module, elsewhere: set[str]) -> None:
         for key in [k for k in state if k in elsewhere and k not in mine]:
             del state[key]
         for key, value in list(state.items()):
-            target = mine.get(key)
-            value = _whole(value)
-            if isinstance(target, DTensor) and isinstance(value, Tensor) and not isinstance(value, DTensor):
-                whole = value.to(device=target.device, dtype=target.dtype)
-                state[key] = distribute_tensor(whole, target.device_mesh, target.placements)
-            else:
-                state[key] = value
+            state[key] = _whole(value)
 
     module.register_load_state_dict_pre_hook(hook)
+    for sub in module.modules():
+        held = {n: t for n, t in (*sub._parameters.items(), *sub._buffers.items()) if isinstance(t, DTensor)}
+        if held:
+            sub.register_load_state_dict_pre_hook(partial(_to_dtensors, held))
+
+
+def _to_dtensors(held: dict[str, DTensor], _: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+    """A module's pre-hook: the whole values of its own DTensor parameters and buffers (``held``, by local name)
+    distributed as they are (every rank passes the same whole state, as in one process)."""
+    for name, target in held.items():
+        value = _whole(state.get(prefix + name))
+        if isinstance(value, Tensor) and not isinstance(value, DTensor):
+            whole = value.to(device=target.device, dtype=target.dtype)
+            state[prefix + name] = distribute_tensor(whole, target.device_mesh, target.placements)

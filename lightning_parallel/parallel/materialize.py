@@ -192,8 +192,9 @@ def fill_meta_tensors(
     units = reset_units(module, root, pending)
     if units and rng_state is not None:
         torch.random.set_rng_state(rng_state)  # global draws replay as when the model was built
+    drawn = set(pending)  # a unit's writes stand, also over a unit inside it (as its __init__'s came last)
     for path, unit in units:
-        pending -= _reset_unit(path, unit, meta, pending)
+        pending -= _reset_unit(path, unit, meta, drawn)
     if pending:
         raise unfilled_error(module, root, sorted(pending))
     return [path for path, _ in units]
@@ -219,9 +220,9 @@ def _blank(t: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def _reset_unit(path: str, unit: nn.Module, meta: set[str], pending: set[str]) -> set[str]:
+def _reset_unit(path: str, unit: nn.Module, meta: set[str], drawn: set[str]) -> set[str]:
     """Run ``unit.reset_parameters()`` on whole host stand-ins for its tensors; copy each rank's slices of those it
-    filled into the real tensors; return the names it filled."""
+    filled (of ``drawn``: not set aside) into the real tensors; return the names it filled."""
     slots = list(_slots(path, unit, meta))
     originals = [table[key] for table, key, _ in slots]
     stand_in: dict[int, Tensor] = {}  # one stand-in per tensor: weights tied inside the unit stay tied
@@ -236,7 +237,7 @@ def _reset_unit(path: str, unit: nn.Module, meta: set[str], pending: set[str]) -
         filled = {}
         for (table, key, name), t in zip(slots, originals):
             now = table[key]
-            if name in pending and _was_written(now, stand_in[id(t)], versions[id(t)]):
+            if name in drawn and _was_written(now, stand_in[id(t)], versions[id(t)]):
                 filled[name] = (t, now)
     finally:
         for (table, key, _), t in zip(slots, originals):
