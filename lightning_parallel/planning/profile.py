@@ -169,17 +169,47 @@ def _measure(
         for h in handles:
             h.remove()
     # a separate forward: under FlopCounterMode autograd saves more (one more activation per GPT block)
-    with FlopCounterMode(display=False) as counter, _precision_context(precision):
-        layer(x)
+    padded = _padding_hooks(layer)
+    try:
+        with FlopCounterMode(display=False) as counter, _precision_context(precision):
+            layer(x)
+    finally:
+        for h in padded["handles"]:
+            h.remove()
     return {
         "act": act,
         "loss": extra,
         "shape": shape,
         "dtype": dtype,
-        "flops": counter.get_total_flops(),
+        "flops": counter.get_total_flops() - _padding_flops(layer, counter, padded["share"]),
         "tp": sink["bytes"],
         "a2a": routed[0],
     }
+
+
+def _padding_hooks(layer: nn.Module) -> dict[str, Any]:
+    """Hooks noting, for each expert module of ``layer``, the share of its FLOPs spent on padding rows: the padded
+    host kernel runs every local expert at the largest count (:mod:`~lightning_parallel.parallel.expert.experts`),
+    and the profile's routing (uninitialized weights, constant inputs) sends every token to the same k experts,
+    which no trained or freshly initialized router does. The model counts the routed rows alone (dropless)."""
+    found: dict[str, Any] = {"handles": [], "share": {}}
+    for name, module in layer.named_modules():
+        if isinstance(module, GroupedExperts):
+
+            def hook(mod: nn.Module, args: tuple, out: Tensor, name: str = name) -> None:
+                counts = args[1]
+                padded = counts.numel() * int(counts.max()) if counts.numel() else 0
+                found["share"][name] = 1 - int(counts.sum()) / padded if padded else 0.0
+
+            found["handles"].append(module.register_forward_hook(hook))
+    return found
+
+
+def _padding_flops(layer: nn.Module, counter: FlopCounterMode, share: dict[str, float]) -> float:
+    """The padding rows' FLOPs of the expert modules ``share`` names (FlopCounterMode counts by module path under
+    the root's class name)."""
+    counts, root = counter.get_flop_counts(), type(layer).__name__
+    return sum(sum(counts.get(f"{root}.{name}" if name else root, {}).values()) * w for name, w in share.items())
 
 
 def layer_costs(spec: ModelSpec, tp: int, precision: str = "32-true") -> list[LayerCost]:
