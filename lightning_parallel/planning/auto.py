@@ -138,10 +138,10 @@ class AutoChoice:
                 "planner": "analytic",
                 **common,
             }
-        c, extra = self.config, ("activation_checkpointing", "sequence_parallel")
+        c, extra = self.config, ("activation_checkpointing", "sequence_parallel", "sharding")
         extras = {k: getattr(c, k) for k in extra if getattr(c, k) != getattr(ParallelConfig, k)}
         return {
-            "layout": {"dp": e.dp, "pp": e.pp, "tp": e.tp, "ep": e.ep, "zero_stage": e.zero_stage, **extras},
+            "layout": {"dp": e.dp, "pp": e.pp, "tp": e.tp, "ep": e.ep, "zero_stage": c.zero_stage, **extras},
             "microbatches": e.microbatches,
             "memory_per_rank_bytes": max(e.memory_per_rank),  # the busiest pp rank's
             "memory_by_pp_rank_bytes": list(e.memory_per_rank),
@@ -201,7 +201,8 @@ def choose_layout(
     best = recommend(estimates, settings.device_memory, settings.margin)
     if best is None:
         raise _no_layout(estimates, machine, global_batch)
-    config = ParallelConfig(dp=best.dp, pp=best.pp, tp=best.tp, ep=best.ep, zero_stage=best.zero_stage)
+    stage, sharding = int(best.zero_stage or 0), getattr(best.zero_stage, "sharding", None)  # a variant by name
+    config = ParallelConfig(dp=best.dp, pp=best.pp, tp=best.tp, ep=best.ep, zero_stage=stage, sharding=sharding)
     config = replace(config, **extras.get(id(best), {}))
     if best.pp > 1:
         config = replace(config, microbatches=best.microbatches, pp_schedule=settings.schedule)
@@ -242,6 +243,7 @@ def _choose_analytic(
         )
     best = min(fits, key=lambda e: (e.step_time, e.memory))
     layout = asdict(best.layout)
+    layout.update(zero_stage=int(best.layout.zero_stage), sharding=getattr(best.layout.zero_stage, "sharding", None))
     if best.layout.pp == 1:
         layout.update(microbatches=None, pp_schedule="1f1b", pp_virtual_stages=None)
     return AutoChoice(ParallelConfig(**layout), best, machine, work)

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.parallel.config import ParallelConfig
-from lightning_parallel.parallel.data.stages import ZERO_STAGES
+from lightning_parallel.parallel.data.stages import planned_stages
 from lightning_parallel.parallel.expert.moe import GroupedExperts, MoE
 from lightning_parallel.parallel.measure.memory import ActivationMemory
 from lightning_parallel.parallel.pipeline.partition import uniform_partition
@@ -315,7 +315,7 @@ def plan_layouts(spec: ModelSpec, world: int, settings: Settings) -> list[Estima
             ranks = config.schedule.stage_ranks(len(stages), pp)
             expert_degrees = [ep for ep in divisors(dp) if spec.num_experts % ep == 0] if spec.num_experts else [1]
             for ep in expert_degrees:
-                for zero in [stage for stage in ZERO_STAGES if dp > 1 or stage == 0]:
+                for zero in [stage for stage in planned_stages() if dp > 1 or stage == 0]:
                     est = estimate_layout(profiles[tp], stages, ranks, (pp, dp, tp), zero, settings, ep=ep)
                     if est.memory > settings.device_memory:
                         memory, device = est.memory / 1e9, settings.device_memory / 1e9
