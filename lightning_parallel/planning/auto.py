@@ -26,7 +26,7 @@ import torch
 
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.planning.analytic import AnalyticEstimate
-from lightning_parallel.planning.auto_analytic import analytic_candidates, calibrated_variants, machine_cluster
+from lightning_parallel.planning.auto_analytic import analytic_candidates, machine_cluster
 from lightning_parallel.planning.estimate import Estimate, Settings, recommend
 from lightning_parallel.planning.hf_config import ModelShape, from_hf_config
 from lightning_parallel.planning.layout import Workload
@@ -138,7 +138,7 @@ class AutoChoice:
                 "planner": "analytic",
                 **common,
             }
-        c, extra = self.config, ("activation_checkpointing", "sequence_parallel", "sharding")
+        c, extra = self.config, ("activation_checkpointing", "sharding")
         extras = {k: getattr(c, k) for k in extra if getattr(c, k) != getattr(ParallelConfig, k)}
         return {
             "layout": {"dp": e.dp, "pp": e.pp, "tp": e.tp, "ep": e.ep, "zero_stage": c.zero_stage, **extras},
@@ -171,15 +171,15 @@ def choose_layout(
     precision: str = "32-true",
     margin: float = 0.1,
     seq_len: int | None = None,
-    shape: ModelShape | None = None,
 ) -> AutoChoice:
     """The planner's recommendation for ``machine``: the fastest predicted layout that fits, tp inside a node.
 
     A :class:`ModelSpec` (a model built on the meta device) is profiled on the host and planned over dp, pp, tp,
-    ep and the ZeRO stage, its memory exact. A model shape (a :class:`ModelShape`, a Hugging Face ``config.json``
-    as a dict, a path to it or its folder, or a LitGPT model name) is planned by the analytic planner over every
-    axis it models: tp with sequence parallelism, cp (from 2048 tokens per rank), pp with virtual stages and
-    microbatches, dp with ZeRO 0-3 and HSDP across nodes, ep, and activation checkpointing.
+    ep, the ZeRO stage (and each registered sharding that asks to be planned) and full activation checkpointing,
+    its memory exact. A model shape (a :class:`ModelShape`, a Hugging Face ``config.json`` as a dict, a path to
+    it or its folder, or a LitGPT model name) is planned by the analytic planner over every axis it models: tp
+    with sequence parallelism, cp (from 2048 tokens per rank), pp with virtual stages and microbatches, dp with
+    ZeRO 0-3 and HSDP across nodes, ep, and selective or full activation checkpointing.
 
     Args:
         model: the model, as above (``lightning_parallel.plan.gpt_spec`` / ``vgg_spec`` / ``recipe_shape`` for the
@@ -189,21 +189,19 @@ def choose_layout(
         precision: Lightning's precision flag.
         margin: the fraction of device memory to keep free when a layout allows it.
         seq_len: tokens per sample for a model shape (None: the model's context length).
-        shape: with a :class:`ModelSpec`, the same model's shape (``lightning_parallel.plan.recipe_shape``): each
-            profiled layout is also planned with activation checkpointing and (tp > 1) sequence parallelism, their
-            effect the analytic formulas' ratio (:func:`~.auto_analytic.calibrated_variants`).
     """
     if not isinstance(model, ModelSpec):
         return _choose_analytic(model_shape(model), machine, global_batch, precision, margin, seq_len)
     settings = auto_settings(model, machine, global_batch, precision, margin)
-    estimates = candidates(model, machine, settings)
-    extras = _add_variants(shape, estimates, machine, settings) if shape is not None else {}
-    best = recommend(estimates, settings.device_memory, settings.margin)
+    profiles: dict[int, list] = {}  # measured once, planned without and with checkpointing
+    plain = candidates(model, machine, settings, profiles=profiles)
+    full = candidates(model, machine, settings, "full", profiles)
+    best = recommend(plain + full, settings.device_memory, settings.margin)
     if best is None:
-        raise _no_layout(estimates, machine, global_batch)
+        raise _no_layout(plain + full, machine, global_batch)
     stage, sharding = int(best.zero_stage or 0), getattr(best.zero_stage, "sharding", None)  # a variant by name
     config = ParallelConfig(dp=best.dp, pp=best.pp, tp=best.tp, ep=best.ep, zero_stage=stage, sharding=sharding)
-    config = replace(config, **extras.get(id(best), {}))
+    config.activation_checkpointing = "full" if any(best is e for e in full) else "none"
     if best.pp > 1:
         config = replace(config, microbatches=best.microbatches, pp_schedule=settings.schedule)
     return AutoChoice(config, best, machine, settings)
@@ -249,24 +247,13 @@ def _choose_analytic(
     return AutoChoice(ParallelConfig(**layout), best, machine, work)
 
 
-def _add_variants(
-    shape: ModelShape, estimates: list[Estimate], machine: Machine, settings: Settings
-) -> dict[int, dict[str, Any]]:
-    """Append to ``estimates`` the checkpointing and sequence-parallel variants of each layout that runs or only
-    lacks memory; returns the fields that set each variant, by the variant's id."""
-    extras: dict[int, dict[str, Any]] = {}
-    for est in list(estimates):
-        if est.feasible or est.reason.startswith("out of memory"):
-            for variant, setting in calibrated_variants(shape, est, machine, settings):
-                extras[id(variant)] = setting
-                estimates.append(variant)
-    return extras
-
-
-def candidates(spec: ModelSpec, machine: Machine, settings: Settings) -> list[Estimate]:
-    """The planner's estimate of every layout of ``machine.world_size``; those whose tp would span nodes are
-    infeasible (tp's all-reduces in every layer stay on the fast link inside a node)."""
-    estimates = plan_layouts(spec, machine.world_size, settings)
+def candidates(
+    spec: ModelSpec, machine: Machine, settings: Settings, checkpointing: str = "none", profiles: dict | None = None
+) -> list[Estimate]:
+    """The planner's estimate of every layout of ``machine.world_size`` (under ``checkpointing``, ``none`` or
+    ``full``; ``profiles`` as :func:`plan_layouts`'s); those whose tp would span nodes are infeasible (tp's
+    all-reduces in every layer stay on the fast link inside a node)."""
+    estimates = plan_layouts(spec, machine.world_size, settings, checkpointing, profiles)
     for e in estimates:
         if e.feasible and machine.node_size % e.tp:
             e.reason = f"tp={e.tp} spans nodes of {machine.node_size} device(s)"

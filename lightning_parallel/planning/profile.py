@@ -295,12 +295,44 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan_layouts(spec: ModelSpec, world: int, settings: Settings) -> list[Estimate]:
+def checkpointed(costs: list[LayerCost]) -> list[LayerCost]:
+    """``costs`` under full activation checkpointing of every pipeline layer (what the strategy wraps): a layer
+    keeps its input alone for backward (the loss still keeps a result the size of the last layer's output), runs
+    its forward again in backward (4/3 of the FLOPs), and repeats its forward's tp all-reduces (1.5x the payload)."""
+    last = len(costs) - 1
+    return [
+        dataclasses.replace(
+            c,
+            act_fixed=0.0,
+            act_per_sample=c.in_per_sample + (c.out_per_sample if i == last else 0.0),
+            flops_per_sample=c.flops_per_sample * 4 / 3,
+            tp_payload_per_sample=c.tp_payload_per_sample * 1.5,
+        )
+        for i, c in enumerate(costs)
+    ]
+
+
+def plan_layouts(
+    spec: ModelSpec,
+    world: int,
+    settings: Settings,
+    checkpointing: str = "none",
+    profiles: dict[int, list[LayerCost]] | None = None,
+) -> list[Estimate]:
     """One estimate per (pp, dp, tp, zero_stage) with pp * dp * tp == world; infeasible ones carry the reason
     (a layout refused before estimating has ``zero_stage`` None: the reason holds for every stage). Each layout
-    is validated as the strategy would validate it (:class:`ParallelConfig`)."""
+    is validated as the strategy would validate it (:class:`ParallelConfig`).
+
+    Args:
+        spec: the model; world: the devices; settings: batch, precision, device and cost model.
+        checkpointing: ``none`` or ``full`` (:func:`checkpointed`).
+        profiles: per tp, the layer costs measured already (filled in as they are measured), to plan again
+            without profiling again.
+    """
+    if checkpointing not in ("none", "full"):
+        raise ValueError(f"checkpointing={checkpointing!r}: the profiled planner plans 'none' or 'full'.")
     out: list[Estimate] = []
-    profiles: dict[int, list[LayerCost]] = {}
+    profiles = {} if profiles is None else profiles
     num_layers = len(spec.layers)
     for tp in divisors(world):
         for pp in divisors(world // tp):
@@ -316,7 +348,8 @@ def plan_layouts(spec: ModelSpec, world: int, settings: Settings) -> list[Estima
             expert_degrees = [ep for ep in divisors(dp) if spec.num_experts % ep == 0] if spec.num_experts else [1]
             for ep in expert_degrees:
                 for zero in [stage for stage in planned_stages() if dp > 1 or stage == 0]:
-                    est = estimate_layout(profiles[tp], stages, ranks, (pp, dp, tp), zero, settings, ep=ep)
+                    costs = checkpointed(profiles[tp]) if checkpointing == "full" else profiles[tp]
+                    est = estimate_layout(costs, stages, ranks, (pp, dp, tp), zero, settings, ep=ep)
                     if est.memory > settings.device_memory:
                         memory, device = est.memory / 1e9, settings.device_memory / 1e9
                         est.reason = f"out of memory: {memory:.2f} GB > {device:.2f} GB"

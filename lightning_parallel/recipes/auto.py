@@ -19,9 +19,9 @@ log = logging.getLogger(__name__)
 
 AUTO_KEYS = ("auto_device_memory", "planned")  # StrategyConf's keys for strategy=auto
 # what strategy=auto chooses, and what the planner does not model: neither may be set beside it
-CHOSEN = ("dp", "pp", "tp", "ep", "zero_stage", "microbatches", "pp_schedule", "pp_virtual_stages")
-CHOSEN += ("cp", "cp_mode", "dp_shard", "sequence_parallel", "activation_checkpointing", "overlap_grad_reduce")
-UNMODELED = ("spatial", "offload", "sharding", "pp_balance", "pp_memory_budget")
+CHOSEN = ("dp", "pp", "tp", "ep", "zero_stage", "sharding", "activation_checkpointing", "microbatches", "pp_schedule")
+CHOSEN += ("pp_virtual_stages",)
+UNMODELED = ("cp", "spatial", "dp_shard", "offload", "sequence_parallel", "pp_balance", "pp_memory_budget")
 
 
 def resolve_auto(cfg: DictConfig) -> None:
@@ -59,7 +59,6 @@ def plan_for(cfg: DictConfig) -> Any:
     """The :class:`~lightning_parallel.planning.auto.AutoChoice` for the recipe's model, batch, precision and job."""
     from lightning_parallel.plan import gpt_spec, parse_bytes, vgg_spec
     from lightning_parallel.planning.auto import choose_layout, detect_machine
-    from lightning_parallel.planning.hf_config import from_recipe
 
     schema = OmegaConf.get_type(cfg.model)
     if schema not in (GPTModelConf, VGGModelConf):
@@ -78,5 +77,4 @@ def plan_for(cfg: DictConfig) -> Any:
         ) from None
     machine = detect_machine(t.devices * t.num_nodes, t.devices, t.accelerator, memory)
     batch = max(1, cfg.data.global_batch_size // max(1, t.accumulate_grad_batches))  # samples per forward
-    shape = from_recipe(cfg.model) if schema is GPTModelConf else None  # checkpointing and SP by its formulas
-    return choose_layout(spec, machine, batch, precision=cfg.precision.value, shape=shape)
+    return choose_layout(spec, machine, batch, precision=cfg.precision.value)
