@@ -4,8 +4,11 @@
 bandwidth and latency per message) from torch alone, the same on every rank: no timing, so every process that
 plans for the same job picks the same layout. :func:`choose_layout` runs the planner
 (:func:`~lightning_parallel.planning.profile.plan_layouts`, :func:`~lightning_parallel.planning.estimate.recommend`)
-over every layout whose tp fits inside a node and returns the recommendation as a
-:class:`~lightning_parallel.parallel.config.ParallelConfig` with its predicted figures. The recipes use it for
+over every layout whose tp fits inside a node, without and with full activation checkpointing (and with each
+sharding registered with ``planned = True``), and returns the recommendation as a
+:class:`~lightning_parallel.parallel.config.ParallelConfig` with its predicted figures; a model given by its shape
+(a Hugging Face config, a LitGPT name) goes to the analytic planner over every axis (:mod:`.auto_analytic`). The
+recipes use it for
 ``strategy=auto`` (``recipes/auto.py``); Trainer and Fabric users pass ``choice.config`` to
 ``Hybrid3DStrategy`` / ``Hybrid3DFabricStrategy``.
 
