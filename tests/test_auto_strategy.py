@@ -332,3 +332,15 @@ def test_auto_under_tight_memory_trains_with_checkpointing_in_the_memory_it_plan
     assert measured <= 0.9 * float(memory[:-2]) * 1e6
     if pp == 1:
         assert measured == pytest.approx(planned["memory_per_rank_bytes"], rel=0.02)
+
+
+def test_the_sweep_merges_a_remeasured_row_and_replans_the_stored_ones():
+    from benchmarks.auto_sweep import merge_auto, replan
+
+    stored = [{"model": "a", "world": 2, "v": 1}, {"model": "a", "world": 4, "v": 1}]
+    merged = merge_auto(stored, [{"model": "a", "world": 4, "v": 2}, {"model": "b", "world": 2, "v": 2}])
+    assert [(r["model"], r["world"], r["v"]) for r in merged] == [("a", 2, 1), ("a", 4, 2), ("b", 2, 2)]
+    row = next(r for r in json.loads(RESULTS.read_text())["auto"] if (r["model"], r["world"]) == ("vgg_tiny", 2))
+    (again,) = replan([row])
+    times = {json.dumps(m["layout"]): m["step_s"] for m in row["rows"]}
+    assert again["ratio"] == times[json.dumps(again["pick"])] / min(times.values())  # the stored step times alone
