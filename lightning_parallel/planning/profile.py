@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_parallel.parallel.config import ParallelConfig
-from lightning_parallel.parallel.data.stages import ZERO_STAGES
+from lightning_parallel.parallel.data.stages import planned_stages
 from lightning_parallel.parallel.expert.moe import GroupedExperts, MoE
 from lightning_parallel.parallel.measure.memory import ActivationMemory
 from lightning_parallel.parallel.pipeline.partition import uniform_partition
@@ -178,18 +178,48 @@ def _measure(
         for h in handles:
             h.remove()
     # a separate forward: under FlopCounterMode autograd saves more (one more activation per GPT block)
-    with FlopCounterMode(display=False) as counter, _precision_context(precision):
-        layer(x)
+    padded = _padding_hooks(layer)
+    try:
+        with FlopCounterMode(display=False) as counter, _precision_context(precision):
+            layer(x)
+    finally:
+        for h in padded["handles"]:
+            h.remove()
     return {
         "act": act,
         "loss": extra,
         "shape": shape,
         "dtype": dtype,
-        "flops": counter.get_total_flops(),
+        "flops": counter.get_total_flops() - _padding_flops(layer, counter, padded["share"]),
         "tp": sink["bytes"],
         "a2a": routed[0],
         "norm": norms[0],
     }
+
+
+def _padding_hooks(layer: nn.Module) -> dict[str, Any]:
+    """Hooks noting, for each expert module of ``layer``, the share of its FLOPs spent on padding rows: the padded
+    host kernel runs every local expert at the largest count (:mod:`~lightning_parallel.parallel.expert.experts`),
+    and the profile's routing (uninitialized weights, constant inputs) sends every token to the same k experts,
+    which no trained or freshly initialized router does. The model counts the routed rows alone (dropless)."""
+    found: dict[str, Any] = {"handles": [], "share": {}}
+    for name, module in layer.named_modules():
+        if isinstance(module, GroupedExperts):
+
+            def hook(mod: nn.Module, args: tuple, out: Tensor, name: str = name) -> None:
+                counts = args[1]
+                padded = counts.numel() * int(counts.max()) if counts.numel() else 0
+                found["share"][name] = 1 - int(counts.sum()) / padded if padded else 0.0
+
+            found["handles"].append(module.register_forward_hook(hook))
+    return found
+
+
+def _padding_flops(layer: nn.Module, counter: FlopCounterMode, share: dict[str, float]) -> float:
+    """The padding rows' FLOPs of the expert modules ``share`` names (FlopCounterMode counts by module path under
+    the root's class name)."""
+    counts, root = counter.get_flop_counts(), type(layer).__name__
+    return sum(sum(counts.get(f"{root}.{name}" if name else root, {}).values()) * w for name, w in share.items())
 
 
 def layer_costs(
@@ -282,12 +312,41 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan_layouts(spec: ModelSpec, world: int, settings: Settings) -> list[Estimate]:
+def recomputed(costs: list[LayerCost]) -> list[LayerCost]:
+    """``costs`` (profiled under full activation checkpointing, so their memory is measured) with the time the
+    recompute adds: each layer runs its forward again in backward (4/3 of the FLOPs) and repeats its forward's tp
+    all-reduces (1.5x the payload)."""
+    return [
+        dataclasses.replace(
+            c, flops_per_sample=c.flops_per_sample * 4 / 3, tp_payload_per_sample=c.tp_payload_per_sample * 1.5
+        )
+        for c in costs
+    ]
+
+
+def plan_layouts(
+    spec: ModelSpec,
+    world: int,
+    settings: Settings,
+    checkpointing: str = "none",
+    profiles: dict[tuple[int, str], list[LayerCost]] | None = None,
+) -> list[Estimate]:
     """One estimate per (pp, dp, tp, zero_stage) with pp * dp * tp == world; infeasible ones carry the reason
     (a layout refused before estimating has ``zero_stage`` None: the reason holds for every stage). Each layout
-    is validated as the strategy would validate it (:class:`ParallelConfig`)."""
+    is validated as the strategy would validate it (:class:`ParallelConfig`).
+
+    Args:
+        spec: the model; world: the devices; settings: batch, precision, device and cost model.
+        checkpointing: ``none`` (then ``settings.activation_checkpointing`` holds) or ``full``: every layer
+            profiled checkpointed, its recompute timed by :func:`recomputed`.
+        profiles: per (tp, checkpointing), the layer costs measured already (filled in as they are measured),
+            to plan again without profiling again.
+    """
+    if checkpointing not in ("none", "full"):
+        raise ValueError(f"checkpointing={checkpointing!r}: the profiled planner plans 'none' or 'full'.")
+    mode = settings.activation_checkpointing if checkpointing == "none" else checkpointing
     out: list[Estimate] = []
-    profiles: dict[int, list[LayerCost]] = {}
+    profiles = {} if profiles is None else profiles
     num_layers = len(spec.layers)
     for tp in divisors(world):
         for pp in divisors(world // tp):
@@ -296,14 +355,15 @@ def plan_layouts(spec: ModelSpec, world: int, settings: Settings) -> list[Estima
             if reason:
                 out.append(Estimate(pp, dp, tp, None, reason=reason))
                 continue
-            if tp not in profiles:
-                profiles[tp] = layer_costs(spec, tp, settings.precision, settings.activation_checkpointing)
+            if (tp, mode) not in profiles:
+                profiles[tp, mode] = layer_costs(spec, tp, settings.precision, mode)
             stages = uniform_partition(num_layers, pp * config.stages_per_rank)
             ranks = config.schedule.stage_ranks(len(stages), pp)
             expert_degrees = [ep for ep in divisors(dp) if spec.num_experts % ep == 0] if spec.num_experts else [1]
             for ep in expert_degrees:
-                for zero in [stage for stage in ZERO_STAGES if dp > 1 or stage == 0]:
-                    est = estimate_layout(profiles[tp], stages, ranks, (pp, dp, tp), zero, settings, ep=ep)
+                for zero in [stage for stage in planned_stages() if dp > 1 or stage == 0]:
+                    costs = recomputed(profiles[tp, mode]) if mode == "full" else profiles[tp, mode]
+                    est = estimate_layout(costs, stages, ranks, (pp, dp, tp), zero, settings, ep=ep)
                     if est.memory > settings.device_memory:
                         memory, device = est.memory / 1e9, settings.device_memory / 1e9
                         est.reason = f"out of memory: {memory:.2f} GB > {device:.2f} GB"

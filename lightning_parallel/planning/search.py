@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import replace
 
+from lightning_parallel.parallel.data.stages import planned_stages
 from lightning_parallel.planning.analytic import AnalyticEstimate, evaluate
 from lightning_parallel.planning.cluster import Cluster
 from lightning_parallel.planning.hf_config import ModelShape
@@ -29,7 +30,8 @@ def layout_options(layout: Layout, work: Workload, free: tuple[str, ...]) -> Ite
         "microbatches": sorted({per_dp // b for b in (1, 2, 4, 8) if per_dp % b == 0}),
         "pp_virtual_stages": [None, 2, 4, 8] if layout.pp_schedule == "interleaved_1f1b" else [None],
         "activation_checkpointing": list(CHECKPOINTING),
-        "zero_stage": [0, 2, 3],  # ZeRO-1 moves what ZeRO-2 moves and holds more
+        # ZeRO-1 moves what ZeRO-2 moves and holds more; registered variants by name (planned_stages)
+        "zero_stage": [0, 2, 3, *(s for s in planned_stages() if hasattr(s, "sharding"))],
         "overlap_grad_reduce": [True],
         "sequence_parallel": [layout.tp > 1],
     }

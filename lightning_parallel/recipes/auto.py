@@ -19,9 +19,9 @@ log = logging.getLogger(__name__)
 
 AUTO_KEYS = ("auto_device_memory", "planned")  # StrategyConf's keys for strategy=auto
 # what strategy=auto chooses, and what the planner does not model: neither may be set beside it
-CHOSEN = ("dp", "pp", "tp", "ep", "zero_stage", "microbatches", "pp_schedule", "pp_virtual_stages")
-UNMODELED = ("cp", "spatial", "dp_shard", "offload", "sequence_parallel", "activation_checkpointing", "pp_balance")
-UNMODELED += ("pp_memory_budget",)
+CHOSEN = ("dp", "pp", "tp", "ep", "zero_stage", "sharding", "activation_checkpointing", "microbatches", "pp_schedule")
+CHOSEN += ("pp_virtual_stages",)
+UNMODELED = ("cp", "spatial", "dp_shard", "offload", "sequence_parallel", "pp_balance", "pp_memory_budget")
 
 
 def resolve_auto(cfg: DictConfig) -> None:
@@ -50,7 +50,7 @@ def resolve_auto(cfg: DictConfig) -> None:
     log.info(choice.describe())
     c = choice.config
     s.name = "hybrid3d"
-    for key in ("dp", "pp", "tp", "ep", "zero_stage", "microbatches", "pp_schedule"):
+    for key in CHOSEN:
         s[key] = getattr(c, key)
     s.planned = choice.planned()
 

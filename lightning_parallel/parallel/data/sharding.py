@@ -159,6 +159,7 @@ class DataParallelSharding:
     comm_factor: ClassVar[float]  # bytes sent per step per rank, in units of a ring all-reduce of the gradients
     supports_offload: ClassVar[bool] = False
     supports_hsdp: ClassVar[bool] = True  # it can shard inside replicas (dp_shard)
+    planned: ClassVar[bool] = False  # the planners also weigh it by name (its stage's counts, these formulas)
     summary: ClassVar[str]
 
     def __init__(

@@ -21,9 +21,36 @@ ZERO_STAGES: dict[int, type[DataParallelSharding]] = {stage: SHARDINGS[name] for
 OFFLOAD_STAGES = tuple(stage for stage, cls in ZERO_STAGES.items() if cls.supports_offload)
 
 
+class PlannedStage(int):
+    """A registered variant as the planners carry it: its ZeRO stage's number wherever a number decides (message
+    counts, ZeRO-3's gathers, ``zero_stage`` in a config), its name where :func:`zero_stage` looks up the formulas
+    (the class attributes ``sharded`` and ``comm_factor``)."""
+
+    sharding: str
+
+    def __new__(cls, name: str) -> PlannedStage:
+        stage = super().__new__(cls, SHARDINGS[name].stage)
+        stage.sharding = name
+        return stage
+
+    def __getnewargs__(self) -> tuple[str]:  # type: ignore[override]  # copies keep the name
+        return (self.sharding,)
+
+    def __repr__(self) -> str:
+        return self.sharding
+
+
+def planned_stages() -> list[int]:
+    """What the planners weigh: the ZeRO stages 0-3, then each registered sharding declaring ``planned = True``
+    (a :class:`PlannedStage`), so a new variant is planned without editing ``planning/``."""
+    named = [PlannedStage(name) for name, cls in SHARDINGS.items() if cls.planned and name not in ZERO_NAMES.values()]
+    return [*ZERO_STAGES, *named]
+
+
 def zero_stage(stage: int) -> type[DataParallelSharding]:
-    """The sharding class of a (validated) stage number."""
-    return ZERO_STAGES[stage]
+    """The sharding class of a (validated) stage number, or of a :class:`PlannedStage` (the variant it names)."""
+    name = getattr(stage, "sharding", None)
+    return SHARDINGS[name] if name is not None else ZERO_STAGES[stage]
 
 
 def sharding_class(config: ParallelConfig) -> type[DataParallelSharding]:
