@@ -19,40 +19,41 @@ from lightning_parallel.recipes.auto import UNMODELED
 
 
 def test_every_axis_is_a_field_and_every_plain_axis_a_setting():
-    assert PLAIN_AXES == ("pp", "tp") and set(MESH_AXES) == {*PLAIN_AXES, *mesh.DERIVED_AXES}
+    assert {"pp", "tp"} <= set(PLAIN_AXES) and set(MESH_AXES) == {*PLAIN_AXES, *mesh.DERIVED_AXES}
     assert set(MESH_AXES) <= {f.name for f in dataclasses.fields(ParallelDims)}
     assert set(PLAIN_AXES) <= set(ParallelConfig.names())
     assert not set(UNMODELED) & set(PLAIN_AXES)  # strategy=auto chooses pp and tp; an axis added since is refused
 
 
 @dataclasses.dataclass(frozen=True)
-class DimsWithOuter(ParallelDims):
-    dpo: int = 1  # the dry run's axis: whole copies of the inner layout
+class DimsWithPods(ParallelDims):
+    pod: int = 1  # an axis like the dry run's dpo: whole copies of the inner layout
 
 
 @pytest.fixture
-def outer_axis(monkeypatch):
-    """The tables with a plain axis ``dpo`` added, as the dry run's mesh.py adds it (nothing else in mesh.py)."""
-    axes = ("pp", "dpo", *mesh.MESH_AXES[1:])
+def pod_axis(monkeypatch):
+    """The tables with a plain axis ``pod`` added outside the others, as the dry run's mesh.py adds ``dpo`` (nothing
+    else in mesh.py)."""
+    axes = ("pod", *mesh.MESH_AXES)
     monkeypatch.setattr(mesh, "MESH_AXES", axes)
     monkeypatch.setattr(mesh, "PLAIN_AXES", tuple(a for a in axes if a not in mesh.DERIVED_AXES))
-    roles = {**mesh.ROLES, "outer": ("dpo",)}
-    roles["batch"], roles["loss"] = ("dpo", *roles["batch"]), ("dpo", *roles["loss"])
+    roles = {**mesh.ROLES, "pods": ("pod",)}
+    roles["batch"], roles["loss"] = ("pod", *roles["batch"]), ("pod", *roles["loss"])
     monkeypatch.setattr(mesh, "ROLES", roles)
 
 
-def test_a_plain_axis_needs_only_the_tables(outer_axis):
-    dims = DimsWithOuter.from_degrees(16, dpo=2, tp=2, cp=2)
-    assert (dims.dp, dims.dpo) == (2, 2)
-    assert list(dims.degrees) == ["pp", "dpo", "dpr", "dp", "ep", "cp", "tp"]
-    assert [dims.role_size(r) for r in ("batch", "loss", "shard", "outer")] == [4, 8, 4, 2]
-    assert str(dims) == "pp=1 dp=2 tp=2 cp=2 dpo=2 (world_size=16)"
-    with pytest.raises(ValueError, match=r"pp\(1\) \* dpo\(2\) \* dp\(3\) \* tp\(1\) = 6 != world_size\(8\)"):
-        DimsWithOuter.from_degrees(8, dpo=2, dp=3)
-    with pytest.raises(ValueError, match=r"divisible by pp\(1\) \* dpo\(3\) \* tp\(2\) = 6: choose pp and dpo and tp"):
-        DimsWithOuter.from_degrees(8, dpo=3, tp=2)
-    with pytest.raises(ValueError, match=r"dpo=0 is not a parallel degree"):
-        DimsWithOuter.from_degrees(8, dpo=0)
+def test_a_plain_axis_needs_only_the_tables(pod_axis):
+    dims = DimsWithPods.from_degrees(16, pod=2, tp=2, cp=2)
+    assert (dims.dp, dims.pod) == (2, 2)
+    assert list(dims.degrees)[:2] == ["pod", "pp"] and dims.degrees["pod"] == 2
+    assert [dims.role_size(r) for r in ("batch", "loss", "shard", "pods")] == [4, 8, 4, 2]
+    assert str(dims) == "pp=1 dp=2 tp=2 cp=2 pod=2 (world_size=16)"
+    with pytest.raises(ValueError, match=r"pod\(2\) \* pp\(1\) \* dp\(3\) \* tp\(1\) = 6 != world_size\(8\)"):
+        DimsWithPods.from_degrees(8, pod=2, dp=3)
+    with pytest.raises(ValueError, match=r"divisible by pod\(3\) \* pp\(1\) \* tp\(2\) = 6: choose pod and pp and tp"):
+        DimsWithPods.from_degrees(8, pod=3, tp=2)
+    with pytest.raises(ValueError, match=r"pod=0 is not a parallel degree"):
+        DimsWithPods.from_degrees(8, pod=0)
 
 
 def test_the_arithmetic_of_layouts_without_new_axes_is_unchanged():
