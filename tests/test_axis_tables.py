@@ -15,14 +15,14 @@ from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.mesh import MESH_AXES, PLAIN_AXES, ParallelDims
 from lightning_parallel.parallel.parallelize import Parallelized
 from lightning_parallel.parallel.step import reduce_step_gradients
-from lightning_parallel.recipes.auto import UNMODELED
+from lightning_parallel.recipes.auto import CHOSEN, UNMODELED
 
 
 def test_every_axis_is_a_field_and_every_plain_axis_a_setting():
     assert {"pp", "tp"} <= set(PLAIN_AXES) and set(MESH_AXES) == {*PLAIN_AXES, *mesh.DERIVED_AXES}
     assert set(MESH_AXES) <= {f.name for f in dataclasses.fields(ParallelDims)}
     assert set(PLAIN_AXES) <= set(ParallelConfig.names())
-    assert not set(UNMODELED) & set(PLAIN_AXES)  # strategy=auto chooses pp and tp; an axis added since is refused
+    assert set(PLAIN_AXES) <= {*CHOSEN, *UNMODELED}  # strategy=auto chooses pp and tp, and refuses an axis added since
 
 
 @dataclasses.dataclass(frozen=True)
