@@ -118,7 +118,11 @@ class ParallelDims:
 
         Args:
             world_size: the number of processes.
-            dp, ep, cp, dp_shard, spatial: the settings the derived axes (:data:`DERIVED_AXES`) are worked out from.
+            dp: the data-parallel degree, or ``"auto"``.
+            ep: the expert-parallel degree (carved out of dp).
+            cp: the context-parallel degree.
+            dp_shard: HSDP's shard group inside dp (None: all of dp).
+            spatial: the spatial degree (it takes the cp axis).
             **plain: the degree of each axis of :data:`PLAIN_AXES` (``pp``, ``tp``, ...) by its name; default 1.
 
         Raises:
