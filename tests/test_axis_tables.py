@@ -57,6 +57,8 @@ def test_a_plain_axis_needs_only_the_tables(pod_axis):
 
 
 def test_the_arithmetic_of_layouts_without_new_axes_is_unchanged():
+    with pytest.raises(TypeError, match=r"from_degrees\(\) got pod: not an axis of PLAIN_AXES \(pp, "):
+        ParallelDims.from_degrees(8, pod=2)
     assert str(ParallelDims.from_degrees(8, pp=2, tp=2)) == "pp=2 dp=2 tp=2 (world_size=8)"
     with pytest.raises(ValueError, match=r"pp\(2\) \* dp\(3\) \* tp\(2\) = 12 != world_size\(8\)"):
         ParallelDims.from_degrees(8, pp=2, dp=3, tp=2)

@@ -127,9 +127,12 @@ class ParallelDims:
 
         Raises:
             ValueError: with the arithmetic and the fix, when the degrees do not fit the world size.
+            TypeError: a keyword that is no axis.
         """
         unknown = sorted(set(plain) - set(PLAIN_AXES))
-        assert not unknown, f"{unknown}: not axes of PLAIN_AXES ({', '.join(PLAIN_AXES)})"
+        if unknown:
+            axes = ", ".join(PLAIN_AXES)
+            raise TypeError(f"from_degrees() got {', '.join(unknown)}: not an axis of PLAIN_AXES ({axes})")
         world_size = check_degree("world_size", world_size)
         sizes = {axis: check_degree(axis, plain.get(axis, 1)) for axis in PLAIN_AXES}
         check_degree("cp", cp)
