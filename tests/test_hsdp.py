@@ -41,14 +41,16 @@ SAVE = {"name": "save", "steps": EPOCH, "epoch_steps": EPOCH}
 def test_replicas_are_outermost_so_shards_and_tp_stay_inside_a_node():
     dims = ParallelConfig(dp_shard=2, tp=2, zero_stage=3).dims(8)  # dp=4: 2 replicas x 2 shards, tp=2
     assert (dims.dp, dims.dpr, dims.dp_shard) == (4, 2, 2)
-    assert dims.degrees == {"pp": 1, "dpr": 2, "dp": 2, "ep": 1, "cp": 1, "tp": 2}
-    ranks = torch.arange(8).reshape(tuple(dims.degrees.values()))  # row-major, as init_device_mesh lays it out
+    sized = {axis: d for axis, d in dims.degrees.items() if d > 1}
+    assert list(sized.items()) == [("dpr", 2), ("dp", 2), ("tp", 2)]  # in mesh order; every other axis of size 1
+    # row-major, as init_device_mesh lays it out; the size-1 axes dropped: (dpr, dp, tp)
+    ranks = torch.arange(8).reshape(tuple(dims.degrees.values())).squeeze()
     node_size = 4  # two nodes of 4: ranks 0-3 and 4-7
     for replica in range(2):  # one replica's shards and tp ranks: one node
-        inside = ranks[0, replica].flatten()
+        inside = ranks[replica].flatten()
         assert len({int(r) // node_size for r in inside}) == 1, inside
     for shard in range(2):  # the ranks holding the same shard: one per node
-        across = ranks[0, :, shard, 0, 0, 0]
+        across = ranks[:, shard, 0]
         assert len({int(r) // node_size for r in across}) == 2, across
     assert dims.role_size("batch") == 4 and dims.node_local() == {"tp": 2, "dp_shard": 2}
     dims.check_node_size(4, 2)

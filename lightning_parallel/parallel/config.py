@@ -3,7 +3,10 @@ schedule table).
 
 The strategies take it (``Hybrid3DStrategy(pp=2, tp=2)`` builds one from its keyword arguments), the recipes'
 Hydra schema extends it (``StrategyConf``), the planner validates layouts with it, and the tests build
-strategies from it. A new setting is a new field here, with its check in :meth:`ParallelConfig.validate`.
+strategies from it. A new setting is a new field here, with its check in :meth:`ParallelConfig.validate`; a
+new mesh axis whose size is its setting (``mesh.PLAIN_AXES``) is a field named as the axis, which
+:meth:`ParallelConfig.dims`, ``describe`` and the degree checks pick up (its constraints against other settings go
+in ``validate``).
 
 May import: ``parallel.mesh``, ``parallel.pipeline.schedules``, ``parallel.data.stages``,
 ``parallel.activation_checkpoint``, ``parallel.fault_tolerance``. Never Lightning.
@@ -22,7 +25,7 @@ from lightning_parallel.parallel.data.compression import check_grad_compression
 from lightning_parallel.parallel.data.powersgd import check_powersgd_settings
 from lightning_parallel.parallel.data.stages import check_sharding_name, check_zero_settings, sharding_class
 from lightning_parallel.parallel.fault_tolerance import check_fault_tolerance
-from lightning_parallel.parallel.mesh import ParallelDims, check_degree
+from lightning_parallel.parallel.mesh import PLAIN_AXES, ParallelDims, check_degree
 from lightning_parallel.parallel.pipeline.schedules import ScheduleSpec, schedule_spec
 
 PIPELINE_BALANCES = ("uniform", "params", "profile")
@@ -171,7 +174,7 @@ class ParallelConfig:
         """The degrees for ``world_size`` processes (``dp="auto"`` resolved); a ValueError with the arithmetic
         when they do not fit, or when ep or dp_shard does not divide the resolved dp."""
         self._check_spatial()
-        degrees = {"pp": self.pp, "tp": self.tp, "cp": self.cp, "spatial": self.spatial}
+        degrees = {"cp": self.cp, "spatial": self.spatial} | {axis: getattr(self, axis) for axis in PLAIN_AXES}
         dp = ParallelDims.from_degrees(world_size, dp=self.dp, **degrees).dp  # "auto" resolved
         self._check_data_parallel(dp, resolved=self.dp == "auto")
         return ParallelDims.from_degrees(world_size, dp=dp, ep=self.ep, dp_shard=self.dp_shard, **degrees)
@@ -225,6 +228,7 @@ class ParallelConfig:
         cp += f", spatial={self.spatial}" if self.spatial > 1 else ""
         cp += f", dp_shard={self.dp_shard}" if self.dp_shard is not None else ""
         cp += f", sharding={self.sharding!r}" if self.sharding is not None else ""
+        cp += "".join(f", {a}={getattr(self, a)}" for a in PLAIN_AXES if a not in ("pp", "tp") and getattr(self, a) > 1)
         return f"strategy={name!r} (dp={self.dp!r}, pp={self.pp}, tp={self.tp}{ep}{cp}, zero_stage={self.zero_stage})"
 
     # ----- validation -----
@@ -247,8 +251,8 @@ class ParallelConfig:
             if self.zero_stage != stage:
                 return dataclasses.replace(self, zero_stage=stage).validate(warn)
         check_degree_arg("dp", self.dp, allow_auto=True)
-        check_degree_arg("pp", self.pp)
-        check_degree_arg("tp", self.tp)
+        for axis in PLAIN_AXES:  # pp, tp and any axis whose size is its setting
+            check_degree_arg(axis, getattr(self, axis))
         self._check_context(warn)
         check_zero_settings(self.zero_stage, self.offload, name="zero_stage", allow_zero=True)
         if self.offload and not sharding_class(self).supports_offload:

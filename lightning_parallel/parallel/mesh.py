@@ -29,9 +29,11 @@ stage         pipeline stages: activations sent point to point, tied weights sum
 tensor        tensor parallelism
 ============  ===========================================================================
 
-Adding an axis: a field of :class:`ParallelDims`, its place in :data:`MESH_AXES`, and the roles it joins in
-:data:`ROLES` (a role over several axes of size > 1 is flattened into one mesh named ``"dp_ep"``, its axes joined
-by ``_``). Pure torch.
+Adding an axis: a constant, its place in :data:`MESH_AXES`, the roles it joins in :data:`ROLES` (a role over several
+axes of size > 1 is flattened into one mesh named ``"dp_ep"``, its axes joined by ``_``) and a field of
+:class:`ParallelDims` named as the axis. An axis whose size is its setting (:data:`PLAIN_AXES`, as pp and tp) needs
+nothing more here: the world-size arithmetic, :attr:`ParallelDims.degrees`, its ``str`` and
+:meth:`~lightning_parallel.parallel.config.ParallelConfig.dims` read every axis from these tables. Pure torch.
 
 May import: torch and ``lightning_parallel._compat``.
 """
@@ -56,6 +58,9 @@ EP = "ep"
 CP = "cp"
 TP = "tp"
 MESH_AXES = (PP, DPR, DP, EP, CP, TP)  # outermost first
+DERIVED_AXES = (DPR, DP, EP, CP)  # sizes worked out from dp, ep, dp_shard, cp and spatial (ParallelDims.from_degrees)
+PLAIN_AXES = tuple(a for a in MESH_AXES if a not in DERIVED_AXES)  # the axis's size is its setting, named alike
+ALWAYS_SHOWN = (PP, TP)  # named in the arithmetic of every layout; other plain axes only above 1
 
 ROLES: dict[str, tuple[str, ...]] = {
     "batch": (DPR, DP, EP),
@@ -98,31 +103,45 @@ class ParallelDims:
         cls,
         world_size: int,
         *,
-        pp: int = 1,
         dp: int | Literal["auto"] = "auto",
-        tp: int = 1,
         ep: int = 1,
         cp: int = 1,
         dp_shard: int | None = None,
         spatial: int = 1,
+        **plain: int,
     ) -> ParallelDims:
-        """Validate ``pp * dp * cp * tp == world_size``; ``dp="auto"`` takes the ranks the other axes leave;
-        ``dp_shard`` (HSDP: None shards over all of dp) splits dp into dp / dp_shard replicas; ``spatial`` (strips
-        of images) takes the cp axis, and cp stays 1. Only the arithmetic: what the settings allow together (ep and
-        dp_shard dividing dp, spatial beside cp, ...) is :class:`~lightning_parallel.parallel.config.ParallelConfig`'s
-        to check (``ParallelConfig.dims``).
+        """Validate ``pp * dp * cp * tp == world_size`` (times every other axis of :data:`PLAIN_AXES`);
+        ``dp="auto"`` takes the ranks the other axes leave; ``dp_shard`` (HSDP: None shards over all of dp) splits
+        dp into dp / dp_shard replicas; ``spatial`` (strips of images) takes the cp axis, and cp stays 1. Only the
+        arithmetic: what the settings allow together (ep and dp_shard dividing dp, spatial beside cp, ...) is
+        :class:`~lightning_parallel.parallel.config.ParallelConfig`'s to check (``ParallelConfig.dims``).
+
+        Args:
+            world_size: the number of processes.
+            dp: the data-parallel degree, or ``"auto"``.
+            ep: the expert-parallel degree (carved out of dp).
+            cp: the context-parallel degree.
+            dp_shard: HSDP's shard group inside dp (None: all of dp).
+            spatial: the spatial degree (it takes the cp axis).
+            **plain: the degree of each axis of :data:`PLAIN_AXES` (``pp``, ``tp``, ...) by its name; default 1.
 
         Raises:
             ValueError: with the arithmetic and the fix, when the degrees do not fit the world size.
+            TypeError: a keyword that is no axis.
         """
+        unknown = sorted(set(plain) - set(PLAIN_AXES))
+        if unknown:
+            axes = ", ".join(PLAIN_AXES)
+            raise TypeError(f"from_degrees() got {', '.join(unknown)}: not an axis of PLAIN_AXES ({axes})")
         world_size = check_degree("world_size", world_size)
+        sizes = {axis: check_degree(axis, plain.get(axis, 1)) for axis in PLAIN_AXES}
         check_degree("cp", cp)
         assert check_degree("spatial", spatial) == 1 or cp == 1, "ParallelConfig refuses spatial with cp"
         split = "spatial" if spatial > 1 else CP  # the cp axis, named as the user set it
         cp = max(cp, spatial)
-        given = {PP: check_degree("pp", pp), split: cp, TP: check_degree("tp", tp)}
-        if cp == 1:  # not named in the arithmetic of layouts without it
-            del given[split]
+        # in mesh order with cp in its place, tp last; axes of size 1 not named unless always shown
+        given = {a: sizes[a] for a in PLAIN_AXES if a != TP and (a in ALWAYS_SHOWN or sizes[a] > 1)}
+        given |= ({split: cp} if cp > 1 else {}) | {TP: sizes[TP]}
         others = " * ".join(f"{axis}({d})" for axis, d in given.items())
         product = _product(given.values())
         if dp == "auto":
@@ -133,7 +152,9 @@ class ParallelDims:
                 )
             dp = world_size // product
         dp = check_degree("dp", dp)
-        degrees = {PP: given[PP], DP: dp, **({split: cp} if cp > 1 else {}), TP: given[TP]}
+        outer = MESH_AXES.index(DPR)  # dp goes where the data-parallel axes sit in the mesh
+        degrees = {a: d for a, d in given.items() if a in MESH_AXES[:outer]} | {DP: dp}
+        degrees |= {a: d for a, d in given.items() if a not in degrees}
         if _product(degrees.values()) != world_size:
             terms = " * ".join(f"{axis}({d})" for axis, d in degrees.items())
             raise ValueError(
@@ -144,13 +165,14 @@ class ParallelDims:
         dp_shard = dp if dp_shard is None else check_degree("dp_shard", dp_shard)
         assert dp % ep == 0 and dp % dp_shard == 0, "ParallelConfig.dims checks that ep and dp_shard divide dp"
         dpr = dp // dp_shard
-        return cls(world_size=world_size, ep=ep, pp=given[PP], dp=dp, tp=given[TP], cp=cp, dpr=dpr, spatial=spatial)
+        return cls(world_size=world_size, ep=ep, dp=dp, cp=cp, dpr=dpr, spatial=spatial, **sizes)
 
     @property
     def degrees(self) -> dict[str, int]:
         """Every mesh axis and its size, outermost first (``dpr``: HSDP's replicas; ``dp``: the ranks of one replica
         holding the same experts, dp / dpr / ep)."""
-        return {PP: self.pp, DPR: self.dpr, DP: self.dp // (self.ep * self.dpr), EP: self.ep, CP: self.cp, TP: self.tp}
+        sizes = {axis: getattr(self, axis) for axis in MESH_AXES}
+        return sizes | {DP: self.dp // (self.ep * self.dpr)}
 
     @property
     def context(self) -> int:
@@ -204,6 +226,7 @@ class ParallelDims:
         shown = {PP: self.pp, DP: self.dp, TP: self.tp} | ({EP: self.ep} if self.ep > 1 else {})
         shown |= {("spatial" if self.spatial > 1 else CP): self.cp} if self.cp > 1 else {}
         shown |= {"dp_shard": self.dp_shard} if self.dpr > 1 else {}
+        shown |= {a: getattr(self, a) for a in PLAIN_AXES if a not in shown and getattr(self, a) > 1}
         return " ".join(f"{axis}={d}" for axis, d in shown.items()) + f" (world_size={self.world_size})"
 
 

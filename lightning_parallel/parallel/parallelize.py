@@ -88,6 +88,10 @@ class Parallelized:
     context: ContextParallel | None = None  # cp > 1: this rank's attention, positions and batch split
     context_attention: list[str] = field(default_factory=list)  # attention modules switched to it
     spatial: SpatialParallel | None = None  # spatial > 1: this rank's strips, and the modules switched to them
+    # run by parallel/step.py after the data-parallel reduction, in order, on this rank's gradient pieces (in
+    # place): where an axis that changes the gradients once they are reduced (averaging over copies of the layout,
+    # say) hooks in from its step here, without touching the step itself
+    grad_hooks: list[Callable[[list[torch.Tensor]], None]] = field(default_factory=list)
 
     def shard_batch(self, batch: Any) -> Any:
         """This rank's piece of every sample in ``batch``: its sequence chunks (cp), its image strips (spatial)."""

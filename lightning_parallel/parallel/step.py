@@ -3,7 +3,8 @@
 :class:`~lightning_parallel.fabric.strategy.MeshFabricStrategy`). Pure torch.
 
 After the step's last backward: gradients of weights tied across pipeline stages summed over ``stage``, then the
-data-parallel reduction of the sharding; clipping by the norm of the whole model, however it is split.
+data-parallel reduction of the sharding, then the hooks :func:`~lightning_parallel.parallel.parallelize.parallelize`
+left (``Parallelized.grad_hooks``); clipping by the norm of the whole model, however it is split.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ def reduce_step_gradients(parallel: Parallelized | None, sharding: DataParallelS
     if tied is not None:
         tied.reduce()  # before the data-parallel reduction: both are sums
     sharding.reduce_gradients(optimizer)
+    if parallel is not None and parallel.grad_hooks:  # axes that act on the reduced gradients (Parallelized)
+        grads = [g for g, _, _ in sharding.grad_pieces(optimizer)]
+        for hook in parallel.grad_hooks:
+            hook(grads)
 
 
 def clip_model_grad_norm(

@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.mesh import PLAIN_AXES
 from lightning_parallel.recipes.config import GPTModelConf, VGGModelConf
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ AUTO_KEYS = ("auto_device_memory", "planned")  # StrategyConf's keys for strateg
 CHOSEN = ("dp", "pp", "tp", "ep", "zero_stage", "sharding", "activation_checkpointing", "microbatches", "pp_schedule")
 CHOSEN += ("pp_virtual_stages",)
 UNMODELED = ("cp", "spatial", "dp_shard", "offload", "sequence_parallel", "pp_balance", "pp_memory_budget")
+UNMODELED += tuple(axis for axis in PLAIN_AXES if axis not in CHOSEN)  # an axis added since: refused until planned
 
 
 def resolve_auto(cfg: DictConfig) -> None:

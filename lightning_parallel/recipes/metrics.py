@@ -16,6 +16,7 @@ from lightning_parallel.callbacks.activation import ActivationMemoryMonitor
 from lightning_parallel.callbacks.moe import MoEMonitor
 from lightning_parallel.callbacks.monitor import TrainingMonitor
 from lightning_parallel.parallel.measure.flops import peak_memory_bytes
+from lightning_parallel.parallel.mesh import PLAIN_AXES
 from lightning_parallel.strategies.async_ps import AsyncPSStrategy
 
 
@@ -52,6 +53,8 @@ def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_ste
         "precision": cfg.precision.value,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,  # as the workers saw it
     }
+    if dims:  # an axis whose size is its setting, added since: under its own name
+        layout |= {axis: dims.degrees[axis] for axis in PLAIN_AXES if axis not in layout}
     if _ASYNC_PS_RUN["active"]:
         layout |= {"workers": data_parallel, "servers": trainer.strategy.num_servers}
     return {
