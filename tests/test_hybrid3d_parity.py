@@ -8,6 +8,8 @@ import pytest
 from conftest import PARITY_CASES, Batch, deep, launch
 from parity import assert_same_losses, assert_same_params
 
+from lightning_parallel.parallel.pipeline.schedules import schedule_spec
+
 
 class Layout(NamedTuple):
     world: int
@@ -36,7 +38,7 @@ class Layout(NamedTuple):
     @property
     def deep(self) -> bool:
         """More stages than the 2-block GPT's 4 layers: use the 6-block one (8 layers)."""
-        per_rank = 2 if self.schedule in ("interleaved_1f1b", "zero_bubble") else 1
+        per_rank = schedule_spec(self.schedule).fixed_stages or 2 if self.pp > 1 else 1
         return self.pp * per_rank > 4
 
     @property
@@ -115,6 +117,9 @@ WORLD8 = _world8() + [
     Layout(4, 1, 2, 2, zero=1),
     Layout(4, 1, 2, 2, zero=2),
     Layout(4, 2, 2, 1, zero=2, schedule="zero_bubble"),
+    # the two schedules added last, by their row in schedules.py alone: beside dp with ZeRO, and beside tp
+    Layout(4, 2, 2, 1, zero=1, schedule="looped_bfs"),
+    Layout(4, 2, 1, 2, schedule="interleaved_zero_bubble", microbatches=2),
 ]
 
 

@@ -181,6 +181,27 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             "ZB-V: two stages per rank in a V, backward split into input and weight gradients",
             split_backward=True,
         ),
+        ScheduleSpec(
+            "looped_bfs",
+            "LoopedBFS",
+            None,
+            "loop",
+            "any",
+            _every_microbatch,
+            _interleaved_bubble,
+            "breadth-first over several looped stages per rank: every microbatch through one stage, then the next",
+        ),
+        ScheduleSpec(
+            "interleaved_zero_bubble",
+            "InterleavedZeroBubble",
+            None,
+            "loop",
+            "rounds_of_pp",
+            _interleaved,  # its warmup taken as Interleaved1F1B's: an estimate, not measured here
+            _zero,
+            "interleaved 1F1B with the backward split into input and weight gradients (zero-bubble, looped)",
+            split_backward=True,
+        ),
     )
 }
 
