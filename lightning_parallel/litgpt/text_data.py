@@ -47,8 +47,8 @@ class ResumableLoader(DataLoader):
 
 @dataclass
 class TextBlocks(DataModule):
-    """The ``.txt`` files of a folder, tokenized (each file ended by EOS, begun by BOS where the tokenizer adds one), joined and cut into blocks of
-    ``max_seq_length + 1`` tokens (the pretraining script's inputs and shifted targets).
+    """The ``.txt`` files of a folder, tokenized (each file ended by EOS, begun by BOS where the tokenizer adds one),
+    joined and cut into blocks of ``max_seq_length + 1`` tokens (the pretraining script's inputs and shifted targets).
 
     Args:
         train_data_path: the folder of ``.txt`` files (read in name order).

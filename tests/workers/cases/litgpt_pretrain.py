@@ -6,10 +6,13 @@ final checkpoint (the script's ``out/final/lit_model.pth``) loaded into a fresh 
 
 Strategy specs as :mod:`.litgpt_script`'s ("ddp": Lightning's, the one-process reference). Case keys: name, assets
 (the folder ``make_default_assets`` wrote), steps (optimizer steps the run ends after), global_batch, dp (the
-script's ``devices``: the data-parallel ranks), save_interval (the script's mid-run saves), resume (a saved
-``lit_model.pth`` of an earlier run of this launch, relative to the launch's folder: the script's ``resume``).
+script's ``devices``: the data-parallel ranks), micro_batch (default 1), save_interval (the script's mid-run saves),
+resume (a saved ``lit_model.pth`` of an earlier run of this launch, relative to the launch's folder: the script's
+``resume``).
 The script stops at ``train.max_tokens``, counted per *process* (``max_tokens // world_size``): it is given for the
-world's processes, so every layout makes the same number of steps. LitGPT's ``save_hyperparameters`` (in every
+world's processes, so every layout makes the same number of steps. Its learning rate moves at every micro-batch
+(warmup and decay count them): layouts compared keep the same micro-batches per step (the one-process run takes
+``dp`` samples in each). LitGPT's ``save_hyperparameters`` (in every
 ``save_checkpoint``) needs its CLI extra, jsonargparse: where that is missing it is left out (it only records the
 command line).
 """
@@ -62,14 +65,15 @@ def run_case(case: dict, ctx) -> dict:
     recorder = Recorder()
     fabric = L.Fabric(accelerator="cpu", devices=ctx.world, strategy=build_strategy(ctx.strategy), precision="32-true")
     fabric._loggers = [recorder]
-    iters = steps * global_batch // dp  # micro-batches of 1 per process
+    micro = case.get("micro_batch", 1)
+    iters = steps * global_batch // (dp * micro)  # the micro-batches of each process
     train = TrainArgs(
         save_interval=case.get("save_interval"),
         log_interval=1,
         global_batch_size=global_batch,
-        micro_batch_size=1,
+        micro_batch_size=micro,
         lr_warmup_steps=1,
-        max_tokens=iters * SEQ * ctx.world,
+        max_tokens=iters * micro * SEQ * ctx.world,
         max_seq_length=SEQ,
         max_norm=1.0,
         min_lr=1e-4,
