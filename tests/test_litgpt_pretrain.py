@@ -33,6 +33,11 @@ def pretrain(tmp_path_factory) -> Batch:
         "reference": (1, "ddp", [{**case, "micro_batch": 2}]),
         "zero3": (2, "zero3", [{**case, "dp": 2, "save_interval": SAVED}]),
         "tp2": (2, "hybrid3d:tp=2", [{**case, "micro_batch": 2}]),  # dp=1: the script's "devices" is 1
+        # from the tiny folder's lit_model.pth (the script's initial_checkpoint_dir, fabric.load_raw): the same weights
+        # under Lightning's ModelParallelStrategy (FSDP2, which draws its own init on the shards) as in one process
+        "reference_initial": (1, "ddp", [{**case, "micro_batch": 2, "initial": True}]),
+        "fsdp2_initial": (2, "fsdp2", [{**case, "dp": 2, "initial": True}]),
+        "zero3_initial": (2, "zero3", [{**case, "dp": 2, "initial": True}]),
         "resumed": (
             2,
             "hybrid3d:tp=2",
@@ -59,3 +64,14 @@ def test_litgpt_pretrain_resumed_at_another_layout(pretrain):
     want = ref.case("pretrain")["losses"][SAVED:]
     assert_same_losses(run.losses("pretrain"), want, "litgpt pretrain.py: zero3's step-3 save resumed at tp=2")
     assert_same_params(run.params("pretrain"), ref.params("pretrain"), "litgpt pretrain.py resumed: final")
+
+
+def test_litgpt_pretrain_matches_lightning_model_parallel_strategy(pretrain):
+    """Lightning's own FSDP (ModelParallelStrategy, FSDP2 with the sharding of LitGPT's LoRA script) runs the script
+    on CPU at world 2; its FSDPStrategy (FSDP1) does not (gpu_check compares against it on a GPU)."""
+    ours, lightning, one = pretrain["zero3_initial"], pretrain["fsdp2_initial"], pretrain["reference_initial"]
+    want = lightning.losses("pretrain")
+    assert len(want) == STEPS
+    assert_same_losses(ours.losses("pretrain"), want, "litgpt pretrain.py (initial checkpoint): zero3 vs FSDP2")
+    assert_same_losses(one.losses("pretrain"), want, "litgpt pretrain.py (initial checkpoint): one process vs FSDP2")
+    assert_same_params(ours.params("pretrain"), lightning.params("pretrain"), "pretrain final: zero3 vs FSDP2")

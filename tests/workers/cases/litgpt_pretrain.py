@@ -8,7 +8,7 @@ Strategy specs as :mod:`.litgpt_script`'s ("ddp": Lightning's, the one-process r
 (the folder ``make_default_assets`` wrote), steps (optimizer steps the run ends after), global_batch, dp (the
 script's ``devices``: the data-parallel ranks), micro_batch (default 1), save_interval (the script's mid-run saves),
 resume (a saved ``lit_model.pth`` of an earlier run of this launch, relative to the launch's folder: the script's
-``resume``).
+``resume``), initial (start from the tiny folder's ``lit_model.pth``: the script's ``initial_checkpoint_dir``).
 The script stops at ``train.max_tokens``, counted per *process* (``max_tokens // world_size``): it is given for the
 world's processes, so every layout makes the same number of steps. Its learning rate moves at every micro-batch
 (warmup and decay count them): layouts compared keep the same micro-batches per step (the one-process run takes
@@ -25,11 +25,13 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.consolidate_checkpoint import _load_distributed_checkpoint
 from litgpt import GPT, Config, Tokenizer, pretrain
 from litgpt.args import EvalArgs, TrainArgs
 
 from lightning_parallel.checkpoint import consolidated
 from lightning_parallel.litgpt.text_data import TextBlocks
+from lightning_parallel.parallel.checkpoint.files import META_FILE
 from lightning_parallel.recipes.finetune_assets import LITGPT_DIR, instruction_pairs
 
 from .litgpt_script import Recorder, build_strategy
@@ -48,8 +50,13 @@ def write_texts(folder: Path) -> Path:
 
 def final_params(path: Path, config: Config) -> dict[str, torch.Tensor]:
     """The script's final checkpoint in a fresh ``GPT``, by ``GPT.load_state_dict`` (strict): a folder (ours) once
-    consolidated, a file (Lightning's) as LitGPT reads its own (the model under "model")."""
-    whole = consolidated(path)["state_dict"] if path.is_dir() else torch.load(path, weights_only=True)["model"]
+    consolidated; a file or a folder of Lightning's ModelParallelStrategy as LitGPT reads its own (under "model")."""
+    if not path.is_dir():
+        whole = torch.load(path, weights_only=True)["model"]
+    elif (path / META_FILE).is_file():
+        whole = consolidated(path)["state_dict"]
+    else:  # Lightning's ModelParallelStrategy's folder
+        whole = _load_distributed_checkpoint(path)["model"]
     model = GPT(config)
     model.load_state_dict(whole)
     return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith((".cos", ".sin"))}
@@ -84,7 +91,8 @@ def run_case(case: dict, ctx) -> dict:
     resume = ctx.out.parent / case["resume"] if case.get("resume") else False
     out = ctx.out / "run"
     data = TextBlocks(write_texts(ctx.out / "texts"))
-    args = (dp, 1337, None, resume, config, data, out, folder, Tokenizer(folder), train, evals, optimizer)
+    initial = folder if case.get("initial") else None  # continued pretraining: the script's fabric.load_raw
+    args = (dp, 1337, initial, resume, config, data, out, folder, Tokenizer(folder), train, evals, optimizer)
     fabric.launch(pretrain.main, *args)
     losses = [(int(row["step"]), row["loss"]) for row in recorder.rows if "loss" in row]
     if ctx.rank == 0:
