@@ -32,20 +32,11 @@ from litgpt.args import EvalArgs, TrainArgs
 from lightning_parallel.checkpoint import consolidated
 from lightning_parallel.litgpt.text_data import TextBlocks
 from lightning_parallel.parallel.checkpoint.files import META_FILE
-from lightning_parallel.recipes.finetune_assets import LITGPT_DIR, instruction_pairs
+from lightning_parallel.recipes.finetune_assets import LITGPT_DIR, write_texts
 
 from .litgpt_script import Recorder, build_strategy
 
 SEQ = 32  # the script's train.max_seq_length: blocks of 33 tokens
-
-
-def write_texts(folder: Path) -> Path:
-    """Four small text files (the instruction pairs as prose)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    pairs = instruction_pairs()
-    for index in range(4):
-        (folder / f"part{index}.txt").write_text(" ".join(f"{p} {a}" for p, a in pairs[index::4]))
-    return folder
 
 
 def final_params(path: Path, config: Config) -> dict[str, torch.Tensor]:
