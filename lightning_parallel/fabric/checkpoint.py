@@ -94,7 +94,9 @@ def load_raw(strategy: Any, path: Any, module: nn.Module, strict: bool) -> dict[
 
 def load(strategy: Any, path: Any, state: Any, strict: bool) -> dict[str, Any]:
     """Fill the model and optimizers of ``state`` in place; the other entries of ``state`` get their saved values
-    (a Stateful's ``load_state_dict``); returns what ``state`` did not ask for."""
+    (a Stateful's ``load_state_dict``); returns what ``state`` did not ask for. A model alone: :func:`load_raw`."""
+    if isinstance(state, nn.Module):
+        return load_raw(strategy, path, state, strict)
     if not isinstance(state, dict) or not state:
         raise ValueError(
             f"{type(strategy).__name__}: fabric.load needs the objects to fill: "

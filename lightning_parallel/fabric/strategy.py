@@ -391,8 +391,6 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """``state``'s model and optimizers from a sharded folder; a model alone from a state dict file (load_raw)."""
-        if isinstance(state, nn.Module):
-            return checkpoint.load_raw(self, path, state, strict)
         return checkpoint.load(self, path, state, strict)
 
     @override
