@@ -25,13 +25,11 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.consolidate_checkpoint import _load_distributed_checkpoint
 from litgpt import GPT, Config, Tokenizer, pretrain
 from litgpt.args import EvalArgs, TrainArgs
 
 from lightning_parallel.checkpoint import consolidated
 from lightning_parallel.litgpt.text_data import TextBlocks
-from lightning_parallel.parallel.checkpoint.files import META_FILE
 from lightning_parallel.recipes.finetune_assets import LITGPT_DIR, write_texts
 
 from .litgpt_script import Recorder, build_strategy
@@ -41,13 +39,8 @@ SEQ = 32  # the script's train.max_seq_length: blocks of 33 tokens
 
 def final_params(path: Path, config: Config) -> dict[str, torch.Tensor]:
     """The script's final checkpoint in a fresh ``GPT``, by ``GPT.load_state_dict`` (strict): a folder (ours) once
-    consolidated; a file or a folder of Lightning's ModelParallelStrategy as LitGPT reads its own (under "model")."""
-    if not path.is_dir():
-        whole = torch.load(path, weights_only=True)["model"]
-    elif (path / META_FILE).is_file():
-        whole = consolidated(path)["state_dict"]
-    else:  # Lightning's ModelParallelStrategy's folder
-        whole = _load_distributed_checkpoint(path)["model"]
+    consolidated; a file (Lightning's) as LitGPT reads its own (the model under "model")."""
+    whole = consolidated(path)["state_dict"] if path.is_dir() else torch.load(path, weights_only=True)["model"]
     model = GPT(config)
     model.load_state_dict(whole)
     return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith((".cos", ".sin"))}
@@ -86,7 +79,7 @@ def run_case(case: dict, ctx) -> dict:
     args = (dp, 1337, initial, resume, config, data, out, folder, Tokenizer(folder), train, evals, optimizer)
     fabric.launch(pretrain.main, *args)
     losses = [(int(row["step"]), row["loss"]) for row in recorder.rows if "loss" in row]
-    if ctx.rank == 0:
+    if ctx.rank == 0 and ctx.strategy != "fsdp2":  # Lightning's FSDP2 folder: its losses are compared, not read
         torch.save(final_params(out / "final" / "lit_model.pth", config), ctx.out / f"{case['name']}_params.pt")
     fabric.barrier()
     return {"name": case["name"], "losses": [loss for _, loss in losses], "steps": [s for s, _ in losses]}
