@@ -32,7 +32,9 @@ def pretrain(tmp_path_factory) -> Batch:
         # the script's learning rate moves every micro-batch: every run makes 2 micro-batches per step
         "reference": (1, "ddp", [{**case, "micro_batch": 2}]),
         "zero3": (2, "zero3", [{**case, "dp": 2, "save_interval": SAVED}]),
-        "tp2": (2, "hybrid3d:tp=2", [{**case, "micro_batch": 2}]),  # dp=1: the script's "devices" is 1
+        # tp runs eager: torch 2.13's compile of the vocabulary-parallel embedding's output (a _MaskPartial
+        # redistributed whole) fails at times on CPU ("Please convert all Tensors to FakeTensors first")
+        "tp2": (2, "hybrid3d:tp=2", [{**case, "micro_batch": 2, "compile": False}]),  # dp=1: the script's devices
         # from the tiny folder's lit_model.pth (the script's initial_checkpoint_dir, fabric.load_raw): the same weights
         # under Lightning's ModelParallelStrategy (FSDP2, which draws its own init on the shards) as in one process
         "reference_initial": (1, "ddp", [{**case, "micro_batch": 2, "initial": True}]),
@@ -41,10 +43,10 @@ def pretrain(tmp_path_factory) -> Batch:
         "resumed": (
             2,
             "hybrid3d:tp=2",
-            [{**case, "micro_batch": 2, "resume": f"zero3/run/step-{SAVED:08d}/lit_model.pth"}],
+            [{**case, "micro_batch": 2, "compile": False, "resume": f"zero3/run/step-{SAVED:08d}/lit_model.pth"}],
         ),
     }
-    # each run compiles the model (the script's torch.compile): minutes on a loaded CPU
+    # most runs compile the model (the script's torch.compile): minutes on a loaded CPU
     return Batch(tmp_path_factory, runs, tag="litgpt_pretrain", worker="litgpt_pretrain", seconds_per_run=240)
 
 

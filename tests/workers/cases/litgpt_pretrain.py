@@ -8,7 +8,8 @@ Strategy specs as :mod:`.litgpt_script`'s ("ddp": Lightning's, the one-process r
 (the folder ``make_default_assets`` wrote), steps (optimizer steps the run ends after), global_batch, dp (the
 script's ``devices``: the data-parallel ranks), micro_batch (default 1), save_interval (the script's mid-run saves),
 resume (a saved ``lit_model.pth`` of an earlier run of this launch, relative to the launch's folder: the script's
-``resume``), initial (start from the tiny folder's ``lit_model.pth``: the script's ``initial_checkpoint_dir``).
+``resume``), compile (default True; False: the script's ``torch.compile`` runs eager), initial (start from the
+tiny folder's ``lit_model.pth``: the script's ``initial_checkpoint_dir``).
 The script stops at ``train.max_tokens``, counted per *process* (``max_tokens // world_size``): it is given for the
 world's processes, so every layout makes the same number of steps. Its learning rate moves at every micro-batch
 (warmup and decay count them): layouts compared keep the same micro-batches per step (the one-process run takes
@@ -77,7 +78,12 @@ def run_case(case: dict, ctx) -> dict:
     data = TextBlocks(write_texts(ctx.out / "texts"))
     initial = folder if case.get("initial") else None  # continued pretraining: the script's fabric.load_raw
     args = (dp, 1337, initial, resume, config, data, out, folder, Tokenizer(folder), train, evals, optimizer)
-    fabric.launch(pretrain.main, *args)
+    previous = torch._dynamo.config.disable
+    torch._dynamo.config.disable = previous or not case.get("compile", True)  # the script's torch.compile runs eager
+    try:
+        fabric.launch(pretrain.main, *args)
+    finally:
+        torch._dynamo.config.disable = previous
     losses = [(int(row["step"]), row["loss"]) for row in recorder.rows if "loss" in row]
     if ctx.rank == 0 and ctx.strategy != "fsdp2":  # Lightning's FSDP2 folder: its losses are compared, not read
         torch.save(final_params(out / "final" / "lit_model.pth", config), ctx.out / f"{case['name']}_params.pt")
