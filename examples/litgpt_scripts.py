@@ -91,10 +91,15 @@ def run_pretrain(args: argparse.Namespace, fabric: L.Fabric, checkpoint_dir: Pat
     # LitGPT's own main, unchanged: main(fabric, devices, seed, initial_checkpoint_dir, resume, config, data, out_dir,
     # tokenizer_dir, tokenizer, train, eval, optimizer). save_interval=N writes out/step-*/lit_model.pth folders,
     # from which resume=True goes on (at any layout: test_litgpt_pretrain.py)
-    fabric.launch(
-        pretrain.main, dp, 42, None, False, config, TextBlocks(text_dir), out, checkpoint_dir, tokenizer, train, evals,
-        "AdamW",
-    )  # fmt: skip
+    try:
+        fabric.launch(
+            pretrain.main, dp, 42, None, False, config, TextBlocks(text_dir), out, checkpoint_dir, tokenizer, train,
+            evals, "AdamW",
+        )  # fmt: skip
+    except ModuleNotFoundError as error:  # rank 0, after the final fabric.save: LitGPT's save_hyperparameters
+        if error.name != "jsonargparse":
+            raise
+        print(f"saved {out / 'final' / 'lit_model.pth'}; hyperparameters.yaml needs jsonargparse (LitGPT's CLI extra)")
 
 
 if __name__ == "__main__":
