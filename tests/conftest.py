@@ -56,8 +56,10 @@ class Batch:
         runs: dict[str, tuple[int, str, list[dict]]],
         tag: str = "",
         worker: str = "gpt",
+        seconds_per_run: float = 0.0,
     ) -> None:
         self.factory, self.runs, self.tag, self.worker = tmp_path_factory, runs, tag, worker
+        self.seconds_per_run = seconds_per_run  # added to the launch's timeout per run (slow start-ups: compile)
         self._done: dict[str, Run] = {}
 
     def __getitem__(self, label: str) -> Run:
@@ -75,7 +77,8 @@ class Batch:
         runs_file = out / "runs.json"
         runs_file.write_text(json.dumps(spec))
         steps = sum(case.get("steps", 10) for _, _, cases in mine.values() for case in cases)
-        run_worker(self.worker, world, ["--runs-file", str(runs_file)], out, timeout=120 + 2 * world * steps)
+        timeout = 120 + 2 * world * steps + self.seconds_per_run * len(mine)
+        run_worker(self.worker, world, ["--runs-file", str(runs_file)], out, timeout=timeout)
         for label in mine:
             folder = out / _safe(label)
             self._done[label] = Run([json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)], folder)

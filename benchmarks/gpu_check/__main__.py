@@ -25,6 +25,7 @@ SECTIONS = [
     Section("mfu_lightning", 70, 90),
     Section("mfu_ours", 75, 90),
     Section("memory", 20, 60),
+    Section("litgpt_fsdp", 60, 240),  # LitGPT's full.py under Lightning's FSDPStrategy and ours: +1 minute
 ]
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -21,6 +21,7 @@ RUNNERS = {  # section -> module:function(config, limit_s) -> dict
     "mfu_lightning": "benchmarks.gpu_check.mfu:run_lightning",
     "mfu_ours": "benchmarks.gpu_check.mfu:run_ours",
     "memory": "benchmarks.gpu_check.memory:run",
+    "litgpt_fsdp": "benchmarks.gpu_check.litgpt_fsdp:run",
 }
 
 

@@ -80,9 +80,23 @@ def save(strategy: Any, path: Any, state: dict[str, Any], storage_options: Any, 
     sharded_checkpoint.save(view, checkpoint, path, flats, strategy._full_param_order)
 
 
+def load_raw(strategy: Any, path: Any, module: nn.Module, strict: bool) -> dict[str, Any]:
+    """``fabric.load_raw(path, model)``: a single-process state dict file (LitGPT's ``lit_model.pth``) into the set-up
+    model, whatever its layout (its ``load_state_dict`` takes whole tensors: :mod:`.full_state`)."""
+    if Path(path).is_dir():
+        raise ValueError(
+            f"{type(strategy).__name__}: fabric.load_raw reads a state dict file, and {str(path)!r} is a folder: load "
+            "a sharded folder with fabric.load(path, {'model': model}), or consolidate it first."
+        )
+    module.load_state_dict(checkpoint_io.load_file(path), strict=strict)
+    return {}
+
+
 def load(strategy: Any, path: Any, state: Any, strict: bool) -> dict[str, Any]:
     """Fill the model and optimizers of ``state`` in place; the other entries of ``state`` get their saved values
-    (a Stateful's ``load_state_dict``); returns what ``state`` did not ask for."""
+    (a Stateful's ``load_state_dict``); returns what ``state`` did not ask for. A model alone: :func:`load_raw`."""
+    if isinstance(state, nn.Module):
+        return load_raw(strategy, path, state, strict)
     if not isinstance(state, dict) or not state:
         raise ValueError(
             f"{type(strategy).__name__}: fabric.load needs the objects to fill: "

@@ -390,7 +390,7 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Fill the set-up model and optimizers in ``state`` from a sharded folder (Fabric's or the Trainer's)."""
+        """``state``'s model and optimizers from a sharded folder; a model alone from a state dict file (load_raw)."""
         return checkpoint.load(self, path, state, strict)
 
     @override

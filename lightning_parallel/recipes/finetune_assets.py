@@ -47,6 +47,17 @@ def instruction_pairs() -> list[tuple[str, str]]:
     return pairs
 
 
+def write_texts(folder: str | Path, files: int = 4) -> Path:
+    """``files`` small ``.txt`` files of prose (the instruction pairs run together) in ``folder``: local pretraining
+    text (:class:`lightning_parallel.litgpt.text_data.TextBlocks`). Returns the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    pairs = instruction_pairs()
+    for index in range(files):
+        (folder / f"part{index}.txt").write_text(" ".join(f"{p} {a}" for p, a in pairs[index::files]))
+    return folder
+
+
 def _train_tokenizer(texts: list[str], folder: Path, vocab_size: int) -> int:
     """A byte-level BPE with the chat template, saved as transformers saves one; returns its size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

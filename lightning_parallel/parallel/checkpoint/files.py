@@ -231,11 +231,12 @@ def saved_tensors(path: storage.Location) -> dict[str, TensorStorageMetadata]:
     return {k: md for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
 
 
-def load_sharded(path: storage.Location, targets: dict[str, Any]) -> None:
-    """Fill ``targets`` (each rank: its pieces, in place) from the checkpoint at ``path`` (collective)."""
+def load_sharded(path: storage.Location, targets: dict[str, Any], no_dist: bool = False) -> None:
+    """Fill ``targets`` (each rank: its pieces, in place) from the checkpoint at ``path`` (collective; ``no_dist``:
+    this process alone, even where a process group exists)."""
     reader(path).read_metadata()  # a refused file fails here with its own message, on every rank alike
     try:
-        dcp.load(targets, storage_reader=reader(path), planner=SafeLoadPlanner())
+        dcp.load(targets, storage_reader=reader(path), planner=SafeLoadPlanner(), no_dist=no_dist)
     except CheckpointException as err:  # every rank gets it (DCP gathers the failures); not an Exception
         rank, (first, _) = next(iter(err.failures.items()))
         raise CorruptCheckpointError(
@@ -245,9 +246,10 @@ def load_sharded(path: storage.Location, targets: dict[str, Any]) -> None:
 
 
 def full_tensors(path: storage.Location) -> dict[str, torch.Tensor]:
-    """Every tensor of a sharded checkpoint, whole, in this process (no process group needed)."""
+    """Every tensor of a sharded checkpoint, whole, in this process (no process group needed; one rank of a running
+    group may call it alone)."""
     targets = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in saved_tensors(path).items()}
-    load_sharded(path, targets)
+    load_sharded(path, targets, no_dist=True)
     return targets
 
 

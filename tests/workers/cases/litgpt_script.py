@@ -3,8 +3,10 @@ checkpoint folder, under one Fabric strategy; writes rank<N>.json with the loss 
 step (its running mean over the step's micro-batches, on this rank).
 
 Strategy specs: "ddp" (Lightning's own, the one-process reference: Lightning's FSDPStrategy, the script's choice,
-needs an accelerator under torch 2.13, even with gloo), "zero3" or "hybrid3d:tp=2" (this package's, with
-``prepare_model=litgpt_protocol``). Case keys: name, assets (the folder
+needs an accelerator under torch 2.13, even with gloo), "fsdp" (that FSDPStrategy, as the script builds it: on a GPU,
+benchmarks/gpu_check), "fsdp2" (Lightning's ModelParallelStrategy with the ``parallelize_fn`` of LitGPT's LoRA
+script, no activation checkpointing: its wrapper renames the keys ``fabric.load_raw`` fills), "zero3" or
+"hybrid3d:tp=2" (this package's, with ``prepare_model=litgpt_protocol``). Case keys: name, assets (the folder
 ``make_default_assets`` wrote), steps (optimizer steps), global_batch (samples per step), dp (the script's
 ``devices``: what it divides the global batch by). The script's last call, ``save_hyperparameters`` on rank 0, needs
 LitGPT's CLI dependency jsonargparse, which this environment lacks: that error alone is let pass (after the save).
@@ -14,15 +16,18 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.fabric.loggers import Logger
+from lightning.fabric.strategies import FSDPStrategy, ModelParallelStrategy
 from litgpt import Config
 from litgpt.args import EvalArgs, TrainArgs
 from litgpt.data import JSON
-from litgpt.finetune import full
+from litgpt.finetune import full, lora
+from litgpt.model import Block
 
 from lightning_parallel import Hybrid3DFabricStrategy, ZeroFabricStrategy
 from lightning_parallel.litgpt.fabric import litgpt_protocol
@@ -54,6 +59,14 @@ class Recorder(Logger):
 
 
 def build_strategy(spec: str) -> Any:
+    if spec == "fsdp":  # Lightning's FSDPStrategy as litgpt.finetune.full's setup builds it (a GPU only)
+        return FSDPStrategy(
+            auto_wrap_policy={Block}, activation_checkpointing_policy={Block}, state_dict_type="full",
+            limit_all_gathers=True, cpu_offload=False,
+        )  # fmt: skip
+    if spec == "fsdp2":  # Lightning's ModelParallelStrategy as LitGPT's LoRA script builds it (FSDP2, tp=1)
+        shard = partial(lora.parallelize_fn, activation_checkpointing=False)
+        return ModelParallelStrategy(parallelize_fn=shard, data_parallel_size=2, tensor_parallel_size=1)
     if spec == "ddp":  # Lightning's own, in one process: the data through a DistributedSampler as under ours
         return "ddp"
     name, _, items = spec.partition(":")
@@ -73,7 +86,7 @@ def run_case(case: dict, ctx) -> dict:
     rows = [{"instruction": p, "input": "", "output": a} for p, a in instruction_pairs()]
     data_file.write_text(json.dumps(rows))
     recorder = Recorder()
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=build_strategy(spec), precision="32-true")
+    fabric = L.Fabric(accelerator=ctx.accelerator, devices=world, strategy=build_strategy(spec), precision="32-true")
     fabric._loggers = [recorder]
     dp = case.get("dp", 1)  # the script's "devices": the data-parallel ranks it divides the global batch by
     data = JSON(json_path=data_file, val_split_fraction=0.1, num_workers=0, prompt_style="alpaca")
