@@ -18,6 +18,7 @@ collectives' answers; rank 0 saves the gathered parameters as <name>_params.pt.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import lightning as L
 import lightning.pytorch as pl
@@ -28,6 +29,12 @@ from lightning_parallel.models import LitGPT, SyntheticTokens
 from lightning_parallel.parallel.checkpoint.full import full_model_state_dict
 
 from .common import TINY, build_strategy
+
+
+def passes(loader: DataLoader) -> Iterator:
+    """The loader's batches, pass after pass (the sampler's epoch stays 0: every pass gives the same batches)."""
+    while True:
+        yield from loader
 
 
 def fabric_loader(fabric: L.Fabric, case: dict, steps: int, accumulate: int, global_batch: int) -> DataLoader:
@@ -65,13 +72,10 @@ def run_case(case: dict, ctx) -> dict:
     if case.get("load"):
         fabric.load(case["load"], {"model": model, "optimizer": optimizer}, strict=False)
     loader = fabric_loader(fabric, case, steps, accumulate, global_batch)
-    losses, reduced, batches = [], [], iter(())
+    losses, reduced, batches = [], [], passes(loader)
     for _ in range(steps):
         for i in range(accumulate):
-            batch = next(batches, None)
-            if batch is None:  # a new pass over the same batches (the sampler's epoch stays 0)
-                batches = iter(loader)
-                batch = next(batches)
+            batch = next(batches)
             # cp: this rank's chunks of every sequence (the identity under other layouts)
             idx, targets = fabric.to_device(getattr(fabric.strategy, "shard_batch", lambda b: b)(batch))
             with fabric.no_backward_sync(model, enabled=i < accumulate - 1):

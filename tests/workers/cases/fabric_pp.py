@@ -21,7 +21,7 @@ from lightning_parallel.models import LitGPT
 from lightning_parallel.parallel.checkpoint.full import full_model_state_dict
 
 from .common import TINY, build_strategy
-from .fabric import fabric_loader
+from .fabric import fabric_loader, passes
 
 
 def whole_state(fabric: L.Fabric, module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -63,13 +63,10 @@ def run_case(case: dict, ctx) -> dict:
     if case.get("load"):
         fabric.load(case["load"], {"model": model, "optimizer": optimizer}, strict=False)
     loader = fabric_loader(fabric, case, steps, accumulate, global_batch)
-    losses, scales, batches = [], [], iter(())
+    losses, scales, batches = [], [], passes(loader)
     for _ in range(steps):
         for i in range(accumulate):
-            batch = next(batches, None)
-            if batch is None:  # a new pass over the same batches
-                batches = iter(loader)
-                batch = next(batches)
+            batch = next(batches)
             idx, targets = fabric.to_device(batch)
             with fabric.no_backward_sync(model, enabled=i < accumulate - 1):
                 losses.append(micro_step(fabric, model, idx, targets, accumulate))
