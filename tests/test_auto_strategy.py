@@ -98,6 +98,8 @@ def test_impossible_memory_names_the_fix():
         choose_layout(spec("gpt_tiny"), cpu(2), 0)
     with pytest.raises(ValueError, match="not a whole number of nodes"):
         detect_machine(3, 2, "cpu")
+    with pytest.raises(ValueError, match=r"choose_layout\(seq_len=64\): a ModelSpec is profiled"):
+        choose_layout(spec("gpt_tiny"), cpu(2), 32, seq_len=64)  # refused, not ignored
 
 
 def test_host_machine_shares_memory_and_cores_between_the_nodes_processes():

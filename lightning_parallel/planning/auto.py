@@ -195,6 +195,11 @@ def choose_layout(
     """
     if not isinstance(model, ModelSpec):
         return _choose_analytic(model_shape(model), machine, global_batch, precision, margin, seq_len)
+    if seq_len is not None:
+        raise ValueError(
+            f"choose_layout(seq_len={seq_len}): a ModelSpec is profiled at the sequence its make_input builds; set "
+            "the length there (gpt_spec of a config with that block_size), or leave seq_len=None."
+        )
     settings = auto_settings(model, machine, global_batch, precision, margin)
     profiles: dict[tuple[int, str], list] = {}  # each (tp, checkpointing) measured once
     plain = candidates(model, machine, settings, profiles=profiles)
