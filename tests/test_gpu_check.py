@@ -101,10 +101,10 @@ def test_a_hung_section_is_killed_at_its_limit():
 
 def test_the_sections_fit_the_budget_the_docs_give():
     """On the H200: caps + grace within the 480 s the docs promise, 40 s of it kept for one more section (FP8);
-    the dry run (the rehearsal's, in make test-full) within 340 s."""
+    the dry run (the rehearsal's, in make test-full) within 380 s."""
     gpu = sum(s.gpu_cap_s for s in ALL_SECTIONS) + GRACE_S * len(ALL_SECTIONS)
     dry = sum(s.dry_cap_s for s in ALL_SECTIONS) + GRACE_S * len(ALL_SECTIONS)
-    assert gpu <= GPU_TOTAL_S - 40 and dry <= 340, (gpu, dry)
+    assert gpu <= GPU_TOTAL_S - 40 and dry <= 380, (gpu, dry)
     assert {s.name for s in ALL_SECTIONS} == set(deps.NEEDS)  # every section says what it imports
     docs = (ROOT / "docs" / "status.md").read_text() + (ROOT / "README.md").read_text()
     assert f"{gpu:.0f} s" in docs, f"the docs do not give the true figure, {gpu:.0f} s"
@@ -206,7 +206,8 @@ def test_the_device_call_rehearsed_under_torch_2_11_offline(tmp_path):
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     print(
         f"rehearsal: {time.monotonic() - began:.0f} s (the check {record['check_seconds']} s; environment "
-        f"{'built now' if record['env']['built_now'] else 'reused'}, {record['env']['build_seconds']} s to build)"
+        f"{'built now' if record['env']['built_now'] else 'reused'}, {record['env']['build_seconds']} s to build): "
+        f"{record['sections']}"
     )
     assert record["returncode"] == 0, (tmp_path / "out" / "rehearsal.log").read_text()[-4000:]
     probe = record["probe"]

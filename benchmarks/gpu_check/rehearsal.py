@@ -156,6 +156,9 @@ def rehearse(out: Path, work: Path) -> dict[str, Any]:
     record |= {"command": " ".join(make), "returncode": done.returncode}
     record["check_seconds"] = round(time.monotonic() - check_began, 1)
     record["seconds"] = round(time.monotonic() - began, 1)
+    report = out / "gpu_check.json"
+    sections = json.loads(report.read_text())["sections"] if report.is_file() else {}
+    record["sections"] = {name: f"{s['status']} in {s['seconds']} s" for name, s in sections.items()}
     (out / "rehearsal.json").write_text(json.dumps(record, indent=1))
     return record
 

@@ -224,7 +224,7 @@ def force_sum_reduction(unit: nn.Module) -> None:
     it). Without it the unit keeps FSDP2's own reduction (``PREMUL_SUM``/``AVG`` on NCCL: the same mean within float
     rounding, not bitwise the CPU tests' arithmetic), with a warning that says so; gloo then has no ``PREMUL_SUM``."""
     if hasattr(unit, "set_force_sum_reduction_for_comms"):
-        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         return
     warnings.warn(
         f"torch {torch.__version__}'s FSDP2 has no set_force_sum_reduction_for_comms: expert and HSDP units reduce "
