@@ -10,6 +10,7 @@ endif
 # pyproject's litgpt extra, installed without its dependencies (they conflict with transformers')
 LITGPT_VERSION ?= 0.5.13
 OUT ?= gpu_check_out
+GPU_CHECK_ARGS ?=
 
 # the ft extra (torchft) and the OpenTelemetry packages its import needs, as verified together
 FT_PACKAGES = torchft==0.2.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
@@ -18,7 +19,8 @@ FT_PACKAGES = torchft==0.2.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2
 	opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2 \
 	googleapis-common-protos==1.76.0 protobuf==7.36.2
 
-.PHONY: install install-torch train test test-full lint docs soak bench gpu-check gpu-wheels
+.PHONY: install install-torch train test test-full lint docs soak bench gpu-check gpu-wheels gpu-rehearsal-env \
+	gpu-rehearsal
 
 install: install-torch
 	$(PYTHON) -m pip install --quiet -e ".[dev,hf,peft,docs]"
@@ -66,18 +68,28 @@ soak: install
 bench: install
 	$(PYTHON) benchmarks/bench.py
 
-# one prepared check for a lent GPU (at most 8 minutes on one H100): the gpu test tier at world 1, the fast kernels
-# against their math twins, MFU of GPT-2 small (ours, a plain PyTorch loop, Lightning's own) and peak memory against
-# the planner; OUT/gpu_check.json and OUT/gpu_check.md, written after each section. Installs a CUDA torch first
-# when torch is missing or a CPU build; a CUDA torch of another version is kept (and reported). `--dry-run`: CPU.
+# one prepared check for a lent GPU (one H200, Python 3.12, torch 2.11 + CUDA 13, no network): the gpu test tier at
+# world 1, the fast kernels against their math twins, MFU of GPT-2 small (ours, a plain PyTorch loop, Lightning's own),
+# peak memory against the planner, LitGPT's full.py under FSDP and ours; OUT/gpu_check.json and .md, written after each
+# section. 440 s at most (the sections' caps and grace: benchmarks/gpu_check/__main__.py), inside one 600 s device
+# call. It never reaches for a network: the packages the device lacks come from .whl/ (`make gpu-wheels` here, the
+# call carries .whl), installed offline; a package still missing skips the sections that need it, with the reason.
+# torch is never installed here (a CPU torch is reported and the GPU-only measurements say so). GPU_CHECK_ARGS:
+# e.g. --dry-run (CPU), --only gpu_tier,kernels. Without make: PYTHONPATH=. python3 -m benchmarks.gpu_check --out DIR
 gpu-check:
-	@$(PYTHON) -c "import torch, sys; sys.exit(not torch.version.cuda)" 2>/dev/null \
-		|| $(MAKE) --no-print-directory install TORCH=cuda \
-		|| echo "gpu-check: the CUDA install failed; checking with what is installed"
-	PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1 $(PYTHON) -m benchmarks.gpu_check --out $(OUT)
+	PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1 $(PYTHON) -m benchmarks.gpu_check --out $(OUT) $(GPU_CHECK_ARGS)
 
-# the pure-Python packages a lent GPU machine's image lacks (it reaches no index): download them here into .whl/ and
-# carry that folder to the device; gpu-check installs them from there (benchmarks/gpu_check/deps.py)
+# the pure-Python wheels the lent machine's image lacks (hydra-core, omegaconf, antlr4 built from its sdist, litgpt,
+# lightning) into .whl/, under the 64 MiB a device call carries (the command prints the sizes; the list is
+# benchmarks/gpu_check/deps.py's CARRIED)
 gpu-wheels:
-	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: -d .whl hydra-core==1.3.8 omegaconf==2.3.1
-	$(PYTHON) -m pip wheel --quiet --no-deps -w .whl antlr4-python3-runtime==4.9.3  # an sdist on PyPI
+	$(PYTHON) -m benchmarks.gpu_check.deps --gather .whl
+
+# the CPU rehearsal of the device call (tests/test_gpu_check.py runs it in `make test-full`): gpu-check's dry run under
+# torch 2.11 and Python 3.12 with the device image's packages, the network blocked, .whl/ the only source.
+# gpu-rehearsal-env builds its environment once (~/.cache/lightning-parallel/gpu-rehearsal, about 5 GB)
+gpu-rehearsal-env:
+	$(PYTHON) -m benchmarks.gpu_check.rehearsal env
+
+gpu-rehearsal:
+	$(PYTHON) -m benchmarks.gpu_check.rehearsal run --out $(OUT)/rehearsal

@@ -17,7 +17,7 @@ class Report:
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "dry_run": dry_run,
             "budget_s": budget_s,
-            "setup": None,
+            "setup": None,  # deps.py: what was missing, installed from .whl/, and still missing (with why)
             "sections": {},
         }
         self._write()
@@ -32,7 +32,7 @@ class Report:
 
     def counts(self) -> str:
         statuses = [s["status"] for s in self.data["sections"].values()]
-        return ", ".join(f"{statuses.count(k)} {k}" for k in ("ok", "failed", "timeout") if k in statuses)
+        return ", ".join(f"{statuses.count(k)} {k}" for k in ("ok", "skipped", "failed", "timeout") if k in statuses)
 
     def _write(self) -> None:
         (self.out / "gpu_check.json").write_text(json.dumps(self.data, indent=2, default=str))
@@ -42,6 +42,10 @@ class Report:
 def markdown(data: dict[str, Any]) -> str:
     lines = [f"# gpu-check{' (dry run, CPU)' if data['dry_run'] else ''}", ""]
     lines += [f"Started {data['started']}, budget {data['budget_s']:.0f} s.", ""]
+    setup = data.get("setup") or {}
+    if setup.get("installed"):
+        lines += [f"Installed from .whl/ (offline): {', '.join(sorted(setup['installed']))}.", ""]
+    lines += [f"- missing: {name}: {why}" for name, why in (setup.get("still_missing") or {}).items()]
     lines += ["| section | status | seconds | limit |", "|---|---|---|---|"]
     for name, s in data["sections"].items():
         lines.append(f"| {name} | {s['status']} | {s['seconds']} | {s['limit_s']} |")

@@ -76,8 +76,9 @@ def _wait(proc: subprocess.Popen, timeout: float) -> bool:
 
 
 def _pythonpath(config: Path) -> str:
-    root = json.loads(config.read_text())["root"]
-    return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    """The repository, then the packages installed from .whl (deps.py's ``site``), then what was there."""
+    settings = json.loads(config.read_text())
+    return os.pathsep.join(p for p in (settings["root"], settings.get("site"), os.environ.get("PYTHONPATH")) if p)
 
 
 def _tail(log: Path, lines: int) -> str:

@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_parallel.parallel.checkpoint import files as checkpoint_io
 from lightning_parallel.parallel.checkpoint import storage
-from lightning_parallel.parallel.checkpoint.async_save import AsyncCheckpointer
+from lightning_parallel.parallel.checkpoint.async_save import STAGING_MISSING, AsyncCheckpointer
 from lightning_parallel.parallel.checkpoint.full import (
     flat_full_state_dict,
     full_model_state_dict,
@@ -62,6 +62,8 @@ def check_async_save(value: Any, checkpoint_format: str) -> None:
             f"async_save=True writes sharded folders with torch's async_save: it cannot write checkpoint_format="
             f"{checkpoint_format!r}. Use checkpoint_format='sharded' (the default) or async_save=False."
         )
+    if value and STAGING_MISSING:
+        raise ValueError(f"async_save=True: {STAGING_MISSING}. Use async_save=False (saves then block).")
 
 
 class ShardedCheckpointing:

@@ -68,7 +68,9 @@ class Launch:
         port = free_port()
         threads = "4" if accelerator() == "gpu" else "1"  # the GPU machines have 16 cores, this one 2
         for rank in range(world):
-            env = _env(world, port) if torchrun_env else {**os.environ, "PYTHONPATH": str(REPO)}
+            # the repository, then what was on the path (gpu-check's packages installed from .whl/ among them)
+            path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+            env = _env(world, port) if torchrun_env else {**os.environ, "PYTHONPATH": path}
             env |= {"RANK": str(rank), "LOCAL_RANK": str(rank)} if torchrun_env else {}
             env["OMP_NUM_THREADS"] = threads
             log = (out / f"rank{rank}.log").open("w")

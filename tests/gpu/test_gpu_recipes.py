@@ -1,4 +1,4 @@
-"""Both recipes on one GPU (``trainer.accelerator=gpu trainer.devices=1``): our strategy's final loss equals the
+"""The VGG recipe on one GPU (``trainer.accelerator=gpu trainer.devices=1``): our strategy's final loss equals the
 recipe's own single-process run under Lightning's ddp, a few steps each; the runs start together."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from recipe_runs import GPT, VGG
 pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 
 SHORT = ["trainer=debug", "trainer.max_steps=6", "trainer.devices=1", "trainer.logger=none"]
-RECIPES = {  # label: (script, overrides, bar): VGG's convolutions go through cuDNN's own algorithm choice
-    "gpt": (GPT, ["sample_tokens=8"], 1e-4),
-    "vgg": (VGG, ["model=vgg_tiny", "data.num_train=512", "data.num_val=64"], 1e-3),
-}
+# label: (script, overrides, bar): VGG's convolutions go through cuDNN's own algorithm choice. The GPT recipe is not
+# run here: the recipe's plumbing on a GPU is VGG's too, and the GPT model under ours and Lightning's on one GPU is
+# test_gpu_world1.py's (every precision) and gpu-check's MFU sections' (GPT-2 small, compiled)
+RECIPES = {"vgg": (VGG, ["model=vgg_tiny", "data.num_train=512", "data.num_val=64"], 1e-3)}
+UNRUN = {"gpt": (GPT, ["sample_tokens=8"], 1e-4)}  # kept for a machine with time: RECIPES | UNRUN
 OURS = ["strategy=hybrid3d", "strategy.zero_stage=1"]
 
 

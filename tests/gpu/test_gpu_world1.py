@@ -1,6 +1,6 @@
 """One GPU, one process (NCCL at world 1): our strategies train like Lightning's own single-device run.
 
-Every precision under hybrid3d (dp=1) and ZeRO 1/2/3, ZeRO-2/3 with offload, and compiled layers, each against
+Every precision under hybrid3d (dp=1) and ZeRO 1/2/3, ZeRO-2/3 with offload, and ZeRO-3's compiled layers, each against
 ``strategy="auto"`` on the same GPU, same batch, same seed. ``strategy='zero1'`` refuses one process (it shards
 over 2 or more), so ZeRO 1-3 run as ``hybrid3d`` with ``zero_stage`` at dp=1: the same sharding code over a group
 of one. All launches start together (fresh interpreters, tests/gpu/gpu_launch.py) and overlap on the GPU.
@@ -31,9 +31,8 @@ STRATEGIES = {  # label: (strategy spec, cases)
     "zero3": ("hybrid3d:zero_stage=3", CASES),
     "zero2-offload": ("hybrid3d:zero_stage=2,offload=1", FP32),
     "zero3-offload": ("hybrid3d:zero_stage=3,offload=1", FP32),
-    "zero1-compile": ("hybrid3d:zero_stage=1,compile=1", FP32),
     "zero3-compile": ("hybrid3d:zero_stage=3,compile=1", FP32),
-}
+}  # ZeRO-1 compiled at world 1 is gpu-check's mfu_ours (GPT-2 small), beside the plain loop's losses
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +82,7 @@ def test_offload_on_one_gpu(launches, label):
     _compare(_case(launches[label], "32-true"), _case(launches["reference"], "32-true"), TOLERANCE["32-true"], label)
 
 
-@pytest.mark.parametrize("label", ["zero1-compile", "zero3-compile"])
+@pytest.mark.parametrize("label", ["zero3-compile"])
 def test_compiled_layers_on_one_gpu(launches, label):
     got = _case(launches[label], "32-true")
     _compare(got, _case(launches["reference"], "32-true"), COMPILED_TOLERANCE, label)

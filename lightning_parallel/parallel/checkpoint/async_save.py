@@ -27,7 +27,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager
+
+try:  # torch 2.11 and 2.13 have both; an older torch cannot stage this way: async_save=True is refused up front
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    STAGING_MISSING: str | None = None
+except ImportError as err:  # pragma: no cover (the pinned torch has them)
+    DefaultStager = StagingOptions = None  # type: ignore[assignment,misc]
+    STAGING_MISSING = (
+        f"torch {torch.__version__} has no torch.distributed.checkpoint.staging.StagingOptions/DefaultStager "
+        f"({err}); torch 2.11 and 2.13 have them"
+    )
 
 from lightning_parallel.parallel.checkpoint import files, storage
 from lightning_parallel.parallel.checkpoint.chunks import ChunkedTensor
@@ -43,6 +54,8 @@ class HostStager(AsyncStager):
     _synchronize_after_execute = False
 
     def __init__(self) -> None:
+        if STAGING_MISSING:
+            raise RuntimeError(f"async_save=True: {STAGING_MISSING}. Use async_save=False (saves then block).")
         on_gpu = torch.cuda.is_available()
         options = StagingOptions(
             use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=on_gpu

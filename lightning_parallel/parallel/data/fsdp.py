@@ -7,6 +7,8 @@ a pure function so it can be tested without a process group.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -202,7 +204,7 @@ class ShardParameters(DataParallelSharding):
             unit = root.get_submodule(path)
             unit.set_gradient_divide_factor(float(self.data_parallel_size))  # type: ignore[operator]
             if not alone:
-                unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+                force_sum_reduction(unit)
         made = apply_fsdp(
             root,
             self.fsdp_mesh,
@@ -213,8 +215,23 @@ class ShardParameters(DataParallelSharding):
         )
         for path in made if self.hsdp_mesh is not None else []:
             # HSDP: sum both steps and divide once after, on every device (see above)
-            root.get_submodule(path).set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+            force_sum_reduction(root.get_submodule(path))
         return experts + made
+
+
+def force_sum_reduction(unit: nn.Module) -> None:
+    """FSDP2's plain sum and one division after it (``set_force_sum_reduction_for_comms``: torch 2.11 and 2.13 have
+    it). Without it the unit keeps FSDP2's own reduction (``PREMUL_SUM``/``AVG`` on NCCL: the same mean within float
+    rounding, not bitwise the CPU tests' arithmetic), with a warning that says so; gloo then has no ``PREMUL_SUM``."""
+    if hasattr(unit, "set_force_sum_reduction_for_comms"):
+        unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+        return
+    warnings.warn(
+        f"torch {torch.__version__}'s FSDP2 has no set_force_sum_reduction_for_comms: expert and HSDP units reduce "
+        "with FSDP2's own PREMUL_SUM/AVG (the same mean within float rounding; gloo has no PREMUL_SUM). "
+        "torch 2.11 and 2.13 have it.",
+        stacklevel=2,
+    )
 
 
 def expert_units(root: nn.Module) -> list[str]:

@@ -24,6 +24,8 @@ from torch.distributed.tensor import DTensor
 from lightning_parallel.parallel.dtensor import local
 
 GROUPED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what grouped_mm takes in torch 2.13
+# torch 2.11 and 2.13 have F.grouped_mm; without it the padded twin runs (fused=None) or fused=True says why
+GROUPED_MM_MISSING = None if hasattr(F, "grouped_mm") else f"torch {torch.__version__} has no F.grouped_mm"
 NORMAL_BLOCK = 16  # torch's host normal_ draws 16 values at a time (the last 16 again when the size is not a multiple)
 
 
@@ -45,7 +47,8 @@ def grouped_mm_fits(dtype: torch.dtype, w1: Tensor) -> bool:
 def grouped_by_default(device: torch.device, dtype: torch.dtype, w1: Tensor) -> bool:
     """``fused=None``'s choice: the grouped GEMM on CUDA for bf16 compute (the dtype of CUDA's fast kernel, and the
     only one torch.compile traces grouped_mm in) where it fits, the padded twin otherwise."""
-    return device.type == "cuda" and dtype == torch.bfloat16 and grouped_mm_fits(dtype, w1)
+    fits = device.type == "cuda" and dtype == torch.bfloat16 and grouped_mm_fits(dtype, w1)
+    return fits and GROUPED_MM_MISSING is None
 
 
 def expert_forward(
@@ -82,6 +85,9 @@ def expert_forward(
     dtype = compute_dtype(x)
     if fused is None:
         fused = grouped_by_default(x.device, dtype, w1)
+    if fused and GROUPED_MM_MISSING:
+        raise RuntimeError(f"expert_forward(fused=True): {GROUPED_MM_MISSING} (torch 2.11 and 2.13 have it). "
+                           "Use fused=None or False: the padded batched matmul, the same math.")  # fmt: skip
     if fused:
         return _grouped(x, counts, w1, w2, w3, dtype)
     return _padded(x, counts, w1, w2, w3, max_count)
