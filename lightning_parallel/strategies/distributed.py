@@ -32,6 +32,7 @@ from lightning_parallel.parallel.failure import (
 from lightning_parallel.parallel.fault_tolerance import check_backend, lighthouse_address, sampler_kwargs
 from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.parallel.shutdown import release_at_exit
+from lightning_parallel.plugins.precision import param_dtype_of
 from lightning_parallel.strategies.launcher import CheckFirstLauncher
 
 _SUM, _MAX, _MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
@@ -80,6 +81,10 @@ class DistributedMixin:
 
     def _name(self) -> str:
         return getattr(self, "strategy_name", type(self).__name__)
+
+    def _precision_of(self) -> Any:
+        """The Trainer's precision plugin, or Fabric's (a Fabric strategy's ``precision``)."""
+        return self.precision_plugin if hasattr(type(self), "precision_plugin") else self.precision
 
     # ----- the mesh -----
 
@@ -228,7 +233,8 @@ class DistributedMixin:
             # torch's new groups already get its default: only a timeout set by the user needs passing on
             mesh_timeout = None if self._timeout == default_pg_timeout else self._timeout
             self._mesh = dims.build_mesh(self.root_device.type, timeout=mesh_timeout)
-            self._sharding = make_sharding(self.config, self._mesh, setting=self._setting())
+            param_dtype = param_dtype_of(self._precision_of())  # ZeRO-3 under bf16-mixed gathers bf16
+            self._sharding = make_sharding(self.config, self._mesh, setting=self._setting(), param_dtype=param_dtype)
         self._failures = FailureBoard.for_process_group()
         if needs_watch(backend):  # NCCL: a dead peer is named and this rank's collectives fail, not hang
             self._failure_watch = FailureWatch(self._failures, _compat.abort_process_group).start()
