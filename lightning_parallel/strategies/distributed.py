@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -230,9 +229,8 @@ class DistributedMixin:
         _compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
         release_at_exit()  # the groups go before the interpreter does: a finished run exits 0
         if self._mesh is None:  # once per strategy: validate/test after fit run on the model fit split
-            # torch's new groups already get its default: only a timeout set by the user needs passing on
-            mesh_timeout = None if self._timeout == default_pg_timeout else self._timeout
-            self._mesh = dims.build_mesh(self.root_device.type, timeout=mesh_timeout)
+            # the run's timeout, Lightning's default (30 minutes) too: torch would give new NCCL groups 10 minutes
+            self._mesh = dims.build_mesh(self.root_device.type, timeout=self._timeout)
             param_dtype = param_dtype_of(self._precision_of())  # ZeRO-3 under bf16-mixed gathers bf16
             self._sharding = make_sharding(self.config, self._mesh, setting=self._setting(), param_dtype=param_dtype)
         self._failures = FailureBoard.for_process_group()
