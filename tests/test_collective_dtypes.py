@@ -67,11 +67,34 @@ def test_router_units_are_found_by_name_beside_the_experts():
 
     assert router_units(nn.ModuleDict({"0": Block()})) == ["0.gate"]
     assert "blocks.1.mlp.router" not in fsdp_units(model)  # added only when the rest is gathered in bf16
+    import transformers
+
+    small = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2}
+    families = {  # transformers 5's MoE blocks: the router is ``mlp.gate`` beside ``mlp.experts``
+        "mixtral": {"num_local_experts": 4, "intermediate_size": 32},
+        "deepseek_v3": {"n_routed_experts": 4, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+                        "moe_intermediate_size": 8, "intermediate_size": 32, "q_lora_rank": None, "kv_lora_rank": 8,
+                        "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4},
+    }  # fmt: skip
+    for family, fields in families.items():
+        config = transformers.AutoConfig.for_model(family, **small, **fields)
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+        want = [f"model.layers.{i}.mlp.gate" for i in range(2) if family != "deepseek_v3" or i >= 1]
+        assert router_units(hf) == want, family
 
 
 def test_the_precision_decides_the_gather_dtype():
     from lightning.fabric.plugins.precision import MixedPrecision as FabricMixed
     from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+    from lightning_parallel import Hybrid3DFabricStrategy, Hybrid3DStrategy
+
+    trainer_side, fabric_side = Hybrid3DStrategy(zero_stage=3), Hybrid3DFabricStrategy(zero_stage=3)
+    trainer_side.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    fabric_side.precision = FabricMixed("bf16-mixed", "cpu")
+    for strategy in (trainer_side, fabric_side):  # what setup_environment hands the sharding
+        assert param_dtype_of(strategy._precision_of()) is torch.bfloat16, type(strategy).__name__
+    assert param_dtype_of(Hybrid3DStrategy(zero_stage=3)._precision_of()) is None
 
     assert param_dtype_of(MixedPrecision("bf16-mixed", "cpu")) is torch.bfloat16
     assert param_dtype_of(FabricMixed("bf16-mixed", "cpu")) is torch.bfloat16
