@@ -68,7 +68,7 @@ def count(spec: str, world: int) -> dict:
     trainer = make_trainer(
         world,
         strategy,
-        max_steps=4,
+        max_steps=COUNTED_STEP + 1,
         gradient_clip_val=1.0 if "clip" in options else None,
         precision="bf16-mixed" if "bf16" in options else "32-true",
         callbacks=[counter],
