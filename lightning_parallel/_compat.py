@@ -152,6 +152,13 @@ def group_timeout(group: Any, device_type: str = "cpu") -> Any:
     return group._get_backend(torch.device(device_type)).options._timeout
 
 
+def process_groups() -> list[Any]:
+    """Every process group this process has made and not destroyed, the world's included (torch's registry)."""
+    from torch.distributed.distributed_c10d import _world
+
+    return list(_world.pg_map)
+
+
 def abort_process_group(group: Any = None) -> None:
     """Abort a process group's communicators: an NCCL collective waiting for a dead peer then fails instead of hanging
     until the watchdog's timeout (gloo ignores it: its collectives already fail when a peer's connection closes)."""

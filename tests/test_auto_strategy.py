@@ -25,7 +25,7 @@ from lightning_parallel.planning.auto import (
 )
 from lightning_parallel.planning.estimate import LayerCost, Settings, message_count, recommend
 from lightning_parallel.planning.profile import plan_layouts
-from lightning_parallel.recipes.auto import resolve_auto
+from lightning_parallel.recipes.auto import planning_gpu, resolve_auto
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results.json"
 
@@ -346,3 +346,58 @@ def test_the_sweep_merges_a_remeasured_row_and_replans_the_stored_ones():
     (again,) = replan([row])
     times = {json.dumps(m["layout"]): m["step_s"] for m in row["rows"]}
     assert again["ratio"] == times[json.dumps(again["pick"])] / min(times.values())  # the stored step times alone
+
+
+# ----- issue 42, item 4: the GPU is read once, by the process that plans, for the device it runs on -----
+
+
+class _Props:
+    name, total_memory = "NVIDIA H100 80GB HBM3", 80 * 2**30
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """CUDA with one kind of GPU: which devices' properties are read, and which device is set, in call order."""
+    import torch
+
+    calls: list[tuple[str, int]] = []
+
+    def properties(index):
+        calls.append(("read", index))
+        return _Props()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set", index)))
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_JOB_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    return calls
+
+
+def test_the_launchers_parent_reads_the_gpu_once_and_its_workers_never(fake_cuda, monkeypatch):
+    import torch
+
+    cfg = compose_gpt("strategy=auto", "trainer.devices=2", "trainer.accelerator=gpu")
+    resolve_auto(cfg)  # the parent, before any worker starts
+    assert fake_cuda == [("read", 0)]
+    assert cfg.strategy.name == "hybrid3d" and cfg.strategy.planned["machine"] == "cuda"
+
+    def refuse(index):
+        raise AssertionError("a worker read the GPU's properties")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", refuse)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a worker of recipes/launch.py: the resolved config, nothing to plan
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    resolve_auto(cfg)
+    assert fake_cuda == [("read", 0)]
+
+
+def test_under_torchrun_each_rank_reads_its_own_device_once_set(fake_cuda, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = compose_gpt("strategy=auto", "trainer.devices=2", "trainer.accelerator=gpu")
+    resolve_auto(cfg)
+    assert fake_cuda == [("set", 1), ("read", 1)]  # device 0 untouched
+    machine = detect_machine(2, 2, "gpu", gpu=planning_gpu("gpu"))
+    assert (machine.device, machine.device_memory) == ("h100", 80 * 2**30)
+    assert planning_gpu("cpu") is None

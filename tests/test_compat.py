@@ -44,6 +44,8 @@ def test_private_apis_resolve():
     for name in ("_resolve_process_group", "_get_default_store", "_device_capability", "_set_pg_timeout"):
         assert callable(getattr(c10d, name)), name
     assert callable(c10d._abort_process_group)
+    assert isinstance(c10d._world.pg_map, dict) and _compat.process_groups() == list(c10d._world.pg_map)
+    assert callable(c10d._get_default_timeout)  # tests/workers/cases/group_timeouts.py gives gloo NCCL's default
     import torch.distributed.pipelining.schedules as schedules  # measure/timeline.py wraps it while recording
 
     assert callable(schedules._wait_batch_p2p)

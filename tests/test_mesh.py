@@ -49,3 +49,24 @@ def test_roles_name_axes_and_sizes():
     assert dims.role_size("batch") == dims.role_size("shard") == 2
     assert (dims.role_size("stage"), dims.role_size("tensor")) == (2, 2)
     assert str(dims) == "pp=2 dp=2 tp=2 (world_size=8)"
+
+
+# Issue 42, item 4: every process group the strategy makes (the world, each axis, each flattened role, HSDP's, a side
+# group such as the MoE pipeline's) carries the run's timeout: Lightning's 30-minute default when none is given,
+# where torch gives a new NCCL group 10 minutes (the worker gives gloo that default, so a group left to it shows).
+@pytest.mark.parametrize(
+    "world, spec, timeout, want",
+    [
+        (2, "hybrid3d:zero_stage=3", None, 1800.0),
+        pytest.param(4, "hybrid3d:dp=2,cp=2", 77, 77.0, marks=pytest.mark.slow),
+        pytest.param(4, "hybrid3d:dp_shard=2,zero_stage=3", None, 1800.0, marks=pytest.mark.slow),
+    ],
+)
+def test_every_group_takes_the_runs_timeout(tmp_path, world, spec, timeout, want):
+    import json
+
+    from harness import run_worker
+
+    opts = json.dumps({"spec": spec, "timeout": timeout})
+    for rank in run_worker("group_timeouts", world, ["--opts", opts], tmp_path, timeout=300):
+        assert rank["groups"] > 2 and set(rank["timeouts"]) == {want}, rank

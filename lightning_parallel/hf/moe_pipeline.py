@@ -152,7 +152,7 @@ def pipeline_router_aux(model: nn.Module, strategy: Any) -> PipelineRouterAux | 
             "supported yet (a recomputed layer would not take part in the stages' exchange of router sums): set "
             "activation_checkpointing='none', or output_router_logits=False."
         )
-    side = dist.new_group(dist.get_process_group_ranks(strategy.mesh.group("stage")), use_local_synchronization=True)
+    side = strategy.mesh.side_group(dist.get_process_group_ranks(strategy.mesh.group("stage")))
     batch_group, batch_ranks, _ = _loss_pieces(strategy)
     return PipelineRouterAux(model, hf_pipeline_layers(model), side, batch_group, batch_ranks)
 

@@ -49,7 +49,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_parallel._compat import flatten_mesh, set_group_timeout
+from lightning_parallel._compat import flatten_mesh, group_timeout, set_group_timeout
 
 PP = "pp"
 DPR = "dpr"  # HSDP's replicas (dp / dp_shard); no "_" in axis names: flattened roles join axes with it
@@ -216,9 +216,10 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str, timeout: timedelta | None = None) -> ParallelMesh:
         """The mesh over the default process group; size-1 axes are kept so code can always name them.
-        ``timeout`` bounds the axis groups' collectives (torch gives new groups its 30-minute default, not the
-        world's timeout). It is set on each group once built, on every backend it has: backend options passed at
-        creation are per backend (NCCL's split refuses generic ones), a timeout set afterwards is not."""
+        ``timeout`` bounds the axis groups' collectives (None: the default group's): torch gives a new group its
+        backend's default, not the world's timeout (30 minutes on gloo, 10 on NCCL, where Lightning's default is
+        30). It is set on each group once built, on every backend it has: backend options passed at creation are
+        per backend (NCCL's split refuses generic ones), a timeout set afterwards is not."""
         shape = tuple(self.degrees.values())
         return ParallelMesh(self, init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES), timeout=timeout)
 
@@ -241,7 +242,8 @@ class ParallelMesh:
     def __init__(self, dims: ParallelDims, device_mesh: DeviceMesh, timeout: timedelta | None = None) -> None:
         self.dims = dims
         self.device_mesh = device_mesh
-        self.timeout = timeout
+        # every group the mesh makes takes the run's timeout: the world's unless told otherwise
+        self.timeout = _world_timeout(device_mesh.device_type) if timeout is None else timeout
         self._flat: dict[str, DeviceMesh] = {}
         self._by_name: dict[str, DeviceMesh] = {}  # the 1-D mesh of each role or axis asked for, looked up once
         self._answers: dict[tuple[str, str], Any] = {}
@@ -251,6 +253,13 @@ class ParallelMesh:
     def _set_timeout(self, group: dist.ProcessGroup) -> None:
         if self.timeout is not None:
             set_group_timeout(group, self.timeout)
+
+    def side_group(self, ranks: list[int]) -> dist.ProcessGroup:
+        """A process group of ``ranks`` beside the mesh's (only they call this: ``use_local_synchronization``), with
+        the mesh's timeout (the MoE pipeline's router sums)."""
+        group = dist.new_group(ranks, use_local_synchronization=True)
+        self._set_timeout(group)
+        return group
 
     def __getitem__(self, name: str) -> DeviceMesh:
         """The 1-D mesh of a role (``"batch"``, ``"shard"``, ...) or of an axis (``"pp"``, ``"dp"``, ``"tp"``)."""
@@ -316,6 +325,14 @@ class ParallelMesh:
     def axis_groups(self) -> dict[str, dist.ProcessGroup]:
         """The process group of every axis, by axis name (what gradient-norm code reduces over)."""
         return {axis: self.group(axis) for axis in MESH_AXES}
+
+
+def _world_timeout(device_type: str) -> timedelta | None:
+    """The default group's collective timeout; None where its backend keeps none (torch's fake process group)."""
+    try:
+        return group_timeout(dist.group.WORLD, device_type)
+    except AttributeError:
+        return None
 
 
 def axis_combinations() -> list[tuple[str, ...]]:

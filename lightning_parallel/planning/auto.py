@@ -65,13 +65,33 @@ class Machine:
     device: str | None = None
 
 
+@dataclass(frozen=True)
+class GPU:
+    """What the planner reads of a GPU: torch's name for it and its memory in bytes."""
+
+    name: str
+    memory: float
+
+
+def read_gpu(index: int) -> GPU:
+    """CUDA device ``index``'s name and memory (``torch.cuda.get_device_properties``). Read once, by the process that
+    plans, for the device it has chosen (``recipes/auto.py``: the launcher's parent before any worker starts; under
+    torchrun each rank for its own device once set), so no process touches a device it will not use."""
+    props = torch.cuda.get_device_properties(index)
+    return GPU(props.name, float(props.total_memory))
+
+
 def host_memory() -> float:
     """Bytes of the host's physical memory."""
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def detect_machine(
-    world_size: int, node_size: int, accelerator: str = "auto", device_memory: float | None = None
+    world_size: int,
+    node_size: int,
+    accelerator: str = "auto",
+    device_memory: float | None = None,
+    gpu: GPU | None = None,
 ) -> Machine:
     """The job on this machine: CUDA's device memory where the accelerator is a GPU, else the host's memory shared
     by the node's processes, with the step-time constants of that kind.
@@ -81,17 +101,19 @@ def detect_machine(
         node_size: processes per node (``trainer.devices``).
         accelerator: Lightning's accelerator flag (``auto``: a GPU where CUDA is there).
         device_memory: bytes per device instead of what is detected.
+        gpu: the GPU as read once by the process that plans (:func:`read_gpu`); None: read here, from the current
+            CUDA device (set it first: an unset device is device 0 in every process).
     """
     if world_size < 1 or node_size < 1 or world_size % node_size:
         raise ValueError(
             f"strategy=auto: world size {world_size} is not a whole number of nodes of {node_size} devices: set "
             "trainer.devices (per node) and trainer.num_nodes to 1 or more."
         )
-    cuda = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+    cuda = accelerator in ("auto", "gpu", "cuda") and (gpu is not None or torch.cuda.is_available())
     if cuda:
-        props = torch.cuda.get_device_properties(0)
-        memory = device_memory or float(props.total_memory)
-        name = device_row(props.name, float(props.total_memory))
+        gpu = gpu if gpu is not None else read_gpu(torch.cuda.current_device())
+        memory = device_memory or gpu.memory
+        name = device_row(gpu.name, gpu.memory)
         return Machine(world_size, node_size, memory, DEVICE_FLOPS, DEVICE_BANDWIDTH, DEVICE_LATENCY, "cuda", name)
     cores = os.cpu_count() or 1
     memory = device_memory or host_memory() / node_size

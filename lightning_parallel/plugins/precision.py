@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
+import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch import Tensor
 from torch.optim import Optimizer
@@ -123,6 +124,14 @@ def to_mesh_precision(plugin: Precision, strategy_name: str, clip_fn: ClipFn) ->
         )
     converted.clip_fn = clip_fn
     return converted
+
+
+def param_dtype_of(plugin: Any) -> torch.dtype | None:
+    """The dtype ZeRO-3 gathers parameters in and computes with under a Trainer's or Fabric's precision plugin: bf16
+    under ``bf16-mixed`` (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``, gradients reduced in fp32: torchtitan's
+    default); None (the parameters' own) otherwise: fp32 under ``32-true`` and ``16-mixed``, bf16 under ``bf16-true``.
+    The sharded fp32 parameters and the optimizer's states are the same in every case."""
+    return torch.bfloat16 if getattr(plugin, "precision", None) == "bf16-mixed" else None
 
 
 def loss_scale_of(plugin: Precision) -> float:

@@ -3,13 +3,17 @@ checks): before any worker starts, the planner's layout for the job
 (:mod:`lightning_parallel.planning.auto`) replaces ``strategy=auto`` by ``strategy=hybrid3d`` with the chosen degrees,
 logged with its predicted figures; ``cfg.strategy.planned`` carries them to the workers, and metrics.json's
 ``planned`` beside the measured ones. Each process that runs the checks (the parent, or every rank under torchrun)
-plans from the same config and machine, without timing anything, so every rank gets the same layout."""
+plans from the same config and machine, without timing anything, so every rank gets the same layout. The GPU is read
+once per planning process, for the device it runs on (:func:`planning_gpu`): the workers the parent starts receive
+the plan and read nothing."""
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel.parallel.config import ParallelConfig
@@ -77,6 +81,26 @@ def plan_for(cfg: DictConfig) -> Any:
         raise ValueError(
             f"strategy.auto_device_memory={memory!r} is not a size: write it like 80GB, 24GiB or 512MB."
         ) from None
-    machine = detect_machine(t.devices * t.num_nodes, t.devices, t.accelerator, memory)
+    machine = detect_machine(t.devices * t.num_nodes, t.devices, t.accelerator, memory, planning_gpu(t.accelerator))
     batch = max(1, cfg.data.global_batch_size // max(1, t.accumulate_grad_batches))  # samples per forward
     return choose_layout(spec, machine, batch, precision=cfg.precision.value)
+
+
+def planning_gpu(accelerator: str) -> Any:
+    """The GPU this process plans for (:class:`~lightning_parallel.planning.auto.GPU`), read once; None off CUDA.
+
+    Under torchrun or SLURM every rank plans (no parent of ours runs before them): each reads its own device
+    (``LOCAL_RANK``, ``SLURM_LOCALID``), set first, so no rank touches device 0 before Lightning sets its device.
+    Otherwise this is the launcher's parent, before any worker starts (or the single process of a one-device run):
+    device 0, where rank 0 runs; the workers get the plan in ``cfg.strategy`` and read nothing.
+    """
+    from lightning_parallel.planning.auto import read_gpu
+    from lightning_parallel.recipes.launch import launched_externally
+
+    if accelerator not in ("auto", "gpu", "cuda") or not torch.cuda.is_available():
+        return None
+    index = 0
+    if launched_externally():
+        index = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+        torch.cuda.set_device(index)
+    return read_gpu(index)

@@ -87,7 +87,8 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
             layout resumes it) or ``"full"`` (one file gathered on rank 0 in the single-process format).
         async_save: sharded saves during fit go on in a thread once staged on the host (one at a time; a
             folder appears only complete): :mod:`lightning_parallel.parallel.checkpoint.async_save`.
-        timeout: a ``timedelta`` or seconds (torch's default: 30 minutes) bounding every collective: when a rank
+        timeout: a ``timedelta`` or seconds (Lightning's default: 30 minutes) bounding every collective, on the
+            world and on every group the strategy makes (torch would give a new NCCL group 10 minutes): when a rank
             fails, the others end within it and name the rank that failed first (``parallel/failure.py``).
         accelerator: Lightning's (as are ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
             ``precision_plugin`` and ``process_group_backend``).

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -32,6 +31,7 @@ from lightning_parallel.parallel.failure import (
 from lightning_parallel.parallel.fault_tolerance import check_backend, lighthouse_address, sampler_kwargs
 from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.parallel.shutdown import release_at_exit
+from lightning_parallel.plugins.precision import param_dtype_of
 from lightning_parallel.strategies.launcher import CheckFirstLauncher
 
 _SUM, _MAX, _MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
@@ -80,6 +80,10 @@ class DistributedMixin:
 
     def _name(self) -> str:
         return getattr(self, "strategy_name", type(self).__name__)
+
+    def _precision_of(self) -> Any:
+        """The Trainer's precision plugin, or Fabric's (a Fabric strategy's ``precision``)."""
+        return self.precision_plugin if hasattr(type(self), "precision_plugin") else self.precision
 
     # ----- the mesh -----
 
@@ -225,10 +229,10 @@ class DistributedMixin:
         _compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
         release_at_exit()  # the groups go before the interpreter does: a finished run exits 0
         if self._mesh is None:  # once per strategy: validate/test after fit run on the model fit split
-            # torch's new groups already get its default: only a timeout set by the user needs passing on
-            mesh_timeout = None if self._timeout == default_pg_timeout else self._timeout
-            self._mesh = dims.build_mesh(self.root_device.type, timeout=mesh_timeout)
-            self._sharding = make_sharding(self.config, self._mesh, setting=self._setting())
+            # the run's timeout, Lightning's default (30 minutes) too: torch would give new NCCL groups 10 minutes
+            self._mesh = dims.build_mesh(self.root_device.type, timeout=self._timeout)
+            param_dtype = param_dtype_of(self._precision_of())  # ZeRO-3 under bf16-mixed gathers bf16
+            self._sharding = make_sharding(self.config, self._mesh, setting=self._setting(), param_dtype=param_dtype)
         self._failures = FailureBoard.for_process_group()
         if needs_watch(backend):  # NCCL: a dead peer is named and this rank's collectives fail, not hang
             self._failure_watch = FailureWatch(self._failures, _compat.abort_process_group).start()

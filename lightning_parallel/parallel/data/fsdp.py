@@ -8,6 +8,7 @@ a pure function so it can be tested without a process group.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -94,6 +95,28 @@ def _one_enclosing_unit(units: set[str]) -> bool:
     return any(all(u == top or u.startswith(top + ".") for u in units) for top in units)
 
 
+# MoE routers, by name: a module called so whose parent also holds the experts (``experts``). The recipe's MoE
+# (``router``, computed in fp32 also under autocast) and transformers' MoE blocks (``gate``: Mixtral, Qwen2/3-MoE,
+# OLMoE, DeepSeek-V3 routers). Kept in fp32 when ZeRO-3 gathers the rest in bf16 (:func:`router_units`).
+ROUTER_NAMES = ("router", "gate")
+
+
+def router_units(root: nn.Module) -> list[str]:
+    """Paths of the MoE routers in ``root`` (:data:`ROUTER_NAMES` beside an ``experts`` child, holding parameters).
+
+    Under ``param_dtype=bf16`` each becomes a ZeRO-3 unit of its own gathered in fp32: a router picks experts by
+    comparing logits, where bf16's 8-bit mantissa flips near ties (Switch Transformer's selective precision).
+    """
+    found = []
+    for name, module in root.named_modules():
+        children = dict(module.named_children())
+        if "experts" not in children:
+            continue
+        prefix = f"{name}." if name else ""
+        found += [prefix + n for n in ROUTER_NAMES if n in children and _has_params(children[n])]
+    return found
+
+
 def apply_fsdp(
     root: nn.Module,
     mesh: DeviceMesh,
@@ -102,13 +125,21 @@ def apply_fsdp(
     offload: bool = False,
     units: list[str] | None = None,
     reduce_dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None,
+    full_precision: tuple[str, ...] = (),
 ) -> list[str]:
     """Shard ``root``'s parameters, gradients and optimizer state over ``mesh`` (ZeRO-3) in place.
+
+    Args:
+        reduce_dtype: the dtype gradients are reduced in (None: the parameters' own, or ``param_dtype``'s).
+        param_dtype: the dtype parameters are gathered in and computed with (FSDP2's ``MixedPrecisionPolicy``;
+            None: their own). The sharded fp32 parameters, their gradients and the optimizer stay as they are.
+        full_precision: units gathered in their own dtype whatever ``param_dtype`` says (MoE routers).
 
     Returns:
         The unit paths, innermost first (``""`` when the root itself became a unit).
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     units = fsdp_units(root) if units is None else units
     policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
@@ -122,11 +153,23 @@ def apply_fsdp(
             mesh=mesh,
             reshard_after_forward=reshard,
             offload_policy=policy,
-            mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype),  # gradient compression: the reduction's dtype
+            mp_policy=precision_policy(None if path in full_precision else param_dtype, reduce_dtype),
             shard_placement_fn=shard_dim_of,
         )
     set_prefetch(root, units)
     return units
+
+
+def precision_policy(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy``: parameters gathered in ``param_dtype``, gradients reduced in ``reduce_dtype``
+    (gradient compression's wire dtype), else in fp32 when the parameters are gathered in a lower precision (FSDP2
+    would reduce in ``param_dtype``: torchtitan's ``mixed_precision_reduce="float32"``). Forward inputs are cast to
+    ``param_dtype`` (FSDP2's default): a unit's floating inputs arrive in bf16."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if reduce_dtype is None and param_dtype is not None:
+        reduce_dtype = torch.float32
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
 def shard_dim_of(param: nn.Parameter) -> Shard | None:
@@ -172,6 +215,12 @@ class ShardParameters(DataParallelSharding):
     would divide again; unforced, it divides once on every device (pre- and post-factors stay None for fp32/bf16).
     Plain units keep FSDP2's default ``AVG``, which gloo 2.13 has too.
 
+    Mixed precision (``param_dtype``: bf16 under ``bf16-mixed``): every unit, expert units included, gathers its
+    parameters in bf16 and reduces gradients in fp32 (or grad_compression's dtype), FSDP2's ``MixedPrecisionPolicy``
+    as torchtitan sets it; the sharded parameters, gradients and optimizer states stay fp32. MoE routers
+    (:func:`router_units`) are units of their own gathered in fp32. So ZeRO-3 computes from bf16-rounded parameters
+    where ZeRO 0-2 autocast from fp32 ones (docs/precision.md states the difference).
+
     HSDP: FSDP2 on the 2-D (replicate, shard) mesh is HSDP (``fully_shard`` reduce-scatters over the shard dimension,
     then all-reduces over the replicate one: ``foreach_reduce`` in torch's ``_fully_shard``).
     """
@@ -199,19 +248,26 @@ class ShardParameters(DataParallelSharding):
                 # nothing travels on a group of one, and an fp16 reduce dtype there would divide by f^2, not f (torch
                 # 2.13 pre- and post-divides fp16 by factors of f, and its copy for a single rank divides by f too)
                 "reduce_dtype": None if alone else self.wire_dtype,
+                "param_dtype": self.param_dtype,
             }
             apply_fsdp(root, self.expert_mesh, units=[path], **settings)
             unit = root.get_submodule(path)
             unit.set_gradient_divide_factor(float(self.data_parallel_size))  # type: ignore[operator]
             if not alone:
                 force_sum_reduction(unit)
+        units = fsdp_units(root) if units is None else units
+        # MoE routers stay fp32 when the rest is gathered in bf16: units of their own, innermost, so the enclosing
+        # block's unit leaves them alone
+        routers = tuple(router_units(root)) if self.param_dtype is not None else ()
         made = apply_fsdp(
             root,
             self.fsdp_mesh,
             reshard_after_forward=self.reshard_after_forward,
             offload=self.offload,
-            units=units,
+            units=[*routers, *units],
             reduce_dtype=self.wire_dtype,
+            param_dtype=self.param_dtype,
+            full_precision=routers,
         )
         for path in made if self.hsdp_mesh is not None else []:
             # HSDP: sum both steps and divide once after, on every device (see above)

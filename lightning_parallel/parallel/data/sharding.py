@@ -150,6 +150,8 @@ class DataParallelSharding:
             matrix (:mod:`~lightning_parallel.parallel.data.powersgd`, stages 0-2), of rank ``powersgd_rank``.
         overlap_grad_reduce, bucket_mb: reduce gradients in buckets of ``bucket_mb`` MB during backward
             (:mod:`~lightning_parallel.parallel.data.overlap`; stages 0-2, also under pipelines).
+        param_dtype: the dtype stage 3 gathers parameters in and computes with (bf16 under ``bf16-mixed``, from the
+            strategy's precision); None: their own. Stages 0-2 keep whole fp32 parameters and ignore it.
         setting: how the user named this layout, for error messages.
     """
 
@@ -174,6 +176,7 @@ class DataParallelSharding:
         powersgd_rank: int = 4,
         overlap_grad_reduce: bool = False,
         bucket_mb: float = 25.0,
+        param_dtype: torch.dtype | None = None,
         setting: str = "",
     ) -> None:
         assert mesh.ndim == 1, "a sharding takes the 1-D mesh of its ranks"
@@ -189,6 +192,7 @@ class DataParallelSharding:
         self.hsdp_mesh = hsdp_mesh
         self.offload = offload
         self.reshard_after_forward = reshard_after_forward
+        self.param_dtype = param_dtype
         self.setting = setting
 
     @classmethod

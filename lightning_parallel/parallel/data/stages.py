@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 # imported to register their shardings (register_sharding); a new variant's module is imported here too
 from lightning_parallel.parallel.data import flat_sharding, fsdp, replicate  # noqa: F401
 from lightning_parallel.parallel.data.sharding import SHARDINGS, DataParallelSharding
@@ -88,9 +90,12 @@ def check_zero_settings(stage: object, offload: object, *, name: str = "stage", 
         )
 
 
-def make_sharding(config: ParallelConfig, mesh: ParallelMesh, setting: str = "") -> DataParallelSharding:
+def make_sharding(
+    config: ParallelConfig, mesh: ParallelMesh, setting: str = "", param_dtype: torch.dtype | None = None
+) -> DataParallelSharding:
     """The sharding ``config`` picks (:func:`sharding_class`) over the world's ``mesh`` (it picks the roles it
-    shards over, the replicas' too under HSDP), with the config's data-parallel settings."""
+    shards over, the replicas' too under HSDP), with the config's data-parallel settings and the precision's
+    ``param_dtype`` (what ZeRO-3 gathers parameters in; None: their own)."""
     return sharding_class(config).from_mesh(
         mesh,
         offload=config.offload,
@@ -99,5 +104,6 @@ def make_sharding(config: ParallelConfig, mesh: ParallelMesh, setting: str = "")
         powersgd_rank=config.powersgd_rank,
         overlap_grad_reduce=config.overlap_grad_reduce,
         bucket_mb=config.bucket_mb,
+        param_dtype=param_dtype,
         setting=setting,
     )

@@ -66,6 +66,16 @@ def check_moe_settings(num_experts: object, top_k: object, capacity_factor: obje
         raise ValueError(f"activation={activation!r} is unknown: use one of {', '.join(ACTIVATIONS)}.")
 
 
+class Router(nn.Linear):
+    """The gate's linear layer, computed in fp32 also under autocast and from bf16 weights (Switch's selective
+    precision: a bf16 router flips near-tied choices between layouts). ZeRO-3 under bf16-mixed gathers it in fp32 as
+    a unit of its own (``data/fsdp.py: router_units``)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+
+
 class MoE(nn.Module):
     """Mixture-of-Experts FFN: ``(..., d) -> (..., d)``; inputs of 3 or more dims are samples of T tokens each.
 
@@ -98,7 +108,7 @@ class MoE(nn.Module):
         check_moe_settings(num_experts, top_k, capacity_factor, activation)
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
-        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.router = Router(dim, num_experts, bias=False)
         self.experts = GroupedExperts(num_experts, dim, hidden, activation)
         self.shared: nn.Module | None = None
         if shared_hidden:
@@ -144,8 +154,7 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         per_sample = shape[-2] if x.dim() >= 3 else 1
         samples = tokens.shape[0] // per_sample
-        with torch.autocast(tokens.device.type, enabled=False):  # the router in fp32 (Switch's selective precision)
-            logits = F.linear(tokens.float(), self.router.weight.float())
+        logits = self.router(tokens)  # fp32 (Router); called as a module so ZeRO-3 gathers it as its own unit
         probs = logits.softmax(-1)
         top_p, top_i = probs.topk(self.top_k, dim=-1)
         weights = top_p / top_p.sum(-1, keepdim=True) if self.top_k > 1 else top_p

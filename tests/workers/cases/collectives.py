@@ -3,11 +3,15 @@ of one steady training step of the tiny GPT under each strategy of ``specs``, co
 (``CommCounter``) and the barriers (``torch.distributed.barrier`` patched). Its result:
 ``{spec: {"counts": {"all_reduce@2": n, ...}, "barriers": n, "groups": optimizer param groups}}``.
 
-Cases in a spec: ``hybrid3d:tp=2`` (cases/common.py's build_strategy), ``+clip`` appended: gradient clipping.
+Cases in a spec: ``hybrid3d:tp=2`` (cases/common.py's build_strategy), then any of these appended: ``+clip``
+gradient clipping, ``+bf16`` precision="bf16-mixed", ``+moe`` the GPT with a MoE block (8 experts, top-2). Each
+result also has ``bytes`` (payload bytes by ``kind:dtype``), the ``router_bytes`` of one MoE router's weight, and the
+dtypes of the local parameters and of the optimizer's states (``param_dtypes``, ``state_dtypes``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import lightning.pytorch as pl
@@ -27,6 +31,7 @@ class CountStep(pl.Callback):
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
         self.barriers = 0
         self._counter: CommCounter | None = None
         self._barrier = dist.barrier
@@ -46,20 +51,41 @@ class CountStep(pl.Callback):
             self._counter.__exit__(None, None, None)
             dist.barrier = self._barrier
             self.counts = dict(Counter(f"{e.kind}@{e.group_size}" for e in self._counter.events))
+            for e in self._counter.events:
+                key = f"{e.kind}:{e.dtype}"
+                self.bytes[key] = self.bytes.get(key, 0) + e.payload_bytes
 
 
 def count(spec: str, world: int) -> dict:
     pl.seed_everything(0, verbose=False)
-    name, clip = spec.removesuffix("+clip"), spec.endswith("+clip")
+    name, *options = spec.split("+")
+    config = dataclasses.replace(TINY, moe_experts=8, moe_top_k=2) if "moe" in options else TINY
     strategy = build_strategy(name)
     micro = 8 // batch_ranks(strategy, world)
-    data = SyntheticTokens(num_samples=8 * 4, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
-    model = RecordingGPT(config=TINY, lr=1e-3, eps=1e-6)
+    data = SyntheticTokens(num_samples=8 * 4, seq_len=config.seq_len, vocab_size=config.vocab_size)
+    model = RecordingGPT(config=config, lr=1e-3, eps=1e-6)
     counter = CountStep()
-    trainer = make_trainer(world, strategy, max_steps=4, gradient_clip_val=1.0 if clip else None, callbacks=[counter])
+    trainer = make_trainer(
+        world,
+        strategy,
+        max_steps=COUNTED_STEP + 1,
+        gradient_clip_val=1.0 if "clip" in options else None,
+        precision="bf16-mixed" if "bf16" in options else "32-true",
+        callbacks=[counter],
+    )
     trainer.fit(model, datamodule=ShardedData(data, micro))
-    groups = len(trainer.optimizers[0].param_groups)  # ZeRO 1-2: one flat buffer each
-    return {"counts": counter.counts, "barriers": counter.barriers, "groups": groups}
+    optimizer = trainer.optimizers[0]
+    groups = len(optimizer.param_groups)  # ZeRO 1-2: one flat buffer each
+    states = {str(v.dtype) for state in optimizer.state.values() for v in state.values() if v.dim() > 0}
+    return {
+        "counts": counter.counts,
+        "barriers": counter.barriers,
+        "groups": groups,
+        "bytes": counter.bytes,
+        "router_bytes": config.moe_experts * config.d_model * 4,  # one router's fp32 weight (E, d)
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "state_dtypes": sorted(states),
+    }
 
 
 def run_case(case: dict, ctx) -> dict:

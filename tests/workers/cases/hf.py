@@ -117,6 +117,7 @@ def run_case(case: dict, ctx) -> dict:
         max_steps=steps,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=case.get("clip"),
+        precision=case.get("precision", "32-true"),
         callbacks=probes + ([SaveAt(case["save"], case["save_step"])] if case.get("save") else []),
     )
     trainer.fit(model, datamodule=ShardedData(data, micro), ckpt_path=case.get("resume"))
