@@ -33,8 +33,8 @@ from host_counts import HostCounts, HostSyncs  # noqa: E402
 
 from lightning_parallel import Hybrid3DStrategy, ZeroStrategy  # noqa: E402
 from lightning_parallel.callbacks.activation import ActivationMemoryMonitor  # noqa: E402
-from lightning_parallel.callbacks.monitor import TrainingMonitor  # noqa: E402
 from lightning_parallel.callbacks.moe import MoEAuxLossScale, MoEMonitor  # noqa: E402
+from lightning_parallel.callbacks.monitor import TrainingMonitor  # noqa: E402
 from lightning_parallel.callbacks.preemption import Preemption  # noqa: E402
 from lightning_parallel.callbacks.resume import ExactResume  # noqa: E402
 from lightning_parallel.models import LitGPT, LitVGG  # noqa: E402
