@@ -151,8 +151,8 @@ class HostSyncs(pl.Callback):
             "per_step": len(self._counter.events) / n,
             "by_package": {k: v / n for k, v in Counter(e.package for e in self._counter.events).items()},
             "sites": [
-                {"kind": kind, "site": site, "package": package, "per_step": calls / n}
-                for (kind, site, package), calls in sites.most_common()
+                {"kind": kind, "site": site, "package": package, "via": via, "per_step": calls / n}
+                for (kind, site, package, via), calls in sites.most_common()
             ],
         }
         self._counter = None

@@ -41,20 +41,25 @@ LAYOUTS = [
 ]
 FAST = [("Lightning ddp", "ddp"), ("ZeRO-3", "zero3"), ("pp=2 1F1B", "hybrid3d:pp=2,pp_schedule=1f1b,microbatches=2")]
 WARMUP, STEPS = 3, 2  # counted: batches 3 and 4 (after the first optimizer steps made every lazy state)
-# why each remaining sync is there, by a part of its source line
+# why each remaining sync is there, by a part of its source line (or of its caller's)
 REASONS = {
-    "lightning/pytorch/trainer/connectors/logger_connector/result.py": (
-        "Lightning: the logged train_loss turned into a Python number for the progress bar (`prog_bar=True`)"
+    "lightning/fabric/utilities/apply_func.py": (
+        "Lightning: the logged `train_loss` (`prog_bar=True`) turned into a Python number for the progress-bar "
+        "metrics at every batch end, and once more on rank 0 when its progress bar refreshes"
     ),
     "lightning/pytorch/loops/training_epoch_loop.py": (
-        "Lightning: its SIGTERM flag broadcast from rank 0 and read with `.item()` (world > 1)"
+        "Lightning: its SIGTERM flag, a host list copied to the device, broadcast from rank 0 and read with "
+        "`.item()` after every batch (world > 1)"
     ),
-    "lightning/pytorch/callbacks/progress/tqdm_progress.py": "Lightning: the progress bar's refresh",
+    "transformers/masking_utils.py": (
+        "transformers: the model's forward looks for packed sequences in the position ids (`.all()`) when it has "
+        "no attention mask"
+    ),
 }
 
 
-def reason(site: str) -> str:
-    return next((why for part, why in REASONS.items() if part in site), "")
+def reason(site: str, via: str = "") -> str:
+    return next((why for part, why in REASONS.items() if part in site or part in via), "")
 
 
 def run_host_syncs(out: Path, launch: Callable[..., list], layouts: list | None = None) -> list[dict[str, Any]]:
@@ -62,11 +67,12 @@ def run_host_syncs(out: Path, launch: Callable[..., list], layouts: list | None 
     rows = []
     for model, overrides in MODELS.items():
         for label, spec in layouts or LAYOUTS:
-            ranks = launch("gpt", overrides, 2, spec, out, WARMUP + STEPS + 3, warmup=WARMUP, syncs=STEPS)
-            sites: dict[tuple[str, str, str], float] = {}
+            steps = WARMUP + STEPS + 3
+            ranks = launch("gpt", overrides, 2, spec, out, steps, warmup=WARMUP, syncs=STEPS, tag=f"_syncs_{model}")
+            sites: dict[tuple[str, str, str, str], float] = {}
             for r in ranks:
                 for s in r["host_syncs"]["sites"]:
-                    key = (s["kind"], s["site"], s["package"])
+                    key = (s["kind"], s["site"], s["package"], s["via"])
                     sites[key] = max(sites.get(key, 0.0), s["per_step"])
             rows.append(
                 {
@@ -76,13 +82,53 @@ def run_host_syncs(out: Path, launch: Callable[..., list], layouts: list | None 
                     "per_step": [r["host_syncs"]["per_step"] for r in ranks],
                     "ours_per_step": [r["host_syncs"]["by_package"].get("lightning_parallel", 0.0) for r in ranks],
                     "sites": [
-                        {"kind": k, "site": s, "package": p, "per_step": n, "reason": reason(s)}
-                        for (k, s, p), n in sorted(sites.items(), key=lambda kv: -kv[1])
+                        {"kind": k, "site": s, "package": p, "via": v, "per_step": n, "reason": reason(s, v)}
+                        for (k, s, p, v), n in sorted(sites.items(), key=lambda kv: -kv[1])
                     ],
                 }
             )
             print(f"  {model} {label}: {rows[-1]['per_step']} syncs/step by rank", flush=True)
     return rows
+
+
+def host_sync_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """BENCHMARKS.md's section: per model, each layout's syncs per step by rank (ours: from lightning_parallel),
+    then every source line that synced, with its reason."""
+    lines = [
+        "## Host syncs per step against Lightning's own strategies",
+        "",
+        "Calls that would make the host wait for a GPU (`.item()`, `int()`/`float()`/`bool()` of a tensor, "
+        "`.tolist()`, `.cpu()`, data-dependent shapes such as `nonzero`, blocking host-to-device copies), per "
+        "steady-state step (batches 3 and 4) and rank at world 2 under `bf16-mixed`, with the recipe's callbacks "
+        "(preemption, exact resume, MoE figures, the training monitor) and Lightning's progress bar. Counted on "
+        "the CPU run by lightning_parallel/parallel/measure/host_sync.py: every tensor counts as a device tensor "
+        "but those that stay on the host on a GPU too (made without a device, torch optimizers' step counters); "
+        "on a GPU, `torch.cuda.set_sync_debug_mode` is the check. Produced by benchmarks/host_syncs.py "
+        "(`python benchmarks/bench.py --only host_syncs`). Ours = the calls from lightning_parallel.",
+        "",
+    ]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        lines += [f"### {model}", "", "| layout | syncs / step (rank 0, 1) | ours |", "|---|---|---|"]
+        for r in mine:
+            total = ", ".join(f"{v:g}" for v in r["per_step"])
+            lines.append(f"| {r['layout']} (`{r['spec']}`) | {total} | {max(r['ours_per_step']):g} |")
+        sites: dict[str, tuple[str, dict[str, float]]] = {}
+        for r in mine:
+            for site in r["sites"]:
+                key = f"`{site['site']}` ({site['kind']}, from `{site['via']}`)"
+                per_layout = sites.setdefault(key, (site["reason"], {}))[1]
+                per_layout[r["layout"]] = max(per_layout.get(r["layout"], 0.0), site["per_step"])
+        lines += ["", "Every source line that synced (the innermost frame outside torch), its caller, and where:", ""]
+        for key, (why, layouts) in sites.items():
+            counts = set(layouts.values())
+            if len(layouts) == len(mine) and len(counts) == 1:
+                where = f"every layout, {counts.pop():g} per step at most"
+            else:
+                where = "; ".join(f"{name}: {n:g}" for name, n in layouts.items()) + " per step at most"
+            lines.append(f"- {key}: {why or 'no reason recorded'} ({where})")
+        lines.append("")
+    return lines
 
 
 def main() -> None:
@@ -92,16 +138,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "host_syncs")
     parser.add_argument("--fast", action="store_true", help="three layouts only")
+    parser.add_argument("--json", type=Path, default=ROOT / "runs" / "host_syncs.json", help="where the rows go")
     args = parser.parse_args()
 
     def launch(recipe: str, overrides: list, world: int, spec: str, out: Path, steps: int, **kw: Any) -> list:
         cli = ["--recipe", recipe, "--overrides", json.dumps(overrides), "--strategy", spec, "--steps", str(steps)]
         cli += ["--warmup", str(kw["warmup"]), "--syncs", str(kw["syncs"])]
-        tag = f"{overrides[0].split('=')[1]}_{spec.replace(':', '_').replace(',', '_').replace('=', '')}"
+        tag = spec.replace(":", "_").replace(",", "_").replace("=", "") + kw["tag"]
         return run_distributed(str(WORKER), world, cli, out / tag, timeout=600)
 
     rows = run_host_syncs(args.out, launch, FAST if args.fast else None)
-    print(json.dumps(rows, indent=1))
+    args.json.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from harness import WORKERS
+from harness import WORKERS, run_worker
 from recipe_runs import GPT, run_recipe
 from recipe_runs import env as recipe_env
 from test_recipe_gpt import SHORT
@@ -69,3 +69,13 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert stops[0] == stops[1] == {"step": 5, "exception": "SIGTERMException"}, stops
     assert consolidated(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 5
     assert "Preempted (SIGTERM): stopped after step 5 on every rank" in output, output[-4000:]
+
+
+def test_the_flag_is_read_a_step_later_over_a_gloo_group_of_its_own_on_an_nccl_world(tmp_path):
+    """No host sync per step: the flag reduced without waiting, read at the next step's end, by every rank alike;
+    on a world whose groups take no host tensors (NCCL, reported here) over a gloo group of all ranks."""
+    case = {"steps": 4, "step": 2, "rank": 1}
+    ranks = run_worker("preemption_flag", 2, ["--opts", json.dumps(case)], tmp_path, timeout=300)
+    want = [False, False, False, True]  # signal before step 2's end: every rank stops at step 3's
+    assert [r["stops"] for r in ranks] == [want, want], ranks
+    assert all(r["own_group"] and r["group_size"] == 2 for r in ranks), ranks

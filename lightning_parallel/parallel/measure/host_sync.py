@@ -8,7 +8,8 @@ the ones that stay on the host on a GPU too:
 - tensors a factory makes without a ``device`` (``torch.arange(n)``, ``torch.tensor(x)``, ``torch.zeros(1)``) or
   with the string ``"cpu"``, and whatever is computed from such tensors alone (a ``torch.device`` object counts as
   the run's device: on a CPU run ``trainer.strategy.root_device`` is ``cpu``);
-- torch optimizers' ``step`` counters (host tensors unless ``capturable`` or ``fused``), found when counting starts.
+- torch optimizers' ``step`` counters (host tensors unless ``capturable`` or ``fused``) and DeviceMeshes' rank
+  tables, found when counting starts.
 
 Counted, each as one event (:class:`SyncEvent`):
 
@@ -21,6 +22,7 @@ kind                      what
 ``to_host``               ``.cpu()`` or ``.to("cpu")`` of a device tensor
 ``data_dependent_shape``  an output whose shape depends on the values: ``nonzero``, ``masked_select``,
                           ``unique``, ``repeat_interleave`` without ``output_size``, boolean-mask indexing
+                          (not ``x[mask] = scalar``: torch runs that as ``masked_fill_``)
 ``host_to_device``        a host tensor copied to the device (``.to(device)``, ``copy_``), or
                           ``torch.tensor(data, device=...)`` (host data, a blocking copy)
 ========================  ============================================================================
@@ -68,12 +70,14 @@ _MODE_HOOKS = ("__torch_function__", "__torch_dispatch__")  # other counters' mo
 @dataclass(frozen=True)
 class SyncEvent:
     """One synchronising call: its kind (see the module's table), the call (``Tensor.item``, ``aten.nonzero``),
-    where it came from (``file:line``, the innermost frame outside torch) and that file's package."""
+    where it came from (``file:line``, the innermost frame outside torch), that file's package, and the caller of
+    that frame (``via``: which of a helper's callers it was)."""
 
     kind: str
     call: str
     site: str
     package: str
+    via: str
 
 
 def _package(filename: str) -> str:
@@ -83,28 +87,35 @@ def _package(filename: str) -> str:
     return "other"
 
 
-def _site() -> tuple[str, str]:
-    """(``file:line``, package) of the innermost frame outside torch and this module (torch's own if none)."""
-    frame = sys._getframe(2)
-    first = None
+def _outside_torch(frame: Any) -> Any:
+    """The first frame from ``frame`` outward that is not torch's, this module's or a mode's hook (None: none)."""
     while frame is not None:
         name = frame.f_code.co_filename
-        if os.path.abspath(name) != _HERE and frame.f_code.co_name not in _MODE_HOOKS:
-            first = first or frame
-            if not name.startswith(_TORCH_DIR):
-                break
+        mine = os.path.abspath(name) == _HERE or frame.f_code.co_name in _MODE_HOOKS
+        if not mine and not name.startswith(_TORCH_DIR):
+            return frame
         frame = frame.f_back
-    frame = frame or first
-    if frame is None:
-        return "?", "other"
-    name = frame.f_code.co_filename
-    short = name.split(f"{os.sep}site-packages{os.sep}")[-1]
+    return None
+
+
+def _where(frame: Any) -> str:
+    short = frame.f_code.co_filename.split(f"{os.sep}site-packages{os.sep}")[-1]
     for package in PACKAGES:  # from the package's folder on: the same on every checkout
         marker = f"{os.sep}{package}{os.sep}"
         if marker in short:
             short = package + os.sep + short.rsplit(marker, 1)[-1]
             break
-    return f"{short}:{frame.f_lineno}", _package(name)
+    return f"{short}:{frame.f_lineno}"
+
+
+def _site() -> tuple[str, str, str]:
+    """(``file:line``, the package, its caller's ``file:line``) of the innermost frame outside torch and this
+    module (``?`` if none)."""
+    frame = _outside_torch(sys._getframe(2))
+    if frame is None:
+        return "?", "torch", "?"
+    caller = _outside_torch(frame.f_back)
+    return _where(frame), _package(frame.f_code.co_filename), _where(caller) if caller is not None else "?"
 
 
 def _is_cpu_string(value: Any) -> bool:
@@ -149,12 +160,12 @@ class HostSyncCounter:
                 self._host[leaf] = True
 
     def record(self, kind: str, call: str) -> None:
-        site, package = _site()
-        self.events.append(SyncEvent(kind, call, site, package))
+        site, package, via = _site()
+        self.events.append(SyncEvent(kind, call, site, package, via))
 
     def __enter__(self) -> HostSyncCounter:
-        for step in _optimizer_step_counters():
-            self._host[step] = True
+        for tensor in _host_tensors():
+            self._host[tensor] = True
         self._function.__enter__()
         self._dispatch.__enter__()
         return self
@@ -164,25 +175,28 @@ class HostSyncCounter:
         self._function.__exit__(*exc)
 
     def by_site(self) -> Counter:
-        """Calls per (kind, site, package)."""
-        return Counter((e.kind, e.site, e.package) for e in self.events)
+        """Calls per (kind, site, package, via)."""
+        return Counter((e.kind, e.site, e.package, e.via) for e in self.events)
 
 
-def _optimizer_step_counters() -> list[torch.Tensor]:
-    """The ``step`` tensors of every live torch optimizer that keeps them on the host (not capturable, not fused)."""
-    steps = []
+def _host_tensors() -> list[torch.Tensor]:
+    """The live tensors that stay on the host on a GPU: every torch optimizer's ``step`` counters unless it is
+    capturable or fused, and every DeviceMesh's rank tables (CPU tensors whatever the device)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     with warnings.catch_warnings():  # isinstance on every live object wakes deprecated module attributes
         warnings.simplefilter("ignore")
-        optimizers = [obj for obj in gc.get_objects() if isinstance(obj, torch.optim.Optimizer)]
-    for obj in optimizers:
-        if isinstance(obj, torch.optim.Optimizer):
-            if obj.defaults.get("capturable") or obj.defaults.get("fused"):
-                continue
-            for state in obj.state.values():
-                step = state.get("step") if isinstance(state, dict) else None
-                if isinstance(step, torch.Tensor):
-                    steps.append(step)
-    return steps
+        live = [obj for obj in gc.get_objects() if isinstance(obj, (torch.optim.Optimizer, DeviceMesh))]
+    meshes = [vars(obj).values() for obj in live if isinstance(obj, DeviceMesh)]
+    host = [value for values in meshes for value in values if isinstance(value, torch.Tensor)]
+    for obj in live:
+        if not isinstance(obj, torch.optim.Optimizer) or obj.defaults.get("capturable") or obj.defaults.get("fused"):
+            continue
+        for state in obj.state.values():
+            step = state.get("step") if isinstance(state, dict) else None
+            if isinstance(step, torch.Tensor):
+                host.append(step)
+    return host
 
 
 class _FunctionMode(TorchFunctionMode):
@@ -245,12 +259,24 @@ class _DispatchMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _masked_fill(indices: Any, masks: list, args: tuple, kwargs: dict) -> bool:
+    """``x[mask] = scalar``: one mask and a one-element value, no accumulation, which torch runs as ``masked_fill_``
+    (``canDispatchToMaskedFill``; no sync on a GPU, where the scalar is a host tensor)."""
+    value = args[2] if len(args) > 2 else kwargs.get("values")
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    single = len(masks) == 1 and sum(i is not None for i in indices) == 1
+    return single and not accumulate and isinstance(value, torch.Tensor) and value.numel() == 1
+
+
 def _data_dependent(func: Any, args: tuple, kwargs: dict) -> bool:
     """Boolean-mask indexing (``x[mask]``, ``x[mask] = v``: a ``nonzero`` inside on a GPU) and
     ``repeat_interleave`` of a repeats tensor without ``output_size``."""
     if func in (_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default):
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
+        masks = [i for i in indices if i is not None and i.dtype in (torch.bool, torch.uint8)]
+        if func is not _aten.index.Tensor and _masked_fill(indices, masks, args, kwargs):
+            return False
+        return bool(masks)
     if func is _aten.repeat_interleave.Tensor or func is _aten.repeat_interleave.self_Tensor:
         return kwargs.get("output_size") is None
     return False
