@@ -23,9 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "worker.py"
 # the recipe's GPT and an HF Llama, small enough for seconds per launch; bf16-mixed as a GPU user trains
 COMMON = ["precision=bf16-mixed", "data.global_batch_size=4"]
+GPT = ["model=gpt_tiny", "model.n_layer=2", "model.seq_len=32", "data.global_batch_size=4"]
 MODELS = {
-    "gpt": ["model=gpt_tiny", "model.n_layer=2", "model.seq_len=32", *COMMON],
+    "gpt": [*GPT, "precision=bf16-mixed"],
     "hf_llama": ["model=hf_llama_tiny", "model.seq_len=32", *COMMON],
+    "gpt_fp16": [*GPT, "precision=16-mixed"],  # the skip decision of a step with inf/NaN gradients
 }
 # (label, spec): Lightning's own first, then ours; all at world 2
 LAYOUTS = [
@@ -39,6 +41,8 @@ LAYOUTS = [
     ("pp=2 1F1B", "hybrid3d:pp=2,pp_schedule=1f1b,microbatches=2"),
     ("cp=2 ring", "hybrid3d:cp=2"),
 ]
+FP16 = [("Lightning ddp", "ddp"), ("dp (ZeRO-0)", "hybrid3d"), ("ZeRO-2", "zero2")]  # ddp: torch's GradScaler
+RUNS = {"gpt": LAYOUTS, "hf_llama": LAYOUTS, "gpt_fp16": FP16}  # model -> layouts
 FAST = [("Lightning ddp", "ddp"), ("ZeRO-3", "zero3"), ("pp=2 1F1B", "hybrid3d:pp=2,pp_schedule=1f1b,microbatches=2")]
 WARMUP, STEPS = 3, 2  # counted: batches 3 and 4 (after the first optimizer steps made every lazy state)
 # why each remaining sync is there, by a part of its source line (or of its caller's)
@@ -47,6 +51,11 @@ REASONS = {
         "Lightning: the logged `train_loss` (`prog_bar=True`) turned into a Python number for the progress-bar "
         "metrics at every batch end, and once more on rank 0 when its progress bar refreshes"
     ),
+    "lightning_parallel/parallel/loss_scaler.py": (
+        "ours, fp16 only: whether any rank found inf/NaN gradients, read to skip the step or not (Lightning's "
+        "`GradScaler` reads the same with `.item()` in `step`)"
+    ),
+    "torch/amp/grad_scaler.py": "torch's GradScaler (Lightning's fp16): the found-inf read that skips a step",
     "lightning/pytorch/loops/training_epoch_loop.py": (
         "Lightning: its SIGTERM flag, a host list copied to the device, broadcast from rank 0 and read with "
         "`.item()` after every batch (world > 1)"
@@ -62,11 +71,13 @@ def reason(site: str, via: str = "") -> str:
     return next((why for part, why in REASONS.items() if part in site or part in via), "")
 
 
-def run_host_syncs(out: Path, launch: Callable[..., list], layouts: list | None = None) -> list[dict[str, Any]]:
-    """Per model and layout: each rank's syncs per step, and the sites (the ranks' union, most per step first)."""
+def run_host_syncs(out: Path, launch: Callable[..., list], runs: dict | None = None) -> list[dict[str, Any]]:
+    """Per model and layout of ``runs`` (default :data:`RUNS`): each rank's syncs per step, and the sites (the
+    ranks' union, most per step first)."""
     rows = []
-    for model, overrides in MODELS.items():
-        for label, spec in layouts or LAYOUTS:
+    for model, layouts in (runs or RUNS).items():
+        overrides = MODELS[model]
+        for label, spec in layouts:
             steps = WARMUP + STEPS + 3
             ranks = launch("gpt", overrides, 2, spec, out, steps, warmup=WARMUP, syncs=STEPS, tag=f"_syncs_{model}")
             sites: dict[tuple[str, str, str, str], float] = {}
@@ -138,6 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "host_syncs")
     parser.add_argument("--fast", action="store_true", help="three layouts only")
+    parser.add_argument("--models", nargs="+", choices=list(RUNS), help="these models only")
     parser.add_argument("--json", type=Path, default=ROOT / "runs" / "host_syncs.json", help="where the rows go")
     args = parser.parse_args()
 
@@ -147,7 +159,9 @@ def main() -> None:
         tag = spec.replace(":", "_").replace(",", "_").replace("=", "") + kw["tag"]
         return run_distributed(str(WORKER), world, cli, out / tag, timeout=600)
 
-    rows = run_host_syncs(args.out, launch, FAST if args.fast else None)
+    runs = {model: FAST for model in ("gpt", "hf_llama")} if args.fast else dict(RUNS)
+    runs = {m: v for m, v in runs.items() if not args.models or m in args.models}
+    rows = run_host_syncs(args.out, launch, runs)
     args.json.write_text(json.dumps(rows, indent=1))
 
 

@@ -194,6 +194,16 @@ def num_params(recipe: str, cfg: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _precision(value: str, strategy: Any) -> dict[str, Any]:
+    """The Trainer's precision. Lightning's own strategies on a CPU turn ``16-mixed`` into ``bf16-mixed``; given
+    its MixedPrecision plugin with torch's GradScaler directly, they run fp16 as on a GPU (scaler and all)."""
+    if value != "16-mixed" or not isinstance(strategy, str):
+        return {"precision": value}
+    from lightning.pytorch.plugins import MixedPrecision
+
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler(device="cpu"))]}
+
+
 def recipe_callbacks(out: Path) -> list[pl.Callback]:
     """The callbacks the recipes add to every run but async_ps's (recipes/common.py's ``build_trainer``), but the
     TrainingMonitor (the worker has one) and checkpoints (none here)."""
@@ -240,7 +250,7 @@ def main() -> None:
         accelerator="cpu",
         devices=world,
         strategy=strategy,
-        precision=cfg.precision.value,
+        **_precision(cfg.precision.value, strategy),
         max_steps=args.steps,
         logger=False,
         enable_checkpointing=False,

@@ -71,6 +71,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert "Preempted (SIGTERM): stopped after step 5 on every rank" in output, output[-4000:]
 
 
+@pytest.mark.slow  # the gloo world path is in the fast tier (test_sigterm_to_one_rank_stops_every_rank_...)
 def test_the_flag_is_read_a_step_later_over_a_gloo_group_of_its_own_on_an_nccl_world(tmp_path):
     """No host sync per step: the flag reduced without waiting, read at the next step's end, by every rank alike;
     on a world whose groups take no host tensors (NCCL, reported here) over a gloo group of all ranks."""
