@@ -41,6 +41,14 @@ LAYOUTS = [
     ("pp=2 1F1B", "hybrid3d:pp=2,pp_schedule=1f1b,microbatches=2"),
     ("cp=2 ring", "hybrid3d:cp=2"),
 ]
+NOTES = {
+    "gpt": "The recipe's GPT (`model=gpt_tiny`, 2 blocks, 32 tokens, 4 samples a step), `bf16-mixed`.",
+    "hf_llama": "`model=hf_llama_tiny` (transformers' Llama, 2 decoder layers, 32 tokens), `bf16-mixed`.",
+    "gpt_fp16": (
+        "The same GPT under `16-mixed`. Lightning's precision flag turns `16-mixed` into `bf16-mixed` on a CPU: its "
+        "`ddp` row is given Lightning's `MixedPrecision` plugin with torch's `GradScaler` directly (fp16 as on a GPU)."
+    ),
+}
 FP16 = [("Lightning ddp", "ddp"), ("dp (ZeRO-0)", "hybrid3d"), ("ZeRO-2", "zero2")]  # ddp: torch's GradScaler
 RUNS = {"gpt": LAYOUTS, "hf_llama": LAYOUTS, "gpt_fp16": FP16}  # model -> layouts
 FAST = [("Lightning ddp", "ddp"), ("ZeRO-3", "zero3"), ("pp=2 1F1B", "hybrid3d:pp=2,pp_schedule=1f1b,microbatches=2")]
@@ -55,7 +63,9 @@ REASONS = {
         "ours, fp16 only: whether any rank found inf/NaN gradients, read to skip the step or not (Lightning's "
         "`GradScaler` reads the same with `.item()` in `step`)"
     ),
-    "torch/amp/grad_scaler.py": "torch's GradScaler (Lightning's fp16): the found-inf read that skips a step",
+    "lightning/pytorch/plugins/precision/amp.py": (
+        "Lightning's fp16 (torch's `GradScaler.step`): whether the gradients hold inf/NaN, read to skip the step"
+    ),
     "lightning/pytorch/loops/training_epoch_loop.py": (
         "Lightning: its SIGTERM flag, a host list copied to the device, broadcast from rank 0 and read with "
         "`.item()` after every batch (world > 1)"
@@ -120,7 +130,8 @@ def host_sync_lines(rows: list[dict[str, Any]]) -> list[str]:
     ]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
-        lines += [f"### {model}", "", "| layout | syncs / step (rank 0, 1) | ours |", "|---|---|---|"]
+        lines += [f"### {model}", "", NOTES.get(model, ""), ""]
+        lines += ["| layout | syncs / step (rank 0, 1) | ours |", "|---|---|---|"]
         for r in mine:
             total = ", ".join(f"{v:g}" for v in r["per_step"])
             lines.append(f"| {r['layout']} (`{r['spec']}`) | {total} | {max(r['ours_per_step']):g} |")
