@@ -40,6 +40,7 @@ LAYOUTS = [
     ("tp=2 + SP", "hybrid3d:tp=2,sequence_parallel=true"),
     ("pp=2 1F1B", "hybrid3d:pp=2,pp_schedule=1f1b,microbatches=2"),
     ("cp=2 ring", "hybrid3d:cp=2"),
+    ("cp=2 Ulysses", "hybrid3d:cp=2,cp_mode=ulysses"),
 ]
 NOTES = {
     "gpt": "The recipe's GPT (`model=gpt_tiny`, 2 blocks, 32 tokens, 4 samples a step), `bf16-mixed`.",
