@@ -4,7 +4,7 @@ copies: lightning_parallel/parallel/measure/host_sync.py), counted on a CPU run 
 Lightning's progress bar, for our layouts beside Lightning's own ``ddp`` and FSDP2 (``ModelParallelStrategy``), on
 the recipe GPT and an HF Llama (tiny). No timing: counts only, exact on a loaded machine.
 
-    python benchmarks/host_syncs.py                 # the whole matrix (about 5 minutes on 2 busy CPU cores)
+    python benchmarks/host_syncs.py                 # the whole matrix: 23 launches of 8 steps at world 2
     python benchmarks/bench.py --only host_syncs    # the same, merged into results.json and BENCHMARKS.md
 
 Every remaining sync is named by its source line (``sites``) and, for the known ones, its reason (:data:`REASONS`).
