@@ -200,11 +200,15 @@ class CausalLM(pl.LightningModule):
         # on the device (no host sync), float64 as a Python float: exactly 1.0 when every micro-step held N0
         factor = (accumulate * norm[1]).double() / total.clamp(min=1)
         self._window_factor = factor
+        cast: dict[tuple[torch.device, torch.dtype], Tensor] = {}  # the factor once per gradients' device and dtype
         for group_ in optimizer.param_groups:  # what the optimizer steps: ZeRO-1/2's flat slices, DTensors
             for p in group_["params"]:
                 if p.grad is not None:
                     grad = local(p.grad)  # a DTensor's shard in place: no redistribution of a plain factor
-                    grad.mul_(factor.to(device=grad.device, dtype=grad.dtype))
+                    key = (grad.device, grad.dtype)
+                    if key not in cast:
+                        cast[key] = factor.to(device=grad.device, dtype=grad.dtype)
+                    grad.mul_(cast[key])
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         self._count_tokens(batch, batch_idx)
