@@ -12,6 +12,7 @@ benchmarks/results.json.
     python benchmarks/bench.py --only async    # parameter servers, one slowed worker: sync vs stale vs async
     python benchmarks/bench.py --only spatial  # VGG on 128 x 128 images: spatial=2 vs channel tp=2 vs dp=2
     python benchmarks/bench.py --only lora     # HF Llama, LoRA vs full fine-tuning at zero2, zero3, tp=2
+    python benchmarks/bench.py --only host_syncs  # host syncs per step, ours beside ddp and FSDP2 (counts, 23 launches)
     python benchmarks/bench.py --only auto     # strategy=auto's pick against every valid layout, 4 models x 2 worlds
     python benchmarks/bench.py --only auto --models gpt_moe_tiny --worlds 2 --auto-repeats 5  # one row, merged
 
@@ -43,6 +44,7 @@ from auto_sweep import WORLDS as AUTO_WORLDS  # noqa: E402
 from auto_sweep import merge_auto, run_auto  # noqa: E402
 from context import run_context  # noqa: E402
 from harness import run_distributed  # noqa: E402
+from host_syncs import run_host_syncs  # noqa: E402
 from hsdp import run_hsdp  # noqa: E402
 from lora import run_lora  # noqa: E402
 from moe import run_moe  # noqa: E402
@@ -111,9 +113,10 @@ def launch(
     warmup: int = 2,
     tag: str = "",
     count: int = 0,
+    syncs: int = 0,
 ) -> list[dict[str, Any]]:
     args = ["--recipe", recipe, "--overrides", json.dumps(overrides), "--strategy", spec, "--steps", str(steps)]
-    args += ["--warmup", str(warmup), "--count", str(count)]
+    args += ["--warmup", str(warmup), "--count", str(count), "--syncs", str(syncs)]
     return run_distributed(
         str(WORKER), world, args + ["--timeline"] * timeline, out / (_tag(recipe, spec, world) + tag), timeout=600
     )
@@ -261,6 +264,7 @@ def run_sections(args: argparse.Namespace) -> dict[str, Any]:
             lambda: run_lora(args.out, args.repeats, args.steps, launch, step_time),
         ),
         "auto": ("strategy=auto against every layout", lambda: run_auto_section(args)),
+        "host_syncs": ("host syncs per step", lambda: run_host_syncs(args.out, launch)),
     }
     results = {}
     for key, (title, run) in sections.items():
@@ -305,6 +309,7 @@ def main() -> None:
             "async",
             "lora",
             "auto",
+            "host_syncs",
         ],
         help="run these sections alone; the others' figures are kept from the last results.json",
     )

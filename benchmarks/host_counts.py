@@ -1,6 +1,7 @@
 """Host work of a training step, counted rather than timed (a loaded machine's clock says little): over a window
 of steady steps, the Python calls (cProfile's ``ncalls``), the torch operators the profiler records, and the
 collectives (``CommCounter``), each per step. Used by benchmarks/worker.py's ``--count`` and benchmarks/overhead.py.
+:class:`HostSyncs` counts a step's host synchronisations instead (worker.py's ``--syncs``).
 
 Each count runs over its own window of ``steps`` whole loop iterations (one batch start to the next), so no
 counter's own work lands in another's window: Python calls first, then operators (with their shares of self CPU
@@ -18,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_parallel.parallel.measure.comm_volume import CommCounter
+from lightning_parallel.parallel.measure.host_sync import HostSyncCounter
 
 # where a Python function lives, by the first of these its file path contains
 PACKAGES = ("lightning_parallel", "lightning", "torch")
@@ -117,3 +119,40 @@ def _self_cpu_shares(profiler: Any, top: int = 12) -> list[tuple[str, float]]:
     total = sum(a.self_cpu_time_total for a in averages) or 1.0
     ranked = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)[:top]
     return [(a.key, round(a.self_cpu_time_total / total, 4)) for a in ranked]
+
+
+class HostSyncs(pl.Callback):
+    """The host synchronisations of ``steps`` whole loop iterations (one batch start to the next), from batch
+    ``start`` on (:class:`~lightning_parallel.parallel.measure.host_sync.HostSyncCounter`), per step: ``result``
+    holds the total and each source line's calls by kind and package. First in the callback list: its modes must
+    be left before another callback enters its own at the same batch start."""
+
+    def __init__(self, start: int, steps: int) -> None:
+        self.start, self.steps = start, steps
+        self.result: dict[str, Any] = {}
+        self._counter: HostSyncCounter | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.start:
+            self._counter = HostSyncCounter().__enter__()
+        elif batch_idx == self.start + self.steps:
+            self._stop()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._counter is None:
+            return
+        self._counter.__exit__(None, None, None)
+        n, sites = self.steps, self._counter.by_site()
+        self.result = {
+            "steps": n,
+            "per_step": len(self._counter.events) / n,
+            "by_package": {k: v / n for k, v in Counter(e.package for e in self._counter.events).items()},
+            "sites": [
+                {"kind": kind, "site": site, "package": package, "via": via, "per_step": calls / n}
+                for (kind, site, package, via), calls in sites.most_common()
+            ],
+        }
+        self._counter = None

@@ -10,6 +10,7 @@ from typing import Any
 from async_ps import async_lines
 from auto_sweep import auto_lines
 from context import context_lines
+from host_syncs import host_sync_lines
 from hsdp import hsdp_lines
 from lora import lora_lines
 from moe import moe_lines
@@ -301,6 +302,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         lines += lora_lines(results["lora"])
     if "auto" in results:
         lines += auto_lines(results["auto"])
+    if "host_syncs" in results:
+        lines += host_sync_lines(results["host_syncs"])
     if FINDINGS.exists():
         lines += ["## Findings", "", FINDINGS.read_text().strip(), ""]
     path.write_text("\n".join(lines))

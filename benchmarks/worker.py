@@ -29,11 +29,14 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines import ModelParallelGPT, ModelParallelVGG  # noqa: E402
-from host_counts import HostCounts  # noqa: E402
+from host_counts import HostCounts, HostSyncs  # noqa: E402
 
 from lightning_parallel import Hybrid3DStrategy, ZeroStrategy  # noqa: E402
 from lightning_parallel.callbacks.activation import ActivationMemoryMonitor  # noqa: E402
+from lightning_parallel.callbacks.moe import MoEAuxLossScale, MoEMonitor  # noqa: E402
 from lightning_parallel.callbacks.monitor import TrainingMonitor  # noqa: E402
+from lightning_parallel.callbacks.preemption import Preemption  # noqa: E402
+from lightning_parallel.callbacks.resume import ExactResume  # noqa: E402
 from lightning_parallel.models import LitGPT, LitVGG  # noqa: E402
 from lightning_parallel.models.gpt import GPT  # noqa: E402
 from lightning_parallel.models.vgg import VGG  # noqa: E402
@@ -191,6 +194,22 @@ def num_params(recipe: str, cfg: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _precision(value: str, strategy: Any) -> dict[str, Any]:
+    """The Trainer's precision. Lightning's own strategies on a CPU turn ``16-mixed`` into ``bf16-mixed``; given
+    its MixedPrecision plugin with torch's GradScaler directly, they run fp16 as on a GPU (scaler and all)."""
+    if value != "16-mixed" or not isinstance(strategy, str):
+        return {"precision": value}
+    from lightning.pytorch.plugins import MixedPrecision
+
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler(device="cpu"))]}
+
+
+def recipe_callbacks(out: Path) -> list[pl.Callback]:
+    """The callbacks the recipes add to every run but async_ps's (recipes/common.py's ``build_trainer``), but the
+    TrainingMonitor (the worker has one) and checkpoints (none here)."""
+    return [ExactResume(), MoEAuxLossScale(), MoEMonitor(), Preemption(None, marker=None)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", choices=["gpt", "vgg"], required=True)
@@ -200,6 +219,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the median (compilation)")
     parser.add_argument("--timeline", action="store_true", help="record the last step's pipeline timeline")
     parser.add_argument("--count", type=int, default=0, help="count host work over 3 windows of this many steps")
+    parser.add_argument(
+        "--syncs", type=int, default=0, help="count host syncs over this many steps, with the recipe's callbacks"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -221,20 +243,23 @@ def main() -> None:
     timeline = args.out / "timeline" if args.timeline else None
     counts_cb = [HostCounts(args.warmup, args.count)] if args.count else []
     monitor = TrainingMonitor(measure_step=args.steps - 2, timeline_dir=timeline)
+    # --syncs: the recipe's step as a user runs it (its callbacks, Lightning's progress bar), the counter first
+    syncs = HostSyncs(args.warmup, args.syncs) if args.syncs else None
+    sync_cbs = [syncs, *recipe_callbacks(args.out)] if syncs else []
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
         strategy=strategy,
-        precision=cfg.precision.value,
+        **_precision(cfg.precision.value, strategy),
         max_steps=args.steps,
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
+        enable_progress_bar=bool(syncs),
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         # the monitor first: dispatch modes must nest
-        callbacks=[monitor, timer, states, activations, phases, *counts_cb],
+        callbacks=[*sync_cbs, monitor, timer, states, activations, phases, *counts_cb],
         use_distributed_sampler=False,
     )
     fit_start = time.perf_counter()
@@ -257,6 +282,7 @@ def main() -> None:
         "median_step_s": median(timer.times[args.warmup : -2] or timer.times),
         "fit_s": fit_s,  # trainer.fit's wall time: setup, every step, teardown
         "host_counts": counts_cb[0].result if counts_cb else {},
+        "host_syncs": syncs.result if syncs else {},
         "phases_s": phases.medians(args.warmup),  # the same steps' medians by phase (StepPhases)
         "model_state_bytes": states.bytes,
         "activation_bytes": activations.bytes,  # kept for backward in one training batch on this rank

@@ -13,6 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_parallel.parallel.dtensor import local
+
 IGNORE_INDEX = -100  # HF's label for "no loss here" (padding, prompts)
 
 
@@ -92,9 +94,9 @@ class CausalLM(pl.LightningModule):
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         # the global token mean (see loss()): (pieces, global real tokens of the accumulation window's first
         # micro-step), and this rank's real tokens over the window; None outside training steps
-        self._token_norm: tuple[int, int] | None = None
-        self._window_tokens = 0
-        self.window_factor = 1.0  # the last optimizer step's gradient factor (see loss())
+        self._token_norm: tuple[int, Tensor] | None = None
+        self._window_tokens: Tensor | None = None
+        self._window_factor: Tensor | None = None  # the last optimizer step's gradient factor (None: 1)
 
     def unpack(self, batch: Any) -> tuple[Tensor, Tensor, dict[str, Tensor] | Tensor | None]:
         """(input_ids, labels, the model's other keyword inputs) of a batch: a dict (``attention_mask``,
@@ -127,8 +129,10 @@ class CausalLM(pl.LightningModule):
         if self._token_norm is None or not torch.is_grad_enabled():
             return loss
         pieces, first = self._token_norm
-        factor = int(real_tokens(labels, shifted)) * pieces / first  # integers, one division: 1.0 when all equal
-        return loss if factor == 1.0 else loss * factor
+        # on the device, no host sync: integers, one division in float64 (exactly 1.0 when all pieces are equal)
+        # rounded to the loss's dtype, as a Python float would be
+        mine = real_tokens(labels, shifted).to(first.device)
+        return loss * ((mine * pieces).double() / first).to(loss)
 
     def _splits_sequences(self) -> bool:
         """Whether the strategy splits each sequence over cp ranks (the labels arrive shifted, see :meth:`loss`)."""
@@ -166,33 +170,45 @@ class CausalLM(pl.LightningModule):
         group, ranks, micro = _loss_pieces(trainer.strategy) if trainer is not None else (None, 1, 1)
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         labels = self.unpack(batch)[1]
-        mine = int(real_tokens(labels, self._splits_sequences()))
+        mine = real_tokens(labels, self._splits_sequences())  # a device tensor: counted and reduced there, unread
         if batch_idx % accumulate == 0 or self._token_norm is None:
-            total = torch.tensor(mine, dtype=torch.int64, device=labels.device)
+            total = mine.clone()
             if group is not None:
                 dist.all_reduce(total, group=group)
-            first = max(int(total), 1)  # a batch without real tokens: its loss is 0 anyway
-            self._token_norm, self._window_tokens = (ranks * micro, first), 0
-        self._window_tokens += mine
+            first = total.clamp(min=1)  # a batch without real tokens: its loss is 0 anyway
+            self._token_norm, self._window_tokens = (ranks * micro, first), torch.zeros_like(mine)
+        self._window_tokens = self._window_tokens + mine
+
+    @property
+    def window_factor(self) -> float:
+        """The last optimizer step's gradient factor A * N0 / N (see :meth:`loss`; 1.0 without accumulation).
+        Reading it is a host sync (the factor lives on the device): for tests and reports, not inside a step."""
+        return 1.0 if self._window_factor is None else float(self._window_factor)
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """The accumulation window's factor A * N0 / N on the reduced gradients (see :meth:`loss`)."""
         trainer, norm = self._trainer, self._token_norm
         self._token_norm = None
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-        self.window_factor = 1.0
+        self._window_factor = None
         if norm is None or accumulate == 1:
             return
         group = _loss_pieces(trainer.strategy)[0]
-        total = torch.tensor(self._window_tokens, dtype=torch.int64, device=self.device)
+        total = self._window_tokens.clone()
         if group is not None:
             dist.all_reduce(total, group=group)
-        self.window_factor = accumulate * norm[1] / max(int(total), 1)
-        if self.window_factor != 1.0:
-            for group_ in optimizer.param_groups:  # what the optimizer steps: ZeRO-1/2's flat slices, DTensors
-                for p in group_["params"]:
-                    if p.grad is not None:
-                        p.grad.mul_(self.window_factor)
+        # on the device (no host sync), float64 as a Python float: exactly 1.0 when every micro-step held N0
+        factor = (accumulate * norm[1]).double() / total.clamp(min=1)
+        self._window_factor = factor
+        cast: dict[tuple[torch.device, torch.dtype], Tensor] = {}  # the factor once per gradients' device and dtype
+        for group_ in optimizer.param_groups:  # what the optimizer steps: ZeRO-1/2's flat slices, DTensors
+            for p in group_["params"]:
+                if p.grad is not None:
+                    grad = local(p.grad)  # a DTensor's shard in place: no redistribution of a plain factor
+                    key = (grad.device, grad.dtype)
+                    if key not in cast:
+                        cast[key] = factor.to(device=grad.device, dtype=grad.dtype)
+                    grad.mul_(cast[key])
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         self._count_tokens(batch, batch_idx)

@@ -29,6 +29,7 @@ from lightning_parallel.parallel.context import (
     shard_sequence,
     unshard_sequence,
 )
+from lightning_parallel.parallel.context.split import natural_order, to_natural_order, to_rank_order
 
 ATTENTION_CASES = [
     {"name": "ring", "mode": "ring", "seq_len": 16},
@@ -52,6 +53,16 @@ def test_split_and_inverse(cp):
     for r, piece in enumerate(pieces):
         assert torch.equal(piece[0, :, 0] // 3, positions(4, cp, r))
     assert positions(4, 2, 0).tolist() == [0, 1, 6, 7] and positions(4, 2, 1).tolist() == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_ulysses_chunk_order_needs_no_index_tensor(cp):
+    """Ulysses' reorder of the gathered chunks (a flip and a cat, nothing built on the host) is the index-tensor one,
+    and its inverse puts them back."""
+    gathered = torch.arange(cp * 2 * 5).reshape(1, cp, 2, 5)  # (B, ranks, their two chunks, chunk tokens)
+    ordered = to_natural_order(gathered, dim=1)
+    assert torch.equal(ordered, gathered.reshape(1, 2 * cp, 5)[:, natural_order(cp)])
+    assert torch.equal(to_rank_order(ordered, dim=1), gathered)
 
 
 def test_causal_work_is_balanced():

@@ -104,3 +104,27 @@ def test_evaluation_forwards_are_not_counted():
     assert sum(moe.stats()["tokens_per_expert"]) == 12
     moe.forget_last()
     assert sum(moe.stats()["tokens_per_expert"]) == 0
+
+
+@pytest.mark.slow  # two compilations: ~30 s on a busy 2-core machine
+def test_a_compiled_block_records_the_same_figures_without_breaking_on_them():
+    """Inside a layer compiled by compile_layers the routing figures are left for the eager wrapper (flush_stats):
+    the same totals as eager, and no graph break on autograd's state (``in_backward``) or the Python counters; a
+    checkpointed layer's recompute in backward is not counted."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_parallel.parallel.parallelize import _compiled_outside_dispatch_modes
+
+    torch.manual_seed(0)
+    eager, compiled = MoE(8, 16, 4, 2, aux_loss_coeff=0.01), MoE(8, 16, 4, 2, aux_loss_coeff=0.01)
+    compiled.load_state_dict(eager.state_dict())
+    forward = _compiled_outside_dispatch_modes(compiled.forward, [compiled])
+    x = torch.randn(2, 3, 8)
+    for _ in range(2):
+        eager(x).sum().backward()
+        checkpoint(forward, x.requires_grad_(), use_reentrant=False).sum().backward()
+    assert compiled.totals()[1:] == eager.totals()[1:] == (2, 24)
+    torch.testing.assert_close(compiled.totals()[0], eager.totals()[0])
+    explained = torch._dynamo.explain(compiled.forward)(x)
+    reasons = " ".join(str(r.reason) for r in explained.break_reasons)
+    assert "graph_task" not in reasons and "non-Tensor" not in reasons, reasons

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from harness import WORKERS
+from harness import WORKERS, run_worker
 from recipe_runs import GPT, run_recipe
 from recipe_runs import env as recipe_env
 from test_recipe_gpt import SHORT
@@ -57,13 +57,26 @@ def test_sigterm_saves_last_and_the_resumed_run_ends_like_an_undisturbed_one(tmp
 
 
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
-    """Lightning's launcher, hybrid3d on 2 processes; rank 1 alone gets SIGTERM, during step 3."""
+    """Lightning's launcher, hybrid3d on 2 processes; rank 1 alone gets SIGTERM, during step 3 (0-based). The flag's
+    reduction runs without a host sync: step 3's end starts it, step 4's end reads it, so both stop after step 4
+    (0-based), global step 5."""
     case = {"fail": "sigterm", "rank": 1, "step": 3, "devices": 2}
     cmd = [sys.executable, WORKERS / "run.py", "rank_failure", "--opts", json.dumps(case), "--out", tmp_path]
     result = subprocess.run(list(map(str, cmd)), cwd=tmp_path, env=recipe_env(), capture_output=True, text=True)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     stops = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert stops[0] == stops[1] == {"step": 4, "exception": "SIGTERMException"}, stops  # after step 3 (0-based)
-    assert consolidated(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 4
-    assert "Preempted (SIGTERM): stopped after step 4 on every rank" in output, output[-4000:]
+    assert stops[0] == stops[1] == {"step": 5, "exception": "SIGTERMException"}, stops
+    assert consolidated(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 5
+    assert "Preempted (SIGTERM): stopped after step 5 on every rank" in output, output[-4000:]
+
+
+@pytest.mark.slow  # the gloo world path is in the fast tier (test_sigterm_to_one_rank_stops_every_rank_...)
+def test_the_flag_is_read_a_step_later_over_a_gloo_group_of_its_own_on_an_nccl_world(tmp_path):
+    """No host sync per step: the flag reduced without waiting, read at the next step's end, by every rank alike;
+    on a world whose groups take no host tensors (NCCL, reported here) over a gloo group of all ranks."""
+    case = {"steps": 4, "step": 2, "rank": 1}
+    ranks = run_worker("preemption_flag", 2, ["--opts", json.dumps(case)], tmp_path, timeout=300)
+    want = [False, False, False, True]  # signal before step 2's end: every rank stops at step 3's
+    assert [r["stops"] for r in ranks] == [want, want], ranks
+    assert all(r["own_group"] and r["group_size"] == 2 for r in ranks), ranks

@@ -29,10 +29,18 @@ class MoEAuxLossScale(pl.Callback):
     """Under Lightning's own strategies ("auto", "ddp", "fsdp"): before each backward, give the MoE layers'
     auxiliary losses the factor the main loss carries (fp16 loss scale / accumulate_grad_batches), so training
     with gradient accumulation or fp16 adds exactly ``coeff * aux`` to the objective. The strategies of this
-    package do it themselves; there this callback changes nothing."""
+    package do it themselves; there this callback changes nothing. A rank that holds no MoE layer reads nothing
+    (fp16's scale is a device tensor: reading it every backward would be a host sync)."""
+
+    def __init__(self) -> None:
+        self._active = True
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._active = bool(held_moe_layers(pl_module))
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        set_aux_loss_scale(_precision_scale(trainer) / trainer.accumulate_grad_batches)
+        if self._active:
+            set_aux_loss_scale(_precision_scale(trainer) / trainer.accumulate_grad_batches)
 
 
 class MoEMonitor(pl.Callback):

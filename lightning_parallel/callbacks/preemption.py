@@ -8,6 +8,10 @@ callback replaces that handler while training runs with one that only sets a fla
 over the world once per step (one all-reduce of one number), so every rank sees a signal that reached any
 of them after the same step.
 
+No host sync in the step: the flag is a host tensor reduced over gloo (the world group when it is gloo, else a
+gloo group of the same ranks made at the fit's start), without waiting: a step's end reads the reduction the
+previous step's end started (long done by then), so a signal during step k stops every rank after step k + 1.
+
 Usage::
 
     trainer = pl.Trainer(..., callbacks=[Preemption(dirpath="checkpoints")])
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -61,6 +66,8 @@ class Preemption(pl.Callback):
         self.signals = signals
         self.received = False
         self._previous: dict[signal.Signals, Any] = {}
+        self._group: Any = None  # the group the flag is reduced over (None: the world's, gloo)
+        self._pending: tuple[Any, np.ndarray] | None = None  # the reduction started at the last step's end
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # only a flag: a collective here would interleave with the one this rank may be in
@@ -70,15 +77,22 @@ class Preemption(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after Lightning registered its own handler (Trainer._run), which this one replaces while training runs
         self.received = False
+        self._pending = None
+        if _distributed() and self._group is None and "gloo" not in str(dist.get_backend()):
+            self._group = dist.new_group(backend="gloo")  # every rank, at the same point: a host-side twin
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._on_signal) for s in self.signals}
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending is not None:  # the last step's reduction: done before the groups may go
+            self._pending[0].wait()
+            self._pending = None
         self._restore()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._pending = None  # our stop started none; after a failure the group may be broken: not waited for
         if isinstance(exception, SystemExit):  # our own stop: Lightning's handler back until its teardown
             self._restore()
             return
@@ -105,12 +119,21 @@ class Preemption(pl.Callback):
         raise SIGTERMException(0)
 
     def _anyone_received(self, trainer: pl.Trainer) -> bool:
-        """Whether any rank got the signal (collective: every rank calls it after every step)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        """Whether any rank had the signal by the previous step's end (collective: every rank calls it after every
+        step). The flag is a host array shared with a CPU tensor: gloo reduces it in place, and reading the array
+        is no tensor read, so nothing here waits for a device."""
+        if not _distributed():
             return self.received
-        flag = torch.tensor([int(self.received)], device=trainer.strategy.root_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        if self._pending is not None:
+            work, seen = self._pending
+            self._pending = None
+            work.wait()  # host-side: gloo finished it during the step that just ran
+            if seen[0]:
+                return True
+        flag = np.array([int(self.received)], dtype=np.int32)
+        work = dist.all_reduce(torch.from_numpy(flag), op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (work, flag)
+        return False
 
     def _save(self, trainer: pl.Trainer) -> storage.Location | None:
         """``dirpath/last.ckpt`` through the strategy (collective); the ModelCheckpoint of that folder is
@@ -124,6 +147,10 @@ class Preemption(pl.Callback):
                 callback.last_model_path = str(path)
         trainer.save_checkpoint(path)
         return path
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _same_folder(a: storage.Location, b: storage.Location) -> bool:

@@ -65,8 +65,11 @@ def _decoder_inputs(model: nn.Module, rotary: nn.Module | None, index: int):
         extra: dict[str, Any] = {"position_ids": position_ids}
         padding = stage_inputs().get("attention_mask")  # (B, T) 1 on tokens, 0 on padding; None: none
         padding = padding.to(hidden.device) if padding is not None else None
+        # the mask reads positions only to find packed sequences, with a host sync (``.all()``) in every call: given
+        # only when the step passed them (packing), not the default 0 .. T-1 (or a cp rank's chunks)
+        given = position_ids if stage_inputs().get("position_ids") is not None else None
         # the cache goes by position: transformers 5.24 names it ``cache``, 5.17 ``past_key_values``
-        extra["attention_mask"] = make_mask(config, hidden, padding, None, position_ids=position_ids)
+        extra["attention_mask"] = make_mask(config, hidden, padding, None, position_ids=given)
         if rotary is not None:
             rope_kwargs = {"layer_type": kind} if per_type else {}
             extra["position_embeddings"] = rotary(hidden, position_ids=position_ids, **rope_kwargs)

@@ -21,7 +21,7 @@ import copy
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
@@ -83,6 +83,7 @@ class GroupedQKVColwise(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         columns = qkv_columns(*self.sizes, device_mesh.size(), device_mesh.get_local_rank())
+        on_device: dict[torch.device, Tensor] = {}  # copied once per device, not in every forward (a blocking copy)
 
         def prepare_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
             _replicate_lora_index(mod, mesh)
@@ -93,7 +94,9 @@ class GroupedQKVColwise(ParallelStyle):
 
         def prepare_output(mod: nn.Module, output: DTensor, mesh: DeviceMesh) -> Any:
             whole = output.redistribute(placements=(Replicate(),)).to_local(grad_placements=(Partial(),))
-            return whole.index_select(-1, columns.to(whole.device))  # (B, T, local q + k + v)
+            if whole.device not in on_device:
+                on_device[whole.device] = columns.to(whole.device)
+            return whole.index_select(-1, on_device[whole.device])  # (B, T, local q + k + v)
 
         return distribute_module(module, device_mesh, self._partition, prepare_input, prepare_output)
 

@@ -48,6 +48,7 @@ from lightning_parallel.parallel.context.apply import ContextParallel, apply_con
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.data.stages import zero_stage as sharding_of
 from lightning_parallel.parallel.expert.apply import apply_expert_parallel, require_moe_layers
+from lightning_parallel.parallel.expert.moe import MoE
 from lightning_parallel.parallel.materialize import fill_meta_tensors, move_real, set_aside, splits_parameters
 from lightning_parallel.parallel.mesh import ParallelMesh
 from lightning_parallel.parallel.pipeline.partition import balanced_partition, check_stage_count, uniform_partition
@@ -216,24 +217,29 @@ def compile_layers(layers: Any) -> list[nn.Module]:
     chosen = checkpoint_layers(layers)
     for layer in chosen:
         forward = layer.__dict__.get("forward") or type(layer).forward.__get__(layer)
-        layer.forward = _compiled_outside_dispatch_modes(forward)
+        moes = [m for m in layer.modules() if isinstance(m, MoE)]  # their figures recorded after the compiled call
+        layer.forward = _compiled_outside_dispatch_modes(forward, moes)
     return chosen
 
 
-def _compiled_outside_dispatch_modes(forward: Any) -> Any:
+def _compiled_outside_dispatch_modes(forward: Any, moes: list[Any] = ()) -> Any:
     """``torch.compile(forward)``, run eagerly while a (non-infra) dispatch mode is active.
 
     torch.compile does not trace under such a mode (FLOP and byte counters, Lightning's model summary, which runs
     ``example_input_array`` under its FLOP counter at fit start), and a function whose first call meets one is
     marked as skipped and never compiled afterwards: the whole fit would run eagerly. So those calls go to the
-    eager forward, and the compiled one first runs, and compiles, outside them."""
+    eager forward, and the compiled one first runs, and compiles, outside them. The MoE layers in ``moes`` leave
+    their routing figures to be recorded here, eagerly (:meth:`MoE.flush_stats`): no graph break for them."""
     compiled = torch.compile(forward)
 
     @functools.wraps(forward)
     def forward_(*args: Any, **kwargs: Any) -> Any:
         if is_in_torch_dispatch_mode(include_infra_modes=False):
             return forward(*args, **kwargs)
-        return compiled(*args, **kwargs)
+        out = compiled(*args, **kwargs)
+        for moe in moes:
+            moe.flush_stats()
+        return out
 
     return forward_
 

@@ -48,12 +48,31 @@ def unshard_sequence(pieces: list[Tensor], dim: int = 1) -> Tensor:
 
 
 def positions(local_len: int, cp: int, rank: int, device: torch.device | None = None) -> Tensor:
-    """The positions in the whole sequence of this rank's ``local_len`` tokens (its two chunks)."""
+    """The positions in the whole sequence of this rank's ``local_len`` tokens (its two chunks), made on ``device``
+    (no host tensor to copy there in every forward)."""
     chunk = local_len // 2
     first, second = rank_chunks(rank, cp)
     return torch.cat(
-        [torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk)]
-    ).to(device)
+        [
+            torch.arange(first * chunk, (first + 1) * chunk, device=device),
+            torch.arange(second * chunk, (second + 1) * chunk, device=device),
+        ]
+    )
+
+
+def to_natural_order(gathered: Tensor, dim: int) -> Tensor:
+    """The ``2 * cp`` chunks gathered in rank order, ``gathered`` (..., cp, 2, ...) with ranks at ``dim`` and each
+    rank's two chunks at ``dim + 1``, in sequence order along ``dim`` (..., 2 * cp, ...): the ranks' early chunks in
+    rank order, then their late chunks in reverse rank order (rank ``r`` holds ``r`` and ``2 * cp - 1 - r``). A
+    view and one copy, no index tensor (nothing to build on the host and copy to the device per call)."""
+    early, late = gathered.select(dim + 1, 0), gathered.select(dim + 1, 1)
+    return torch.cat([early, late.flip(dim)], dim=dim)
+
+
+def to_rank_order(chunks: Tensor, dim: int) -> Tensor:
+    """The inverse of :func:`to_natural_order`: (..., 2 * cp, ...) in sequence order -> (..., cp, 2, ...)."""
+    early, late = chunks.chunk(2, dim=dim)
+    return torch.stack([early, late.flip(dim)], dim=dim + 1)
 
 
 def natural_order(cp: int) -> Tensor:

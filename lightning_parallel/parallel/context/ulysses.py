@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_parallel.parallel.context.split import natural_order
+from lightning_parallel.parallel.context.split import to_natural_order, to_rank_order
 
 
 def check_heads(heads: int, cp: int, tp: int = 1, setting: str = "cp_mode='ulysses'") -> None:
@@ -36,10 +36,8 @@ def _heads_to_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     send = x.reshape(B, cp, H // cp, t, D).transpose(0, 1).contiguous()  # (cp, B, H/cp, t, D): piece j to rank j
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)  # recv[j]: rank j's chunks of my heads
-    gathered = (
-        recv.reshape(cp, B, H // cp, 2, t // 2, D).permute(1, 2, 0, 3, 4, 5).reshape(B, H // cp, 2 * cp, t // 2, D)
-    )
-    return gathered[:, :, natural_order(cp).to(x.device)].reshape(B, H // cp, cp * t, D)
+    gathered = recv.reshape(cp, B, H // cp, 2, t // 2, D).permute(1, 2, 0, 3, 4, 5)  # (B, H/cp, cp, 2, t/2, D)
+    return to_natural_order(gathered, dim=2).reshape(B, H // cp, cp * t, D)
 
 
 def _sequence_to_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -48,8 +46,7 @@ def _sequence_to_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     B, h, T, D = x.shape
     t = T // cp
     chunks = x.reshape(B, h, 2 * cp, t // 2, D)
-    rank_order = torch.argsort(natural_order(cp)).to(x.device)  # chunk in sequence order -> position gathered
-    gathered = chunks[:, :, rank_order]  # rank 0's two chunks, rank 1's two, ...
+    gathered = to_rank_order(chunks, dim=2)  # (B, h, cp, 2, t/2, D): rank 0's two chunks, rank 1's two, ...
     send = gathered.reshape(B, h, cp, t, D).permute(2, 0, 1, 3, 4).contiguous()  # (cp, B, h, t, D): to rank j
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)  # recv[j]: heads j*h.. of my chunks

@@ -124,11 +124,13 @@ class MoE(nn.Module):
         self._forwards = 0  # training forwards recorded
         self._choices = 0  # the (token, choice) pairs they routed
         self._last: tuple[Tensor, int] | None = None
+        self._unrecorded: tuple[Tensor, int] | None = None  # a compiled forward's figures (see flush_stats)
 
     def totals(self) -> tuple[Tensor, int, int]:
         """Since the last reset, on the layer's device (no host sync): the (E + 3,) float64 sums over this rank's
         training forwards of the kept choices per expert, the dropped choices, the load-balancing loss and the
         z-loss (0 when off); the number of those forwards; the (token, choice) pairs they routed."""
+        self.flush_stats()
         if self._sums is None:
             device = self.router.weight.device
             return torch.zeros(self.num_experts + 3, dtype=torch.float64, device=device), 0, 0
@@ -165,10 +167,22 @@ class MoE(nn.Module):
         aux = self._aux_loss(logits, probs, top_i, samples, per_sample)
         if aux is not None and torch.is_grad_enabled():
             out = AttachAuxLoss.apply(out, aux)
-        if torch.is_grad_enabled() and not in_backward():
+        if torch.is_grad_enabled():
             # training forwards only: not evaluation, a pipeline's shape inference, or a checkpointed layer's recompute
-            self._record(counts, keep, top_i.numel())
+            row = self._stats_row(counts, keep)
+            if torch.compiler.is_compiling():
+                # no graph break on autograd's state or Python counters: the compiled layer's eager wrapper
+                # (compile_layers) records it through flush_stats()
+                self._unrecorded = (row, top_i.numel())
+            elif not in_backward():
+                self._record(row, top_i.numel())
         return out.view(shape)
+
+    def flush_stats(self) -> None:
+        """Record the figures a compiled forward left (eager: outside a checkpointed layer's recompute)."""
+        unrecorded, self._unrecorded = self._unrecorded, None
+        if unrecorded is not None and not in_backward():
+            self._record(*unrecorded)
 
     def _capacity_keep(self, top_i: Tensor, samples: int, per_sample: int) -> Tensor | None:
         if self.capacity_factor is None:
@@ -199,13 +213,16 @@ class MoE(nn.Module):
             total = self.z_loss_coeff * z if total is None else total + self.z_loss_coeff * z
         return total
 
-    def _record(self, counts: Tensor, keep: Tensor | None, choices: int) -> None:
-        """Add this forward's figures to the sums, on the device (no host sync)."""
+    def _stats_row(self, counts: Tensor, keep: Tensor | None) -> Tensor:
+        """This forward's (E + 3,) float64 figures (see :meth:`totals`), on the device (no host sync)."""
         f64 = torch.float64
         zero = torch.zeros((), dtype=f64, device=counts.device)
         dropped = (~keep).sum().to(f64) if keep is not None else zero
         aux, z = (zero if v is None else v.to(f64) for v in (self._last_aux, self._last_z))
-        row = torch.cat([counts.detach().to(f64), torch.stack([dropped, aux, z])])
+        return torch.cat([counts.detach().to(f64), torch.stack([dropped, aux, z])])
+
+    def _record(self, row: Tensor, choices: int) -> None:
+        """Add one forward's figures to the sums, on the device (no host sync)."""
         before = torch.zeros_like(row) if self._sums is None else self._sums.to(row.device)
         self._sums = before + row  # out of place: forget_last restores ``before`` (placeholder inputs may be NaN)
         self._forwards += 1
