@@ -2,8 +2,8 @@
 tests/test_preemption.py), in a plain Trainer script or in the GPT recipe.
 
 Run as a user runs a script: ``python run.py rank_failure --opts JSON --out DIR`` (Lightning's launcher re-runs
-that command line for the other ranks) or under ``torchrun``. Case keys: fail (raise, kill or sigterm), rank, step,
-and for the plain Trainer (hybrid3d on the README's bring-your-own-model example) devices, tp, timeout (the
+that command line for the other ranks) or under ``torchrun``. Case keys: fail (raise, kill, sigterm or stop: SIGSTOP),
+rank, step, and for the plain Trainer (hybrid3d on the README's bring-your-own-model example) devices, nodes, tp, timeout (the
 strategy's, seconds); or recipe (``[RUN_DIR, override, ...]``): ``conf/train_gpt.yaml`` composed with the overrides
 and run through the recipe's own launcher (``lightning_parallel.recipes.launch.run``, torch elastic), whose workers
 add :class:`FailAt` to the recipe's Trainer (:func:`train`; fail: raise or kill).
@@ -54,6 +54,9 @@ class FailAt(pl.Callback):
         say(f"FAILING {time.time()}")
         if self.how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.how == "stop":  # frozen, not dead: only the others' heartbeat watch can tell
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
         if self.how == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
         else:
@@ -105,6 +108,7 @@ def run_case(case: dict, ctx) -> dict:
     trainer = pl.Trainer(
         strategy=Hybrid3DStrategy(tp=case.get("tp", 1), timeout=case.get("timeout", 30)),
         devices=case.get("devices", 2),
+        num_nodes=case.get("nodes", 1),
         accelerator="cpu",
         max_steps=50,
         logger=False,
