@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from lightning_parallel import _compat
+import lightning_parallel._compat as _compat
 from lightning_parallel.parallel.failure import FAILURE_DIR_ENV, FailureBoard, FailureWatch, needs_watch
 
 HEARTBEAT_ENV = "LIGHTNING_PARALLEL_HEARTBEAT_S"  # seconds between beats; 0 turns the heartbeat off
