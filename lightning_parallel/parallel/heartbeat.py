@@ -25,6 +25,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import pickle
 import socket
 import sys
 import time
@@ -245,13 +246,27 @@ def dump(folder: Path, rank: int) -> list[Path]:
     written = []
     for name, as_json in ((f"fr_rank_{rank}", False), (f"fr_{rank}.json", True)):
         try:
-            (folder / name).write_bytes(_compat.flight_recorder_dump(as_json=as_json))
+            load, save = (json.loads, lambda d: json.dumps(d).encode()) if as_json else (pickle.loads, pickle.dumps)
+            (folder / name).write_bytes(save(_with_groups(load(_compat.flight_recorder_dump(as_json=as_json)))))
             written.append(folder / name)
         except Exception as exc:  # noqa: BLE001  (the stacks and the message must still come)
             print(f"[rank {rank}] flight recorder dump failed: {exc}", file=sys.stderr, flush=True)
     with open(folder / f"stacks_{rank}.txt", "w") as f:
         faulthandler.dump_traceback(file=f, all_threads=True)
     return [*written, folder / f"stacks_{rank}.txt"]
+
+
+def _with_groups(trace: dict) -> dict:
+    """The recorder's trace with every group of this process in its ``pg_config`` (name, description, ranks): gloo's
+    leaves it empty in torch 2.13, and torch's ``fr_trace`` analyzer needs it to read the entries."""
+    config = trace.setdefault("pg_config", {})
+    desc = {e["process_group"][0]: e["process_group"][1] for e in trace.get("entries", []) if e.get("process_group")}
+    for name, (_, ranks) in _compat.group_sequence_numbers().items():
+        if not config.get(name, {}).get("name"):
+            config[name] = {"name": name, "desc": desc.get(name, ""), "ranks": str(list(ranks))}
+    if "" in config and not config[""].get("name"):
+        del config[""]
+    return trace
 
 
 @dataclass
