@@ -60,12 +60,12 @@ class Timing:
 
 def timing_for(timeout: timedelta | float) -> Timing:
     """The heartbeat's timing from the run's collective timeout, so a hang is named well within it: a beat every
-    timeout/30 (0.5 to 5 s), stopped after timeout/3 (at least 3 beats, at most 120 s), behind after 0.6 x timeout.
+    timeout/30 (0.5 to 5 s), stopped after timeout/3 (at least 3 beats, at most 120 s), behind after 0.75 x timeout.
     ``LIGHTNING_PARALLEL_HEARTBEAT_S`` and ``LIGHTNING_PARALLEL_HEARTBEAT_STALE_S`` set the first two."""
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     interval = float(os.environ.get(HEARTBEAT_ENV) or min(5.0, max(0.5, seconds / 30)))
     stale = float(os.environ.get(STALE_ENV) or min(120.0, max(3 * interval, seconds / 3)))
-    return Timing(interval, stale, max(0.6 * seconds, stale))
+    return Timing(interval, stale, max(0.75 * seconds, stale))
 
 
 @dataclass(frozen=True)
