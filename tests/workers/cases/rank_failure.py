@@ -1,12 +1,13 @@
 """Case ``rank_failure``: one rank fails or gets a SIGTERM at a given step (tests/test_rank_failure.py,
 tests/test_preemption.py), in a plain Trainer script or in the GPT recipe.
 
-Run as a user runs a script: ``python run.py rank_failure --opts JSON --out DIR`` (Lightning's launcher re-runs
-that command line for the other ranks) or under ``torchrun``. Case keys: fail (raise, kill, sigterm or stop: SIGSTOP),
-rank, step, and for the plain Trainer (hybrid3d on the README's bring-your-own-model example) devices, nodes, tp, timeout (the
-strategy's, seconds); or recipe (``[RUN_DIR, override, ...]``): ``conf/train_gpt.yaml`` composed with the overrides
-and run through the recipe's own launcher (``lightning_parallel.recipes.launch.run``, torch elastic), whose workers
-add :class:`FailAt` to the recipe's Trainer (:func:`train`; fail: raise or kill).
+Run as a user runs a script: ``python run.py rank_failure --opts JSON --out DIR`` (Lightning's launcher re-runs that
+command line for the other ranks) or under ``torchrun``. Case keys: fail (raise, kill, sigterm or stop: SIGSTOP,
+tests/test_heartbeat.py), rank, step, and for the plain Trainer (hybrid3d on the README's bring-your-own-model
+example) devices, nodes, tp, timeout (the strategy's, seconds); or recipe (``[RUN_DIR, override, ...]``):
+``conf/train_gpt.yaml`` composed with the overrides and run through the recipe's own launcher
+(``lightning_parallel.recipes.launch.run``, torch elastic), whose workers add :class:`FailAt` to the recipe's Trainer
+(:func:`train`; fail: raise or kill).
 
 Every rank prints ``PID <rank> <pid>`` when training starts and, at the failure, ``FAILING <unix time>``. With
 fail=sigterm the rank sends SIGTERM to itself (a signal that reaches one rank only) and every rank of the plain
