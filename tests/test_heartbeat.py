@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from harness import WORKERS, free_port
 from recipe_runs import env as recipe_env
@@ -113,6 +114,20 @@ def test_a_rank_that_ended_its_work_is_no_hang():
     world.beats[2].finish()  # teardown: rank 2 said it is done, then went quiet
     world.issued[0] += 1
     assert world.run(30, ticking=(0, 1)) == [None, None, None]
+
+
+def test_without_a_trainer_the_step_is_the_optimizer_steps_taken():
+    store, weight = dist.HashStore(), torch.nn.Parameter(torch.ones(2))
+    beat = Heartbeat(store, 0, 1, TIMING, counters=dict, pending=lambda: None)  # Fabric: no step given
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    for _ in range(3):
+        weight.grad = torch.ones(2)
+        optimizer.step()
+    beat.beat()
+    assert json.loads(store.get("lightning_parallel/beat/0"))["step"] == 3
+    beat.finish()  # the hook goes with the heartbeat
+    optimizer.step()
+    assert json.loads(store.get("lightning_parallel/beat/0"))["done"] and beat.step() == 3
 
 
 def test_the_watch_hands_a_hang_over_and_stops(tmp_path):

@@ -35,7 +35,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import lightning_parallel._compat as _compat
 from lightning_parallel.parallel.failure import FAILURE_DIR_ENV, FailureBoard, FailureWatch, needs_watch
@@ -105,7 +105,7 @@ class Heartbeat:
         self.pending = pending_collective if pending is None else pending
         self._steps, self._hook = 0, None
         if step is None:  # Fabric: count optimizer steps (a Python int, no sync)
-            self._hook = torch.optim.optimizer.register_optimizer_step_post_hook(self._count_step)
+            self._hook = register_optimizer_step_post_hook(self._count_step)
             step = lambda: self._steps  # noqa: E731
         self.step = step
         self._beats, self._seen, self._waiting = 0, {}, None
