@@ -171,7 +171,8 @@ TIMEOUT = 30  # the strategy's collective timeout, seconds
 
 
 def node(rank: int, port: int, cwd: Path) -> subprocess.Popen:
-    opts = {"fail": "stop", "rank": 1, "step": 25, "devices": 1, "nodes": 2, "timeout": TIMEOUT}
+    # 0.1 s a step: rank 1 has beaten a few times (1 s apart at this timeout) when it stops at step 30
+    opts = {"fail": "stop", "rank": 1, "step": 30, "pace": 0.1, "devices": 1, "nodes": 2, "timeout": TIMEOUT}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank)]
     cmd += ["--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     cmd += ["--rdzv-id", "heartbeat", "--monitor-interval", "0.5"]
@@ -218,8 +219,10 @@ def test_a_stopped_rank_on_another_node_is_named_within_the_timeout(tmp_path):
     assert said, survivor[-4000:]
     print(said[0])
     assert re.match(
-        rf"rank 1 \(host \S+, pid {stopped_pid}, step \d+, collectives issued .*\) stopped beating", said[1]
+        rf"rank 1 \(host \S+, pid {stopped_pid}, step (\d+), collectives issued 0: (\d+),.*\) stopped beating", said[1]
     )
+    step, issued = map(int, re.match(r"rank 1 \(.*?step (\d+), collectives issued 0: (\d+)", said[1]).groups())
+    assert 10 <= step <= 30 and issued > 10, said[1]  # its last beat: training was under way
     assert re.search(r"waiting: rank 0 in gloo:\w+ \(group ", said[1]), said[1]
     folder = tmp_path / f"node{done[0]}" / "flight_recorder"  # the Trainer's default_root_dir: the node's cwd
     named = re.findall(r"(/\S+?)(?:,|\.? Ending)", said[1].split("flight recorder and stacks: ")[1])
