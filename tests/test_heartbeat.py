@@ -87,7 +87,8 @@ def test_a_stopped_rank_is_named_once_the_others_wait():
     assert world.run(9, ticking=(0, 1)) == [None, None, None]  # waiting 9 s < stale_s
     verdicts = world.run(3, ticking=(0, 1))  # waiting stale_s, seen within two beats
     hang = verdicts[0]
-    assert hang is not None and hang.ranks == (2,) and verdicts[1].ranks == (2,)
+    assert hang is not None and hang.ranks == (2,) and verdicts[1] == hang  # rank 1 took up rank 0's announcement
+    assert hang.text.endswith("(found by rank 0)")
     pid = os.getpid()
     assert re.match(
         rf"rank 2 \(host \S+, pid {pid}, step 105, collectives issued g: 5\) stopped beating 2\d\.0 s ago", hang.text
@@ -106,6 +107,20 @@ def test_a_rank_behind_in_its_collectives_is_named():
     assert "rank 1 (host" in verdicts[0].text
     assert "is behind: 5 collectives issued on group g (ranks [0, 1, 2]), rank 0 6" in verdicts[0].text
     assert re.search(r"no rank has issued a collective for 1[89]\.0 s", verdicts[0].text), verdicts[0].text
+
+
+def test_a_store_that_stops_answering_ends_the_run():
+    world = World()
+    world.run(3, issuing=(0, 1, 2))
+    beat = world.beats[0]
+    assert beat.store_failed("DistNetworkError: Broken pipe") is None
+    world.now += 9.0
+    assert beat.store_failed("DistNetworkError: Broken pipe") is None  # 9 s < stale_s
+    world.now += 1.0
+    hang = beat.store_failed("DistNetworkError: Broken pipe")
+    assert hang.ranks == () and hang.text.startswith("the rendezvous store has not answered for 10.0 s (DistNetwork")
+    world.run(1)  # it answers again: the count starts over
+    assert beat.store_failed("DistNetworkError: Broken pipe") is None
 
 
 def test_a_rank_that_ended_its_work_is_no_hang():
@@ -165,14 +180,14 @@ def test_dump_writes_the_flight_recorder_and_the_stacks(tmp_path):
     assert "test_dump_writes_the_flight_recorder_and_the_stacks" in paths[2].read_text()
 
 
-# ----- two torchrun nodes, one rank stopped -----
+# ----- two torchrun nodes, one rank stopped or lagging -----
 
 TIMEOUT = 30  # the strategy's collective timeout, seconds
 
 
-def node(rank: int, port: int, cwd: Path) -> subprocess.Popen:
+def node(rank: int, port: int, cwd: Path, how: str = "stop", timeout: int = TIMEOUT) -> subprocess.Popen:
     # 0.1 s a step: rank 1 has beaten a few times (1 s apart at this timeout) when it stops at step 30
-    opts = {"fail": "stop", "rank": 1, "step": 30, "pace": 0.1, "devices": 1, "nodes": 2, "timeout": TIMEOUT}
+    opts = {"fail": how, "rank": 1, "step": 30, "pace": 0.1, "devices": 1, "nodes": 2, "timeout": timeout}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank)]
     cmd += ["--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     cmd += ["--rdzv-id", "heartbeat", "--monitor-interval", "0.5"]
@@ -237,3 +252,38 @@ def test_a_stopped_rank_on_another_node_is_named_within_the_timeout(tmp_path):
     analyzed = subprocess.run([sys.executable, *map(str, fr_trace)], capture_output=True, text=True, timeout=120)
     said = analyzed.stdout + analyzed.stderr
     assert analyzed.returncode == 0 and "missed FR dumps from ranks ({1})" in said, said[-3000:]
+
+
+@pytest.mark.slow  # about 70 s on 2 busy cores: behind_s is 45 s at this timeout
+def test_a_rank_that_never_reaches_the_collective_is_named_behind(tmp_path):
+    """Rank 1 sleeps in its step (beating all the while); rank 0 waits in the step's all-reduce: rank 0 names rank 1
+    as behind once nobody has issued a collective for 0.75 x timeout and announces it, rank 1 takes it up (its stacks
+    show the sleep), both exit 1 within the timeout (60 s: at 30 s the two beats of grace leave too little margin)."""
+    port, timeout = free_port(), 60
+    nodes = [node(r, port, tmp_path / f"node{r}", how="lag", timeout=timeout) for r in (0, 1)]
+    try:
+        codes = [p.wait(timeout=300) for p in nodes]
+        ended = time.time()
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outputs = [(tmp_path / f"node{r}" / "output.txt").read_text() for r in (0, 1)]
+    text = "\n".join(outputs)
+    assert codes[0] != 0 and codes[1] != 0, text[-6000:]
+    (lagging_at,) = map(float, re.findall(r"^FAILING ([\d.]+)$", text, re.M))
+    took = ended - lagging_at
+    print(f"rank 1 lagging; both agents ended {took:.1f} s later (timeout {timeout} s)")
+    assert took < timeout, text[-6000:]
+    said = dict(re.findall(r"^\[rank (\d)\] hang: (.*)$", text, re.M))
+    assert sorted(said) == ["0", "1"], text[-6000:]  # every rank names it, rank 1 itself too
+    for message in said.values():
+        print(message[:400])
+        behind = r"rank 1 \(host \S+, pid \d+, step \d+, .*\) is behind: (\d+) collectives issued on group 0 "
+        behind += r"\(ranks \[0, 1\]\), rank 0 (\d+)"
+        found = re.match(behind, message)
+        assert found and int(found[1]) < int(found[2]), message
+        assert "no rank has issued a collective for" in message and "(found by rank " in message
+    (stacks,) = (tmp_path / f"node{r}" / "flight_recorder" / "stacks_1.txt" for r in (0, 1) if "PID 1 " in outputs[r])
+    assert re.search(r"line \d+ in on_train_batch_start", stacks.read_text())  # where rank 1 is stuck

@@ -265,7 +265,7 @@ class FailureWatch:
             if not getattr(self, "_said", False):
                 self._said = True
                 print(f"[rank {self.board.rank}] heartbeat: {describe(exc)}", file=sys.stderr, flush=True)
-            return None
+            return self.heartbeat.store_failed(describe(exc))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

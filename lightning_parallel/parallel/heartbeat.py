@@ -47,6 +47,7 @@ FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 FR_BUFFER_DEFAULT = "2000"  # entries per process, NCCL's own default; gloo records nothing unless it is set
 HANG_EXIT_CODE = 1
 _KEY = "lightning_parallel/beat/"
+_HANG = "lightning_parallel/hang"  # the first hang a rank found: [blamed ranks, explanation]
 
 
 @dataclass(frozen=True)
@@ -162,9 +163,33 @@ class Heartbeat:
         self._seen[rank] = record
 
     def tick(self) -> Hang | None:
+        """Beat, read, judge. A hang found here is announced on the store, and one announced by another rank is
+        taken up: every rank then ends with the same explanation, the one blamed too (its stacks show where it is),
+        before the first to end can take the store with it (torchrun's agent on its node hosts it)."""
         self.beat()
+        self._store_down_since = None
+        if self.store.check([_HANG]):
+            ranks, text = json.loads(self.store.get(_HANG))
+            return Hang(tuple(ranks), text)
         self.observe()
-        return self.verdict()
+        hang = self.verdict()
+        if hang is not None:
+            found = f"{hang.text} (found by rank {self.rank})"
+            self.store.compare_set(_HANG, "", json.dumps([list(hang.ranks), found]))
+            return Hang(*json.loads(self.store.get(_HANG)))  # the first announcement, ours or another's
+        return None
+
+    def store_failed(self, exc: str) -> Hang | None:
+        """A tick's store call failed: after ``stale_s`` of failures the store's host is gone, and the run with it."""
+        now = self.clock()
+        self._store_down_since = since = getattr(self, "_store_down_since", None) or now
+        if now - since < self.timing.stale_s:
+            return None
+        return Hang(
+            (),
+            f"the rendezvous store has not answered for {now - since:.1f} s ({exc}): its host (torchrun's agent "
+            "on the first node, or rank 0 under Lightning's launcher) is gone or stopped",
+        )
 
     def verdict(self) -> Hang | None:
         """The ranks a hang is blamed on, if there is a hang (see the module's docstring)."""
@@ -277,16 +302,15 @@ class HangResponse:
         board: the failure board (the launchers read the first failure from it).
         folder: where to dump (called at the hang: the run directory may be known only then).
         abort: aborts this rank's communicators.
-        hard_exit: end the process at once (gloo: its abort leaves a pending collective waiting) rather than
-            giving the aborted collective ``grace_s`` to raise in the main thread first.
-        grace_s: see ``hard_exit``.
+        grace_s: seconds between the abort and the end of the process: on NCCL for the aborted collective to raise
+            in the main thread (which then ends the run itself); on gloo, whose abort leaves a pending collective
+            waiting (torch 2.13), for the other ranks to take up the announced hang while the store is there.
         before_exit: ends what this process launched (Lightning's launcher's children).
     """
 
     board: FailureBoard
     folder: Callable[[], Path]
     abort: Callable[[], None]
-    hard_exit: bool
     grace_s: float = 5.0
     before_exit: Callable[[], None] = lambda: None
 
@@ -295,13 +319,13 @@ class HangResponse:
         paths = dump(self.folder(), rank)
         text = f"hang: {hang.text}. This rank's flight recorder and stacks: {', '.join(map(str, paths))}"
         print(f"[rank {rank}] {text}. Ending this rank (exit code {HANG_EXIT_CODE}).", file=sys.stderr, flush=True)
-        self.board.record(RuntimeError(text), rank=hang.ranks[0])
+        if hang.ranks:
+            self.board.record(RuntimeError(text), rank=hang.ranks[0])
         try:
             self.abort()
         except Exception:  # noqa: BLE001  (the process group may be half gone: the exit below still comes)
             pass
-        if not self.hard_exit:
-            time.sleep(self.grace_s)  # the aborted collective raises in the main thread, which ends the run
+        time.sleep(self.grace_s)
         self.before_exit()
         os._exit(HANG_EXIT_CODE)
 
@@ -321,8 +345,10 @@ def start_watch(
     if not beating and not needs_watch(backend):
         return None
     heartbeat = Heartbeat(board.store, board.rank, board.world_size, timing, step=step) if beating else None
-    grace_s = min(10.0, max(2.0, 0.1 * timeout.total_seconds()))
-    respond = HangResponse(board, folder, _compat.abort_process_group, not needs_watch(backend), grace_s, before_exit)
+    grace_s = 2 * timing.interval_s + 0.5  # two beats: every rank has read the announced hang
+    if needs_watch(backend):  # NCCL: the aborted collective raises in the main thread, which ends the run
+        grace_s = max(grace_s, min(10.0, 0.1 * timeout.total_seconds()))
+    respond = HangResponse(board, folder, _compat.abort_process_group, grace_s, before_exit)
     interval = timing.interval_s if beating else 2.0
     watch = FailureWatch(board, _compat.abort_process_group, interval, heartbeat, respond, needs_watch(backend))
     return watch.start()

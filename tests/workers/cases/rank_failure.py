@@ -2,12 +2,12 @@
 tests/test_preemption.py), in a plain Trainer script or in the GPT recipe.
 
 Run as a user runs a script: ``python run.py rank_failure --opts JSON --out DIR`` (Lightning's launcher re-runs that
-command line for the other ranks) or under ``torchrun``. Case keys: fail (raise, kill, sigterm or stop: SIGSTOP,
-tests/test_heartbeat.py), rank, step, and for the plain Trainer (hybrid3d on the README's bring-your-own-model
-example) devices, nodes, tp, timeout (the strategy's, seconds), pace (seconds of sleep per step); or recipe
-(``[RUN_DIR, override, ...]``): ``conf/train_gpt.yaml`` composed with the overrides and run through the recipe's own
-launcher (``lightning_parallel.recipes.launch.run``, torch elastic), whose workers add :class:`FailAt` to the recipe's
-Trainer (:func:`train`; fail: raise or kill).
+command line for the other ranks) or under ``torchrun``. Case keys: fail (raise, kill, sigterm, stop: SIGSTOP, or lag:
+a sleep, tests/test_heartbeat.py), rank, step, and for the plain Trainer (hybrid3d on the README's
+bring-your-own-model example) devices, nodes, tp, timeout (the strategy's, seconds), pace (seconds of sleep per step);
+or recipe (``[RUN_DIR, override, ...]``): ``conf/train_gpt.yaml`` composed with the overrides and run through the
+recipe's own launcher (``lightning_parallel.recipes.launch.run``, torch elastic), whose workers add :class:`FailAt` to
+the recipe's Trainer (:func:`train`; fail: raise or kill).
 
 Every rank prints ``PID <rank> <pid>`` when training starts and, at the failure, ``FAILING <unix time>``. With
 fail=sigterm the rank sends SIGTERM to itself (a signal that reaches one rank only) and every rank of the plain
@@ -58,6 +58,9 @@ class FailAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.how == "stop":  # frozen, not dead: only the others' heartbeat watch can tell
             os.kill(os.getpid(), signal.SIGSTOP)
+            return
+        if self.how == "lag":  # alive and beating, but never reaching the step's collectives
+            time.sleep(3600)
             return
         if self.how == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
