@@ -22,7 +22,7 @@ import torch.distributed as dist
 from harness import WORKERS, free_port
 from recipe_runs import env as recipe_env
 
-from lightning_parallel.parallel.failure import FailureBoard, FailureWatch
+from lightning_parallel.parallel.failure import FailureBoard, FailureWatch, process_alive
 from lightning_parallel.parallel.heartbeat import Hang, Heartbeat, Timing, dump, timing_for
 
 TIMING = Timing(interval_s=1.0, stale_s=10.0, behind_s=18.0)
@@ -261,20 +261,24 @@ def test_a_rank_that_never_reaches_the_collective_is_named_behind(tmp_path):
     show the sleep), both exit 1 within the timeout (60 s: at 30 s the two beats of grace leave too little margin)."""
     port, timeout = free_port(), 60
     nodes = [node(r, port, tmp_path / f"node{r}", how="lag", timeout=timeout) for r in (0, 1)]
-    try:
-        codes = [p.wait(timeout=300) for p in nodes]
+    outputs = lambda: [(tmp_path / f"node{r}" / "output.txt").read_text() for r in (0, 1)]  # noqa: E731
+    try:  # the workers' ends are timed (the agent that lost the store to the other's exit takes a while to notice)
+        deadline, workers = time.monotonic() + 300, {}
+        while time.monotonic() < deadline and (len(workers) < 2 or any(map(process_alive, workers.values()))):
+            workers = {int(r): int(p) for r, p in re.findall(r"^PID (\d) (\d+)$", "\n".join(outputs()), re.M)}
+            time.sleep(0.2)
         ended = time.time()
+        codes = [p.wait(timeout=300) for p in nodes]
     finally:
         for p in nodes:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    outputs = [(tmp_path / f"node{r}" / "output.txt").read_text() for r in (0, 1)]
-    text = "\n".join(outputs)
+    text = "\n".join(outputs())
     assert codes[0] != 0 and codes[1] != 0, text[-6000:]
     (lagging_at,) = map(float, re.findall(r"^FAILING ([\d.]+)$", text, re.M))
     took = ended - lagging_at
-    print(f"rank 1 lagging; both agents ended {took:.1f} s later (timeout {timeout} s)")
+    print(f"rank 1 lagging; both workers ended {took:.1f} s later (timeout {timeout} s)")
     assert took < timeout, text[-6000:]
     said = dict(re.findall(r"^\[rank (\d)\] hang: (.*)$", text, re.M))
     assert sorted(said) == ["0", "1"], text[-6000:]  # every rank names it, rank 1 itself too
@@ -285,5 +289,5 @@ def test_a_rank_that_never_reaches_the_collective_is_named_behind(tmp_path):
         found = re.match(behind, message)
         assert found and int(found[1]) < int(found[2]), message
         assert "no rank has issued a collective for" in message and "(found by rank " in message
-    (stacks,) = (tmp_path / f"node{r}" / "flight_recorder" / "stacks_1.txt" for r in (0, 1) if "PID 1 " in outputs[r])
+    (stacks,) = (tmp_path / f"node{r}" / "flight_recorder" / "stacks_1.txt" for r in (0, 1) if "PID 1 " in outputs()[r])
     assert re.search(r"line \d+ in on_train_batch_start", stacks.read_text())  # where rank 1 is stuck
