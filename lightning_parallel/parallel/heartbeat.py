@@ -112,6 +112,7 @@ class Heartbeat:
         self._beats, self._seen, self._waiting = 0, {}, None
         self._beat_since: dict[int, float] = {}
         self._issue_since: dict[int, float] = {}
+        self._store_down_since: float | None = None
         self.host, self.pid = socket.gethostname(), os.getpid()
 
     def _count_step(self, *_: Any) -> None:
@@ -182,7 +183,7 @@ class Heartbeat:
     def store_failed(self, exc: str) -> Hang | None:
         """A tick's store call failed: after ``stale_s`` of failures the store's host is gone, and the run with it."""
         now = self.clock()
-        self._store_down_since = since = getattr(self, "_store_down_since", None) or now
+        self._store_down_since = since = self._store_down_since or now
         if now - since < self.timing.stale_s:
             return None
         return Hang(
@@ -226,7 +227,8 @@ class Heartbeat:
 
     def _who(self, rank: int) -> str:
         rec = self._seen[rank]
-        counts = ", ".join(f"{g}: {n}" for g, (n, _) in sorted(rec["seq"].items()))
+        groups = sorted(rec["seq"].items(), key=lambda item: (len(item[0]), item[0]))  # 2 before 10
+        counts = ", ".join(f"{g}: {n}" for g, (n, _) in groups)
         return f"rank {rank} (host {rec['host']}, pid {rec['pid']}, step {rec['step']}, collectives issued {counts})"
 
     def _say(self, named: list[str], blamed: list[int]) -> str:
