@@ -167,6 +167,30 @@ def abort_process_group(group: Any = None) -> None:
     _abort_process_group(group)
 
 
+def group_sequence_numbers() -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Every process group of this process, by name: the collectives and point-to-point operations issued on it so far
+    (torch's own counter, advanced by the thread that issues them: functional collectives and DTensor's included; on
+    NCCL point-to-point operations have a counter of their own, not this one) and its global ranks. Safe to call from
+    another thread while this one waits in a collective."""
+    from torch.distributed import distributed_c10d as c10d
+
+    found = {}
+    for group, name in list(c10d._world.pg_names.items()):
+        try:
+            found[name] = (group._get_sequence_number_for_group(), tuple(c10d.get_process_group_ranks(group)))
+        except (RuntimeError, ValueError):  # a group destroyed while we looked
+            continue
+    return found
+
+
+def flight_recorder_dump(as_json: bool = False) -> bytes:
+    """torch's flight recorder (every process group of this process, gloo's too when ``TORCH_FR_BUFFER_SIZE`` was set
+    before the first group): a pickle for ``python -m torch.distributed.flight_recorder.fr_trace``, or JSON."""
+    from torch._C import _distributed_c10d as c10d
+
+    return c10d._dump_fr_trace_json() if as_json else c10d._dump_fr_trace()
+
+
 # ----- Lightning (imported on first use) -----
 
 _LIGHTNING = {

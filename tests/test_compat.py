@@ -5,6 +5,7 @@ Lightning, no module past the size the house style allows."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 from unittest import mock
@@ -46,6 +47,11 @@ def test_private_apis_resolve():
     assert callable(c10d._abort_process_group)
     assert isinstance(c10d._world.pg_map, dict) and _compat.process_groups() == list(c10d._world.pg_map)
     assert callable(c10d._get_default_timeout)  # tests/workers/cases/group_timeouts.py gives gloo NCCL's default
+    assert isinstance(c10d._world.pg_names, dict)  # group_sequence_numbers and flight_recorder_dump (heartbeat.py)
+    assert callable(c10d.ProcessGroup._get_sequence_number_for_group)
+    assert callable(torch._C._distributed_c10d._dump_fr_trace) and callable(
+        torch._C._distributed_c10d._dump_fr_trace_json
+    )
     import torch.distributed.pipelining.schedules as schedules  # measure/timeline.py wraps it while recording
 
     assert callable(schedules._wait_batch_p2p)
@@ -86,6 +92,11 @@ def test_version_shims_at_world_1():
         out = torch.zeros(3)
         _compat.reduce_scatter_single(out, flat)
         assert out.tolist() == [0.0, 1.0, 2.0]
+        (name,) = _compat.group_sequence_numbers()  # torch's own count of what this process issued on the group
+        issued = _compat.group_sequence_numbers()[name][0]
+        dist.all_reduce(flat)
+        assert _compat.group_sequence_numbers() == {name: (issued + 1, (0,))}
+        assert "pg_status" in json.loads(_compat.flight_recorder_dump(as_json=True))
     finally:
         dist.destroy_process_group()
 

@@ -125,12 +125,13 @@ class FailureBoard:
         except Exception:  # the store's host died with the failure: the folder, or the pids, must do
             return None
 
-    def record(self, exc: BaseException) -> None:
-        """Leave word that this rank failed with ``exc``; only the first rank to fail is kept."""
-        text = describe(exc)
-        self._store_op(lambda s: s.compare_set(f"{_KEY}first", "", f"{self.rank}\n{text}"))
+    def record(self, exc: BaseException, rank: int | None = None) -> None:
+        """Leave word that this rank (or ``rank``: one the heartbeat found hung) failed with ``exc``; only the first
+        rank to fail is kept."""
+        text, rank = describe(exc), self.rank if rank is None else rank
+        self._store_op(lambda s: s.compare_set(f"{_KEY}first", "", f"{rank}\n{text}"))
         if self.folder is not None:
-            record = {"rank": self.rank, "error": text, "time": time.time(), "pid": os.getpid()}
+            record = {"rank": rank, "error": text, "time": time.time(), "pid": os.getpid()}
             try:  # O_EXCL: the first rank to create the file wins, as with compare_set
                 fd = os.open(self.folder / FIRST_FAILURE_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except OSError:
@@ -203,21 +204,36 @@ def needs_watch(backend: str) -> bool:
 class FailureWatch:
     """A daemon thread that reads the board every ``interval_s`` and, once another rank has reported a failure
     (or a rank on this host has ended), says so on stderr and aborts this rank's communicators: its pending NCCL
-    collectives then fail at once, naming the cause, instead of hanging until the collective timeout.
+    collectives then fail at once, naming the cause, instead of hanging until the collective timeout. With a
+    heartbeat (``parallel/heartbeat.py``) it also beats, and hands a hang it finds to ``on_hang``.
 
     Args:
         board: the failure board.
         abort: what aborts this rank's communicators (``_compat.abort_process_group``).
         interval_s: seconds between two reads of the board.
+        heartbeat: beats and finds hangs (its ``tick()`` returns one or None; ``finish()`` at the end), or None.
+        on_hang: what to do with a hang the heartbeat found.
+        watch_board: act on the board's failures (NCCL; gloo's collectives fail by themselves).
     """
 
-    def __init__(self, board: FailureBoard, abort: Any, interval_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        board: FailureBoard,
+        abort: Any,
+        interval_s: float = 2.0,
+        heartbeat: Any = None,
+        on_hang: Any = None,
+        watch_board: bool = True,
+    ) -> None:
         self.board, self.abort, self.interval_s = board, abort, interval_s
+        self.heartbeat, self.on_hang, self.watch_board = heartbeat, on_hang, watch_board
         self.cause: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="lightning-parallel-failure-watch")
 
     def start(self) -> FailureWatch:
+        if self.heartbeat is not None:
+            self.board._store_op(lambda s: self.heartbeat.beat())  # seen by the others from now on
         self._thread.start()
         return self
 
@@ -225,6 +241,8 @@ class FailureWatch:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval_s + 1.0)
+        if self.heartbeat is not None:  # this rank's silence from now on is no hang
+            self.board._store_op(lambda s: self.heartbeat.finish())
 
     def check(self) -> str | None:
         """The cause to abort for, if another rank failed (one read of the board)."""
@@ -237,9 +255,26 @@ class FailureWatch:
             return f"{ranks} ended without reporting an error (killed by a signal: SIGKILL, the out-of-memory killer?)"
         return None
 
+    def _tick(self) -> Any:
+        """The heartbeat's beat and verdict; a failure (the store's host gone) is said once, and the watch goes on."""
+        if self.heartbeat is None:
+            return None
+        try:
+            return self.heartbeat.tick()
+        except Exception as exc:
+            if not getattr(self, "_said", False):
+                self._said = True
+                print(f"[rank {self.board.rank}] heartbeat: {describe(exc)}", file=sys.stderr, flush=True)
+            return self.heartbeat.store_failed(describe(exc))
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            cause = self.check()
+            hang = self._tick()
+            cause = self.check() if self.watch_board else None
+            if cause is None and hang is not None and not self._stop.is_set():
+                self.cause = hang.text
+                self.on_hang(hang)
+                return
             if cause is None:
                 continue
             self.cause = cause

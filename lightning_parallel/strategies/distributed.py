@@ -21,14 +21,13 @@ from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.data.stages import make_sharding
 from lightning_parallel.parallel.failure import (
     FailureBoard,
-    FailureWatch,
     annotate,
     end_children,
     is_collective_failure,
-    needs_watch,
     report_now,
 )
 from lightning_parallel.parallel.fault_tolerance import check_backend, lighthouse_address, sampler_kwargs
+from lightning_parallel.parallel.heartbeat import dump_folder, enable_flight_recorder, start_watch
 from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.parallel.shutdown import release_at_exit
 from lightning_parallel.plugins.precision import param_dtype_of
@@ -226,6 +225,7 @@ class DistributedMixin:
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        enable_flight_recorder()  # before the first group: a hang's dump shows each rank's last collectives
         _compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
         release_at_exit()  # the groups go before the interpreter does: a finished run exits 0
         if self._mesh is None:  # once per strategy: validate/test after fit run on the model fit split
@@ -234,8 +234,25 @@ class DistributedMixin:
             param_dtype = param_dtype_of(self._precision_of())  # ZeRO-3 under bf16-mixed gathers bf16
             self._sharding = make_sharding(self.config, self._mesh, setting=self._setting(), param_dtype=param_dtype)
         self._failures = FailureBoard.for_process_group()
-        if needs_watch(backend):  # NCCL: a dead peer is named and this rank's collectives fail, not hang
-            self._failure_watch = FailureWatch(self._failures, _compat.abort_process_group).start()
+        # NCCL: a dead peer is named and this rank's collectives fail, not hang; every backend: a hang is named
+        self._failure_watch = start_watch(
+            self._failures, backend, self._timeout, self._trainer_step(), self._dump_folder, self._end_children
+        )
+
+    def _trainer_step(self) -> Any:
+        """The Trainer's global step, read by the heartbeat's thread (None under Fabric: it counts optimizer steps)."""
+        module = getattr(self, "lightning_module", None)
+        trainer = _compat.attached_trainer(module) if module is not None else None
+        return None if trainer is None else lambda: trainer.global_step
+
+    def _dump_folder(self) -> Any:
+        module = getattr(self, "lightning_module", None)
+        trainer = _compat.attached_trainer(module) if module is not None else None
+        return dump_folder(trainer.default_root_dir if trainer is not None else None)
+
+    def _end_children(self) -> None:
+        """Before a hung run's process ends: the ranks Lightning's launcher started from it go too."""
+        end_children(getattr(self._launcher, "procs", None) or [], grace_s=0.0)
 
     def end_failure_watch(self) -> None:
         """This rank's work ended normally (teardown): stop watching, and say so on the board."""

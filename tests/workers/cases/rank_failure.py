@@ -1,12 +1,13 @@
 """Case ``rank_failure``: one rank fails or gets a SIGTERM at a given step (tests/test_rank_failure.py,
 tests/test_preemption.py), in a plain Trainer script or in the GPT recipe.
 
-Run as a user runs a script: ``python run.py rank_failure --opts JSON --out DIR`` (Lightning's launcher re-runs
-that command line for the other ranks) or under ``torchrun``. Case keys: fail (raise, kill or sigterm), rank, step,
-and for the plain Trainer (hybrid3d on the README's bring-your-own-model example) devices, tp, timeout (the
-strategy's, seconds); or recipe (``[RUN_DIR, override, ...]``): ``conf/train_gpt.yaml`` composed with the overrides
-and run through the recipe's own launcher (``lightning_parallel.recipes.launch.run``, torch elastic), whose workers
-add :class:`FailAt` to the recipe's Trainer (:func:`train`; fail: raise or kill).
+Run as a user runs a script: ``python run.py rank_failure --opts JSON --out DIR`` (Lightning's launcher re-runs that
+command line for the other ranks) or under ``torchrun``. Case keys: fail (raise, kill, sigterm, stop: SIGSTOP, or lag:
+a sleep, tests/test_heartbeat.py), rank, step, and for the plain Trainer (hybrid3d on the README's
+bring-your-own-model example) devices, nodes, tp, timeout (the strategy's, seconds), pace (seconds of sleep per step);
+or recipe (``[RUN_DIR, override, ...]``): ``conf/train_gpt.yaml`` composed with the overrides and run through the
+recipe's own launcher (``lightning_parallel.recipes.launch.run``, torch elastic), whose workers add :class:`FailAt` to
+the recipe's Trainer (:func:`train`; fail: raise or kill).
 
 Every rank prints ``PID <rank> <pid>`` when training starts and, at the failure, ``FAILING <unix time>``. With
 fail=sigterm the rank sends SIGTERM to itself (a signal that reaches one rank only) and every rank of the plain
@@ -42,18 +43,25 @@ def say(line: str) -> None:
 class FailAt(pl.Callback):
     """Makes rank ``rank`` fail at training batch ``step`` (before its collectives: the others wait in them)."""
 
-    def __init__(self, how: str, rank: int, step: int) -> None:
-        self.how, self.rank, self.step = how, rank, step
+    def __init__(self, how: str, rank: int, step: int, pace: float = 0.0) -> None:
+        self.how, self.rank, self.step, self.pace = how, rank, step, pace
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         say(f"PID {trainer.global_rank} {os.getpid()}")
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        time.sleep(self.pace)  # seconds per step: training long enough for the watch to beat a few times
         if trainer.global_rank != self.rank or trainer.global_step != self.step:
             return
         say(f"FAILING {time.time()}")
         if self.how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.how == "stop":  # frozen, not dead: only the others' heartbeat watch can tell
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
+        if self.how == "lag":  # alive and beating, but never reaching the step's collectives
+            time.sleep(3600)
+            return
         if self.how == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
         else:
@@ -100,11 +108,13 @@ def run_case(case: dict, ctx) -> dict:
         return {}
     pl.seed_everything(0, verbose=False)
     ckpt_dir = ctx.out / "checkpoints"
-    callbacks = [FailAt(case["fail"], case.get("rank", 1), case.get("step", 3)), RecordStop(ctx.out)]
+    fail = FailAt(case["fail"], case.get("rank", 1), case.get("step", 3), case.get("pace", 0.0))
+    callbacks = [fail, RecordStop(ctx.out)]
     callbacks += [Preemption(ckpt_dir), ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=100, save_last=True)]
     trainer = pl.Trainer(
         strategy=Hybrid3DStrategy(tp=case.get("tp", 1), timeout=case.get("timeout", 30)),
         devices=case.get("devices", 2),
+        num_nodes=case.get("nodes", 1),
         accelerator="cpu",
         max_steps=50,
         logger=False,
