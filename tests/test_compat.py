@@ -186,7 +186,7 @@ LAYERS = {
     **dict.fromkeys(("causal_lm", "models", "hf", "litgpt", "text", "planning", "plugins", "callbacks"), 2),
     "strategies": 3,
     "fabric": 4,
-    **dict.fromkeys(("", "checkpoint", "plan", "recipes"), 5),
+    **dict.fromkeys(("", "checkpoint", "plan", "recipes", "simulate"), 5),
 }
 
 
