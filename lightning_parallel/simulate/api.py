@@ -8,6 +8,7 @@ import dataclasses
 import multiprocessing
 import resource
 import time
+import traceback
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,9 +134,16 @@ def default_ranks(dims: ParallelDims) -> list[int]:
 
 
 def _run_rank(config: ParallelConfig, world: int, rank: int, model: Any, seq: int | None, samples: int, kw: dict):
-    built = build_model(model, seq)
-    with open_rank(config, world, rank) as w:
-        result = simulate_rank(w, config, built, samples, **kw)
+    """In the child: build, split and step rank ``rank``; its errors come back as plain ones (torch's may not
+    pickle), a setting's ValueError or TypeError as itself, anything else with the child's traceback."""
+    try:
+        built = build_model(model, seq)
+        with open_rank(config, world, rank) as w:
+            result = simulate_rank(w, config, built, samples, **kw)
+    except (ValueError, TypeError) as err:
+        raise type(err)(str(err)) from None
+    except Exception:
+        raise RuntimeError(f"simulating rank {rank} failed:\n{traceback.format_exc()}") from None
     return result, built.name, built.seq_len
 
 

@@ -9,6 +9,7 @@ GPTs), a Hugging Face ``config.json`` or a folder holding one, a ``transformers`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,18 +43,23 @@ class SimulatedModel:
 
 class FakeMaterialized:
     """The protocol object ``parallelize()`` reads, ``module``'s methods but one: ``materialize(device)`` gives
-    every tensor still on the meta device (this rank's pieces once split) storage on ``device``, without values.
-    Called inside ``FakeTensorMode`` the storage is fake: shapes, dtypes and sizes, no memory. (The real strategies
-    read a folder or replay the initialization there: values a simulation does not need.)"""
+    every tensor still on the meta device (this rank's pieces once split) fake storage on ``device`` under
+    ``fake_mode``: shapes, dtypes and sizes, no memory, no values. (The real strategies read a folder or replay the
+    initialization there: values a simulation does not need.)
 
-    def __init__(self, module: nn.Module) -> None:
+    ``parallelize()`` itself runs outside the fake mode: the mesh's own rank tensors must stay real (FSDP2 over a
+    tensor-parallel mesh looks ranks up with ``nonzero``, which a fake tensor cannot answer)."""
+
+    def __init__(self, module: nn.Module, fake_mode: Any) -> None:
         self._module = module
+        self._fake_mode = fake_mode
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
 
     def materialize(self, device: torch.device) -> None:
-        allocate(self._module, device, device)
+        with self._fake_mode:
+            allocate(self._module, device, device)
 
 
 def token_batch(vocab_size: int, seq_len: int) -> Callable[[int], Batch]:
@@ -73,6 +79,10 @@ def build_model(source: Any, seq_len: int | None = None) -> SimulatedModel:
             return _hf(_read_hf_config(path), seq_len, path.stem if path.suffix else path.name)
         recipe = _recipe(str(source), seq_len)
         return recipe if recipe is not None else _litgpt(str(source), seq_len)
+    from lightning_parallel.models import GPTConfig
+
+    if isinstance(source, GPTConfig):
+        return _recipe_gpt(source, seq_len, "gpt")
     if isinstance(source, dict):
         return _hf(_config_from_dict(dict(source)), seq_len, source.get("_name_or_path") or "model")
     from transformers import PretrainedConfig
@@ -112,7 +122,7 @@ def _hf(config: Any, seq_len: int | None, name: str) -> SimulatedModel:
 
 def _recipe(name: str, seq_len: int | None) -> SimulatedModel | None:
     """A recipe GPT of ``conf/model/`` (None when ``name`` is no recipe model); ``seq_len`` replaces its own."""
-    from lightning_parallel.models import GPTConfig, LitGPT
+    from lightning_parallel.models import GPTConfig
     from lightning_parallel.plan import CONF, load_model_config
     from lightning_parallel.recipes.gpt import MOE_KEYS
 
@@ -122,12 +132,20 @@ def _recipe(name: str, seq_len: int | None) -> SimulatedModel | None:
     if kind != "gpt":
         raise ValueError(f"simulate: {name} is a {kind} model; the simulator runs causal language models for now.")
     moe = {key: m[key] for key in MOE_KEYS}
-    seq = seq_len or m.seq_len
-    config = GPTConfig(m.vocab_size, seq, m.n_layer, m.n_head, m.d_model, m.mlp_ratio, m.dropout, **moe)
+    config = GPTConfig(m.vocab_size, m.seq_len, m.n_layer, m.n_head, m.d_model, m.mlp_ratio, m.dropout, **moe)
+    return _recipe_gpt(config, seq_len, Path(name).stem)
+
+
+def _recipe_gpt(config: Any, seq_len: int | None, name: str) -> SimulatedModel:
+    """The recipe's LitGPT of a ``GPTConfig`` (``seq_len`` replacing its own), its GPT built on meta as the
+    strategies build it (``configure_model`` under their meta-device context)."""
+    from lightning_parallel.models import LitGPT
+
+    config = dataclasses.replace(config, seq_len=seq_len or config.seq_len)
     module = LitGPT(config, build_in_configure_model=True)
     with torch.device("meta"):
         module.configure_model()
-    return SimulatedModel(module, Path(name).stem, seq, token_batch(config.vocab_size, seq))
+    return SimulatedModel(module, name, config.seq_len, token_batch(config.vocab_size, config.seq_len))
 
 
 def _litgpt(name: str, seq_len: int | None) -> SimulatedModel:

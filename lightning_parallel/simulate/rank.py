@@ -102,8 +102,10 @@ def simulate_rank(
     module = model.module
     if precision == "bf16-true":
         module.to(torch.bfloat16)  # Lightning's HalfPrecision.convert_module, before the split
-    with fake_tensor_mode(allow_non_fake_inputs=True):
-        parallel = parallelize(module, FakeMaterialized(module), world.mesh, config, world.sharding, torch.device("cpu"))
+    fake = fake_tensor_mode(allow_non_fake_inputs=True)
+    proxy = FakeMaterialized(module, fake)
+    parallel = parallelize(module, proxy, world.mesh, config, world.sharding, torch.device("cpu"), info=_quiet)
+    with fake:
         if world.dims.tp > 1 and has_loss(module):  # as the front doors do: logits stay split over the vocabulary
             module.loss = vocab_parallel_loss(module.loss)
         optimizer = _optimizer(module)
@@ -136,6 +138,10 @@ def simulate_rank(
         trace=trace,
         seconds=time.perf_counter() - start,
     )
+
+
+def _quiet(message: str) -> None:
+    """parallelize()'s notes on what it chose (the strategies print them on rank 0): left out of the report."""
 
 
 def _optimizer(module: Any) -> Optimizer:

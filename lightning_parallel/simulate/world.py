@@ -51,15 +51,19 @@ class SimulatedWorld:
     sharding: DataParallelSharding
 
     def groups(self) -> dict[str, GroupInfo]:
-        """Process group name -> :class:`GroupInfo`, for every group the mesh made so far (flattened roles too)."""
-        out: dict[str, GroupInfo] = {}
-        strides = axis_strides(self.dims)
-        for name, axes in self.mesh.group_axes().items():
-            group = resolve_group(name)
-            ranks = tuple(dist.get_process_group_ranks(group))
-            stride = 1 if axes == "world" else min(strides.get(a, 1) for a in axes.split("_"))
-            out[name] = GroupInfo(axes, ranks, stride)
-        return out
+        return mesh_groups(self.mesh)
+
+
+def mesh_groups(mesh: ParallelMesh) -> dict[str, GroupInfo]:
+    """Process group name -> :class:`GroupInfo`, for every group ``mesh`` made so far (flattened roles too), on
+    any backend (a real run's trace names its groups the same way)."""
+    out: dict[str, GroupInfo] = {}
+    strides = axis_strides(mesh.dims)
+    for name, axes in mesh.group_axes().items():
+        ranks = tuple(dist.get_process_group_ranks(resolve_group(name)))
+        stride = 1 if axes == "world" else min(strides.get(a, 1) for a in axes.split("_"))
+        out[name] = GroupInfo(axes, ranks, stride)
+    return out
 
 
 def axis_strides(dims: ParallelDims) -> dict[str, int]:
