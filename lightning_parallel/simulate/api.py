@@ -144,7 +144,7 @@ def _run_rank(config: ParallelConfig, world: int, rank: int, model: Any, seq: in
         raise type(err)(str(err)) from None
     except Exception:
         raise RuntimeError(f"simulating rank {rank} failed:\n{traceback.format_exc()}") from None
-    return result, built.name, built.seq_len
+    return result
 
 
 def simulate(
@@ -194,18 +194,36 @@ def simulate(
             f"of {batch_ranks}."
         )
     chosen = sorted(set(ranks)) if ranks else default_ranks(dims)
+    bad = [r for r in chosen if not 0 <= r < gpus]
+    if bad:
+        raise ValueError(f"--ranks: {bad} are not ranks of the world of {gpus}: give ranks in 0..{gpus - 1}.")
+    # built here once on the meta device: the model's errors come before any rank, and its imports are paid once
+    # (each rank's process is forked from this one and builds its own copy)
+    first = build_model(model, seq_len)
     kw = {"precision": precision, "steps": steps, "clip": clip}
-    results, name, seq = [], str(model), seq_len
+    results = []
     fork = multiprocessing.get_context("fork")
     for rank in chosen:  # a fresh process per rank: its own process group, caches and fake tensors
         with ProcessPoolExecutor(1, mp_context=fork) as pool:
-            result, name, seq = pool.submit(_run_rank, config, gpus, rank, model, seq_len, batch // batch_ranks, kw).result()
-        results.append(result)
+            job = pool.submit(_run_rank, config, gpus, rank, model, seq_len, batch // batch_ranks, kw)
+            results.append(job.result())
     bubble = config.schedule.bubble(config.pp, config.microbatches or 1, config.stages_per_rank)
     times = [step_time(r.flops, r.collectives, cluster, bubble) for r in results]
     mismatches, compared = check_consistency({r.rank: r.trace for r in results})
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     return Simulation(
-        name, gpus, str(dims), config, cluster, seq or 0, batch, precision, results, times, mismatches, compared,
-        time.perf_counter() - start, rss,
+        first.name,
+        gpus,
+        str(dims),
+        config,
+        cluster,
+        first.seq_len,
+        batch,
+        precision,
+        results,
+        times,
+        mismatches,
+        compared,
+        time.perf_counter() - start,
+        rss,
     )

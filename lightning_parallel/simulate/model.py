@@ -107,7 +107,7 @@ def _config_from_dict(raw: dict[str, Any]) -> Any:
 
     kind = raw.pop("model_type", None)
     if kind is None:
-        raise ValueError("simulate: the Hugging Face config has no model_type: add it (e.g. \"llama\").")
+        raise ValueError('simulate: the Hugging Face config has no model_type: add it (e.g. "llama").')
     return AutoConfig.for_model(kind, **raw)
 
 
@@ -163,4 +163,3 @@ def _litgpt(name: str, seq_len: int | None) -> SimulatedModel:
     if seq > config.block_size:
         module.model.max_seq_length = seq  # LitGPT's rope cache follows it
     return SimulatedModel(module, name, seq, token_batch(config.padded_vocab_size, seq))
-
