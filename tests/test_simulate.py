@@ -69,3 +69,8 @@ def test_bad_settings_are_refused_before_any_rank_runs():
         simulate(TINY, 2, "zero_stage=1", global_batch_size=3)
     with pytest.raises(ValueError, match="precision"):
         simulate(TINY, 2, "zero_stage=1", precision="fp8")
+
+
+def test_pipeline_layouts_are_refused_with_the_fix_until_simulated():
+    with pytest.raises(ValueError, match="pp=2: pipeline parallelism is not simulated yet"):
+        simulate(TINY, 2, "pp=2")

@@ -182,6 +182,12 @@ def simulate(
     start = time.perf_counter()
     config = parse_config(layout)
     dims = config.dims(gpus)
+    if config.pp > 1:
+        raise ValueError(
+            f"--layout pp={config.pp}: pipeline parallelism is not simulated yet (the stages' first exchange of "
+            "shapes cannot run on the fake process group; static stage shapes are the next step): simulate the layout "
+            "with pp=1 and the same tp, cp, ep and ZeRO stage to check them, and the planner for the pipeline."
+        )
     if precision not in PRECISIONS:
         raise ValueError(f"--precision={precision!r}: the simulator runs {', '.join(PRECISIONS)}; choose one of them.")
     cluster = Cluster(gpus, min(gpus_per_node, gpus), get_device(device))

@@ -27,6 +27,7 @@ from lightning_parallel.parallel.parallelize import Parallelized, parallelize
 from lightning_parallel.parallel.step import clip_model_grad_norm, reduce_step_gradients
 from lightning_parallel.parallel.tensor.loss import vocab_parallel_loss
 from lightning_parallel.protocol import has_loss
+from lightning_parallel.simulate.experts import uniform_routing
 from lightning_parallel.simulate.model import Batch, FakeMaterialized, SimulatedModel
 from lightning_parallel.simulate.trace import Collective, TraceRecorder
 from lightning_parallel.simulate.world import SimulatedWorld, rank_coordinates
@@ -112,7 +113,7 @@ def simulate_rank(
         world.sharding.shard_optimizer(optimizer)
         tracker, recorder, flops = mem_tracker(), TraceRecorder(), LocalFlopCounter()
         tracker.track_external(module, optimizer)
-        with tracker:
+        with tracker, uniform_routing() if world.dims.ep > 1 else contextlib.nullcontext():
             for step in range(steps):
                 recorder.step = step
                 tracker.reset_mod_stats()  # module stats per step; the peak stays
