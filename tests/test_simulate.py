@@ -16,9 +16,21 @@ from lightning_parallel.simulate import default_ranks, simulate
 from lightning_parallel.simulate.trace import Collective, check_consistency
 
 STEPS, BATCH = 2, 4
+# label -> (world, the worker's strategy spec, the same layout for the simulator)
 FAST = {
-    "zero2": ("zero2", {"zero_stage": 2}),
-    "tp2_sp": ("hybrid3d:tp=2,sequence_parallel=1", {"tp": 2, "sequence_parallel": True}),
+    "zero2": (2, "zero2", {"zero_stage": 2}),
+    "tp2_sp": (2, "hybrid3d:tp=2,sequence_parallel=1", {"tp": 2, "sequence_parallel": True}),
+}
+SLOW = {
+    "zero1": (2, "zero1", {"zero_stage": 1}),
+    "zero3": (2, "zero3", {"zero_stage": 3}),
+    "hsdp": (4, "hybrid3d:zero_stage=3,dp_shard=2", {"zero_stage": 3, "dp_shard": 2}),
+    "cp2_ring": (2, "hybrid3d:cp=2", {"cp": 2}),
+    "tp2_zero3": (
+        4,
+        "hybrid3d:tp=2,zero_stage=3,sequence_parallel=1",
+        {"tp": 2, "zero_stage": 3, "sequence_parallel": True},
+    ),
 }
 
 
@@ -28,11 +40,21 @@ def _comparable(c: dict) -> tuple:
 
 @pytest.mark.parametrize("label", list(FAST))
 def test_simulated_ranks_equal_a_gloo_run(label, tmp_path):
-    spec, layout = FAST[label]
+    _check_against_gloo(*FAST[label], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(SLOW))
+def test_more_layouts_equal_a_gloo_run(label, tmp_path):
+    _check_against_gloo(*SLOW[label], tmp_path)
+
+
+def _check_against_gloo(world: int, spec: str, layout: dict, tmp_path) -> None:
     opts = json.dumps({"steps": STEPS, "global_batch": BATCH})
-    real = run_worker("simulate_ref", 2, ["--strategy", spec, "--opts", opts], tmp_path, timeout=300)
-    sim = simulate(TINY, 2, layout, precision="32-true", global_batch_size=BATCH, steps=STEPS, ranks=[0, 1])
-    assert [r.rank for r in sim.ranks] == [0, 1]
+    real = run_worker("simulate_ref", world, ["--strategy", spec, "--opts", opts], tmp_path, timeout=600)
+    ranks = list(range(world))
+    sim = simulate(TINY, world, layout, precision="32-true", global_batch_size=BATCH, steps=STEPS, ranks=ranks)
+    assert [r.rank for r in sim.ranks] == ranks
     for rank, (mine, theirs) in enumerate(zip(sim.ranks, real)):
         assert mine.model_state_bytes == theirs["model_state_bytes"], f"rank {rank}"
         simulated = [_comparable(c.to_dict()) for c in mine.collectives]

@@ -31,6 +31,7 @@ def run_case(case: dict, ctx) -> dict:
     for step in range(case["steps"]):
         idx = torch.randint(0, TINY.vocab_size, (samples, TINY.seq_len))
         targets = torch.randint(0, TINY.vocab_size, (samples, TINY.seq_len))
+        idx, targets = getattr(fabric.strategy, "shard_batch", lambda b: b)((idx, targets))  # cp: this rank's chunks
         recorder.step = step
         with recorder:
             loss = model.loss(model(idx), targets)
