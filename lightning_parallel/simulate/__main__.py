@@ -33,7 +33,7 @@ def format_report(sim: Simulation) -> str:
     lines = [
         f"{sim.model} on {sim.world_size} x {sim.cluster.device.name} ({sim.cluster.gpus_per_node} per node): "
         f"{sim.layout}, seq {sim.seq_len}, global batch {sim.global_batch}, {sim.precision}",
-        f"{'rank':>6} {'states':>10} {'act peak':>10} {'peak':>10} {'sent/step':>10} {'TFLOP':>8} {'step s':>8} "
+        f"{'rank':>6} {'states':>10} {'act peak':>10} {'peak':>10} {'sent/step':>10} {'FLOP':>9} {'step':>9} "
         f"{'MFU':>6} {'sim s':>6}  position",
     ]
     for r, t in zip(sim.ranks, sim.times):
@@ -41,7 +41,7 @@ def format_report(sim: Simulation) -> str:
         where = ",".join(f"{a}{i}" for a, i in r.coordinates.items() if sim.config_degree(a) > 1) or "-"
         lines.append(
             f"{r.rank:>6} {_gb(r.model_state_bytes['total']):>10} {_gb(r.activation_peak_bytes):>10} "
-            f"{_gb(r.peak_bytes):>10} {_gb(sent):>10} {r.flops / 1e12:>8.1f} {t.total:>8.3f} {t.mfu:>6.1%} "
+            f"{_gb(r.peak_bytes):>10} {_gb(sent):>10} {_flop(r.flops):>9} {_seconds(t.total):>9} {t.mfu:>6.1%} "
             f"{r.seconds:>6.1f}  {where}"
         )
     lines.append(_consistency(sim))
@@ -53,6 +53,14 @@ def _consistency(sim: Simulation) -> str:
     if sim.mismatches:
         return "INCONSISTENT collectives (would hang): " + "; ".join(m.describe() for m in sim.mismatches)
     return f"collectives consistent: {sim.groups_compared} group(s) shared by simulated ranks issue the same sequence"
+
+
+def _flop(n: float) -> str:
+    return f"{n / 1e12:.1f} T" if n >= 1e11 else f"{n / 1e9:.2f} G"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3f} s" if s >= 0.1 else f"{s * 1e3:.3f} ms"
 
 
 def _gb(n: float) -> str:
