@@ -182,6 +182,8 @@ def simulate(
     start = time.perf_counter()
     config = parse_config(layout)
     dims = config.dims(gpus)
+    if steps < 1:
+        raise ValueError(f"--steps={steps}: simulate at least 1 training step.")
     if config.pp > 1:
         raise ValueError(
             f"--layout pp={config.pp}: pipeline parallelism is not simulated yet (the stages' first exchange of "

@@ -127,7 +127,7 @@ def _simulate_rank(
             module.loss = vocab_parallel_loss(module.loss)
         optimizer = _optimizer(module)
         world.sharding.shard_optimizer(optimizer)
-        tracker, recorder, flops = mem_tracker(), TraceRecorder(), LocalFlopCounter()
+        tracker, recorder = mem_tracker(), TraceRecorder()
         tracker.track_external(module, optimizer)
         with tracker, uniform_routing() if world.dims.ep > 1 else contextlib.nullcontext():
             for step in range(steps):
@@ -137,7 +137,7 @@ def _simulate_rank(
                 batch = model.make_batch(samples)
                 with recorder, counted:
                     _train_step(world, parallel, module, optimizer, batch, precision, clip)
-                flops = counted
+                flops = counted.flops  # the last step's
                 states = state_bytes(module, optimizer)  # after the step, before zero_grad (metrics.json's moment)
                 optimizer.zero_grad(set_to_none=True)
         peak = _peak(tracker)
@@ -150,7 +150,7 @@ def _simulate_rank(
         peak_bytes=peak.get("Total", 0),
         by_kind={k: v for k, v in peak.items() if k != "Total"},
         activation_peak_bytes=peak.get("Total", 0) - held,
-        flops=flops.flops,
+        flops=flops,
         collectives=[c for c in trace if c.step == steps - 1],
         trace=trace,
         seconds=time.perf_counter() - start,
