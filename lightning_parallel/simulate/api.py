@@ -92,8 +92,8 @@ def parse_config(layout: ParallelConfig | dict[str, Any] | str | None) -> Parall
         return layout.validate()
     if layout is None or isinstance(layout, str):
         layout = _parse_items(layout or "")
-    names = {f.name for f in dataclasses.fields(ParallelConfig)}
-    unknown = sorted(set(layout) - names)
+    names = [f.name for f in dataclasses.fields(ParallelConfig)]
+    unknown = sorted(set(layout) - set(names))
     if unknown:
         raise ValueError(f"--layout: {', '.join(unknown)} is no ParallelConfig setting: use among {', '.join(names)}.")
     return ParallelConfig(**layout).validate()
