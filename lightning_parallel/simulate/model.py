@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,25 +42,26 @@ class SimulatedModel:
     make_batch: Callable[[int], Batch]
 
 
-class FakeMaterialized:
-    """The protocol object ``parallelize()`` reads, ``module``'s methods but one: ``materialize(device)`` gives
-    every tensor still on the meta device (this rank's pieces once split) fake storage on ``device`` under
-    ``fake_mode``: shapes, dtypes and sizes, no memory, no values. (The real strategies read a folder or replay the
-    initialization there: values a simulation does not need.)
+@contextmanager
+def fake_materialize(module: nn.Module, fake_mode: Any) -> Iterator[None]:
+    """Within: ``module.materialize(device)`` (the protocol method ``parallelize()`` calls at its step 7) gives every
+    tensor still on the meta device (this rank's pieces once split) fake storage on ``device`` under ``fake_mode``:
+    shapes, dtypes and sizes, no memory, no values. (The real strategies read a folder or replay the initialization
+    there: values a simulation does not need.) Set on the instance, so the module stays itself for every other
+    protocol method and every ``isinstance`` check; removed on exit.
 
     ``parallelize()`` itself runs outside the fake mode: the mesh's own rank tensors must stay real (FSDP2 over a
     tensor-parallel mesh looks ranks up with ``nonzero``, which a fake tensor cannot answer)."""
 
-    def __init__(self, module: nn.Module, fake_mode: Any) -> None:
-        self._module = module
-        self._fake_mode = fake_mode
+    def materialize(device: torch.device) -> None:
+        with fake_mode:
+            allocate(module, device, device)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
-
-    def materialize(self, device: torch.device) -> None:
-        with self._fake_mode:
-            allocate(self._module, device, device)
+    module.materialize = materialize
+    try:
+        yield
+    finally:
+        del module.materialize
 
 
 def token_batch(vocab_size: int, seq_len: int) -> Callable[[int], Batch]:

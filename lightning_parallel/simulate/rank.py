@@ -29,7 +29,7 @@ from lightning_parallel.parallel.step import clip_model_grad_norm, reduce_step_g
 from lightning_parallel.parallel.tensor.loss import vocab_parallel_loss
 from lightning_parallel.protocol import has_loss
 from lightning_parallel.simulate.experts import uniform_routing
-from lightning_parallel.simulate.model import Batch, FakeMaterialized, SimulatedModel
+from lightning_parallel.simulate.model import Batch, SimulatedModel, fake_materialize
 from lightning_parallel.simulate.trace import Collective, TraceRecorder
 from lightning_parallel.simulate.world import SimulatedWorld, rank_coordinates
 
@@ -120,8 +120,8 @@ def _simulate_rank(
     if precision == "bf16-true":
         module.to(torch.bfloat16)  # Lightning's HalfPrecision.convert_module, before the split
     fake = fake_tensor_mode(allow_non_fake_inputs=True)
-    proxy = FakeMaterialized(module, fake)
-    parallel = parallelize(module, proxy, world.mesh, config, world.sharding, torch.device("cpu"), info=_quiet)
+    with fake_materialize(module, fake):
+        parallel = parallelize(module, module, world.mesh, config, world.sharding, torch.device("cpu"), info=_quiet)
     with fake:
         if world.dims.tp > 1 and has_loss(module):  # as the front doors do: logits stay split over the vocabulary
             module.loss = vocab_parallel_loss(module.loss)
