@@ -33,14 +33,14 @@ def format_report(sim: Simulation) -> str:
     lines = [
         f"{sim.model} on {sim.world_size} x {sim.cluster.device.name} ({sim.cluster.gpus_per_node} per node): "
         f"{sim.layout}, seq {sim.seq_len}, global batch {sim.global_batch}, {sim.precision}",
-        f"{'rank':>6} {'states':>10} {'act peak':>10} {'peak':>10} {'sent/step':>10} {'FLOP':>9} {'step':>9} "
+        f"{'rank':>6} {'states':>10} {'acts':>10} {'peak':>10} {'sent/step':>10} {'FLOP':>9} {'step':>9} "
         f"{'MFU':>6} {'sim s':>6}  position",
     ]
     for r, t in zip(sim.ranks, sim.times):
         sent = sum(c.sent_bytes for c in r.collectives)
         where = ",".join(f"{a}{i}" for a, i in r.coordinates.items() if sim.config_degree(a) > 1) or "-"
         lines.append(
-            f"{r.rank:>6} {_gb(r.model_state_bytes['total']):>10} {_gb(r.activation_peak_bytes):>10} "
+            f"{r.rank:>6} {_gb(r.model_state_bytes['total']):>10} {_gb(r.activation_bytes):>10} "
             f"{_gb(r.peak_bytes):>10} {_gb(sent):>10} {_flop(r.flops):>9} {_seconds(t.total):>9} {t.mfu:>6.1%} "
             f"{r.seconds:>6.1f}  {where}"
         )

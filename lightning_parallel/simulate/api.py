@@ -74,7 +74,7 @@ def _rank_dict(r: RankResult, t: StepTime) -> dict[str, Any]:
         "rank": r.rank,
         "coordinates": r.coordinates,
         "model_state_bytes": r.model_state_bytes,
-        "activation_peak_bytes": r.activation_peak_bytes,
+        "activation_bytes": r.activation_bytes,
         "peak_bytes": r.peak_bytes,
         "peak_by_kind": r.by_kind,
         "flops_per_step": r.flops,

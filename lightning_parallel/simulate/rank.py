@@ -47,7 +47,8 @@ class RankResult:
             (before zero_grad), each storage once, as ``metrics.json`` reports them.
         peak_bytes: torch's MemTracker peak over the steps (model states, activations, temporaries); by_kind: that
             peak's split (``Parameter``, ``Gradient``, ``Activation``, ``Temp``, ``Optimstate``, ``Buffer``).
-        activation_peak_bytes: the peak less the model states and buffers held at it.
+        activation_bytes: what the forward leaves for backward, at its end (MemTracker's activations and
+            temporaries then, the largest over the steps): the planner's activation figure.
         flops: counted on this rank's local shards, one step.
         collectives: every op of the last step, in issue order.
         trace: every op of every step (for the consistency check).
@@ -59,7 +60,7 @@ class RankResult:
     model_state_bytes: dict[str, int]
     peak_bytes: int
     by_kind: dict[str, int]
-    activation_peak_bytes: int
+    activation_bytes: int
     flops: int
     collectives: list[Collective]
     trace: list[Collective] = field(repr=False, default_factory=list)
@@ -127,7 +128,12 @@ def _simulate_rank(
             module.loss = vocab_parallel_loss(module.loss)
         optimizer = _optimizer(module)
         world.sharding.shard_optimizer(optimizer)
-        tracker, recorder = mem_tracker(), TraceRecorder()
+        tracker, recorder, activations = mem_tracker(), TraceRecorder(), [0]
+
+        def sample(tracker: Any) -> None:  # at the end of the forward, before backward
+            now = _snapshot(tracker, "current")
+            activations.append(now.get("Activation", 0) + now.get("Temp", 0))
+
         tracker.track_external(module, optimizer)
         with tracker, uniform_routing() if world.dims.ep > 1 else contextlib.nullcontext():
             for step in range(steps):
@@ -136,20 +142,19 @@ def _simulate_rank(
                 counted = LocalFlopCounter()
                 batch = model.make_batch(samples)
                 with recorder, counted:
-                    _train_step(world, parallel, module, optimizer, batch, precision, clip)
+                    _train_step(world, parallel, module, optimizer, batch, precision, clip, lambda: sample(tracker))
                 flops = counted.flops  # the last step's
                 states = state_bytes(module, optimizer)  # after the step, before zero_grad (metrics.json's moment)
                 optimizer.zero_grad(set_to_none=True)
-        peak = _peak(tracker)
+        peak = _snapshot(tracker, "peak")
     trace = recorder.collectives(world.groups())
-    held = sum(peak.get(k, 0) for k in ("Parameter", "Gradient", "Optstate", "Buffer"))
     return RankResult(
         rank=world.rank,
         coordinates=rank_coordinates(world.dims, world.rank),
         model_state_bytes=states,
         peak_bytes=peak.get("Total", 0),
         by_kind={k: v for k, v in peak.items() if k != "Total"},
-        activation_peak_bytes=peak.get("Total", 0) - held,
+        activation_bytes=max(activations),
         flops=flops,
         collectives=[c for c in trace if c.step == steps - 1],
         trace=trace,
@@ -179,6 +184,7 @@ def _train_step(
     batch: Batch,
     precision: str,
     clip: float | None,
+    forward_done: Any = None,
 ) -> None:
     """One optimizer step as the strategies run it (``MeshStrategy.optimizer_step``, Fabric's loop)."""
     sharding = world.sharding
@@ -190,6 +196,8 @@ def _train_step(
     autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
     with autocast:
         loss = module.loss(module(*batch[0]), batch[1])
+    if forward_done is not None:
+        forward_done()
     with loss_parallel() if world.dims.tp > 1 else contextlib.nullcontext():
         loss.backward()
     reduce_step_gradients(parallel, sharding, optimizer)
@@ -199,10 +207,10 @@ def _train_step(
     sharding.after_step(optimizer)
 
 
-def _peak(tracker: Any) -> dict[str, int]:
-    """MemTracker's peak snapshot, summed over devices, by kind of tensor."""
+def _snapshot(tracker: Any, which: str) -> dict[str, int]:
+    """MemTracker's ``peak`` or ``current`` snapshot, summed over devices, by kind of tensor."""
     out: dict[str, int] = {}
-    for stats in tracker.get_tracker_snapshot("peak").values():
+    for stats in tracker.get_tracker_snapshot(which).values():
         for kind, value in stats.items():
             name = getattr(kind, "value", str(kind))
             out[name] = out.get(name, 0) + int(value)
