@@ -34,6 +34,31 @@ from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401
 
 # ----- torch -----
 
+# The simulator (lightning_parallel/simulate): tensors with shapes and no memory, and torch's memory tracker over
+# them (both underscored modules of torch 2.13); imported when asked for, so `import lightning_parallel` stays light.
+
+
+def fake_tensor_mode(**kwargs: Any) -> Any:
+    """``torch._subclasses.fake_tensor.FakeTensorMode(**kwargs)``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(**kwargs)
+
+
+def resolve_group(name: str) -> Any:
+    """The process group of that name (functional collectives name their groups)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def mem_tracker() -> Any:
+    """``torch.distributed._tools.mem_tracker.MemTracker()``: tensor memory by kind, peak included."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker()
+
+
 # Even collectives into / out of one flat tensor (public API). torch 2.13 names them ``all_gather_single`` and
 # ``reduce_scatter_single`` (the old names warn: deprecated); torch 2.11 has only ``all_gather_into_tensor`` and
 # ``reduce_scatter_tensor``, with the same arguments. Looked up at each call, so whatever wraps torch's own (a

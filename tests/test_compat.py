@@ -35,6 +35,9 @@ def test_private_apis_resolve():
     assert callable(_compat.disable_current_modes) and callable(_compat.tree_map)
     assert not _compat.is_in_torch_dispatch_mode(include_infra_modes=False)
     assert callable(torch._C._current_graph_task_id) and not _compat.in_backward()
+    with _compat.fake_tensor_mode():  # the simulator: shapes without memory, torch's memory tracker over them
+        assert type(torch.empty(2)).__name__ == "FakeTensor"
+    assert callable(_compat.mem_tracker().get_tracker_snapshot) and callable(_compat.resolve_group)
     from torch.distributed.device_mesh import DeviceMesh
 
     assert callable(DeviceMesh._flatten)
@@ -199,7 +202,7 @@ LAYERS = {
     **dict.fromkeys(("causal_lm", "models", "hf", "litgpt", "text", "planning", "plugins", "callbacks"), 2),
     "strategies": 3,
     "fabric": 4,
-    **dict.fromkeys(("", "checkpoint", "plan", "recipes"), 5),
+    **dict.fromkeys(("", "checkpoint", "plan", "recipes", "simulate"), 5),
 }
 
 

@@ -27,6 +27,7 @@ NO_RUN = {  # why a snippet cannot run on this machine: it is then only parsed
     "install": "installs packages (the test environment is installed already)",
     "suite": "runs the test suite, the benchmarks or the GPU check themselves",
     "user-files": "names the reader's own files or folders",
+    "long": "runs for many minutes on 2 cores (a 70B model simulated at hundreds of ranks); its output is shown",
 }
 MARK = re.compile(r"<!-- docs: no-run (\S+) -->")
 SMOKE = {"trainer.max_steps": "4", "trainer.val_check_interval": "2", "trainer.limit_val_batches": "1"}

@@ -101,7 +101,7 @@ def move_real(root: nn.Module, device: torch.device) -> None:
             module._apply(moved, recurse=False)
 
 
-def _allocate(root: nn.Module, device: torch.device, params_device: torch.device) -> None:
+def allocate(root: nn.Module, device: torch.device, params_device: torch.device) -> None:
     """Storage for every meta tensor (uninitialized): parameters on ``params_device``, buffers on ``device``.
 
     Innermost modules first, so a ZeRO-3 unit (FSDP2's ``_apply``) re-pads shards its children already hold; only
@@ -183,7 +183,7 @@ def fill_meta_tensors(
     meta = {name for name, t in named_tensors(root) if t.is_meta}
     if not meta and not values:
         return []
-    _allocate(root, device, params_device or device)
+    allocate(root, device, params_device or device)
     tensors = dict(named_tensors(root))
     # every tensor set aside, also one a module's own materialize(device) gave storage (HFCausalLM's buffers)
     for name in sorted(values.keys() & tensors.keys()):

@@ -83,7 +83,8 @@ class LocalFlopCounter(TorchDispatchMode):
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
         formula = flop_registry.get(func._overloadpacket)
-        if formula is None:  # a composite op: count what it decomposes into, as FlopCounterMode does
+        if formula is None and func.namespace != "prim":  # a composite op: count what it decomposes into, as
+            # FlopCounterMode does (prim ops, such as prim::device under a fake mode, have no decomposition)
             with self:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:

@@ -1,0 +1,237 @@
+"""``simulate()``: a layout checked at its real world size from the code that will run it, rank by rank, each in a
+fresh child process (:mod:`.rank`), then the ranks' collectives compared group by group (:mod:`.trace`) and each
+rank's step timed on the planner's cluster model (:mod:`.timing`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import resource
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.mesh import MESH_AXES, ParallelDims
+from lightning_parallel.planning.cluster import Cluster, get_device
+from lightning_parallel.simulate.model import build_model
+from lightning_parallel.simulate.rank import PRECISIONS, RankResult, simulate_rank
+from lightning_parallel.simulate.timing import StepTime, step_time
+from lightning_parallel.simulate.trace import Mismatch, check_consistency
+from lightning_parallel.simulate.world import axis_strides, open_rank
+
+
+@dataclass
+class Simulation:
+    """A layout simulated: one :class:`RankResult` (and its :class:`StepTime`) per simulated rank, the consistency
+    of their collectives, what the simulation cost."""
+
+    model: str
+    world_size: int
+    layout: str
+    config: ParallelConfig
+    cluster: Cluster
+    seq_len: int
+    global_batch: int
+    precision: str
+    ranks: list[RankResult]
+    times: list[StepTime]
+    mismatches: list[Mismatch] = field(default_factory=list)
+    groups_compared: int = 0
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+
+    def config_degree(self, axis: str) -> int:
+        return self.config.dims(self.world_size).degrees[axis]
+
+    def to_dict(self) -> dict[str, Any]:
+        """What ``--json`` prints: one entry per simulated rank."""
+        return {
+            "model": self.model,
+            "world_size": self.world_size,
+            "layout": self.layout,
+            "device": self.cluster.device.name,
+            "gpus_per_node": self.cluster.gpus_per_node,
+            "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch,
+            "precision": self.precision,
+            "ranks": [_rank_dict(r, t) for r, t in zip(self.ranks, self.times)],
+            "consistent": not self.mismatches,
+            "groups_compared": self.groups_compared,
+            "mismatches": [m.describe() for m in self.mismatches],
+            "simulation_seconds": self.seconds,
+            "peak_rss_bytes": self.peak_rss_bytes,
+        }
+
+
+def _rank_dict(r: RankResult, t: StepTime) -> dict[str, Any]:
+    sent: dict[str, float] = {}
+    for c in r.collectives:
+        sent[c.axes] = sent.get(c.axes, 0.0) + c.sent_bytes
+    return {
+        "rank": r.rank,
+        "coordinates": r.coordinates,
+        "model_state_bytes": r.model_state_bytes,
+        "activation_bytes": r.activation_bytes,
+        "peak_bytes": r.peak_bytes,
+        "peak_by_kind": r.by_kind,
+        "flops_per_step": r.flops,
+        "comm_sent_bytes_by_axis": sent,
+        "collectives": [c.to_dict() for c in r.collectives],
+        "step_time": dataclasses.asdict(t),
+        "mfu": t.mfu,
+        "simulation_seconds": r.seconds,
+    }
+
+
+def parse_config(layout: ParallelConfig | dict[str, Any] | str | None) -> ParallelConfig:
+    """A :class:`ParallelConfig` from one, a dict of its fields, or ``tp=8,pp=4,zero_stage=1`` (its field names)."""
+    if isinstance(layout, ParallelConfig):
+        return layout.validate()
+    if layout is None or isinstance(layout, str):
+        layout = _parse_items(layout or "")
+    names = [f.name for f in dataclasses.fields(ParallelConfig)]
+    unknown = sorted(set(layout) - set(names))
+    if unknown:
+        raise ValueError(f"--layout: {', '.join(unknown)} is no ParallelConfig setting: use among {', '.join(names)}.")
+    return ParallelConfig(**layout).validate()
+
+
+_BOOLS = {"true": True, "false": False}
+
+
+def _parse_items(text: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        if not value:
+            raise ValueError(f"--layout item {item!r}: write name=value, e.g. tp=8,pp=4,zero_stage=1.")
+        value = value.strip()
+        if value.lower() in _BOOLS:
+            out[key.strip()] = _BOOLS[value.lower()]
+        elif value.lower() == "none":
+            out[key.strip()] = None
+        else:
+            try:
+                out[key.strip()] = int(value)
+            except ValueError:
+                out[key.strip()] = value
+    return out
+
+
+def default_ranks(dims: ParallelDims) -> list[int]:
+    """One rank per distinct position: rank 0, the last rank along each axis of size > 1 (the others at 0: it
+    shares that axis's group with rank 0, so their sequences on it are compared), and the last rank of all (the
+    last pipeline stage, a tp/cp/ep corner)."""
+    strides = axis_strides(dims)
+    picked = {0, dims.world_size - 1}
+    for axis in MESH_AXES:
+        if dims.degrees[axis] > 1:
+            picked.add((dims.degrees[axis] - 1) * strides[axis])
+    return sorted(picked)
+
+
+def _run_rank(config: ParallelConfig, world: int, rank: int, model: Any, seq: int | None, samples: int, kw: dict):
+    """In the child: build, split and step rank ``rank``; its errors come back as plain ones (torch's may not
+    pickle), a setting's ValueError or TypeError as itself, anything else with the child's traceback."""
+    try:
+        built = build_model(model, seq)
+        with open_rank(config, world, rank) as w:
+            result = simulate_rank(w, config, built, samples, **kw)
+    except (ValueError, TypeError) as err:
+        raise type(err)(str(err)) from None
+    except Exception:
+        raise RuntimeError(f"simulating rank {rank} failed:\n{traceback.format_exc()}") from None
+    return result
+
+
+def simulate(
+    model: Any,
+    gpus: int,
+    layout: ParallelConfig | dict[str, Any] | str | None = None,
+    *,
+    gpus_per_node: int = 8,
+    device: str = "h100",
+    seq_len: int | None = None,
+    global_batch_size: int | None = None,
+    precision: str = "bf16-mixed",
+    ranks: list[int] | None = None,
+    steps: int = 2,
+    clip: float | None = 1.0,
+) -> Simulation:
+    """Simulate ``layout`` of ``model`` on ``gpus`` devices: the real ``parallelize()`` and training steps at the
+    full world size, each chosen rank in a fresh child process on torch's fake process group and fake tensors.
+
+    Args:
+        model: a ``conf/model`` name, a Hugging Face config (``config.json``, its folder, a dict or a
+            ``PretrainedConfig``), or a LitGPT model name.
+        gpus: the world size.
+        layout: the parallel settings (:class:`ParallelConfig`, its fields as a dict, or ``"tp=8,pp=4"``);
+            ``dp`` defaults to what the other axes leave.
+        gpus_per_node, device: the cluster the step time is estimated on (the planner's device table).
+        seq_len: tokens per sample (None: the model's context length).
+        global_batch_size: samples per optimizer step (None: one per data-parallel rank, or ``microbatches`` of
+            them under pp).
+        precision: ``32-true``, ``bf16-mixed`` or ``bf16-true``.
+        ranks: the global ranks to simulate (None: :func:`default_ranks`).
+        steps: training steps per rank (the report shows the last; every one is checked for consistency).
+        clip: gradient clipping's max norm (None: no clipping).
+    """
+    start = time.perf_counter()
+    config = parse_config(layout)
+    dims = config.dims(gpus)
+    if steps < 1:
+        raise ValueError(f"--steps={steps}: simulate at least 1 training step.")
+    if config.pp > 1:
+        raise ValueError(
+            f"--layout pp={config.pp}: pipeline parallelism is not simulated yet (the stages' first exchange of "
+            "shapes cannot run on the fake process group; static stage shapes are the next step): simulate the layout "
+            "with pp=1 and the same tp, cp, ep and ZeRO stage to check them, and the planner for the pipeline."
+        )
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision={precision!r}: the simulator runs {', '.join(PRECISIONS)}; choose one of them.")
+    cluster = Cluster(gpus, min(gpus_per_node, gpus), get_device(device))
+    batch_ranks = dims.role_size("batch")
+    per_rank = (config.microbatches or 1) if config.pp > 1 else 1
+    batch = global_batch_size or batch_ranks * per_rank
+    if batch % batch_ranks:
+        raise ValueError(
+            f"--global-batch-size={batch} does not split over the {batch_ranks} data-parallel ranks: give a multiple "
+            f"of {batch_ranks}."
+        )
+    chosen = sorted(set(ranks)) if ranks else default_ranks(dims)
+    bad = [r for r in chosen if not 0 <= r < gpus]
+    if bad:
+        raise ValueError(f"--ranks: {bad} are not ranks of the world of {gpus}: give ranks in 0..{gpus - 1}.")
+    # built here once on the meta device: the model's errors come before any rank, and its imports are paid once
+    # (each rank's process is forked from this one and builds its own copy)
+    first = build_model(model, seq_len)
+    kw = {"precision": precision, "steps": steps, "clip": clip}
+    results = []
+    fork = multiprocessing.get_context("fork")
+    for rank in chosen:  # a fresh process per rank: its own process group, caches and fake tensors
+        with ProcessPoolExecutor(1, mp_context=fork) as pool:
+            job = pool.submit(_run_rank, config, gpus, rank, model, seq_len, batch // batch_ranks, kw)
+            results.append(job.result())
+    bubble = config.schedule.bubble(config.pp, config.microbatches or 1, config.stages_per_rank)
+    times = [step_time(r.flops, r.collectives, cluster, bubble) for r in results]
+    mismatches, compared = check_consistency({r.rank: r.trace for r in results})
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return Simulation(
+        first.name,
+        gpus,
+        str(dims),
+        config,
+        cluster,
+        first.seq_len,
+        batch,
+        precision,
+        results,
+        times,
+        mismatches,
+        compared,
+        time.perf_counter() - start,
+        rss,
+    )

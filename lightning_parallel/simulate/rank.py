@@ -1,0 +1,217 @@
+"""One rank simulated: the model built on meta, split by the package's ``parallelize()`` on the fake process
+group, then a few real training steps on fake tensors, the step the strategies run (forward and loss, backward,
+the sharding's gradient reduction, clipping by the whole model's norm, the optimizer step), measured.
+
+The order is torch's for fake tensors (torchtitan's dry run): modules built outside the fake mode (on meta), split
+and stepped inside it, so every tensor a rank would hold has a shape, a dtype and a size, and none has memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.optim import Optimizer
+
+from lightning_parallel._compat import fake_tensor_mode, mem_tracker
+from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.dtensor import local
+from lightning_parallel.parallel.measure.flops import LocalFlopCounter
+from lightning_parallel.parallel.parallelize import Parallelized, parallelize
+from lightning_parallel.parallel.step import clip_model_grad_norm, reduce_step_gradients
+from lightning_parallel.parallel.tensor.loss import vocab_parallel_loss
+from lightning_parallel.protocol import has_loss
+from lightning_parallel.simulate.experts import uniform_routing
+from lightning_parallel.simulate.model import Batch, SimulatedModel, fake_materialize
+from lightning_parallel.simulate.trace import Collective, TraceRecorder
+from lightning_parallel.simulate.world import SimulatedWorld, rank_coordinates
+
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+
+
+@dataclass
+class RankResult:
+    """What one simulated rank holds, sends and computes in a step (the last one simulated).
+
+    Attributes:
+        rank: its global rank; coordinates: its index along every mesh axis.
+        model_state_bytes: ``params``, ``grads``, ``optimizer``, ``total`` from the sharded tensors after a step
+            (before zero_grad), each storage once, as ``metrics.json`` reports them.
+        peak_bytes: torch's MemTracker peak over the steps (model states, activations, temporaries); by_kind: that
+            peak's split (``Parameter``, ``Gradient``, ``Activation``, ``Temp``, ``Optimstate``, ``Buffer``).
+        activation_bytes: what the forward leaves for backward, at its end (MemTracker's activations and
+            temporaries then, the largest over the steps): the planner's activation figure.
+        flops: counted on this rank's local shards, one step.
+        collectives: every op of the last step, in issue order.
+        trace: every op of every step (for the consistency check).
+        seconds: wall time of the simulation of this rank.
+    """
+
+    rank: int
+    coordinates: dict[str, int]
+    model_state_bytes: dict[str, int]
+    peak_bytes: int
+    by_kind: dict[str, int]
+    activation_bytes: int
+    flops: int
+    collectives: list[Collective]
+    trace: list[Collective] = field(repr=False, default_factory=list)
+    seconds: float = 0.0
+
+
+def state_bytes(module: nn.Module, optimizer: Optimizer) -> dict[str, int]:
+    """``parallel/measure/memory.py``'s ``model_state_bytes`` on tensors that may be fake: storages told apart by
+    identity, not by address (fake storages have none)."""
+    params = [*module.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
+    seen: set[int] = set()
+
+    def count(tensors: list[Tensor]) -> int:
+        total = 0
+        for t in tensors:
+            storage = local(t).untyped_storage()
+            key = StorageWeakRef(storage).cdata
+            if key not in seen and storage.nbytes():
+                seen.add(key)
+                total += storage.nbytes()
+        return total
+
+    p = count(params)
+    g = count([q.grad for q in params if q.grad is not None])
+    states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    o = count(states)
+    return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
+
+
+def simulate_rank(
+    world: SimulatedWorld,
+    config: ParallelConfig,
+    model: SimulatedModel,
+    samples: int,
+    precision: str = "bf16-mixed",
+    steps: int = 2,
+    clip: float | None = 1.0,
+) -> RankResult:
+    """Split ``model`` as ``config`` says on ``world``'s rank and run ``steps`` training steps of ``samples``
+    samples (this rank's share of the global batch) on fake tensors."""
+    with warnings.catch_warnings():
+        # ZeRO-1/2's flat buffers compare storage addresses, which fake tensors warn about (and do not have)
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        return _simulate_rank(world, config, model, samples, precision, steps, clip)
+
+
+def _simulate_rank(
+    world: SimulatedWorld,
+    config: ParallelConfig,
+    model: SimulatedModel,
+    samples: int,
+    precision: str,
+    steps: int,
+    clip: float | None,
+) -> RankResult:
+    start = time.perf_counter()
+    module = model.module
+    if precision == "bf16-true":
+        module.to(torch.bfloat16)  # Lightning's HalfPrecision.convert_module, before the split
+    fake = fake_tensor_mode(allow_non_fake_inputs=True)
+    with fake_materialize(module, fake):
+        parallel = parallelize(module, module, world.mesh, config, world.sharding, torch.device("cpu"), info=_quiet)
+    with fake:
+        if world.dims.tp > 1 and has_loss(module):  # as the front doors do: logits stay split over the vocabulary
+            module.loss = vocab_parallel_loss(module.loss)
+        optimizer = _optimizer(module)
+        world.sharding.shard_optimizer(optimizer)
+        tracker, recorder, activations = mem_tracker(), TraceRecorder(), [0]
+
+        def sample(tracker: Any) -> None:  # at the end of the forward, before backward
+            now = _snapshot(tracker, "current")
+            activations.append(now.get("Activation", 0) + now.get("Temp", 0))
+
+        tracker.track_external(module, optimizer)
+        with tracker, uniform_routing() if world.dims.ep > 1 else contextlib.nullcontext():
+            for step in range(steps):
+                recorder.step = step
+                tracker.reset_mod_stats()  # module stats per step; the peak stays
+                counted = LocalFlopCounter()
+                batch = model.make_batch(samples)
+                with recorder, counted:
+                    _train_step(world, parallel, module, optimizer, batch, precision, clip, lambda: sample(tracker))
+                flops = counted.flops  # the last step's
+                states = state_bytes(module, optimizer)  # after the step, before zero_grad (metrics.json's moment)
+                optimizer.zero_grad(set_to_none=True)
+        peak = _snapshot(tracker, "peak")
+    trace = recorder.collectives(world.groups())
+    return RankResult(
+        rank=world.rank,
+        coordinates=rank_coordinates(world.dims, world.rank),
+        model_state_bytes=states,
+        peak_bytes=peak.get("Total", 0),
+        by_kind={k: v for k, v in peak.items() if k != "Total"},
+        activation_bytes=max(activations),
+        flops=flops,
+        collectives=[c for c in trace if c.step == steps - 1],
+        trace=trace,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _quiet(message: str) -> None:
+    """parallelize()'s notes on what it chose (the strategies print them on rank 0): left out of the report."""
+
+
+def _optimizer(module: Any) -> Optimizer:
+    """The module's own optimizer (``configure_optimizers``: an optimizer, or Lightning's dict or lists)."""
+    made = module.configure_optimizers()
+    if isinstance(made, dict):
+        made = made["optimizer"]
+    if isinstance(made, (list, tuple)):
+        made = made[0][0] if isinstance(made[0], (list, tuple)) else made[0]
+    return made
+
+
+def _train_step(
+    world: SimulatedWorld,
+    parallel: Parallelized,
+    module: Any,
+    optimizer: Optimizer,
+    batch: Batch,
+    precision: str,
+    clip: float | None,
+    forward_done: Any = None,
+) -> None:
+    """One optimizer step as the strategies run it (``MeshStrategy.optimizer_step``, Fabric's loop)."""
+    sharding = world.sharding
+    if parallel.splits_samples:  # cp: this rank's chunks of every sequence
+        inputs, targets = parallel.shard_batch((batch[0][0], batch[1]))
+        batch = (inputs,), targets
+    sharding.before_last_backward(optimizer)
+    dtype = AUTOCAST.get(precision)
+    autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    with autocast:
+        loss = module.loss(module(*batch[0]), batch[1])
+    if forward_done is not None:
+        forward_done()
+    with loss_parallel() if world.dims.tp > 1 else contextlib.nullcontext():
+        loss.backward()
+    reduce_step_gradients(parallel, sharding, optimizer)
+    if clip is not None:
+        clip_model_grad_norm(optimizer, clip, 2.0, parallel, sharding, world.mesh)
+    optimizer.step()
+    sharding.after_step(optimizer)
+
+
+def _snapshot(tracker: Any, which: str) -> dict[str, int]:
+    """MemTracker's ``peak`` or ``current`` snapshot, summed over devices, by kind of tensor."""
+    out: dict[str, int] = {}
+    for stats in tracker.get_tracker_snapshot(which).values():
+        for kind, value in stats.items():
+            name = getattr(kind, "value", str(kind))
+            out[name] = out.get(name, 0) + int(value)
+    return out

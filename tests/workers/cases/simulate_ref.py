@@ -1,0 +1,44 @@
+"""Case ``simulate_ref``: the real run a simulation is held against (tests/test_simulate.py). The tiny GPT under
+the run's strategy on gloo, a Fabric loop of ``steps`` steps (forward and loss, ``fabric.backward``, clipping by
+the whole model's norm, ``optimizer.step``) at ``global_batch`` samples and 32-true, as the simulator steps it.
+Each rank records the last step's collectives (lightning_parallel.simulate.trace's recorder, the mesh's groups
+named as the simulator names them) and its model-state bytes after that step, before zero_grad."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+from lightning_parallel.parallel.measure.memory import model_state_bytes
+from lightning_parallel.simulate.trace import TraceRecorder
+from lightning_parallel.simulate.world import mesh_groups
+
+from .common import TINY, build_strategy
+
+
+def run_case(case: dict, ctx) -> dict:
+    fabric = L.Fabric(accelerator="cpu", devices=ctx.world, strategy=build_strategy(ctx.strategy, fabric=True))
+    fabric.launch()
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=True):
+        from lightning_parallel.models import LitGPT
+
+        model = LitGPT(config=TINY)
+    optimizer = model.configure_optimizers()
+    model, optimizer = fabric.setup(model, optimizer)
+    samples = case["global_batch"] // fabric.strategy.parallel_dims.role_size("batch")
+    recorder = TraceRecorder()
+    for step in range(case["steps"]):
+        idx = torch.randint(0, TINY.vocab_size, (samples, TINY.seq_len))
+        targets = torch.randint(0, TINY.vocab_size, (samples, TINY.seq_len))
+        idx, targets = getattr(fabric.strategy, "shard_batch", lambda b: b)((idx, targets))  # cp: this rank's chunks
+        recorder.step = step
+        with recorder:
+            loss = model.loss(model(idx), targets)
+            fabric.backward(loss)
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)
+            optimizer.step()
+        states = model_state_bytes(model.module, [optimizer.optimizer])
+        optimizer.zero_grad()
+    last = [c.to_dict() for c in recorder.collectives(mesh_groups(fabric.strategy.mesh)) if c.step == case["steps"] - 1]
+    return {"model_state_bytes": states, "collectives": last}
