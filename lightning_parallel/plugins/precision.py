@@ -131,7 +131,12 @@ def param_dtype_of(plugin: Any) -> torch.dtype | None:
     under ``bf16-mixed`` (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``, gradients reduced in fp32: torchtitan's
     default); None (the parameters' own) otherwise: fp32 under ``32-true`` and ``16-mixed``, bf16 under ``bf16-true``.
     The sharded fp32 parameters and the optimizer's states are the same in every case."""
-    return torch.bfloat16 if getattr(plugin, "precision", None) == "bf16-mixed" else None
+    return param_dtype_for(getattr(plugin, "precision", None))
+
+
+def param_dtype_for(precision: str | None) -> torch.dtype | None:
+    """:func:`param_dtype_of` by the precision's name (``"bf16-mixed"`` -> bf16, anything else None)."""
+    return torch.bfloat16 if precision == "bf16-mixed" else None
 
 
 def loss_scale_of(plugin: Precision) -> float:

@@ -138,7 +138,7 @@ def _run_rank(config: ParallelConfig, world: int, rank: int, model: Any, seq: in
     pickle), a setting's ValueError or TypeError as itself, anything else with the child's traceback."""
     try:
         built = build_model(model, seq)
-        with open_rank(config, world, rank) as w:
+        with open_rank(config, world, rank, kw["precision"]) as w:
             result = simulate_rank(w, config, built, samples, **kw)
     except (ValueError, TypeError) as err:
         raise type(err)(str(err)) from None

@@ -20,6 +20,7 @@ from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.data.stages import make_sharding
 from lightning_parallel.parallel.mesh import MESH_AXES, ParallelDims, ParallelMesh
+from lightning_parallel.plugins.precision import param_dtype_for
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,14 @@ def rank_coordinates(dims: ParallelDims, rank: int) -> dict[str, int]:
 
 
 @contextmanager
-def open_rank(config: ParallelConfig, world_size: int, rank: int) -> Iterator[SimulatedWorld]:
+def open_rank(
+    config: ParallelConfig, world_size: int, rank: int, precision: str = "bf16-mixed"
+) -> Iterator[SimulatedWorld]:
     """Rank ``rank`` of ``world_size`` on torch's fake process group, with the mesh and sharding of ``config``
-    (validated); the process group is destroyed on exit. One rank per process: DTensor's caches compare meshes by
-    shape and ranks, not by process group, and would hand a second rank the first one's groups (``simulate`` runs
-    each rank in a fresh child process)."""
+    (validated) and ZeRO-3's gather dtype under ``precision`` (as the strategies pick it); the process group is
+    destroyed on exit. One rank per process: DTensor's caches compare meshes by shape and ranks, not by process
+    group, and would hand a second rank the first one's groups (``simulate`` runs each rank in a fresh child
+    process)."""
     if dist.is_initialized():
         raise RuntimeError(
             "simulate: a process group exists in this process already; simulate in a process of its own "
@@ -95,6 +99,6 @@ def open_rank(config: ParallelConfig, world_size: int, rank: int) -> Iterator[Si
     dist.init_process_group("fake", rank=rank, world_size=world_size)
     try:
         mesh = dims.build_mesh("cpu")
-        yield SimulatedWorld(rank, dims, mesh, make_sharding(config, mesh))
+        yield SimulatedWorld(rank, dims, mesh, make_sharding(config, mesh, param_dtype=param_dtype_for(precision)))
     finally:
         dist.destroy_process_group()
