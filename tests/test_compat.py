@@ -43,6 +43,13 @@ def test_private_apis_resolve():
 
     for name in ("_resolve_process_group", "_get_default_store", "_device_capability", "_set_pg_timeout"):
         assert callable(getattr(c10d, name)), name
+    for name in ("_get_default_group",):  # strict mode: the world group, and the function it wraps
+        assert callable(getattr(c10d, name)), name
+    import torch.distributed._functional_collectives as funcol
+
+    assert callable(funcol._resolve_group_name)
+    for name in ("isend", "irecv", "send", "recv", "batch_isend_irecv"):
+        assert callable(getattr(c10d, name)), name
     assert callable(c10d._abort_process_group)
     import torch.distributed.pipelining.schedules as schedules  # measure/timeline.py wraps it while recording
 

@@ -31,6 +31,7 @@ from lightning_parallel.parallel.failure import (
 )
 from lightning_parallel.parallel.fault_tolerance import check_backend, lighthouse_address, sampler_kwargs
 from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
+from lightning_parallel.parallel import strict
 from lightning_parallel.parallel.shutdown import release_at_exit
 from lightning_parallel.strategies.launcher import CheckFirstLauncher
 
@@ -223,6 +224,7 @@ class DistributedMixin:
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
+        strict.enable_from_env()  # LP_STRICT_COLLECTIVES=1: gloo keeps NCCL's rules (every group, side groups too)
         release_at_exit()  # the groups go before the interpreter does: a finished run exits 0
         if self._mesh is None:  # once per strategy: validate/test after fit run on the model fit split
             # torch's new groups already get its default: only a timeout set by the user needs passing on

@@ -1,0 +1,48 @@
+"""Strict mode's executor and trace (lightning_parallel/parallel/strict/) on plain torch.distributed, world 2.
+
+One launch runs the scenarios of tests/workers/cases/strict.py in order: a correct exchange, a batch_isend_irecv
+and a blocking send/recv pass with the right values; transposed all_reduce shapes are named by the trace check;
+a crossed send/send pair (NCCL's deadlock, passed by plain gloo) fails within seconds naming ranks and ops.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from harness import run_worker
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory) -> list[dict]:
+    opts = {"scenarios": ["exchange", "batch", "blocking", "trace", "crossed"], "timeout_s": 30}
+    return run_worker("strict", 2, ["--opts", json.dumps(opts)], tmp_path_factory.mktemp("strict"), timeout=180)
+
+
+def test_correct_orders_pass(scenarios):
+    for rank, seen in enumerate(scenarios):
+        assert seen["exchange"]["got"] == [float(1 - rank)] * 4
+        assert seen["batch"]["got"] == [float(1 - rank) + 10] * 3
+    assert scenarios[1]["blocking"]["got"] == [7.0, 7.0]
+
+
+def test_crossed_sends_fail_naming_ranks_and_ops(scenarios):
+    for rank, seen in enumerate(scenarios):
+        crossed = seen["crossed"]
+        error = crossed["error"]
+        assert error is not None, f"rank {rank}: the crossed order passed under strict mode"
+        assert f"ranks {rank} and {1 - rank} of group 0" in error and "wait for each other" in error
+        # each side's pending ops: its send first, the receive behind it (numbered per direction since the start)
+        assert re.search(
+            rf"rank {rank} pending with rank {1 - rank}: send #\d+ to rank {1 - rank} \(5 torch.float32", error
+        )
+        assert re.search(rf"rank {1 - rank} pending with rank {rank}: send #\d+ to rank {rank} .*; recv #\d+", error)
+        assert crossed["seconds"] < 25  # the mutual wait is seen, not the strict timeout's 30 s
+
+
+def test_trace_names_the_first_difference(scenarios):
+    for seen in scenarios:
+        error = seen["trace"]["error"]
+        assert error is not None and "operation #0 differs" in error
+        assert "all_reduce(shapes=[(2, 3)]" in error and "all_reduce(shapes=[(3, 2)]" in error
