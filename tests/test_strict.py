@@ -8,6 +8,7 @@ a crossed send/send pair (NCCL's deadlock, passed by plain gloo) fails within se
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -18,6 +19,11 @@ from harness import run_worker
 def scenarios(tmp_path_factory) -> list[dict]:
     opts = {"scenarios": ["exchange", "batch", "blocking", "trace", "crossed"], "timeout_s": 30}
     return run_worker("strict", 2, ["--opts", json.dumps(opts)], tmp_path_factory.mktemp("strict"), timeout=180)
+
+
+def test_the_harness_turns_strict_mode_on(scenarios):
+    want = os.environ.get("LP_STRICT_COLLECTIVES", "1") != "0"  # pytest --no-strict-collectives sets 0
+    assert [seen["on_from_env"] for seen in scenarios] == [want, want]
 
 
 def test_correct_orders_pass(scenarios):
@@ -46,3 +52,14 @@ def test_trace_names_the_first_difference(scenarios):
         error = seen["trace"]["error"]
         assert error is not None and "operation #0 differs" in error
         assert "all_reduce(shapes=[(2, 3)]" in error and "all_reduce(shapes=[(3, 2)]" in error
+
+
+def test_settings_are_checked_before_anything_starts(monkeypatch):
+    from lightning_parallel.parallel import strict
+
+    monkeypatch.setenv("LP_STRICT_COLLECTIVES", "1")
+    assert not strict.enable_from_env()  # no process group in this process: nothing to do
+    with pytest.raises(RuntimeError, match="needs the default process group"):
+        strict.enable()
+    with pytest.raises(ValueError, match="LP_STRICT_TIMEOUT_S=0"):
+        strict.enable(timeout_s=0)

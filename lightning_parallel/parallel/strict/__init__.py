@@ -146,7 +146,14 @@ def enable_from_env() -> bool:
     """Turn strict mode on when ``LP_STRICT_COLLECTIVES`` is set to 1 and a default process group exists; returns
     whether it is on."""
     if dist.is_initialized() and os.environ.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on"):
-        enable(float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
+        value = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
+        try:
+            timeout_s = float(value)
+        except ValueError:
+            raise ValueError(
+                f"{TIMEOUT_ENV}={value!r} is not a number: set it to the strict timeout in seconds."
+            ) from None
+        enable(timeout_s)
     return enabled()
 
 
@@ -164,10 +171,6 @@ def enable(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     if not dist.is_initialized():
         raise RuntimeError("strict mode needs the default process group: call it after init_process_group.")
     _hub = _Hub(timeout_s)
-    if os.environ.get("LP_STRICT_DUMP_S"):  # debugging: every thread's stack after that many seconds
-        import faulthandler
-
-        faulthandler.dump_traceback_later(float(os.environ["LP_STRICT_DUMP_S"]), exit=False)
     for name in _P2P:
         _hub.originals[name] = getattr(c10d, name)
         _patch(dist, c10d, name, _P2P_WRAPPERS[name])

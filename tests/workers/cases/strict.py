@@ -86,5 +86,6 @@ SCENARIOS |= {"trace": _trace, "sizes": _sizes}
 
 
 def run_case(case: dict, ctx) -> dict:
+    on_from_env = strict.enabled()  # run.py called enable_from_env: the harness's LP_STRICT_COLLECTIVES
     strict.enable(timeout_s=float(case.get("timeout_s", 20)))
-    return {name: SCENARIOS[name](ctx.rank) for name in case["scenarios"]}
+    return {"on_from_env": on_from_env, **{name: SCENARIOS[name](ctx.rank) for name in case["scenarios"]}}
