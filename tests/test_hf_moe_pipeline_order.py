@@ -20,7 +20,8 @@ from test_hf_moe_parity import moe_launch, reference
 RUN = (2, "hybrid3d:pp=2,microbatches=2", "mixtral", 1)
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("LP_STRICT_COLLECTIVES", "1") == "0", reason="needs strict mode (run without --no-strict-collectives)"
+    os.environ.get("LP_STRICT_COLLECTIVES", "1") == "0",
+    reason="needs strict mode (run without --no-strict-collectives)",
 )
 
 

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_parallel import _compat
+from lightning_parallel.parallel import strict
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.data.stages import make_sharding
 from lightning_parallel.parallel.failure import (
@@ -31,7 +32,6 @@ from lightning_parallel.parallel.failure import (
 )
 from lightning_parallel.parallel.fault_tolerance import check_backend, lighthouse_address, sampler_kwargs
 from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
-from lightning_parallel.parallel import strict
 from lightning_parallel.parallel.shutdown import release_at_exit
 from lightning_parallel.strategies.launcher import CheckFirstLauncher
 
