@@ -43,11 +43,11 @@ def test_private_apis_resolve():
 
     for name in ("_resolve_process_group", "_get_default_store", "_device_capability", "_set_pg_timeout"):
         assert callable(getattr(c10d, name)), name
-    for name in ("_get_default_group",):  # strict mode: the world group, and the function it wraps
-        assert callable(getattr(c10d, name)), name
     import torch.distributed._functional_collectives as funcol
 
-    assert callable(funcol._resolve_group_name)
+    # strict mode (parallel/strict/): the world group, a functional collective's group by name, and the functions
+    # it wraps in torch.distributed's own module (batch_isend_irecv and P2POp look them up there)
+    assert callable(c10d._get_default_group) and callable(funcol._resolve_group_name)
     for name in ("isend", "irecv", "send", "recv", "batch_isend_irecv"):
         assert callable(getattr(c10d, name)), name
     assert callable(c10d._abort_process_group)

@@ -254,7 +254,7 @@ def _traced(fn: Any, op: str, arg: str | None, same: bool, times: bool, function
             shapes, dtype, nbytes = payload(bound.get(arg)) if arg else ((), "", 0)
             ranks = hub.group_ranks(name)
             nbytes *= len(ranks) if times else 1
-            hub.trace.add(Entry(op, name, shapes if same else (), dtype, nbytes), ranks)
+            hub.trace.add(Entry(op, name, shapes if same else (), dtype, nbytes, uneven=not same), ranks)
         if local is None:
             return fn(*args, **kwargs)
         local.depth = 1

@@ -34,6 +34,11 @@ class Entry:
     shapes: tuple[tuple[int, ...], ...]  # of the payload's tensors; () where ranks may differ (uneven ops)
     dtype: str
     bytes: int
+    uneven: bool = False  # sizes may differ across ranks (all_to_all's splits, a list gather): not compared
+
+    def comparable(self) -> tuple:
+        """What every rank of the group must agree on."""
+        return self.op, self.group, self.shapes, self.dtype, None if self.uneven else self.bytes
 
     def describe(self) -> str:
         return f"{self.op}(shapes={list(self.shapes)}, dtype={self.dtype}, bytes={self.bytes})"
@@ -66,7 +71,7 @@ class Trace:
         self.ranks.setdefault(name, ranks)
         kept = self.entries.setdefault(name, [])
         self.counts[name] = self.counts.get(name, 0) + 1
-        self.digests.setdefault(name, hashlib.blake2b(digest_size=16)).update(pickle.dumps(entry))
+        self.digests.setdefault(name, hashlib.blake2b(digest_size=16)).update(pickle.dumps(entry.comparable()))
         if len(kept) < _KEEP:
             kept.append(entry)
 
@@ -123,7 +128,7 @@ def _gather(store: Any, n: int, ranks: list[int], timeout_s: float) -> dict[int,
 def _difference(name: str, ranks: tuple, me: int, mine: list[Entry], ref: int, theirs: list[Entry], where: str) -> str:
     head = f"strict collectives: group {name} (ranks {list(ranks)}) at {where}: "
     for i, (a, b) in enumerate(zip(mine, theirs)):
-        if a != b:
+        if a.comparable() != b.comparable():
             return (
                 f"{head}operation #{i} differs: rank {me} issued {a.describe()}, rank {ref} issued {b.describe()}. "
                 "On NCCL every rank of a group must issue the same collectives in the same order, shapes and dtypes "
