@@ -63,3 +63,15 @@ def test_settings_are_checked_before_anything_starts(monkeypatch):
         strict.enable()
     with pytest.raises(ValueError, match="LP_STRICT_TIMEOUT_S=0"):
         strict.enable(timeout_s=0)
+
+
+def test_no_early_receives_under_strict_mode(monkeypatch):
+    """The pipeline's early receives are gloo's alone (NCCL deadlocks them under 1F1B): strict mode runs NCCL's order.
+    Forced on under strict mode, a pp=2 1F1B step fails naming rank 0's queued receives of microbatches 0 and 1
+    ahead of its send of microbatch 1 (seen; not kept as a test: the gate is what holds)."""
+    from lightning_parallel.parallel import strict
+    from lightning_parallel.parallel.pipeline.runner import early_receives
+
+    assert early_receives("1f1b", "gloo")
+    monkeypatch.setattr(strict, "_hub", object())  # what enable() leaves: strict.enabled() is True
+    assert strict.enabled() and not early_receives("1f1b", "gloo") and not early_receives("gpipe", "gloo")
