@@ -23,6 +23,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
@@ -246,6 +247,8 @@ def _traced(fn: Any, op: str, arg: str | None, same: bool, times: bool, function
 
     def traced(*args: Any, **kwargs: Any) -> Any:
         hub, local = _hub, None
+        if torch.compiler.is_compiling():  # inside a compiled graph: untraced (no graph break), alike on every rank
+            return fn(*args, **kwargs)
         if hub is not None and not getattr(hub.local, "depth", 0):
             local = hub.local
             bound = signature.bind_partial(*args, **kwargs).arguments
