@@ -49,7 +49,8 @@ def test_old_exchange_on_one_group_fails_under_strict_mode(schedule, tmp_path_fa
         runs[label]
     logs = sorted(tmp_path_factory.getbasetemp().glob(f"batch_w2moe_order_old_{schedule}*/rank*.log"))
     text = "\n".join(log.read_text() for log in logs)
-    assert "ranks 0 and 1 of group" in text and "wait for each other" in text, text[-3000:]
+    assert "ranks 0 and 1 of group" in text or "ranks 1 and 0 of group" in text, text[-3000:]
+    assert "wait for each other" in text, text[-3000:]
     # each side's pending operations: stage 0 sends microbatch 1's sums before receiving microbatch 0's totals, the
     # last stage sends microbatch 0's totals before receiving microbatch 1's sums
     assert "rank 0 pending with rank 1: send #2 to rank 1 (9 torch.float32" in text, text[-3000:]

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 _SLICE_S = 2.0  # a blocked send looks for a mutual wait this often
+_DEADLOCK = b"lp-strict-deadlock:"  # a key's value that carries the peer's report instead of the op's word
 
 
 class StrictCollectiveError(RuntimeError):
@@ -210,6 +211,8 @@ class Pair:
             self.store.set(blocked, pickle.dumps(None))
         value = self.store.get(key)
         self.store.delete_key(key)
+        if value.startswith(_DEADLOCK):  # the peer found the mutual wait first and woke us with its report
+            raise StrictCollectiveError(value[len(_DEADLOCK) :].decode())
         return value
 
     def _check_sizes(self, op: P2P, theirs: tuple[str, int]) -> None:
@@ -251,10 +254,15 @@ class Pair:
             else f" No matching {awaited} ran within the strict timeout ({self.hub.timeout_s:.0f} s, "
             "LP_STRICT_TIMEOUT_S)."
         )
-        raise StrictCollectiveError(
+        message = (
             f"{head}\n  rank {self.me} pending with rank {op.peer}: {self.describe_pending()}"
             f"\n  rank {op.peer} pending with rank {self.me}: {peer_side}\n{why}"
         )
+        if mutual:  # wake the peer where it waits (our op it waits for will never come) with the same report
+            src, dst = (op.peer, self.me) if theirs[0] == "recv" else (self.me, op.peer)
+            what = "ack" if theirs[0] == "recv" else "sent"
+            self.store.set(_key(what, op.group_name, src, dst, theirs[1]), _DEADLOCK + message.encode())
+        raise StrictCollectiveError(message)
 
 
 def _key(what: str, group: str, src: int, dst: int, index: int | None = None) -> str:
