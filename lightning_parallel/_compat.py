@@ -149,6 +149,28 @@ def group_name_of(group: Any) -> str:
     return _resolve_process_group(group).group_name
 
 
+def resolve_process_group(group: Any) -> Any:
+    """The process group named ``group`` (a name, or a group itself)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group)
+
+
+def default_group() -> Any:
+    """The default (world) process group."""
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    return _get_default_group()
+
+
+def funcol_group_name(group: Any) -> str:
+    """The name of the process group a functional collective's ``group`` argument means (a group, a name, a list of
+    ranks, a DeviceMesh or a (mesh, axis) pair)."""
+    from torch.distributed._functional_collectives import _resolve_group_name
+
+    return _resolve_group_name(group)
+
+
 def group_size_of(group: Any) -> int:
     """Size of a process group given the way functional collectives name it (a name, a group or a mesh)."""
     from torch.distributed.distributed_c10d import _resolve_process_group

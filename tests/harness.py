@@ -45,6 +45,9 @@ def _env(world_size: int, port: int) -> dict[str, str]:
         PYTHONWARNINGS="ignore",
         PYTHONFAULTHANDLER="1",  # a C++ abort still prints the Python stack
     )
+    # strict mode (lightning_parallel/parallel/strict/): gloo keeps NCCL's point-to-point order and every group's
+    # collectives are compared across its ranks; on unless the session says 0 (pytest --no-strict-collectives)
+    env.setdefault("LP_STRICT_COLLECTIVES", "1")
     return env
 
 

@@ -47,6 +47,13 @@ def test_private_apis_resolve():
 
     for name in ("_resolve_process_group", "_get_default_store", "_device_capability", "_set_pg_timeout"):
         assert callable(getattr(c10d, name)), name
+    import torch.distributed._functional_collectives as funcol
+
+    # strict mode (parallel/strict/): the world group, a functional collective's group by name, and the functions
+    # it wraps in torch.distributed's own module (batch_isend_irecv and P2POp look them up there)
+    assert callable(c10d._get_default_group) and callable(funcol._resolve_group_name)
+    for name in ("isend", "irecv", "send", "recv", "batch_isend_irecv"):
+        assert callable(getattr(c10d, name)), name
     assert callable(c10d._abort_process_group)
     assert isinstance(c10d._world.pg_map, dict) and _compat.process_groups() == list(c10d._world.pg_map)
     assert callable(c10d._get_default_timeout)  # tests/workers/cases/group_timeouts.py gives gloo NCCL's default

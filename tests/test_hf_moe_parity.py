@@ -325,4 +325,4 @@ def test_pipeline_aux_loss_refuses_a_first_stage_that_trains_nothing():
     frozen = torch.nn.Linear(4, 4).requires_grad_(False)
     layers = [frozen, ElsewhereLayer("model.layers.1", 1)]
     with pytest.raises(ValueError, match="first pipeline stage that trains nothing"):
-        PipelineRouterAux(torch.nn.Module(), layers, None, None, 1)
+        PipelineRouterAux(torch.nn.Module(), layers, None, None, None, 1)

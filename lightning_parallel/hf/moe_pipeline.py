@@ -17,6 +17,15 @@ group of their own, matched in microbatch order):
 
 Each pipeline microbatch is its own batch for the loss, as each micro-batch of gradient accumulation is (HF's loss
 is a product of batch means). Forward-only passes (validation, shape inference) add no auxiliary loss under pp.
+
+The sums and the totals travel on two process groups of the pipeline ranks, one per direction (``up``: the earlier
+stages' sends of sums to the last stage; ``down``: its replies). On NCCL the operations between two ranks of one
+group run in issue order and a send completes only when its receive runs; on one group, 1F1B's warm-up and GPipe
+queue ``send(sums of microbatch 1)`` before ``recv(totals of microbatch 0)`` on an earlier stage while the last
+stage queues ``send(totals 0)`` before ``recv(sums 1)``: a deadlock (gloo buffers the sends and hid it). On two
+groups each pair sees sends one way only, matched in microbatch order, under every schedule.
+``_ONE_GROUP`` (private, for tests/test_hf_moe_pipeline_order.py) restores the single group, to show strict mode
+(``LP_STRICT_COLLECTIVES``) failing on it.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ from lightning_parallel.parallel.expert.aux import backward_scale
 from lightning_parallel.parallel.pipeline.runner import scheduled_chunk, stage_inputs
 from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
 
+_ONE_GROUP = False  # the old exchange, both directions on one group: deadlocks on NCCL (see the module docstring)
+
 
 class PipelineRouterAux:
     """This rank's part of HF's load-balancing loss under pp (see the module docstring).
@@ -41,7 +52,8 @@ class PipelineRouterAux:
     Args:
         model: the HF ``*ForCausalLM`` model, split over the stages.
         layers: its pipeline layers in order (``hf_pipeline_layers``), other stages' as ``ElsewhereLayer``.
-        side: a process group of this rank's pipeline ranks in stage order, for these transfers only.
+        up: a process group of this rank's pipeline ranks in stage order, for the sums sent to the last stage only.
+        down: one more of them, for the totals sent back only (``up`` itself restores the old, crossing order).
         batch_group: the ranks that see different samples (None alone); batch_ranks: their number.
 
     Raises:
@@ -49,7 +61,7 @@ class PipelineRouterAux:
     """
 
     def __init__(
-        self, model: nn.Module, layers: list[nn.Module], side: Any, batch_group: Any, batch_ranks: int
+        self, model: nn.Module, layers: list[nn.Module], up: Any, down: Any, batch_group: Any, batch_ranks: int
     ) -> None:
         held = [i for i, layer in enumerate(layers) if not isinstance(layer, ElsewhereLayer)]
         if held != list(range(held[0], held[-1] + 1)):
@@ -66,8 +78,8 @@ class PipelineRouterAux:
                 "it would not take the last stage's totals of HF's load-balancing loss: put adapters on the first "
                 "stage's layers too (peft target_modules), or set output_router_logits=False."
             )
-        self.model, self.side, self.batch_group, self.batch_ranks = model, side, batch_group, batch_ranks
-        self.peers = dist.get_process_group_ranks(side)
+        self.model, self.up, self.down, self.batch_group, self.batch_ranks = model, up, down, batch_group, batch_ranks
+        self.peers = dist.get_process_group_ranks(up)
         self.is_last = held[-1] == len(layers) - 1
         self.experts = int(model.num_experts)
         self.logits: list[Tensor] = []
@@ -95,15 +107,15 @@ class PipelineRouterAux:
         if self.is_last:
             self.stash = counts, probs, rows
             return None
-        self._send(torch.cat([counts, probs.detach(), rows.view(1)]), self.peers[-1])
+        self._send(torch.cat([counts, probs.detach(), rows.view(1)]), self.peers[-1], self.up)
         return _CountsInBackward.apply(output, probs, self)
 
-    def _send(self, tensor: Tensor, dst: int) -> None:
-        self.sends.append((dist.isend(tensor, dst, group=self.side), tensor))
+    def _send(self, tensor: Tensor, dst: int, group: Any) -> None:
+        self.sends.append((dist.isend(tensor, dst, group=group), tensor))
 
-    def receive(self, size: int, src: int, device: torch.device) -> Tensor:
+    def receive(self, size: int, src: int, device: torch.device, group: Any) -> Tensor:
         buffer = torch.empty(size, dtype=torch.float32, device=device)
-        dist.recv(buffer, src, group=self.side)
+        dist.recv(buffer, src, group=group)
         return buffer
 
     def finish(self) -> Tensor | None:
@@ -114,12 +126,12 @@ class PipelineRouterAux:
         (counts, probs, rows), self.stash = self.stash, None
         totals = torch.cat([counts, probs.detach(), rows.view(1)])
         for src in self.peers[:-1]:
-            totals = totals + self.receive(totals.numel(), src, totals.device)
+            totals = totals + self.receive(totals.numel(), src, totals.device, self.up)
         if self.batch_group is not None and self.batch_ranks > 1:
             dist.all_reduce(totals, group=self.batch_group)
         reply = torch.cat([totals[: self.experts], totals[-1:]])
         for dst in self.peers[:-1]:
-            self._send(reply, dst)
+            self._send(reply, dst, self.down)
         return balance_loss(totals, probs, self.experts, self.batch_ranks)
 
     def flush(self) -> None:
@@ -152,9 +164,11 @@ def pipeline_router_aux(model: nn.Module, strategy: Any) -> PipelineRouterAux | 
             "supported yet (a recomputed layer would not take part in the stages' exchange of router sums): set "
             "activation_checkpointing='none', or output_router_logits=False."
         )
-    side = strategy.mesh.side_group(dist.get_process_group_ranks(strategy.mesh.group("stage")))
+    ranks = dist.get_process_group_ranks(strategy.mesh.group("stage"))
+    up = strategy.mesh.side_group(ranks)
+    down = up if _ONE_GROUP else strategy.mesh.side_group(ranks)
     batch_group, batch_ranks, _ = _loss_pieces(strategy)
-    return PipelineRouterAux(model, hf_pipeline_layers(model), side, batch_group, batch_ranks)
+    return PipelineRouterAux(model, hf_pipeline_layers(model), up, down, batch_group, batch_ranks)
 
 
 class _CountsInBackward(torch.autograd.Function):
@@ -169,7 +183,7 @@ class _CountsInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         aux: PipelineRouterAux = ctx.aux
-        totals = aux.receive(aux.experts + 1, aux.peers[-1], grad.device)
+        totals = aux.receive(aux.experts + 1, aux.peers[-1], grad.device, aux.down)
         counts, rows = totals[:-1], totals[-1]
         factor = aux.model.router_aux_loss_coef * backward_scale() * aux.experts * aux.batch_ranks
         return grad, counts / rows / rows * factor, None

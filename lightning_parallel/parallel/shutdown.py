@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 import signal
 import sys
 import threading
 import time
 
 import torch.distributed as dist
+
+from lightning_parallel.parallel import strict
 
 _registered = False
 # A group that torch's functional collectives (DTensor) used outlives destroy_process_group (torch 2.13 keeps
@@ -53,8 +56,12 @@ def release_at_exit() -> None:
 def release_process_groups() -> None:
     """Destroy every process group this process holds and free them (their gloo threads end), with Ctrl+C held
     off; a failure here is reported on stderr and does not change the exit status (the work is done by now)."""
-    if not (dist.is_available() and dist.is_initialized()) or _ending_on_an_exception():
+    if not (dist.is_available() and dist.is_initialized()):
         return
+    if _ending_on_an_exception():
+        strict.abandon()  # the others' end-of-run check stops waiting for this rank
+        return
+    _check_strict_traces()
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
     try:
@@ -66,6 +73,17 @@ def release_process_groups() -> None:
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+
+
+def _check_strict_traces() -> None:
+    """Strict mode: compare the traces of the collectives issued since the last check; a difference ends the process
+    with status 1 (an exception raised at exit would leave it 0)."""
+    try:
+        strict.check("the end of the process")
+    except strict.StrictCollectiveError as error:
+        print(f"lightning_parallel strict mode: {error}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
 
 
 def _ending_on_an_exception() -> bool:

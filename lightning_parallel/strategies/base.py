@@ -17,6 +17,7 @@ and the modules of this package below it (launcher, checks, checkpointing, pipel
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -35,6 +36,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_parallel import _compat
+from lightning_parallel.parallel import strict
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.powersgd import embedding_weights
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
@@ -366,3 +368,7 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+        if sys.exc_info()[0] is None:  # a run that ended normally: every rank got here (strict mode's check)
+            strict.check("the end of the Trainer run")
+        else:  # ended on an error: the ranks may have stopped at different collectives
+            strict.discard()

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_parallel import _compat
+from lightning_parallel.parallel import strict
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.data.stages import make_sharding
 from lightning_parallel.parallel.failure import (
@@ -227,6 +228,7 @@ class DistributedMixin:
             kwargs["device_id"] = self.root_device
         enable_flight_recorder()  # before the first group: a hang's dump shows each rank's last collectives
         _compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
+        strict.enable_from_env()  # LP_STRICT_COLLECTIVES=1: gloo keeps NCCL's rules (every group, side groups too)
         release_at_exit()  # the groups go before the interpreter does: a finished run exits 0
         if self._mesh is None:  # once per strategy: validate/test after fit run on the model fit split
             # the run's timeout, Lightning's default (30 minutes) too: torch would give new NCCL groups 10 minutes

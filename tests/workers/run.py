@@ -76,6 +76,9 @@ def main() -> None:
         import torch.distributed as dist
 
         dist.init_process_group("gloo", init_method="env://")
+        from lightning_parallel.parallel import strict
+
+        strict.enable_from_env()  # as the strategies do (the harness sets LP_STRICT_COLLECTIVES=1)
     run(module, args, Context(world, rank, Path(args.out), args.strategy, args.accelerator))
     if getattr(module, "PROCESS_GROUP", False):
         from lightning_parallel.parallel.shutdown import release_process_groups

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_parallel._compat import TorchDispatchMode, group_name_of, group_size_of, tree_leaves
+from lightning_parallel.parallel import strict
 
 # op name -> (kind, which argument holds the payload: "in" the input tensors, "out" the output tensors)
 _C10D = {
@@ -152,6 +153,25 @@ class CommCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.events: list[CommEvent] = []
+        self._strict: Any = None
+
+    def __enter__(self) -> CommCounter:
+        # strict mode runs point-to-point ops on executor threads, out of this thread's dispatch modes: its trace
+        # (noted as each op is issued here) gives their events instead (tests/test_observability.py)
+        if strict.enabled():
+            self._strict = strict.recording()
+            self._strict_entries = self._strict.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        out = super().__exit__(*exc)
+        if self._strict is not None:
+            self._strict.__exit__(None, None, None)
+            self._strict = None
+            for e in self._strict_entries:
+                if e.op in ("send", "recv"):
+                    self.events.append(CommEvent(e.op, e.bytes, len(strict.group_ranks(e.group)), e.dtype, e.group))
+        return out
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

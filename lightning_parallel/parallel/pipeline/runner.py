@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel._compat import ShapeInferenceHookStage
+from lightning_parallel.parallel import strict
 from lightning_parallel.parallel.expert.aux import aux_loss_scale
 from lightning_parallel.parallel.expert.moe import moe_layers
 from lightning_parallel.parallel.measure.timeline import active_recorder
@@ -182,9 +183,10 @@ def early_receives(schedule: str, group: dist.ProcessGroup | str) -> bool:
     Never on NCCL: there every message between two ranks runs in issue order on one stream, so a receive queued
     ahead of a send the peer is waiting for deadlocks (1F1B at pp=2: rank 0 would queue the backward receives of
     microbatches 0 and 1 before the forward send of microbatch 1 that rank 1 waits in).
+    Nor under strict mode (``LP_STRICT_COLLECTIVES``): it keeps NCCL's order on gloo, and rejects this one.
     """
     backend = group if isinstance(group, str) else dist.get_backend(group)
-    return str(backend) == "gloo" and schedule_spec(schedule).fixed_stages == 1
+    return str(backend) == "gloo" and schedule_spec(schedule).fixed_stages == 1 and not strict.enabled()
 
 
 def _signature(args: tuple, kwargs: dict, target: Any) -> tuple:

@@ -12,7 +12,8 @@ inject_rank, default 0, in one element of its first parameter's local gradient: 
 rank); with a precision set, the loss scale and a checksum of this rank's parameters are recorded per step.
 
 Also: image_size (VGG: the random images' height and width, default 32), activation_memory (the training batch
-whose activation bytes ActivationMemoryMonitor records, 0: first).
+whose activation bytes ActivationMemoryMonitor records, 0: first), trace_step (the training batch whose collectives
+strict mode's trace records: the result's ``trace``, rows of op, group_size, dtype, bytes; cases/trace_step.py).
 --accelerator (default cpu): "gpu" under tests/gpu/ (NCCL, one device per rank); every case keeps its meaning.
 Strategy specs: cases/common.py's ``build_strategy``.
 """
@@ -34,6 +35,7 @@ from lightning_parallel.parallel.measure.memory import model_state_bytes
 
 from .common import ShardedData, batch_ranks, build_strategy, make_trainer
 from .models import build_model
+from .trace_step import TraceStep
 
 
 class MemoryProbe(pl.Callback):
@@ -95,6 +97,8 @@ def run_case(case: dict, ctx) -> dict:
     measure = case.get("activation_memory")
     activation_monitor = ActivationMemoryMonitor(batch=measure) if measure is not None else None
     callbacks += [activation_monitor] if activation_monitor else []
+    tracer = TraceStep(case["trace_step"]) if case.get("trace_step") is not None else None
+    callbacks += [tracer] if tracer else []
     precision, plugins = case.get("precision", "32-true"), []
     precision_probe = None
     if case.get("precision") or case.get("inject_inf") is not None:
@@ -134,6 +138,7 @@ def run_case(case: dict, ctx) -> dict:
         result["error"] = f"{type(err).__name__}: {err}"
         result["traceback"] = traceback.format_exc()
         return result
+    result.update({"trace": tracer.rows} if tracer else {})
     return {**result, **_after_fit(case, trainer, model, datamodule, out)}
 
 

@@ -9,7 +9,9 @@ Case keys: name, path (the model folder), steps, global_batch, seq_len, lr, tupl
 model; the result then says what each rank holds for the frozen weights, see ``frozen_report``), epoch_steps (steps
 per epoch, default steps), save and save_step (a checkpoint written at the start of the epoch that begins after
 save_step steps, see ``SaveAt``), resume (ckpt_path for fit), config (instead of path: a tiny transformers config,
-``model_type`` and its fields, the weights drawn after seed 0; the result then says how each rank holds the experts).
+``model_type`` and its fields, the weights drawn after seed 0; the result then says how each rank holds the experts),
+moe_one_group (HF MoE under pp: the old exchange of router sums on one group, ``hf/moe_pipeline.py``'s ``_ONE_GROUP``:
+tests/test_hf_moe_pipeline_order.py shows strict mode failing on it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.data import Dataset
 
-from lightning_parallel.hf import HFCausalLM
+from lightning_parallel.hf import HFCausalLM, moe_pipeline
 from lightning_parallel.parallel.dtensor import local
 from lightning_parallel.parallel.mesh import TP
 
@@ -120,6 +122,7 @@ def run_case(case: dict, ctx) -> dict:
         precision=case.get("precision", "32-true"),
         callbacks=probes + ([SaveAt(case["save"], case["save_step"])] if case.get("save") else []),
     )
+    moe_pipeline._ONE_GROUP = bool(case.get("moe_one_group"))
     trainer.fit(model, datamodule=ShardedData(data, micro), ckpt_path=case.get("resume"))
     save_full_params(trainer, model, out / f"{case['name']}_params.pt")
     # one loss per optimizer step: the mean of its micro-batches' (equal token counts: the global batch's loss)
