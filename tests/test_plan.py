@@ -68,6 +68,15 @@ def test_communication_formulas():
     assert comm[3] == pytest.approx(1.5 * 2 * 4000 * 3 / 4)
     assert comm[1] == comm[3]  # all-reduce, then all-gather
     assert zero_stage(1).comm_bytes(4000, 1) == 0.0
+    # bf16-mixed: ZeRO-3 gathers bf16 (half the gradients' element) twice and reduce-scatters fp32: (2 r + 1) g (w-1)/w
+    assert zero_stage(3).comm_bytes(4000, 4, 0.5) == pytest.approx(2 * 4000 * 3 / 4)
+    assert zero_stage(2).comm_bytes(4000, 4, 0.5) == comm[2]  # ZeRO 0-2 gather nothing in another dtype
+    costs = _toy_costs()
+    traffic = {
+        p: estimate_layout(costs, [range(4)], [0], (1, 2, 1), 3, Settings(global_batch=16, precision=p)).comm["dp"]
+        for p in ("32-true", "bf16-mixed")
+    }
+    assert traffic["bf16-mixed"] == pytest.approx(traffic["32-true"] * 2 / 3)
 
 
 def _toy_costs(n=4):

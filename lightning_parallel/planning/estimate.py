@@ -297,7 +297,8 @@ def _model_states(
             sharding.state_bytes_exact(experts, max(1, dp // ep), elem, s.optimizer_states) if experts else 0
         )
         states = sharding.state_bytes_exact(params, dp, elem, s.optimizer_states) + expert_states
-        sent = sharding.comm_bytes(params * elem, dp) + sharding.comm_bytes(experts * elem, dp // ep)
+        ratio = 0.5 if s.precision == "bf16-mixed" else 1.0  # ZeRO-3 gathers bf16 parameters there (fsdp.py)
+        sent = sharding.comm_bytes(params * elem, dp, ratio) + sharding.comm_bytes(experts * elem, dp // ep, ratio)
         return states, expert_states, sent
     base = s.base_bytes_per_param or elem
     frozen = {"zero_stage": stage, "tp": 1, "pp": 1, "base_bytes_per_param": base}  # counts are this rank's already

@@ -231,6 +231,13 @@ class ShardParameters(DataParallelSharding):
     supports_offload = True
     summary = "optimizer states, gradients and parameters sharded (FSDP2)"
 
+    @classmethod
+    def comm_bytes(cls, grad_bytes: float, dp: int, gather_ratio: float = 1.0) -> float:
+        """Two all-gathers of the parameters (forward and backward), each ``gather_ratio`` times the gradients'
+        bytes (0.5: bf16 gathers under ``bf16-mixed``), and one reduce-scatter of the gradients: (2 r + 1) g (w-1)/w
+        (``comm_factor`` 1.5 all-reduces at r = 1)."""
+        return (2 * gather_ratio + 1) * grad_bytes * (dp - 1) / dp if dp > 1 else 0.0
+
     @property
     def fsdp_mesh(self) -> DeviceMesh:
         """The mesh the non-expert units shard over (HSDP: the 2-D replicate x shard mesh)."""

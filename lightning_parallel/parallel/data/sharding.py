@@ -313,6 +313,8 @@ class DataParallelSharding:
         return whole + math.ceil(sum(size for state, size in sizes.items() if state in cls.sharded) / dp)
 
     @classmethod
-    def comm_bytes(cls, grad_bytes: float, dp: int) -> float:
-        """Bytes one rank sends per step: ``comm_factor`` ring all-reduces of the gradients, 2 g (w-1)/w each."""
+    def comm_bytes(cls, grad_bytes: float, dp: int, gather_ratio: float = 1.0) -> float:
+        """Bytes one rank sends per step: ``comm_factor`` ring all-reduces of the gradients, 2 g (w-1)/w each.
+        ``gather_ratio``: the gathered parameters' element size over the gradients' (0.5 where ZeRO-3 gathers bf16
+        under ``bf16-mixed``); a sharding that gathers no parameters in another dtype ignores it."""
         return cls.comm_factor * 2 * grad_bytes * (dp - 1) / dp if dp > 1 else 0.0
