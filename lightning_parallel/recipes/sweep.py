@@ -43,10 +43,13 @@ def run_job(cfg: DictConfig, check: Callable[[DictConfig], Any], entry: str) -> 
     sweep's job that failed (recorded in its folder)."""
     from hydra.core.hydra_config import HydraConfig
 
+    return checked_run(cfg, check, entry, Path(HydraConfig.get().runtime.output_dir), sweep=in_sweep())
+
+
+def checked_run(cfg: DictConfig, check: Callable[[DictConfig], Any], entry: str, run_dir: Path, sweep: bool) -> Any:
+    """:func:`run_job` in ``run_dir``, as one job of a sweep or as a run of its own."""
     from lightning_parallel.recipes.launch import launched_externally, run
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    sweep = in_sweep()
     (run_dir / JOB_FAILED_FILE).unlink(missing_ok=True)  # from an earlier run in this folder
     try:
         check(cfg)
