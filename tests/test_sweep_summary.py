@@ -76,6 +76,14 @@ def test_a_sweep_job_whose_workers_fail_is_recorded(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="rank 1 failed first"):  # alone: raised as before
         checked_run(cfg, lambda cfg: None, ENTRY, tmp_path / "alone", sweep=False)
 
+    def faulty_check(cfg):  # not a refusal (a fault of the checks): recorded as well in a sweep, raised alone
+        raise KeyError("model")
+
+    checked_run(cfg, faulty_check, ENTRY, tmp_path, sweep=True)
+    assert read_failure(tmp_path)["reason"] == "KeyError: 'model'"
+    with pytest.raises(KeyError):
+        checked_run(cfg, faulty_check, ENTRY, tmp_path / "alone", sweep=False)
+
 
 def fabricate_sweep(sweep_dir: Path) -> None:
     """Job 0 finished (metrics.json as the recipe writes it, pp=2), job 1 refused (recorded), job 2 stopped early

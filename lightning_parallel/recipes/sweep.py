@@ -59,17 +59,22 @@ def checked_run(cfg: DictConfig, check: Callable[[DictConfig], Any], entry: str,
         if not sweep:
             raise SystemExit(message) from None
         return record_failure(cfg, run_dir, message)
-    if not sweep or launched_externally():
+    except Exception as err:  # not a refusal: a fault of the checks themselves, recorded with its traceback
+        if not sweep:
+            raise
+        return record_failure(cfg, run_dir, f"{type(err).__name__}: {err}", error=err)
+    if not sweep or launched_externally():  # alone, or under torchrun or SLURM: failures raise as in a single run
         return run(cfg, run_dir, entry=entry)
     try:
         return run(cfg, run_dir, entry=entry)
     except Exception as err:  # a worker failed (the error names the rank) or the launch did: the sweep goes on
-        return record_failure(cfg, run_dir, f"{type(err).__name__}: {err}")
+        return record_failure(cfg, run_dir, f"{type(err).__name__}: {err}", error=err)
 
 
-def record_failure(cfg: DictConfig, run_dir: Path, reason: str) -> None:
-    """Log ``reason`` and write it, with the layout the job asked for, to ``run_dir/job_failed.json`` (rank 0)."""
-    log.error(f"This job failed, the sweep goes on: {reason}")
+def record_failure(cfg: DictConfig, run_dir: Path, reason: str, error: BaseException | None = None) -> None:
+    """Log ``reason`` (with ``error``'s traceback when given) and write it, with the layout the job asked for, to
+    ``run_dir/job_failed.json`` (rank 0)."""
+    log.error(f"This job failed, the sweep goes on: {reason}", exc_info=error)
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) != 0:
         return None
     run_dir.mkdir(parents=True, exist_ok=True)
