@@ -12,11 +12,7 @@ samples.json beside metrics.json (validation loss and perplexity). Config groups
 
 from __future__ import annotations
 
-import pickle
-from pathlib import Path
-
 import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lightning_parallel.recipes.config import register_configs
@@ -28,13 +24,11 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     import lightning_parallel  # noqa: F401  (registers the strategy names)
     from lightning_parallel.recipes.finetune import check_finetune_config
-    from lightning_parallel.recipes.launch import run
+    from lightning_parallel.recipes.sweep import run_job
 
-    try:
-        check_finetune_config(cfg)  # bad settings and data fail here, before any worker starts
-    except (ValueError, TypeError, OSError, pickle.UnpicklingError) as err:
-        raise SystemExit(f"Error in the config ({type(err).__name__}): {err}") from None
-    run(cfg, Path(HydraConfig.get().runtime.output_dir), entry="lightning_parallel.recipes.finetune.train")
+    # bad settings and data fail in check_finetune_config, before any worker starts (in a -m sweep: the job is
+    # recorded as failed and the sweep goes on)
+    run_job(cfg, check_finetune_config, entry="lightning_parallel.recipes.finetune.train")
 
 
 if __name__ == "__main__":

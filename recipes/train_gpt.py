@@ -12,11 +12,7 @@ run directory gets metrics.json, logs and, with checkpoint.dir, checkpoints.
 
 from __future__ import annotations
 
-import pickle
-from pathlib import Path
-
 import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lightning_parallel.recipes.config import register_configs
@@ -29,16 +25,15 @@ def main(cfg: DictConfig) -> None:
     import lightning_parallel  # noqa: F401  (registers the strategy names)
     from lightning_parallel.recipes.auto import resolve_auto
     from lightning_parallel.recipes.gpt import check_config
-    from lightning_parallel.recipes.launch import run
+    from lightning_parallel.recipes.sweep import run_job
 
-    try:
+    def check(cfg: DictConfig) -> None:
         resolve_auto(cfg)  # strategy=auto: the planner's layout, written into cfg for the workers
         check_config(cfg)  # bad settings fail here, before any worker starts
-    except (ValueError, TypeError, OSError, pickle.UnpicklingError) as err:
-        # the message names the setting and the fix: a traceback through the checks would only bury it
-        raise SystemExit(f"Error in the config ({type(err).__name__}): {err}") from None
-    # trainer.devices > 1: this job starts its own workers (also inside a -m sweep); under torchrun it just runs
-    run(cfg, Path(HydraConfig.get().runtime.output_dir), entry="lightning_parallel.recipes.gpt.train")
+
+    # trainer.devices > 1: this job starts its own workers (also inside a -m sweep); under torchrun it just runs.
+    # A refused setting ends a single run with its message; in a -m sweep the job is recorded as failed
+    run_job(cfg, check, entry="lightning_parallel.recipes.gpt.train")
 
 
 if __name__ == "__main__":

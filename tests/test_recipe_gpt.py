@@ -148,9 +148,10 @@ def test_sweep_jobs_run_with_their_own_world_size(sweep_name, tmp_path):
         (m["layout"]["world_size"], len(m["peak_memory_bytes"]), m["layout"]["pp"], m["layout"]["dp"]) for m in jobs
     ]
     assert seen == want
-    summary = (sweep / "summary.csv").read_text().splitlines()
-    assert len(summary) == len(want) + 1 and summary[0].startswith("job,world_size")
-    assert [int(row.split(",")[1]) for row in summary[1:]] == [w for w, *_ in want]  # every job with its figures
+    with (sweep / "summary.csv").open(newline="") as f:
+        summary = list(csv.DictReader(f))
+    assert [(int(row["world_size"]), row["status"]) for row in summary] == [(w, "ok") for w, *_ in want]
+    assert all(float(row["throughput"]) > 0 for row in summary)  # every job with its figures
     assert (sweep / "summary.png").stat().st_size > 10_000  # the throughput and memory plot
 
 

@@ -50,6 +50,9 @@ def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_ste
         "dp_shard": dims.dp_shard if dims else data_parallel,  # HSDP: dp / dp_shard replicas of the states
         "num_nodes": trainer.num_nodes,
         "zero_stage": config.zero_stage if (config := getattr(trainer.strategy, "config", None)) else 0,
+        # under pp: the pipeline schedule and microbatches per step (as validated: the default 2 * pp filled in)
+        "pp_schedule": config.pp_schedule if dims and dims.pp > 1 else None,
+        "microbatches": config.microbatches if dims and dims.pp > 1 else None,
         "precision": cfg.precision.value,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,  # as the workers saw it
     }
