@@ -40,6 +40,7 @@ from lightning_parallel.planning.profile import plan_layouts
 from lightning_parallel.planning.published import published_table
 from lightning_parallel.planning.scale_cli import add_scale_args, format_scale_table, make_scale_plan
 from lightning_parallel.recipes.config import GPTModelConf, ImageDataConf, TextDataConf, VGGModelConf
+from lightning_parallel.recipes.family import family_refusal
 from lightning_parallel.recipes.specs import gpt_spec, parse_bytes, vgg_spec
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if scale and args.model is None:
             raise ValueError("give a model: a Hugging Face config.json or folder, a LitGPT name or a recipe model.")
-        plan = make_scale_plan(args, recipe_shape) if scale else make_plan(args)
+        plan = make_scale_plan(args, recipe_shape, family_refusal) if scale else make_plan(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
