@@ -65,6 +65,7 @@ def test_no_proposal_is_refused_by_the_family(plan_70b):
     layouts = [Layout(**r["layout"]) for r in plan_70b["layouts"]]
     assert len(layouts) == 12
     assert not [x for x in layouts if x.pp > 1 and x.tp > 1 and x.sequence_parallel]
+    assert [x for x in layouts if x.pp > 1 and x.tp > 1]  # tp x pp is still proposed: without it
     refuses = family_refusal(plan_70b["folder"])
     assert refuses(Layout(tp=2, pp=2, dp=64, sequence_parallel=True)) == SP_WITH_PP
     assert "ep=2 splits the experts of MoE models" in refuses(Layout(tp=2, pp=2, dp=64, ep=2))
@@ -81,6 +82,17 @@ def test_a_given_layout_is_completed_within_what_the_family_takes(plan_70b, caps
     assert row["layout"]["sequence_parallel"] is False and "strategy.pp=2" in row["overrides"]
     assert main([folder, *PLAN, "--layout", "tp=2,pp=2,dp=32,cp=2,sequence_parallel=true"]) == 2
     assert SP_WITH_PP in capsys.readouterr().err
+
+
+def test_litgpt_names_are_searched_within_what_their_family_takes(capsys):
+    refuses = family_refusal("pythia-160m")
+    assert "not supported for LitGPT models" in refuses(Layout(tp=2, pp=2, dp=4, sequence_parallel=True))
+    assert refuses(Layout(tp=2, pp=2, dp=4)) == "" and "has none" in refuses(Layout(dp=16, ep=2))
+    args = ["--gpus", "16", "--seq-len", "2048", "--global-batch-size", "64", "--top", "40", "--json"]
+    assert main(["pythia-160m", *args]) == 0
+    layouts = [Layout(**r["layout"]) for r in json.loads(capsys.readouterr().out)["layouts"]]
+    assert [x for x in layouts if x.pp > 1 and x.tp > 1] and [x for x in layouts if x.sequence_parallel]
+    assert not [x for x in layouts if x.pp > 1 and x.tp > 1 and x.sequence_parallel]
 
 
 def test_overrides_print_and_keep_the_plan(plan_70b):

@@ -33,7 +33,8 @@ def layout_options(layout: Layout, work: Workload, free: tuple[str, ...]) -> Ite
         # ZeRO-1 moves what ZeRO-2 moves and holds more; registered variants by name (planned_stages)
         "zero_stage": [0, 2, 3, *(s for s in planned_stages() if hasattr(s, "sharding"))],
         "overlap_grad_reduce": [True],
-        "sequence_parallel": [layout.tp > 1],
+        # on where tp splits: the faster, and off for the models that refuse it with pp (the search's refusal)
+        "sequence_parallel": [True, False] if layout.tp > 1 else [False],
     }
     names = [f for f in free if f in values]
     for combo in itertools.product(*(values[f] for f in names)):
