@@ -35,7 +35,7 @@ TINY = {  # the same family: Llama, grouped-query attention
     "vocab_size": 256,
     "hidden_size": 64,
     "intermediate_size": 128,
-    "num_hidden_layers": 2,
+    "num_hidden_layers": 8,  # 8 pipeline stages: pp=2 with the 4 interleaved stages per rank proposed
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "max_position_embeddings": 64,
@@ -151,7 +151,8 @@ def at_world_2(overrides: list[str]) -> list[str]:
     model-parallel degree of the layout that is above 1 (pp, else tp, else cp: the first) becomes 2 and the others
     1, dp what is left of 2 (the degrees' product must be 2); trainer.devices=2, trainer.num_nodes=1; model.seq_len
     the tiny model's 64 positions; data.global_batch_size the fewest samples its dp x accumulation x microbatches
-    split takes (512 samples of 64 tokens would only be slow)."""
+    split takes (512 samples of 64 tokens would only be slow). The rest as printed: ZeRO stage, schedule, virtual
+    stages, microbatches, accumulation, precision (the tiny Llama has 8 layers for pp=2 x 4 virtual stages)."""
     s = dict(item.split("=", 1) for item in overrides)
     degrees = {axis: int(s.get(f"strategy.{axis}", 1)) for axis in ("pp", "tp", "cp")}
     kept = next((axis for axis, d in degrees.items() if d > 1), None)
@@ -182,6 +183,8 @@ def test_the_recipe_accepts_them_at_world_2_on_a_tiny_llama(plan_70b, tmp_path):
     cfg = compose_gpt(*overrides, "model=hf", f"model.path={tiny}")
     check_config(cfg)
     assert cfg.strategy.name == "hybrid3d" and cfg.precision.value == printed["precision"]
+    for row in plan_70b["layouts"][1:]:  # every other proposal too (pp x tp, HSDP, interleaved stages)
+        check_config(compose_gpt(*at_world_2(row["overrides"]), "model=hf", f"model.path={tiny}"))
 
 
 @pytest.mark.slow
