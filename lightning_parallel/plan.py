@@ -39,7 +39,9 @@ from lightning_parallel.planning.hf_config import ModelShape, from_recipe
 from lightning_parallel.planning.profile import plan_layouts
 from lightning_parallel.planning.published import published_table
 from lightning_parallel.planning.scale_cli import add_scale_args, format_scale_table, make_scale_plan
+from lightning_parallel.planning.search import Refusal
 from lightning_parallel.recipes.config import GPTModelConf, ImageDataConf, TextDataConf, VGGModelConf
+from lightning_parallel.recipes.family import family_refusal
 from lightning_parallel.recipes.specs import gpt_spec, parse_bytes, vgg_spec
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -147,6 +149,14 @@ def recipe_shape(model: str) -> ModelShape | None:
     return from_recipe(m, model)
 
 
+def model_family(model: str) -> Refusal | None:
+    """Why a Hugging Face or LitGPT model's family refuses a layout (None for a recipe model: the planner's own
+    checks are the recipe's)."""
+    if model.endswith((".yaml", ".yml")) or (CONF / "model" / f"{model}.yaml").is_file():
+        return None
+    return family_refusal(model)
+
+
 def _check_lora_args(args: argparse.Namespace, kind: str) -> None:
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank={args.lora_rank} is not a rank: give 1 or more (0: full fine-tuning).")
@@ -226,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if scale and args.model is None:
             raise ValueError("give a model: a Hugging Face config.json or folder, a LitGPT name or a recipe model.")
-        plan = make_scale_plan(args, recipe_shape) if scale else make_plan(args)
+        plan = make_scale_plan(args, recipe_shape, model_family) if scale else make_plan(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

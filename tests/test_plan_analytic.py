@@ -163,7 +163,8 @@ def test_cli_layout_json_and_search(tmp_path, capsys):
     assert row["layout"]["ep"] == 2 and row["layout"]["zero_stage"] == 1 and row["tokens_per_s"] > 0
     assert main([str(tmp_path), "--gpus", "16", "--seq-len", "128", "--global-batch-tokens", "8K", "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert "64 samples" in out and len(out.strip().splitlines()) == 5
+    assert "64 samples" in out and len(out.strip().splitlines()) == 2 + 2 * 3  # each row and its overrides
+    assert out.count("recipe: strategy=hybrid3d ") == 3
     assert main([str(config), "--gpus", "16", "--layout", "tp=3,dp=5"]) == 2
     assert "--layout" in capsys.readouterr().err
 

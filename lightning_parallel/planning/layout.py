@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, schedule_spec
 from lightning_parallel.planning.estimate import check_precision
 from lightning_parallel.planning.hf_config import ModelShape
@@ -164,3 +165,39 @@ def layout_error(shape: ModelShape, layout: Layout, work: Workload, gpus: int, g
 def microbatches(layout: Layout, work: Workload) -> int:
     """Microbatches per step of one dp rank (None: one sample each)."""
     return layout.microbatches or work.global_batch // layout.dp
+
+
+_PIPELINE_ONLY = ("pp_schedule", "pp_virtual_stages", "microbatches")  # the recipe ignores them at pp=1
+
+
+def recipe_overrides(layout: Layout, work: Workload, gpus_per_node: int) -> list[str]:
+    """What to type after ``recipes/train_gpt.py`` to run ``layout`` on ``work``: ``strategy=hybrid3d``, each
+    ``strategy.*`` key that differs from the recipe's default (``strategy.dp`` always: its default is ``auto``),
+    then always the workload planned for (``precision``, ``model.seq_len``, ``data.global_batch_size``) and the
+    processes (``trainer.devices`` per node, ``trainer.num_nodes``).
+
+    The planner's microbatches (None: one sample each) become ``strategy.microbatches`` under pp (left out where
+    they equal the recipe's 2 x pp) and ``trainer.accumulate_grad_batches`` at pp=1; a registered sharding variant
+    is ``strategy.sharding``; ``overlap_grad_reduce`` is left out under ZeRO-3 (FSDP2 overlaps by itself)."""
+    values = {name: getattr(layout, name) for name in ParallelConfig.names() if hasattr(layout, name)}
+    m = microbatches(layout, work)
+    values["microbatches"] = m if m != 2 * layout.pp else None
+    if layout.zero_stage == 3:
+        values["overlap_grad_reduce"] = False
+    if sharding := getattr(layout.zero_stage, "sharding", None):  # a PlannedStage: the variant by its name
+        values["zero_stage"], values["sharding"] = 0, sharding
+    if layout.pp == 1:
+        values.update({name: getattr(ParallelConfig, name) for name in _PIPELINE_ONLY})
+    default = ParallelConfig()
+    out = ["strategy=hybrid3d", f"strategy.dp={layout.dp}"]
+    out += [f"strategy.{k}={_value(v)}" for k, v in values.items() if k != "dp" and v != getattr(default, k)]
+    out += [f"precision={work.precision}", f"model.seq_len={work.seq_len}"]
+    out.append(f"data.global_batch_size={work.global_batch}")
+    if layout.pp == 1 and m > 1:
+        out.append(f"trainer.accumulate_grad_batches={m}")
+    devices = min(gpus_per_node, layout.world)
+    return [*out, f"trainer.devices={devices}", f"trainer.num_nodes={layout.world // devices}"]
+
+
+def _value(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)

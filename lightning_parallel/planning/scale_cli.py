@@ -19,8 +19,8 @@ from typing import Any
 from lightning_parallel.planning.analytic import AnalyticEstimate, evaluate
 from lightning_parallel.planning.cluster import DEVICES, Cluster, get_device
 from lightning_parallel.planning.hf_config import ModelShape, from_litgpt, load_hf_config
-from lightning_parallel.planning.layout import Layout, Workload, layout_error, parse_layout
-from lightning_parallel.planning.search import SEARCHED, complete, search
+from lightning_parallel.planning.layout import Layout, Workload, layout_error, parse_layout, recipe_overrides
+from lightning_parallel.planning.search import SEARCHED, Refusal, complete, search
 
 
 def add_scale_args(p: argparse.ArgumentParser) -> None:
@@ -56,10 +56,14 @@ def load_shape(model: str, recipe: Callable[[str], ModelShape | None] | None = N
 
 
 def make_scale_plan(
-    args: argparse.Namespace, recipe: Callable[[str], ModelShape | None] | None = None
+    args: argparse.Namespace,
+    recipe: Callable[[str], ModelShape | None] | None = None,
+    family: Callable[[str], Refusal | None] | None = None,
 ) -> dict[str, Any]:
-    """The analytic planner's answer as plain data (what ``--json`` prints); ``recipe`` as :func:`load_shape`'s."""
+    """The analytic planner's answer as plain data (what ``--json`` prints); ``recipe`` as :func:`load_shape`'s;
+    ``family(model)`` says why the model's family refuses a layout (None: it refuses nothing the planner allows)."""
     shape = load_shape(args.model, recipe)
+    refuses = family(args.model) if family else None
     device = get_device(
         args.device,
         peak_flops=args.peak_flops,
@@ -88,13 +92,15 @@ def make_scale_plan(
     plan.update(active_params=shape.active_params(), cluster=asdict(cluster), workload=asdict(work))
     if args.layout is not None:
         error = layout_error(shape, args.layout, work, cluster.gpus, cluster.gpus_per_node)
+        error = error or (refuses(args.layout) if refuses else "")
         if error:
             raise ValueError(f"--layout {args.layout.describe()}: {error}.")
         fixed = _given_fields(args.layout)
-        best = complete(shape, cluster, args.layout, work, tuple(f for f in SEARCHED if f not in fixed))
-        plan["layouts"] = [_row(best or evaluate(shape, cluster, args.layout, work))]
+        best = complete(shape, cluster, args.layout, work, tuple(f for f in SEARCHED if f not in fixed), refuses)
+        found = [best or evaluate(shape, cluster, args.layout, work)]
     else:
-        plan["layouts"] = [_row(e) for e in search(shape, cluster, work, top=args.top)]
+        found = search(shape, cluster, work, top=args.top, refuses=refuses)
+    plan["layouts"] = [_row(e, work, cluster) for e in found]
     return plan
 
 
@@ -103,10 +109,11 @@ def _given_fields(layout: Layout) -> set[str]:
     return {k for k, v in asdict(layout).items() if v != getattr(default, k)}
 
 
-def _row(e: AnalyticEstimate) -> dict[str, Any]:
+def _row(e: AnalyticEstimate, work: Workload, cluster: Cluster) -> dict[str, Any]:
     return {
         "layout": asdict(e.layout),
         "describe": e.layout.describe(),
+        "overrides": recipe_overrides(e.layout, work, cluster.gpus_per_node),
         "reason": e.reason,
         "memory": e.memory,
         "states": e.states,
@@ -136,4 +143,5 @@ def format_scale_table(plan: dict[str, Any]) -> str:
             f"{r['tflops_per_gpu']:>8.1f} {r['bound']:>9}  {r['describe']}"
             + (f"  (infeasible: {r['reason']})" if r["reason"] else "")
         )
+        lines.append(f"{'':>9} recipe: {' '.join(r['overrides'])}")
     return "\n".join(lines)

@@ -4,7 +4,7 @@ virtual stages, checkpointing), each estimated by :func:`.analytic.evaluate`, fa
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from lightning_parallel.parallel.data.stages import planned_stages
@@ -33,20 +33,31 @@ def layout_options(layout: Layout, work: Workload, free: tuple[str, ...]) -> Ite
         # ZeRO-1 moves what ZeRO-2 moves and holds more; registered variants by name (planned_stages)
         "zero_stage": [0, 2, 3, *(s for s in planned_stages() if hasattr(s, "sharding"))],
         "overlap_grad_reduce": [True],
-        "sequence_parallel": [layout.tp > 1],
+        # on where tp splits: the faster, and off for the models that refuse it with pp (the search's refusal)
+        "sequence_parallel": [True, False] if layout.tp > 1 else [False],
     }
     names = [f for f in free if f in values]
     for combo in itertools.product(*(values[f] for f in names)):
         yield replace(layout, **dict(zip(names, combo)))
 
 
+# why the model's family refuses a layout ("" if it takes it): what its module checks before launch
+Refusal = Callable[[Layout], str]
+
+
 def best_of(
-    shape: ModelShape, cluster: Cluster, candidates: Iterator[Layout], work: Workload, top: int = 1
+    shape: ModelShape,
+    cluster: Cluster,
+    candidates: Iterator[Layout],
+    work: Workload,
+    top: int = 1,
+    refuses: Refusal | None = None,
 ) -> list[AnalyticEstimate]:
-    """The ``top`` fastest of ``candidates`` that fit (or, if none fits, the least memory-hungry valid ones)."""
+    """The ``top`` fastest of ``candidates`` that fit (or, if none fits, the least memory-hungry valid ones),
+    leaving out what ``refuses`` names a reason for."""
     fits, over = [], []
     for layout in candidates:
-        if layout_error(shape, layout, work, cluster.gpus, cluster.gpus_per_node):
+        if layout_error(shape, layout, work, cluster.gpus, cluster.gpus_per_node) or (refuses and refuses(layout)):
             continue
         est = evaluate(shape, cluster, layout, work)
         (fits if est.feasible else over).append(est)
@@ -56,10 +67,15 @@ def best_of(
 
 
 def complete(
-    shape: ModelShape, cluster: Cluster, layout: Layout, work: Workload, free: tuple[str, ...]
+    shape: ModelShape,
+    cluster: Cluster,
+    layout: Layout,
+    work: Workload,
+    free: tuple[str, ...],
+    refuses: Refusal | None = None,
 ) -> AnalyticEstimate | None:
     """The best estimate of ``layout`` over the fields it leaves ``free`` (None: no valid completion)."""
-    best = best_of(shape, cluster, layout_options(layout, work, free), work)
+    best = best_of(shape, cluster, layout_options(layout, work, free), work, refuses=refuses)
     return best[0] if best else None
 
 
@@ -89,12 +105,14 @@ def _with_sharding(base: Layout, inner: int, per_node: int) -> Iterator[Layout]:
             yield replace(base, dp_shard=shard, zero_stage=stage)
 
 
-def search(shape: ModelShape, cluster: Cluster, work: Workload, top: int = 5) -> list[AnalyticEstimate]:
+def search(
+    shape: ModelShape, cluster: Cluster, work: Workload, top: int = 5, refuses: Refusal | None = None
+) -> list[AnalyticEstimate]:
     """The ``top`` fastest layouts that fit, each with its best microbatches, virtual stages, checkpointing and
-    ZeRO stage (HSDP layouts keep their stage)."""
+    ZeRO stage (HSDP layouts keep their stage); none that ``refuses`` (the model family's checks) refuses."""
     best: list[AnalyticEstimate] = []
     for base in candidate_layouts(shape, cluster, work):
         free = tuple(f for f in SEARCHED if not (base.dp_shard and f == "zero_stage")) + ("sequence_parallel",)
-        best += best_of(shape, cluster, layout_options(base, work, free), work)
+        best += best_of(shape, cluster, layout_options(base, work, free), work, refuses=refuses)
     fits = [e for e in best if e.feasible]
     return sorted(fits, key=lambda e: (e.step_time, e.memory))[:top]

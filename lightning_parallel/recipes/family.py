@@ -1,0 +1,87 @@
+"""What a model family refuses, for the analytic planner: the checks the recipe runs before launch
+(:func:`~lightning_parallel.recipes.hf.check_hf_layout`, :func:`~lightning_parallel.recipes.litgpt.check_litgpt_layout`)
+and the experts' checks its workers run, called on the model built on the meta device from the planner's config, so
+the planner never proposes a layout the recipe would refuse (sequence parallelism with pp, ep on a dense model, tp
+not dividing the vocabulary, cp on attention it cannot split)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_parallel.parallel.expert.apply import check_expert_layout
+from lightning_parallel.planning.layout import Layout
+
+Refusal = Callable[[Layout], str]
+
+
+def family_refusal(model: str) -> Refusal | None:
+    """Why the family of ``model`` (a Hugging Face config.json or folder, or a LitGPT name) refuses a layout, ""
+    if it takes it; None for a model of neither family (a recipe GPT: the planner's own checks)."""
+    if Path(model).is_dir() or model.endswith(".json"):
+        return _cached(_hf_checks(_hf_meta(model)))
+    try:
+        return _cached(_litgpt_checks(model))
+    except (ImportError, ValueError):  # no litgpt, or no LitGPT name
+        return None
+
+
+def _hf_meta(model: str) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    file = Path(model) / "config.json" if Path(model).is_dir() else Path(model)
+    fields = json.loads(file.read_text())
+    config = AutoConfig.for_model(**fields)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _hf_checks(meta: Any) -> Callable[..., None]:
+    from lightning_parallel.hf.experts import check_hf_expert_degrees, hf_expert_parallel_plan
+    from lightning_parallel.recipes.hf import check_hf_layout
+
+    def check(pp: int, tp: int, cp: int, ep: int, sequence_parallel: bool) -> None:
+        check_hf_layout(meta, pp=pp, tp=tp, sequence_parallel=sequence_parallel, cp=cp)
+        check_hf_expert_degrees(meta, ep=ep)  # HFCausalLM.check_parallel_degrees, in the workers
+        if ep > 1:  # strategies.checks.check_model, in the workers
+            check_expert_layout(meta, ep, hf_expert_parallel_plan(meta))
+
+    return check
+
+
+def _litgpt_checks(name: str) -> Callable[..., None]:
+    from litgpt import Config
+    from litgpt.model import GPT
+
+    from lightning_parallel.recipes.litgpt import check_litgpt_layout
+
+    with torch.device("meta"):
+        meta = GPT(Config.from_name(name))
+
+    def check(pp: int, tp: int, cp: int, ep: int, sequence_parallel: bool) -> None:
+        check_litgpt_layout(meta, pp=pp, tp=tp, sequence_parallel=sequence_parallel, cp=cp)
+        if ep > 1:  # LitGPTCausalLM has no expert plan: check_model looks for the package's MoE layers
+            check_expert_layout(meta, ep, {})
+
+    return check
+
+
+def _cached(check: Callable[..., None]) -> Refusal:
+    """The refusal of a layout by its degrees and sequence parallelism (all the checks read), each asked once."""
+    seen: dict[tuple, str] = {}
+
+    def refuses(layout: Layout) -> str:
+        key = (layout.pp, layout.tp, layout.cp, layout.ep, layout.sequence_parallel)
+        if key not in seen:
+            try:
+                check(*key)
+                seen[key] = ""
+            except ValueError as err:
+                seen[key] = str(err)
+        return seen[key]
+
+    return refuses
