@@ -76,6 +76,11 @@ class TraceRecorder(CommCounter):
             self.steps.append(self.step)
         return out
 
+    def _strict_p2p(self, entry: Any) -> None:  # strict mode's send / recv, noted in issue order
+        super()._strict_p2p(entry)
+        self.shapes.append(tuple(entry.shapes[0]) if entry.shapes else ())
+        self.steps.append(self.step)
+
     def collectives(self, groups: dict[str, GroupInfo]) -> list[Collective]:
         """The ops so far, their groups named by ``groups`` (:meth:`SimulatedWorld.groups`)."""
         out = []

@@ -139,6 +139,18 @@ def _make(kind: str, payload: int, size: int, tensors: Any, group: str = "") -> 
     return CommEvent(kind, payload, size, str(first.dtype).replace("torch.", "") if first is not None else "", group)
 
 
+class _P2PSink(list):
+    """strict mode's recording list that hands each send / recv to ``note`` as it is issued."""
+
+    def __init__(self, note: Any) -> None:
+        super().__init__()
+        self.note = note
+
+    def append(self, entry: Any) -> None:
+        if entry.op in ("send", "recv"):
+            self.note(entry)
+
+
 class CommCounter(TorchDispatchMode):
     """Counts the bytes this rank's collectives and send/recv move while active (a context manager).
 
@@ -157,10 +169,10 @@ class CommCounter(TorchDispatchMode):
 
     def __enter__(self) -> CommCounter:
         # strict mode runs point-to-point ops on executor threads, out of this thread's dispatch modes: its trace
-        # (noted as each op is issued here) gives their events instead (tests/test_observability.py)
+        # notes each as it is issued here, in order among the collectives (tests/test_observability.py)
         if strict.enabled():
-            self._strict = strict.recording()
-            self._strict_entries = self._strict.__enter__()
+            self._strict = strict.recording(_P2PSink(self._strict_p2p))
+            self._strict.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
@@ -168,10 +180,13 @@ class CommCounter(TorchDispatchMode):
         if self._strict is not None:
             self._strict.__exit__(None, None, None)
             self._strict = None
-            for e in self._strict_entries:
-                if e.op in ("send", "recv"):
-                    self.events.append(CommEvent(e.op, e.bytes, len(strict.group_ranks(e.group)), e.dtype, e.group))
         return out
+
+    def _strict_p2p(self, entry: Any) -> None:
+        """A point-to-point op strict mode issued on its executor (a subclass notes more of it)."""
+        self.events.append(
+            CommEvent(entry.op, entry.bytes, len(strict.group_ranks(entry.group)), entry.dtype, entry.group)
+        )
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

@@ -213,15 +213,16 @@ def abandon() -> None:
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[Entry]]:
-    """A list that receives every operation this rank issues inside the block, in order (strict mode must be on).
+def recording(sink: list[Entry] | None = None) -> Iterator[list[Entry]]:
+    """A list that receives every operation this rank issues inside the block, in order, as each is issued
+    (``sink``: a list of the caller's, e.g. one whose ``append`` acts on each entry; strict mode must be on).
 
     Raises:
         RuntimeError: strict mode is off.
     """
     if _hub is None:
         raise RuntimeError(f"strict mode is off: set {ENV}=1 (or call enable()) to trace collectives.")
-    recorder: list[Entry] = []
+    recorder: list[Entry] = [] if sink is None else sink
     _hub.trace.recorders.append(recorder)
     try:
         yield recorder
