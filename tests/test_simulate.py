@@ -20,12 +20,24 @@ STEPS, BATCH = 2, 4
 FAST = {
     "zero2": (2, "zero2", {"zero_stage": 2}),
     "tp2_sp": (2, "hybrid3d:tp=2,sequence_parallel=1", {"tp": 2, "sequence_parallel": True}),
+    "pp2_1f1b": (2, "hybrid3d:pp=2,pp_schedule=1f1b", {"pp": 2, "pp_schedule": "1f1b"}),
 }
 SLOW = {
     "zero1": (2, "zero1", {"zero_stage": 1}),
     "zero3": (2, "zero3", {"zero_stage": 3}),
     "hsdp": (4, "hybrid3d:zero_stage=3,dp_shard=2", {"zero_stage": 3, "dp_shard": 2}),
     "cp2_ring": (2, "hybrid3d:cp=2", {"cp": 2}),
+    "pp2_gpipe": (2, "hybrid3d:pp=2,pp_schedule=gpipe", {"pp": 2, "pp_schedule": "gpipe"}),
+    "pp2_interleaved": (
+        2,
+        "hybrid3d:pp=2,pp_schedule=interleaved_1f1b",
+        {"pp": 2, "pp_schedule": "interleaved_1f1b"},
+    ),
+    "pp2_tp2_zero1": (
+        4,
+        "hybrid3d:pp=2,tp=2,zero_stage=1,sequence_parallel=1",
+        {"pp": 2, "tp": 2, "zero_stage": 1, "sequence_parallel": True},
+    ),
     "tp2_zero3": (
         4,
         "hybrid3d:tp=2,zero_stage=3,sequence_parallel=1",

@@ -17,10 +17,10 @@ from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.mesh import MESH_AXES, ParallelDims
 from lightning_parallel.planning.cluster import Cluster, get_device
 from lightning_parallel.simulate.model import build_model
-from lightning_parallel.simulate.rank import PRECISIONS, RankResult, simulate_rank
+from lightning_parallel.simulate.rank import PRECISIONS, RankResult, first_stage_of, simulate_rank
 from lightning_parallel.simulate.timing import StepTime, step_time
 from lightning_parallel.simulate.trace import Mismatch, check_consistency
-from lightning_parallel.simulate.world import axis_strides, open_rank
+from lightning_parallel.simulate.world import axis_strides, open_rank, rank_coordinates
 
 
 @dataclass
@@ -147,6 +147,27 @@ def _run_rank(config: ParallelConfig, world: int, rank: int, model: Any, seq: in
     return result
 
 
+def _in_child(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a fresh process forked from this one (its own process group, caches and fake tensors)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _probe_first_stage(
+    config: ParallelConfig, world: int, rank: int, model: Any, seq: int | None, samples: int, precision: str
+) -> Any:
+    """In the child: what ranks of later stages learn from rank ``rank`` (it holds the first pipeline stage)."""
+    try:
+        built = build_model(model, seq)
+        with open_rank(config, world, rank, precision) as w:
+            return first_stage_of(w, config, built, samples, precision)
+    except (ValueError, TypeError) as err:
+        raise type(err)(str(err)) from None
+    except Exception:
+        failed = traceback.format_exc()
+        raise RuntimeError(f"simulating the first pipeline stage (rank {rank}) failed:\n{failed}") from None
+
+
 def simulate(
     model: Any,
     gpus: int,
@@ -184,12 +205,6 @@ def simulate(
     dims = config.dims(gpus)
     if steps < 1:
         raise ValueError(f"--steps={steps}: simulate at least 1 training step.")
-    if config.pp > 1:
-        raise ValueError(
-            f"--layout pp={config.pp}: pipeline parallelism is not simulated yet (the stages' first exchange of "
-            "shapes cannot run on the fake process group; static stage shapes are the next step): simulate the layout "
-            "with pp=1 and the same tp, cp, ep and ZeRO stage to check them, and the planner for the pipeline."
-        )
     if precision not in PRECISIONS:
         raise ValueError(f"--precision={precision!r}: the simulator runs {', '.join(PRECISIONS)}; choose one of them.")
     cluster = Cluster(gpus, min(gpus_per_node, gpus), get_device(device))
@@ -201,6 +216,11 @@ def simulate(
             f"--global-batch-size={batch} does not split over the {batch_ranks} data-parallel ranks: give a multiple "
             f"of {batch_ranks}."
         )
+    if config.pp > 1 and (batch // batch_ranks) % config.microbatches:
+        raise ValueError(
+            f"--global-batch-size={batch}: {batch // batch_ranks} samples per data-parallel rank do not split into "
+            f"microbatches={config.microbatches}: give a multiple of {batch_ranks * config.microbatches}."
+        )
     chosen = sorted(set(ranks)) if ranks else default_ranks(dims)
     bad = [r for r in chosen if not 0 <= r < gpus]
     if bad:
@@ -208,13 +228,17 @@ def simulate(
     # built here once on the meta device: the model's errors come before any rank, and its imports are paid once
     # (each rank's process is forked from this one and builds its own copy)
     first = build_model(model, seq_len)
-    kw = {"precision": precision, "steps": steps, "clip": clip}
-    results = []
-    fork = multiprocessing.get_context("fork")
+    kw: dict[str, Any] = {"precision": precision, "steps": steps, "clip": clip}
+    results: list[RankResult] = []
+    samples = batch // batch_ranks
     for rank in chosen:  # a fresh process per rank: its own process group, caches and fake tensors
-        with ProcessPoolExecutor(1, mp_context=fork) as pool:
-            job = pool.submit(_run_rank, config, gpus, rank, model, seq_len, batch // batch_ranks, kw)
-            results.append(job.result())
+        if config.pp > 1 and kw.get("first_stage") is None and rank_coordinates(dims, rank)["pp"]:
+            # a later stage's inputs: what the first stage passes on, learned on a rank that holds it
+            stage0 = rank - rank_coordinates(dims, rank)["pp"] * axis_strides(dims)["pp"]
+            kw["first_stage"] = _in_child(_probe_first_stage, config, gpus, stage0, model, seq_len, samples, precision)
+        result = _in_child(_run_rank, config, gpus, rank, model, seq_len, samples, kw)
+        kw["first_stage"] = kw.get("first_stage") or result.first_stage
+        results.append(result)
     bubble = config.schedule.bubble(config.pp, config.microbatches or 1, config.stages_per_rank)
     times = [step_time(r.flops, r.collectives, cluster, bubble) for r in results]
     mismatches, compared = check_consistency({r.rank: r.trace for r in results})

@@ -1,6 +1,7 @@
 """Case ``simulate_ref``: the real run a simulation is held against (tests/test_simulate.py). The tiny GPT under
 the run's strategy on gloo, a Fabric loop of ``steps`` steps (forward and loss, ``fabric.backward``, clipping by
-the whole model's norm, ``optimizer.step``) at ``global_batch`` samples and 32-true, as the simulator steps it.
+the whole model's norm, ``optimizer.step``) at ``global_batch`` samples and 32-true, as the simulator steps it
+(under pp, ``pipeline_step``: the schedule's forwards and backwards).
 Each rank records the last step's collectives (lightning_parallel.simulate.trace's recorder, the mesh's groups
 named as the simulator names them) and its model-state bytes after that step, before zero_grad."""
 
@@ -34,8 +35,10 @@ def run_case(case: dict, ctx) -> dict:
         idx, targets = getattr(fabric.strategy, "shard_batch", lambda b: b)((idx, targets))  # cp: this rank's chunks
         recorder.step = step
         with recorder:
-            loss = model.loss(model(idx), targets)
-            fabric.backward(loss)
+            if fabric.strategy.parallel_dims.pp > 1:
+                fabric.strategy.pipeline_step(model, idx, targets)
+            else:
+                fabric.backward(model.loss(model(idx), targets))
             fabric.clip_gradients(model, optimizer, max_norm=1.0)
             optimizer.step()
         states = model_state_bytes(model.module, [optimizer.optimizer])
