@@ -68,17 +68,17 @@ def settle_tied(tied: TiedGradients, root: nn.Module, split: PipelineSplit, firs
 
 
 class SimulatedStage(_Stage, StaticVoteStage):
-    """The runner's stage, given its shapes, answering torch's warm-up vote; ``forward_start`` and
-    ``forward_done`` are called around each microbatch's forward (torch's ``MemTracker`` takes a second call of a
-    root module for a new step unless its module statistics are reset first; the activations in flight are
+    """The runner's stage, given its shapes, answering torch's warm-up vote; ``forward_start`` (given the stage's
+    module) and ``forward_done`` are called around each microbatch's forward (torch's ``MemTracker`` takes a second
+    call of a root module for a new step unless its statistics are dropped first; the activations in flight are
     sampled after)."""
 
-    forward_start: Callable[[], None] | None = None
+    forward_start: Callable[[nn.Module], None] | None = None
     forward_done: Callable[[], None] | None = None
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if self.forward_start is not None:
-            self.forward_start()
+            self.forward_start(self.submod)
         out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         if self.forward_done is not None:
             self.forward_done()
@@ -159,7 +159,7 @@ def simulated_pipeline(
     loss_fn: Callable[[Any, Any], Tensor],
     shapes: dict[int, dict[str, Any]],
     tp: bool,
-    forward_start: Callable[[], None] | None = None,
+    forward_start: Callable[[nn.Module], None] | None = None,
     forward_done: Callable[[], None] | None = None,
 ) -> Pipeline:
     """The runner's :class:`Pipeline` over this rank's stages, as Fabric's ``pipeline_step`` builds and drives it

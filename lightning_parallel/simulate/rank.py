@@ -169,7 +169,7 @@ def _simulate_rank(
                 loss,
                 shapes,
                 tp,
-                tracker.reset_mod_stats,
+                lambda stage: _forget(tracker, stage),
                 sample,
             )
         tracker.track_external(module, optimizer)
@@ -217,6 +217,13 @@ def _split(world: SimulatedWorld, config: ParallelConfig, model: SimulatedModel,
     if world.dims.tp > 1 and has_loss(module):  # as the front doors do: logits stay split over the vocabulary
         module.loss = vocab_parallel_loss(module.loss)
     return module, parallel, fake
+
+
+def _forget(tracker: Any, stage: nn.Module) -> None:
+    """Drop ``MemTracker``'s statistics of ``stage``'s modules (before its next microbatch's forward: torch's
+    tracker takes a root module called again for a new step); the other stages' stay for their backwards."""
+    for module in stage.modules():
+        tracker.memory_tracking.pop(module, None)
 
 
 def _routing(world: SimulatedWorld) -> Any:

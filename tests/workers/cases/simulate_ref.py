@@ -22,16 +22,17 @@ def run_case(case: dict, ctx) -> dict:
     fabric.launch()
     torch.manual_seed(0)
     with fabric.init_module(empty_init=True):
-        from lightning_parallel.models import LitGPT
+        from lightning_parallel.models import GPTConfig, LitGPT
 
-        model = LitGPT(config=TINY)
+        model = LitGPT(config=GPTConfig(**case["gpt"]) if "gpt" in case else TINY)
     optimizer = model.configure_optimizers()
     model, optimizer = fabric.setup(model, optimizer)
     samples = case["global_batch"] // fabric.strategy.parallel_dims.role_size("batch")
     recorder = TraceRecorder()
     for step in range(case["steps"]):
-        idx = torch.randint(0, TINY.vocab_size, (samples, TINY.seq_len))
-        targets = torch.randint(0, TINY.vocab_size, (samples, TINY.seq_len))
+        vocab, seq = model.config.vocab_size, model.config.seq_len
+        idx = torch.randint(0, vocab, (samples, seq))
+        targets = torch.randint(0, vocab, (samples, seq))
         idx, targets = getattr(fabric.strategy, "shard_batch", lambda b: b)((idx, targets))  # cp: this rank's chunks
         recorder.step = step
         with recorder:
