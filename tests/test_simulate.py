@@ -105,10 +105,21 @@ def test_consistency_names_the_group_and_first_differing_op():
     assert mismatches[0].index == 1 and mismatches[0].second_op is None
 
 
+def test_consistency_pairs_each_send_with_its_receive():
+    def p2p(op: str, shape: tuple[int, ...], peer: int) -> Collective:
+        return Collective(op, "pp", "float32", shape, 16, 16.0, 2, (0, 1), 1, 0, peer)
+
+    sends = [p2p("send", (1, 4), 1), p2p("recv", (1, 4), 1)]
+    mismatches, compared = check_consistency({0: sends, 1: [p2p("recv", (1, 4), 0), p2p("send", (1, 4), 0)]})
+    assert (mismatches, compared) == ([], 2)  # 0 -> 1 and 1 -> 0
+    mismatches, _ = check_consistency({0: sends, 1: [p2p("recv", (1, 8), 0), p2p("send", (1, 4), 0)]})
+    assert len(mismatches) == 1 and mismatches[0].first_op[1] == (1, 4) and mismatches[0].second_op[1] == (1, 8)
+
+
 def test_default_ranks_cover_every_axis_and_the_last_rank():
     dims = ParallelConfig(tp=8, pp=4).validate().dims(256)
-    # rank 0, the last tp rank, the last dp rank (stride 8), the last pp stage (stride 64), the last rank
-    assert default_ranks(dims) == [0, 7, 56, 192, 255]
+    # rank 0, the last tp rank, the last dp rank (stride 8), a middle and the last pp stage (stride 64), the last
+    assert default_ranks(dims) == [0, 7, 56, 128, 192, 255]
 
 
 def test_bad_settings_are_refused_before_any_rank_runs():

@@ -79,6 +79,7 @@ def _rank_dict(r: RankResult, t: StepTime) -> dict[str, Any]:
         "peak_by_kind": r.by_kind,
         "flops_per_step": r.flops,
         "comm_sent_bytes_by_axis": sent,
+        "pipeline_stages": r.stages,
         "collectives": [c.to_dict() for c in r.collectives],
         "step_time": dataclasses.asdict(t),
         "mfu": t.mfu,
@@ -123,13 +124,15 @@ def _parse_items(text: str) -> dict[str, Any]:
 
 def default_ranks(dims: ParallelDims) -> list[int]:
     """One rank per distinct position: rank 0, the last rank along each axis of size > 1 (the others at 0: it
-    shares that axis's group with rank 0, so their sequences on it are compared), and the last rank of all (the
-    last pipeline stage, a tp/cp/ep corner)."""
+    shares that axis's group with rank 0, so their sequences on it are compared), a middle pipeline stage's first
+    rank when pp > 2, and the last rank of all (the last pipeline stage, a tp/cp/ep corner)."""
     strides = axis_strides(dims)
     picked = {0, dims.world_size - 1}
     for axis in MESH_AXES:
         if dims.degrees[axis] > 1:
             picked.add((dims.degrees[axis] - 1) * strides[axis])
+    if dims.pp > 2:  # a middle pipeline stage: it receives and sends both ways
+        picked.add(dims.pp // 2 * strides["pp"])
     return sorted(picked)
 
 

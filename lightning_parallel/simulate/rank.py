@@ -214,7 +214,9 @@ def _split(world: SimulatedWorld, config: ParallelConfig, model: SimulatedModel,
     fake = fake_tensor_mode(allow_non_fake_inputs=True)
     with fake_materialize(module, fake):
         parallel = parallelize(module, module, world.mesh, config, world.sharding, _CPU, info=_quiet)
-    if world.dims.tp > 1 and has_loss(module):  # as the front doors do: logits stay split over the vocabulary
+    if parallel.split is None and world.dims.tp > 1 and has_loss(module):
+        # as the front doors do: logits stay split over the vocabulary (under pp the schedule runs in one
+        # loss_parallel instead: simulate/pipeline.py)
         module.loss = vocab_parallel_loss(module.loss)
     return module, parallel, fake
 
