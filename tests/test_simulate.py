@@ -30,6 +30,11 @@ SLOW = {
     "hsdp": (4, "hybrid3d:zero_stage=3,dp_shard=2", {"zero_stage": 3, "dp_shard": 2}),
     "cp2_ring": (2, "hybrid3d:cp=2", {"cp": 2}),
     "pp2_gpipe": (2, "hybrid3d:pp=2,pp_schedule=gpipe", {"pp": 2, "pp_schedule": "gpipe"}),
+    "pp2_interleaved": (
+        2,
+        "hybrid3d:pp=2,pp_schedule=interleaved_1f1b",
+        {"pp": 2, "pp_schedule": "interleaved_1f1b"},
+    ),
     "pp2_tp2_zero1": (
         4,
         "hybrid3d:pp=2,tp=2,zero_stage=1,sequence_parallel=1",
