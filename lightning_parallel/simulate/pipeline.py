@@ -150,6 +150,22 @@ def static_shapes(
     return shapes, boundary
 
 
+class SimulatedPipeline(Pipeline):
+    """The runner's :class:`Pipeline` with :class:`SimulatedStage` stages; ``forward_start`` (given a stage's module)
+    and ``forward_done`` are handed to each stage it builds (at the first step)."""
+
+    forward_start: Callable[[nn.Module], None] | None = None
+    forward_done: Callable[[], None] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, stage_type=self._stage, **kwargs)
+
+    def _stage(self, *args: Any, **kwargs: Any) -> SimulatedStage:
+        made = SimulatedStage(*args, **kwargs)
+        made.forward_start, made.forward_done = self.forward_start, self.forward_done
+        return made
+
+
 def simulated_pipeline(
     split: PipelineSplit,
     schedule: str,
@@ -159,25 +175,8 @@ def simulated_pipeline(
     loss_fn: Callable[[Any, Any], Tensor],
     shapes: dict[int, dict[str, Any]],
     tp: bool,
-    forward_start: Callable[[nn.Module], None] | None = None,
-    forward_done: Callable[[], None] | None = None,
-) -> Pipeline:
-    """The runner's :class:`Pipeline` over this rank's stages, as Fabric's ``pipeline_step`` builds and drives it
-    (under tp the loss made whole inside one ``loss_parallel``), with :class:`SimulatedStage` and static shapes;
-    ``forward_start`` and ``forward_done`` are called around every microbatch's forward."""
-
-    def stage(*args: Any, **kwargs: Any) -> SimulatedStage:
-        made = SimulatedStage(*args, **kwargs)
-        made.forward_start, made.forward_done = forward_start, forward_done
-        return made
-
-    return Pipeline(
-        split,
-        schedule,
-        microbatches,
-        group,
-        device,
-        full_loss(loss_fn) if tp else loss_fn,
-        stage_type=stage,
-        stage_shapes=shapes.__getitem__,
-    )
+) -> SimulatedPipeline:
+    """This rank's stages as Fabric's ``pipeline_step`` builds and drives them (under tp the loss made whole inside
+    the schedule's one ``loss_parallel``), given static shapes."""
+    loss = full_loss(loss_fn) if tp else loss_fn
+    return SimulatedPipeline(split, schedule, microbatches, group, device, loss, stage_shapes=shapes.__getitem__)

@@ -25,13 +25,18 @@ from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.dtensor import local
 from lightning_parallel.parallel.measure.flops import LocalFlopCounter
 from lightning_parallel.parallel.parallelize import Parallelized, parallelize
-from lightning_parallel.parallel.pipeline.runner import Pipeline
 from lightning_parallel.parallel.step import clip_model_grad_norm, reduce_step_gradients
 from lightning_parallel.parallel.tensor.loss import vocab_parallel_loss
 from lightning_parallel.protocol import has_loss
 from lightning_parallel.simulate.experts import uniform_routing
 from lightning_parallel.simulate.model import Batch, SimulatedModel, fake_materialize
-from lightning_parallel.simulate.pipeline import FirstStage, settle_tied, simulated_pipeline, static_shapes
+from lightning_parallel.simulate.pipeline import (
+    FirstStage,
+    SimulatedPipeline,
+    settle_tied,
+    simulated_pipeline,
+    static_shapes,
+)
 from lightning_parallel.simulate.trace import Collective, TraceRecorder
 from lightning_parallel.simulate.world import SimulatedWorld, rank_coordinates
 
@@ -112,6 +117,8 @@ def simulate_rank(
     with warnings.catch_warnings():
         # ZeRO-1/2's flat buffers compare storage addresses, which fake tensors warn about (and do not have)
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        # under pp, torch's note for each tp plan entry of a layer another stage holds (a real run's too)
+        warnings.filterwarnings("ignore", message="Parallelize plan key .* could not be resolved")
         return _simulate_rank(world, config, model, samples, precision, steps, clip, first_stage)
 
 
@@ -122,6 +129,7 @@ def first_stage_of(
     outputs on one microbatch and its tied weights, split and run on fake tensors as :func:`simulate_rank` would."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        warnings.filterwarnings("ignore", message="Parallelize plan key .* could not be resolved")
         module, parallel, fake = _split(world, config, model, precision)
         with fake, _routing(world):
             boundary = _stage_shapes(world, config, parallel, model, samples, precision, None)[1]
@@ -151,27 +159,8 @@ def _simulate_rank(
 
         pipeline = None
         if parallel.split is not None:
-            given = first_stage.boundary if first_stage is not None else None
-            shapes, boundary = _stage_shapes(world, config, parallel, model, samples, precision, given)
-            if parallel.tied is not None:
-                settle_tied(parallel.tied, module, parallel.split, first_stage)
-            if 0 in parallel.split.stages:
-                tied = parallel.tied.local_entries() if parallel.tied is not None else None
-                first_stage = FirstStage(boundary, tied)
-            loss, tp = module.loss, world.dims.tp > 1
-            group = world.mesh.group("stage")
-            pipeline = simulated_pipeline(
-                parallel.split,
-                config.pp_schedule,
-                config.microbatches,
-                group,
-                _CPU,
-                loss,
-                shapes,
-                tp,
-                lambda stage: _forget(tracker, stage),
-                sample,
-            )
+            pipeline, first_stage = _pipeline(world, config, parallel, module, model, samples, precision, first_stage)
+            pipeline.forward_start, pipeline.forward_done = lambda stage: _forget(tracker, stage), sample
         tracker.track_external(module, optimizer)
         with tracker:
             for step in range(steps):
@@ -203,6 +192,32 @@ def _simulate_rank(
 
 
 _CPU = torch.device("cpu")
+
+
+def _pipeline(
+    world: SimulatedWorld,
+    config: ParallelConfig,
+    parallel: Parallelized,
+    module: Any,
+    model: SimulatedModel,
+    samples: int,
+    precision: str,
+    first_stage: FirstStage | None,
+) -> tuple[SimulatedPipeline, FirstStage | None]:
+    """This rank's stages under the schedule, given static shapes (inside the fake mode, before any step); what
+    it passes on to ranks of later stages when it holds the first one (else ``first_stage`` back)."""
+    assert parallel.split is not None
+    given = first_stage.boundary if first_stage is not None else None
+    shapes, boundary = _stage_shapes(world, config, parallel, model, samples, precision, given)
+    if parallel.tied is not None:
+        settle_tied(parallel.tied, module, parallel.split, first_stage)
+    if 0 in parallel.split.stages:
+        first_stage = FirstStage(boundary, parallel.tied.local_entries() if parallel.tied is not None else None)
+    group, tp = world.mesh.group("stage"), world.dims.tp > 1
+    made = simulated_pipeline(
+        parallel.split, config.pp_schedule, config.microbatches, group, _CPU, module.loss, shapes, tp
+    )
+    return made, first_stage
 
 
 def _split(world: SimulatedWorld, config: ParallelConfig, model: SimulatedModel, precision: str) -> tuple:
@@ -279,7 +294,7 @@ def _train_step(
     precision: str,
     clip: float | None,
     forward_done: Any = None,
-    pipeline: Pipeline | None = None,
+    pipeline: SimulatedPipeline | None = None,
 ) -> None:
     """One optimizer step as the strategies run it (``MeshStrategy.optimizer_step``, Fabric's loop; under pp
     Fabric's ``pipeline_step``: the schedule's forwards and backwards in one ``loss_parallel`` under tp)."""
