@@ -139,3 +139,5 @@ def test_bad_settings_are_refused_before_any_rank_runs():
 def test_a_pipeline_batch_that_does_not_split_into_microbatches_is_refused():
     with pytest.raises(ValueError, match="do not split into microbatches=4"):
         simulate(TINY, 2, "pp=2", global_batch_size=2)
+    with pytest.raises(ValueError, match="zero-bubble schedules"):
+        simulate(TINY, 2, "pp=2,pp_schedule=zero_bubble")

@@ -208,6 +208,13 @@ def simulate(
     dims = config.dims(gpus)
     if steps < 1:
         raise ValueError(f"--steps={steps}: simulate at least 1 training step.")
+    if config.pp > 1 and config.schedule.split_backward:
+        raise ValueError(
+            f"--layout pp_schedule={config.pp_schedule}: zero-bubble schedules split the backward into "
+            "torch.autograd.grad calls, which torch's memory tracker (MemTracker) cannot follow: simulate the layout "
+            "with pp_schedule=1f1b or interleaved_1f1b (the same stages, states and messages but the weight-gradient "
+            "split) and take the bubble from the planner."
+        )
     if precision not in PRECISIONS:
         raise ValueError(f"--precision={precision!r}: the simulator runs {', '.join(PRECISIONS)}; choose one of them.")
     cluster = Cluster(gpus, min(gpus_per_node, gpus), get_device(device))
