@@ -171,6 +171,52 @@ def _probe_first_stage(
         raise RuntimeError(f"simulating the first pipeline stage (rank {rank}) failed:\n{failed}") from None
 
 
+def _check_settings(config: ParallelConfig, steps: int, precision: str) -> None:
+    if steps < 1:
+        raise ValueError(f"--steps={steps}: simulate at least 1 training step.")
+    if config.pp > 1 and config.schedule.split_backward:
+        raise ValueError(
+            f"--layout pp_schedule={config.pp_schedule}: zero-bubble schedules split the backward into "
+            "torch.autograd.grad calls, which torch's memory tracker (MemTracker) cannot follow: simulate the layout "
+            "with pp_schedule=1f1b or interleaved_1f1b (the same stages, states and messages but the weight-gradient "
+            "split) and take the bubble from the planner."
+        )
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision={precision!r}: the simulator runs {', '.join(PRECISIONS)}; choose one of them.")
+
+
+def _check_batch(config: ParallelConfig, batch: int, batch_ranks: int) -> None:
+    if batch % batch_ranks:
+        raise ValueError(
+            f"--global-batch-size={batch} does not split over the {batch_ranks} data-parallel ranks: give a multiple "
+            f"of {batch_ranks}."
+        )
+    if config.pp > 1 and (batch // batch_ranks) % config.microbatches:
+        raise ValueError(
+            f"--global-batch-size={batch}: {batch // batch_ranks} samples per data-parallel rank do not split into "
+            f"microbatches={config.microbatches}: give a multiple of {batch_ranks * config.microbatches}."
+        )
+
+
+def _simulate_ranks(
+    config: ParallelConfig, gpus: int, chosen: list[int], model: Any, seq_len: int | None, samples: int, kw: dict
+) -> list[RankResult]:
+    """Each chosen rank in a fresh process (its own process group, caches and fake tensors), in order; under pp
+    what a rank of the first stage passes on handed to the ranks of later stages (learned first when no chosen
+    rank before them holds the first stage)."""
+    dims = config.dims(gpus)
+    results: list[RankResult] = []
+    for rank in chosen:
+        if config.pp > 1 and kw.get("first_stage") is None and rank_coordinates(dims, rank)["pp"]:
+            stage0 = rank - rank_coordinates(dims, rank)["pp"] * axis_strides(dims)["pp"]
+            probe = (config, gpus, stage0, model, seq_len, samples, kw["precision"])
+            kw["first_stage"] = _in_child(_probe_first_stage, *probe)
+        result = _in_child(_run_rank, config, gpus, rank, model, seq_len, samples, kw)
+        kw["first_stage"] = kw.get("first_stage") or result.first_stage
+        results.append(result)
+    return results
+
+
 def simulate(
     model: Any,
     gpus: int,
@@ -206,31 +252,12 @@ def simulate(
     start = time.perf_counter()
     config = parse_config(layout)
     dims = config.dims(gpus)
-    if steps < 1:
-        raise ValueError(f"--steps={steps}: simulate at least 1 training step.")
-    if config.pp > 1 and config.schedule.split_backward:
-        raise ValueError(
-            f"--layout pp_schedule={config.pp_schedule}: zero-bubble schedules split the backward into "
-            "torch.autograd.grad calls, which torch's memory tracker (MemTracker) cannot follow: simulate the layout "
-            "with pp_schedule=1f1b or interleaved_1f1b (the same stages, states and messages but the weight-gradient "
-            "split) and take the bubble from the planner."
-        )
-    if precision not in PRECISIONS:
-        raise ValueError(f"--precision={precision!r}: the simulator runs {', '.join(PRECISIONS)}; choose one of them.")
+    _check_settings(config, steps, precision)
     cluster = Cluster(gpus, min(gpus_per_node, gpus), get_device(device))
     batch_ranks = dims.role_size("batch")
     per_rank = (config.microbatches or 1) if config.pp > 1 else 1
     batch = global_batch_size or batch_ranks * per_rank
-    if batch % batch_ranks:
-        raise ValueError(
-            f"--global-batch-size={batch} does not split over the {batch_ranks} data-parallel ranks: give a multiple "
-            f"of {batch_ranks}."
-        )
-    if config.pp > 1 and (batch // batch_ranks) % config.microbatches:
-        raise ValueError(
-            f"--global-batch-size={batch}: {batch // batch_ranks} samples per data-parallel rank do not split into "
-            f"microbatches={config.microbatches}: give a multiple of {batch_ranks * config.microbatches}."
-        )
+    _check_batch(config, batch, batch_ranks)
     chosen = sorted(set(ranks)) if ranks else default_ranks(dims)
     bad = [r for r in chosen if not 0 <= r < gpus]
     if bad:
@@ -239,16 +266,7 @@ def simulate(
     # (each rank's process is forked from this one and builds its own copy)
     first = build_model(model, seq_len)
     kw: dict[str, Any] = {"precision": precision, "steps": steps, "clip": clip}
-    results: list[RankResult] = []
-    samples = batch // batch_ranks
-    for rank in chosen:  # a fresh process per rank: its own process group, caches and fake tensors
-        if config.pp > 1 and kw.get("first_stage") is None and rank_coordinates(dims, rank)["pp"]:
-            # a later stage's inputs: what the first stage passes on, learned on a rank that holds it
-            stage0 = rank - rank_coordinates(dims, rank)["pp"] * axis_strides(dims)["pp"]
-            kw["first_stage"] = _in_child(_probe_first_stage, config, gpus, stage0, model, seq_len, samples, precision)
-        result = _in_child(_run_rank, config, gpus, rank, model, seq_len, samples, kw)
-        kw["first_stage"] = kw.get("first_stage") or result.first_stage
-        results.append(result)
+    results = _simulate_ranks(config, gpus, chosen, model, seq_len, batch // batch_ranks, kw)
     bubble = config.schedule.bubble(config.pp, config.microbatches or 1, config.stages_per_rank)
     times = [step_time(r.flops, r.collectives, cluster, bubble) for r in results]
     mismatches, compared = check_consistency({r.rank: r.trace for r in results})
