@@ -117,6 +117,27 @@ class ShapeInferenceHookStage(PipelineStage):
             return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 
 
+# torch 2.13's stages agree before their first step, over p2p, whether every stage was given its shapes (STATIC)
+# or all infer them by running (DYNAMIC): the vote's two passes, run on every stage.
+PIPELINE_WARMUP_VOTE = ("_warmup_forward_vote", "_warmup_backward_result") if TORCH_2_13_PIPELINE_HOOK else ()
+
+
+class StaticVoteStage(ShapeInferenceHookStage):
+    """A stage given its shapes statically, for a process group whose receives deliver nothing (torch's ``fake``
+    backend): its warm-up vote's messages are still issued, their outcome read as STATIC (every stage of the run is
+    given its shapes; a constant the schedule can read under ``FakeTensorMode``). torch 2.11 has no vote."""
+
+    if PIPELINE_WARMUP_VOTE:
+
+        def _warmup_forward_vote(self, has_backward: bool, received_acc: Tensor | None = None) -> Tensor:
+            super()._warmup_forward_vote(has_backward, received_acc)
+            return torch.tensor([1], dtype=torch.int32, device=self.device)
+
+        def _warmup_backward_result(self, received_result: Tensor | None = None) -> Tensor:
+            super()._warmup_backward_result(received_result)
+            return torch.tensor([1], dtype=torch.int32, device=self.device)
+
+
 def set_local_tensor(param: DTensor, local: Tensor) -> None:
     """Make a DTensor's shard *be* ``local`` (an alias, no copy): assigning ``.data`` would copy."""
     param._local_tensor = local

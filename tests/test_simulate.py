@@ -5,6 +5,7 @@ consistency check finds a rank whose sequence parts from its group's; the rank c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -16,16 +17,29 @@ from lightning_parallel.simulate import default_ranks, simulate
 from lightning_parallel.simulate.trace import Collective, check_consistency
 
 STEPS, BATCH = 2, 4
+MOE = dataclasses.replace(TINY, moe_experts=4, moe_top_k=2, moe_every=2)  # block 1's FFN: 4 experts, top-2
 # label -> (world, the worker's strategy spec, the same layout for the simulator)
 FAST = {
     "zero2": (2, "zero2", {"zero_stage": 2}),
     "tp2_sp": (2, "hybrid3d:tp=2,sequence_parallel=1", {"tp": 2, "sequence_parallel": True}),
+    "pp2_1f1b": (2, "hybrid3d:pp=2,pp_schedule=1f1b", {"pp": 2, "pp_schedule": "1f1b"}),
 }
 SLOW = {
     "zero1": (2, "zero1", {"zero_stage": 1}),
     "zero3": (2, "zero3", {"zero_stage": 3}),
     "hsdp": (4, "hybrid3d:zero_stage=3,dp_shard=2", {"zero_stage": 3, "dp_shard": 2}),
     "cp2_ring": (2, "hybrid3d:cp=2", {"cp": 2}),
+    "pp2_gpipe": (2, "hybrid3d:pp=2,pp_schedule=gpipe", {"pp": 2, "pp_schedule": "gpipe"}),
+    "pp2_interleaved": (
+        2,
+        "hybrid3d:pp=2,pp_schedule=interleaved_1f1b",
+        {"pp": 2, "pp_schedule": "interleaved_1f1b"},
+    ),
+    "pp2_tp2_zero1": (
+        4,
+        "hybrid3d:pp=2,tp=2,zero_stage=1,sequence_parallel=1",
+        {"pp": 2, "tp": 2, "zero_stage": 1, "sequence_parallel": True},
+    ),
     "tp2_zero3": (
         4,
         "hybrid3d:tp=2,zero_stage=3,sequence_parallel=1",
@@ -36,6 +50,14 @@ SLOW = {
 
 def _comparable(c: dict) -> tuple:
     return (c["op"], c["axes"], c["dtype"], tuple(c["shape"]), c["payload_bytes"], c["group_size"], c["step"])
+
+
+def _routed(c: dict) -> tuple:
+    """As :func:`_comparable`, but the routed rows' all-to-alls (floating point: the tokens out, the experts'
+    outputs back) without their shape and bytes: the real router's, uneven, against the simulator's uniform one."""
+    if c["op"] == "all_to_all" and c["dtype"].startswith(("float", "bfloat")):
+        return (c["op"], c["axes"], c["dtype"], c["group_size"], c["step"])
+    return _comparable(c)
 
 
 @pytest.mark.parametrize("label", list(FAST))
@@ -49,16 +71,26 @@ def test_more_layouts_equal_a_gloo_run(label, tmp_path):
     _check_against_gloo(*SLOW[label], tmp_path)
 
 
-def _check_against_gloo(world: int, spec: str, layout: dict, tmp_path) -> None:
-    opts = json.dumps({"steps": STEPS, "global_batch": BATCH})
-    real = run_worker("simulate_ref", world, ["--strategy", spec, "--opts", opts], tmp_path, timeout=600)
+@pytest.mark.slow
+def test_expert_parallel_ranks_equal_a_gloo_run_but_for_the_routed_rows(tmp_path):
+    """ep=2: model states equal; the same ops in the same order, the counts' all-to-all and every other op with
+    their shapes and bytes; the routed rows' all-to-alls by operation, axes, dtype and group (routing is uniform
+    in the simulator)."""
+    _check_against_gloo(2, "hybrid3d:ep=2", {"ep": 2}, tmp_path, MOE, _routed)
+
+
+def _check_against_gloo(world: int, spec: str, layout: dict, tmp_path, model=TINY, comparable=_comparable) -> None:
+    case = {"steps": STEPS, "global_batch": BATCH}
+    if model is not TINY:
+        case["gpt"] = dataclasses.asdict(model)
+    real = run_worker("simulate_ref", world, ["--strategy", spec, "--opts", json.dumps(case)], tmp_path, timeout=600)
     ranks = list(range(world))
-    sim = simulate(TINY, world, layout, precision="32-true", global_batch_size=BATCH, steps=STEPS, ranks=ranks)
+    sim = simulate(model, world, layout, precision="32-true", global_batch_size=BATCH, steps=STEPS, ranks=ranks)
     assert [r.rank for r in sim.ranks] == ranks
     for rank, (mine, theirs) in enumerate(zip(sim.ranks, real)):
         assert mine.model_state_bytes == theirs["model_state_bytes"], f"rank {rank}"
-        simulated = [_comparable(c.to_dict()) for c in mine.collectives]
-        assert simulated == [_comparable(c) for c in theirs["collectives"]], f"rank {rank}"
+        simulated = [comparable(c.to_dict()) for c in mine.collectives]
+        assert simulated == [comparable(c) for c in theirs["collectives"]], f"rank {rank}"
         assert simulated, "a layout that communicates recorded no collective"
     assert not sim.mismatches and sim.groups_compared >= 1
 
@@ -78,10 +110,21 @@ def test_consistency_names_the_group_and_first_differing_op():
     assert mismatches[0].index == 1 and mismatches[0].second_op is None
 
 
+def test_consistency_pairs_each_send_with_its_receive():
+    def p2p(op: str, shape: tuple[int, ...], peer: int) -> Collective:
+        return Collective(op, "pp", "float32", shape, 16, 16.0, 2, (0, 1), 1, 0, peer)
+
+    sends = [p2p("send", (1, 4), 1), p2p("recv", (1, 4), 1)]
+    mismatches, compared = check_consistency({0: sends, 1: [p2p("recv", (1, 4), 0), p2p("send", (1, 4), 0)]})
+    assert (mismatches, compared) == ([], 2)  # 0 -> 1 and 1 -> 0
+    mismatches, _ = check_consistency({0: sends, 1: [p2p("recv", (1, 8), 0), p2p("send", (1, 4), 0)]})
+    assert len(mismatches) == 1 and mismatches[0].first_op[1] == (1, 4) and mismatches[0].second_op[1] == (1, 8)
+
+
 def test_default_ranks_cover_every_axis_and_the_last_rank():
     dims = ParallelConfig(tp=8, pp=4).validate().dims(256)
-    # rank 0, the last tp rank, the last dp rank (stride 8), the last pp stage (stride 64), the last rank
-    assert default_ranks(dims) == [0, 7, 56, 192, 255]
+    # rank 0, the last tp rank, the last dp rank (stride 8), a middle and the last pp stage (stride 64), the last
+    assert default_ranks(dims) == [0, 7, 56, 128, 192, 255]
 
 
 def test_bad_settings_are_refused_before_any_rank_runs():
@@ -93,6 +136,8 @@ def test_bad_settings_are_refused_before_any_rank_runs():
         simulate(TINY, 2, "zero_stage=1", precision="fp8")
 
 
-def test_pipeline_layouts_are_refused_with_the_fix_until_simulated():
-    with pytest.raises(ValueError, match="pp=2: pipeline parallelism is not simulated yet"):
-        simulate(TINY, 2, "pp=2")
+def test_a_pipeline_batch_that_does_not_split_into_microbatches_is_refused():
+    with pytest.raises(ValueError, match="do not split into microbatches=4"):
+        simulate(TINY, 2, "pp=2", global_batch_size=2)
+    with pytest.raises(ValueError, match="zero-bubble schedules"):
+        simulate(TINY, 2, "pp=2,pp_schedule=zero_bubble")

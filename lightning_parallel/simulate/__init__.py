@@ -3,7 +3,8 @@
 
 For each chosen rank, a fresh process joins torch's fake process group as that rank of the full world, builds the
 package's model on the meta device, splits it with the strategies' own ``parallelize()`` and sharding, and runs a
-few real training steps on fake tensors (:mod:`.rank`); what each rank holds (model states, torch's memory tracker's
+few real training steps on fake tensors (:mod:`.rank`; pipeline stages under their schedule, given static shapes:
+:mod:`.pipeline`); what each rank holds (model states, torch's memory tracker's
 peak), sends (every collective, by mesh axis) and computes (counted FLOPs) is measured, the ranks of each group are
 checked to issue the same collectives (:mod:`.trace`), and the step is timed on the planner's cluster model
 (:mod:`.timing`).

@@ -17,10 +17,10 @@ from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.mesh import MESH_AXES, ParallelDims
 from lightning_parallel.planning.cluster import Cluster, get_device
 from lightning_parallel.simulate.model import build_model
-from lightning_parallel.simulate.rank import PRECISIONS, RankResult, simulate_rank
+from lightning_parallel.simulate.rank import PRECISIONS, RankResult, first_stage_of, simulate_rank
 from lightning_parallel.simulate.timing import StepTime, step_time
 from lightning_parallel.simulate.trace import Mismatch, check_consistency
-from lightning_parallel.simulate.world import axis_strides, open_rank
+from lightning_parallel.simulate.world import axis_strides, open_rank, rank_coordinates
 
 
 @dataclass
@@ -79,6 +79,7 @@ def _rank_dict(r: RankResult, t: StepTime) -> dict[str, Any]:
         "peak_by_kind": r.by_kind,
         "flops_per_step": r.flops,
         "comm_sent_bytes_by_axis": sent,
+        "pipeline_stages": r.stages,
         "collectives": [c.to_dict() for c in r.collectives],
         "step_time": dataclasses.asdict(t),
         "mfu": t.mfu,
@@ -123,13 +124,15 @@ def _parse_items(text: str) -> dict[str, Any]:
 
 def default_ranks(dims: ParallelDims) -> list[int]:
     """One rank per distinct position: rank 0, the last rank along each axis of size > 1 (the others at 0: it
-    shares that axis's group with rank 0, so their sequences on it are compared), and the last rank of all (the
-    last pipeline stage, a tp/cp/ep corner)."""
+    shares that axis's group with rank 0, so their sequences on it are compared), a middle pipeline stage's first
+    rank when pp > 2, and the last rank of all (the last pipeline stage, a tp/cp/ep corner)."""
     strides = axis_strides(dims)
     picked = {0, dims.world_size - 1}
     for axis in MESH_AXES:
         if dims.degrees[axis] > 1:
             picked.add((dims.degrees[axis] - 1) * strides[axis])
+    if dims.pp > 2:  # a middle pipeline stage: it receives and sends both ways
+        picked.add(dims.pp // 2 * strides["pp"])
     return sorted(picked)
 
 
@@ -145,6 +148,73 @@ def _run_rank(config: ParallelConfig, world: int, rank: int, model: Any, seq: in
     except Exception:
         raise RuntimeError(f"simulating rank {rank} failed:\n{traceback.format_exc()}") from None
     return result
+
+
+def _in_child(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a fresh process forked from this one (its own process group, caches and fake tensors)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _probe_first_stage(
+    config: ParallelConfig, world: int, rank: int, model: Any, seq: int | None, samples: int, precision: str
+) -> Any:
+    """In the child: what ranks of later stages learn from rank ``rank`` (it holds the first pipeline stage)."""
+    try:
+        built = build_model(model, seq)
+        with open_rank(config, world, rank, precision) as w:
+            return first_stage_of(w, config, built, samples, precision)
+    except (ValueError, TypeError) as err:
+        raise type(err)(str(err)) from None
+    except Exception:
+        failed = traceback.format_exc()
+        raise RuntimeError(f"simulating the first pipeline stage (rank {rank}) failed:\n{failed}") from None
+
+
+def _check_settings(config: ParallelConfig, steps: int, precision: str) -> None:
+    if steps < 1:
+        raise ValueError(f"--steps={steps}: simulate at least 1 training step.")
+    if config.pp > 1 and config.schedule.split_backward:
+        raise ValueError(
+            f"--layout pp_schedule={config.pp_schedule}: zero-bubble schedules split the backward into "
+            "torch.autograd.grad calls, which torch's memory tracker (MemTracker) cannot follow: simulate the layout "
+            "with pp_schedule=1f1b or interleaved_1f1b (the same stages, states and messages but the weight-gradient "
+            "split) and take the bubble from the planner."
+        )
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision={precision!r}: the simulator runs {', '.join(PRECISIONS)}; choose one of them.")
+
+
+def _check_batch(config: ParallelConfig, batch: int, batch_ranks: int) -> None:
+    if batch % batch_ranks:
+        raise ValueError(
+            f"--global-batch-size={batch} does not split over the {batch_ranks} data-parallel ranks: give a multiple "
+            f"of {batch_ranks}."
+        )
+    if config.pp > 1 and (batch // batch_ranks) % config.microbatches:
+        raise ValueError(
+            f"--global-batch-size={batch}: {batch // batch_ranks} samples per data-parallel rank do not split into "
+            f"microbatches={config.microbatches}: give a multiple of {batch_ranks * config.microbatches}."
+        )
+
+
+def _simulate_ranks(
+    config: ParallelConfig, gpus: int, chosen: list[int], model: Any, seq_len: int | None, samples: int, kw: dict
+) -> list[RankResult]:
+    """Each chosen rank in a fresh process (its own process group, caches and fake tensors), in order; under pp
+    what a rank of the first stage passes on handed to the ranks of later stages (learned first when no chosen
+    rank before them holds the first stage)."""
+    dims = config.dims(gpus)
+    results: list[RankResult] = []
+    for rank in chosen:
+        if config.pp > 1 and kw.get("first_stage") is None and rank_coordinates(dims, rank)["pp"]:
+            stage0 = rank - rank_coordinates(dims, rank)["pp"] * axis_strides(dims)["pp"]
+            probe = (config, gpus, stage0, model, seq_len, samples, kw["precision"])
+            kw["first_stage"] = _in_child(_probe_first_stage, *probe)
+        result = _in_child(_run_rank, config, gpus, rank, model, seq_len, samples, kw)
+        kw["first_stage"] = kw.get("first_stage") or result.first_stage
+        results.append(result)
+    return results
 
 
 def simulate(
@@ -182,25 +252,12 @@ def simulate(
     start = time.perf_counter()
     config = parse_config(layout)
     dims = config.dims(gpus)
-    if steps < 1:
-        raise ValueError(f"--steps={steps}: simulate at least 1 training step.")
-    if config.pp > 1:
-        raise ValueError(
-            f"--layout pp={config.pp}: pipeline parallelism is not simulated yet (the stages' first exchange of "
-            "shapes cannot run on the fake process group; static stage shapes are the next step): simulate the layout "
-            "with pp=1 and the same tp, cp, ep and ZeRO stage to check them, and the planner for the pipeline."
-        )
-    if precision not in PRECISIONS:
-        raise ValueError(f"--precision={precision!r}: the simulator runs {', '.join(PRECISIONS)}; choose one of them.")
+    _check_settings(config, steps, precision)
     cluster = Cluster(gpus, min(gpus_per_node, gpus), get_device(device))
     batch_ranks = dims.role_size("batch")
     per_rank = (config.microbatches or 1) if config.pp > 1 else 1
     batch = global_batch_size or batch_ranks * per_rank
-    if batch % batch_ranks:
-        raise ValueError(
-            f"--global-batch-size={batch} does not split over the {batch_ranks} data-parallel ranks: give a multiple "
-            f"of {batch_ranks}."
-        )
+    _check_batch(config, batch, batch_ranks)
     chosen = sorted(set(ranks)) if ranks else default_ranks(dims)
     bad = [r for r in chosen if not 0 <= r < gpus]
     if bad:
@@ -208,13 +265,8 @@ def simulate(
     # built here once on the meta device: the model's errors come before any rank, and its imports are paid once
     # (each rank's process is forked from this one and builds its own copy)
     first = build_model(model, seq_len)
-    kw = {"precision": precision, "steps": steps, "clip": clip}
-    results = []
-    fork = multiprocessing.get_context("fork")
-    for rank in chosen:  # a fresh process per rank: its own process group, caches and fake tensors
-        with ProcessPoolExecutor(1, mp_context=fork) as pool:
-            job = pool.submit(_run_rank, config, gpus, rank, model, seq_len, batch // batch_ranks, kw)
-            results.append(job.result())
+    kw: dict[str, Any] = {"precision": precision, "steps": steps, "clip": clip}
+    results = _simulate_ranks(config, gpus, chosen, model, seq_len, batch // batch_ranks, kw)
     bubble = config.schedule.bubble(config.pp, config.microbatches or 1, config.stages_per_rank)
     times = [step_time(r.flops, r.collectives, cluster, bubble) for r in results]
     mismatches, compared = check_consistency({r.rank: r.trace for r in results})

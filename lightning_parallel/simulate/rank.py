@@ -30,6 +30,13 @@ from lightning_parallel.parallel.tensor.loss import vocab_parallel_loss
 from lightning_parallel.protocol import has_loss
 from lightning_parallel.simulate.experts import uniform_routing
 from lightning_parallel.simulate.model import Batch, SimulatedModel, fake_materialize
+from lightning_parallel.simulate.pipeline import (
+    FirstStage,
+    SimulatedPipeline,
+    settle_tied,
+    simulated_pipeline,
+    static_shapes,
+)
 from lightning_parallel.simulate.trace import Collective, TraceRecorder
 from lightning_parallel.simulate.world import SimulatedWorld, rank_coordinates
 
@@ -53,6 +60,8 @@ class RankResult:
         collectives: every op of the last step, in issue order.
         trace: every op of every step (for the consistency check).
         seconds: wall time of the simulation of this rank.
+        stages: the pipeline stages it holds (empty without pp).
+        first_stage: what ranks of later stages learn from it, when it holds the first pipeline stage.
     """
 
     rank: int
@@ -65,6 +74,8 @@ class RankResult:
     collectives: list[Collective]
     trace: list[Collective] = field(repr=False, default_factory=list)
     seconds: float = 0.0
+    stages: list[int] = field(default_factory=list)
+    first_stage: FirstStage | None = None
 
 
 def state_bytes(module: nn.Module, optimizer: Optimizer) -> dict[str, int]:
@@ -98,13 +109,31 @@ def simulate_rank(
     precision: str = "bf16-mixed",
     steps: int = 2,
     clip: float | None = 1.0,
+    first_stage: FirstStage | None = None,
 ) -> RankResult:
     """Split ``model`` as ``config`` says on ``world``'s rank and run ``steps`` training steps of ``samples``
-    samples (this rank's share of the global batch) on fake tensors."""
+    samples (this rank's share of the global batch) on fake tensors; under pp, ``first_stage`` is what a rank of the
+    first stage passes on (:func:`first_stage_of`), needed unless this rank holds the first stage."""
     with warnings.catch_warnings():
         # ZeRO-1/2's flat buffers compare storage addresses, which fake tensors warn about (and do not have)
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        return _simulate_rank(world, config, model, samples, precision, steps, clip)
+        # under pp, torch's note for each tp plan entry of a layer another stage holds (a real run's too)
+        warnings.filterwarnings("ignore", message="Parallelize plan key .* could not be resolved")
+        return _simulate_rank(world, config, model, samples, precision, steps, clip, first_stage)
+
+
+def first_stage_of(
+    world: SimulatedWorld, config: ParallelConfig, model: SimulatedModel, samples: int, precision: str
+) -> FirstStage:
+    """What ranks of later stages learn from ``world``'s rank (one that holds the first pipeline stage): its
+    outputs on one microbatch and its tied weights, split and run on fake tensors as :func:`simulate_rank` would."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        warnings.filterwarnings("ignore", message="Parallelize plan key .* could not be resolved")
+        module, parallel, fake = _split(world, config, model, precision)
+        with fake, _routing(world):
+            boundary = _stage_shapes(world, config, parallel, model, samples, precision, None)[1]
+            return FirstStage(boundary, parallel.tied.local_entries() if parallel.tied is not None else None)
 
 
 def _simulate_rank(
@@ -115,34 +144,32 @@ def _simulate_rank(
     precision: str,
     steps: int,
     clip: float | None,
+    first_stage: FirstStage | None,
 ) -> RankResult:
     start = time.perf_counter()
-    module = model.module
-    if precision == "bf16-true":
-        module.to(torch.bfloat16)  # Lightning's HalfPrecision.convert_module, before the split
-    fake = fake_tensor_mode(allow_non_fake_inputs=True)
-    with fake_materialize(module, fake):
-        parallel = parallelize(module, module, world.mesh, config, world.sharding, torch.device("cpu"), info=_quiet)
-    with fake:
-        if world.dims.tp > 1 and has_loss(module):  # as the front doors do: logits stay split over the vocabulary
-            module.loss = vocab_parallel_loss(module.loss)
+    module, parallel, fake = _split(world, config, model, precision)
+    with fake, _routing(world):
         optimizer = _optimizer(module)
         world.sharding.shard_optimizer(optimizer)
         tracker, recorder, activations = mem_tracker(), TraceRecorder(), [0]
 
-        def sample(tracker: Any) -> None:  # at the end of the forward, before backward
+        def sample() -> None:  # at the end of the forward (of each microbatch's under pp), before backward
             now = _snapshot(tracker, "current")
             activations.append(now.get("Activation", 0) + now.get("Temp", 0))
 
+        pipeline = None
+        if parallel.split is not None:
+            pipeline, first_stage = _pipeline(world, config, parallel, module, model, samples, precision, first_stage)
+            pipeline.forward_start, pipeline.forward_done = lambda stage: _forget(tracker, stage), sample
         tracker.track_external(module, optimizer)
-        with tracker, uniform_routing() if world.dims.ep > 1 else contextlib.nullcontext():
+        with tracker:
             for step in range(steps):
                 recorder.step = step
                 tracker.reset_mod_stats()  # module stats per step; the peak stays
                 counted = LocalFlopCounter()
                 batch = model.make_batch(samples)
                 with recorder, counted:
-                    _train_step(world, parallel, module, optimizer, batch, precision, clip, lambda: sample(tracker))
+                    _train_step(world, parallel, module, optimizer, batch, precision, clip, sample, pipeline)
                 flops = counted.flops  # the last step's
                 states = state_bytes(module, optimizer)  # after the step, before zero_grad (metrics.json's moment)
                 optimizer.zero_grad(set_to_none=True)
@@ -159,7 +186,89 @@ def _simulate_rank(
         collectives=[c for c in trace if c.step == steps - 1],
         trace=trace,
         seconds=time.perf_counter() - start,
+        stages=sorted(parallel.split.stages) if parallel.split is not None else [],
+        first_stage=first_stage if parallel.split is not None and 0 in parallel.split.stages else None,
     )
+
+
+_CPU = torch.device("cpu")
+
+
+def _pipeline(
+    world: SimulatedWorld,
+    config: ParallelConfig,
+    parallel: Parallelized,
+    module: Any,
+    model: SimulatedModel,
+    samples: int,
+    precision: str,
+    first_stage: FirstStage | None,
+) -> tuple[SimulatedPipeline, FirstStage | None]:
+    """This rank's stages under the schedule, given static shapes (inside the fake mode, before any step); what
+    it passes on to ranks of later stages when it holds the first one (else ``first_stage`` back)."""
+    assert parallel.split is not None
+    given = first_stage.boundary if first_stage is not None else None
+    shapes, boundary = _stage_shapes(world, config, parallel, model, samples, precision, given)
+    if parallel.tied is not None:
+        settle_tied(parallel.tied, module, parallel.split, first_stage)
+    if 0 in parallel.split.stages:
+        first_stage = FirstStage(boundary, parallel.tied.local_entries() if parallel.tied is not None else None)
+    group, tp = world.mesh.group("stage"), world.dims.tp > 1
+    made = simulated_pipeline(
+        parallel.split, config.pp_schedule, config.microbatches, group, _CPU, module.loss, shapes, tp
+    )
+    return made, first_stage
+
+
+def _split(world: SimulatedWorld, config: ParallelConfig, model: SimulatedModel, precision: str) -> tuple:
+    """The model split on ``world``'s rank, its pieces fake (built outside the fake mode, split inside it); the
+    module, what ``parallelize()`` did, the fake mode."""
+    module = model.module
+    if precision == "bf16-true":
+        module.to(torch.bfloat16)  # Lightning's HalfPrecision.convert_module, before the split
+    fake = fake_tensor_mode(allow_non_fake_inputs=True)
+    with fake_materialize(module, fake):
+        parallel = parallelize(module, module, world.mesh, config, world.sharding, _CPU, info=_quiet)
+    if parallel.split is None and world.dims.tp > 1 and has_loss(module):
+        # as the front doors do: logits stay split over the vocabulary (under pp the schedule runs in one
+        # loss_parallel instead: simulate/pipeline.py)
+        module.loss = vocab_parallel_loss(module.loss)
+    return module, parallel, fake
+
+
+def _forget(tracker: Any, stage: nn.Module) -> None:
+    """Drop ``MemTracker``'s statistics of ``stage``'s modules (before its next microbatch's forward: torch's
+    tracker takes a root module called again for a new step); the other stages' stay for their backwards."""
+    for module in stage.modules():
+        tracker.memory_tracking.pop(module, None)
+
+
+def _routing(world: SimulatedWorld) -> Any:
+    return uniform_routing() if world.dims.ep > 1 else contextlib.nullcontext()
+
+
+def _autocast(precision: str) -> Any:
+    dtype = AUTOCAST.get(precision)
+    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def _stage_shapes(
+    world: SimulatedWorld,
+    config: ParallelConfig,
+    parallel: Parallelized,
+    model: SimulatedModel,
+    samples: int,
+    precision: str,
+    boundary: Any,
+) -> tuple[dict[int, dict[str, Any]], Any]:
+    """:func:`~lightning_parallel.simulate.pipeline.static_shapes` of this rank's stages, on one microbatch of this
+    rank's piece of a batch (inside the fake mode)."""
+    assert parallel.split is not None and config.microbatches
+    inputs, targets = model.make_batch(samples)
+    if parallel.splits_samples:  # cp: this rank's chunks of every sequence
+        inputs, targets = (parallel.shard_batch((inputs[0], targets))[0],), targets
+    microbatch = tuple(t[: samples // config.microbatches] for t in inputs)
+    return static_shapes(parallel.split, microbatch, boundary, _CPU, lambda: _autocast(precision))
 
 
 def _quiet(message: str) -> None:
@@ -185,21 +294,26 @@ def _train_step(
     precision: str,
     clip: float | None,
     forward_done: Any = None,
+    pipeline: SimulatedPipeline | None = None,
 ) -> None:
-    """One optimizer step as the strategies run it (``MeshStrategy.optimizer_step``, Fabric's loop)."""
+    """One optimizer step as the strategies run it (``MeshStrategy.optimizer_step``, Fabric's loop; under pp
+    Fabric's ``pipeline_step``: the schedule's forwards and backwards in one ``loss_parallel`` under tp)."""
     sharding = world.sharding
     if parallel.splits_samples:  # cp: this rank's chunks of every sequence
         inputs, targets = parallel.shard_batch((batch[0][0], batch[1]))
         batch = (inputs,), targets
     sharding.before_last_backward(optimizer)
-    dtype = AUTOCAST.get(precision)
-    autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    with autocast:
-        loss = module.loss(module(*batch[0]), batch[1])
-    if forward_done is not None:
-        forward_done()
-    with loss_parallel() if world.dims.tp > 1 else contextlib.nullcontext():
-        loss.backward()
+    tp = loss_parallel() if world.dims.tp > 1 else contextlib.nullcontext()
+    if pipeline is not None:
+        with tp, _autocast(precision):
+            pipeline.train_step(batch[0], {}, batch[1])
+    else:
+        with _autocast(precision):
+            loss = module.loss(module(*batch[0]), batch[1])
+        if forward_done is not None:
+            forward_done()
+        with tp:
+            loss.backward()
     reduce_step_gradients(parallel, sharding, optimizer)
     if clip is not None:
         clip_model_grad_norm(optimizer, clip, 2.0, parallel, sharding, world.mesh)

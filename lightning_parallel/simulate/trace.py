@@ -35,6 +35,8 @@ class Collective:
         ranks: its group's members (global ranks).
         stride: global ranks between neighbouring members (whether it stays inside a node).
         step: the training step it belongs to (0 first).
+        peer: a send's destination or a receive's source (global rank; None for collectives, and for the
+            point-to-point ops strict mode issues off the dispatcher).
     """
 
     op: str
@@ -47,6 +49,7 @@ class Collective:
     ranks: tuple[int, ...]
     stride: int
     step: int
+    peer: int | None = None
 
     def key(self) -> tuple[Any, ...]:
         """What the ranks of its group must agree on: operation, shape and dtype (in order)."""
@@ -65,6 +68,7 @@ class TraceRecorder(CommCounter):
         super().__init__()
         self.shapes: list[tuple[int, ...]] = []
         self.steps: list[int] = []
+        self.peers: list[int | None] = []  # a send's or receive's peer, its rank in the op's group
         self.step = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -74,18 +78,23 @@ class TraceRecorder(CommCounter):
             first = next((t for t in tree_leaves(list(args)) if isinstance(t, Tensor)), None)
             self.shapes.append(tuple(first.shape) if first is not None else ())
             self.steps.append(self.step)
+            p2p = self.events[-1].kind in ("send", "recv") and len(args) > 2 and isinstance(args[2], int)
+            self.peers.append(args[2] if p2p else None)
         return out
 
     def _strict_p2p(self, entry: Any) -> None:  # strict mode's send / recv, noted in issue order
         super()._strict_p2p(entry)
         self.shapes.append(tuple(entry.shapes[0]) if entry.shapes else ())
         self.steps.append(self.step)
+        self.peers.append(None)
 
     def collectives(self, groups: dict[str, GroupInfo]) -> list[Collective]:
         """The ops so far, their groups named by ``groups`` (:meth:`SimulatedWorld.groups`)."""
         out = []
-        for event, shape, step in zip(self.events, self.shapes, self.steps):
+        for event, shape, step, peer in zip(self.events, self.shapes, self.steps, self.peers):
             info = groups.get(event.group, GroupInfo("other", (), 1))
+            if peer is not None:
+                peer = info.ranks[peer] if peer < len(info.ranks) else None
             out.append(
                 Collective(
                     event.kind,
@@ -98,6 +107,7 @@ class TraceRecorder(CommCounter):
                     info.ranks,
                     info.stride,
                     step,
+                    peer,
                 )
             )
         return out
@@ -123,9 +133,10 @@ class Mismatch:
 
 
 def check_consistency(traces: dict[int, list[Collective]]) -> tuple[list[Mismatch], int]:
-    """Compare, for every process group two or more simulated ranks belong to, their sequences of ops on it
-    (point-to-point ops pair a sender with a receiver and are left out). Returns the mismatches and the number of
-    groups compared."""
+    """Compare, for every process group two or more simulated ranks belong to, their sequences of collectives on
+    it; and for every two simulated ranks with point-to-point traffic between them, the sender's sends to the
+    receiver with the receiver's receives from the sender (shape and dtype, in order: a pipeline's activations and
+    gradients). Returns the mismatches and the number of groups and pairs compared."""
     by_group: dict[tuple[str, tuple[int, ...]], dict[int, list[tuple[Any, ...]]]] = {}
     for rank, ops in traces.items():
         for c in ops:
@@ -143,7 +154,27 @@ def check_consistency(traces: dict[int, list[Collective]]) -> tuple[list[Mismatc
                 a = reference[found] if found < len(reference) else None
                 b = seq[found] if found < len(seq) else None
                 mismatches.append(Mismatch(axes, ranks, first, other, found, a, b))
+    for sender, receiver in sorted(_pairs(traces)):
+        compared += 1
+        sent = [c for c in traces[sender] if c.op == "send" and c.peer == receiver]
+        received = [c for c in traces[receiver] if c.op == "recv" and c.peer == sender]
+        found = _first_difference([c.key()[1:] for c in sent], [c.key()[1:] for c in received])
+        if found is not None:
+            a = ("send", *sent[found].key()[1:]) if found < len(sent) else None
+            b = ("recv", *received[found].key()[1:]) if found < len(received) else None
+            axes = (sent or received)[0].axes
+            mismatches.append(Mismatch(axes, (sender, receiver), sender, receiver, found, a, b))
     return mismatches, compared
+
+
+def _pairs(traces: dict[int, list[Collective]]) -> set[tuple[int, int]]:
+    """(sender, receiver) pairs of simulated ranks with point-to-point traffic between them (known peers)."""
+    return {
+        (rank, c.peer) if c.op == "send" else (c.peer, rank)
+        for rank, ops in traces.items()
+        for c in ops
+        if c.op in ("send", "recv") and c.peer is not None and c.peer in traces and c.peer != rank
+    }
 
 
 def _first_difference(a: list[Any], b: list[Any]) -> int | None:

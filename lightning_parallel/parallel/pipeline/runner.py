@@ -206,6 +206,9 @@ class Pipeline:
         group: the pp process group.
         device: where the stages run.
         loss_fn: ``loss_fn(output, target)`` of one microbatch, a mean over its samples.
+        stage_type: makes each stage, as the stage class would (the simulator's answers torch's warm-up vote).
+        stage_shapes: stage index -> ``PipelineStage`` keyword arguments giving its shapes statically
+            (``input_args``, ``output_args``, ...); None: torch infers them at the first step, over p2p.
     """
 
     def __init__(
@@ -216,7 +219,11 @@ class Pipeline:
         group: dist.ProcessGroup,
         device: torch.device,
         loss_fn: Callable[[Any, Any], Tensor],
+        *,
+        stage_type: Callable[..., _Stage] | None = None,
+        stage_shapes: Callable[[int], dict[str, Any]] | None = None,
     ) -> None:
+        self.stage_type, self.stage_shapes = stage_type or _Stage, stage_shapes
         self.split, self.spec, self.microbatches = split, schedule_spec(schedule), microbatches
         self.group, self.device, self.loss_fn = group, device, loss_fn
         self._schedules: dict[tuple, Any] = {}
@@ -250,8 +257,9 @@ class Pipeline:
     def _schedule(self, mode: str, args: tuple, kwargs: dict, target: Any) -> Any:
         key = (mode, _signature(args, kwargs, target))
         if key not in self._schedules:
+            shapes = self.stage_shapes or (lambda index: {})
             stages = [
-                _Stage(module, index, self.split.num_stages, self.device, group=self.group)
+                self.stage_type(module, index, self.split.num_stages, self.device, group=self.group, **shapes(index))
                 for index, module in sorted(self.split.stages.items())
             ]
             loss_fn = None if mode == "forward" else self._microbatch_loss

@@ -42,15 +42,24 @@ class TiedGradients:
                 found.setdefault(id(params[n]), params[n])
         return list(found.values())
 
-    def _agree(self) -> None:
-        """Learn each group's local shape and which pp ranks hold it (once, after all sharding)."""
+    def local_entries(self) -> list[tuple[tuple[int, ...], torch.dtype, bool] | None]:
+        """Per tied group: this rank's first copy's local shape, dtype and whether it is trained (None: no copy)."""
         mine = []
         for names in self.tie_groups:
             members = self._members(names)
             first = _local(members[0]) if members else None
             mine.append((tuple(first.shape), first.dtype, members[0].requires_grad) if first is not None else None)
+        return mine
+
+    def _agree(self) -> None:
+        """Learn each group's local shape and which pp ranks hold it (once, after all sharding)."""
         everyone: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(everyone, mine, group=self.group)
+        dist.all_gather_object(everyone, self.local_entries(), group=self.group)
+        self.settle(everyone)
+
+    def settle(self, everyone: list[Any]) -> None:
+        """Given every pp rank's :meth:`local_entries` (in pp order): each group's shape, and the copies that
+        another rank counts in norms."""
         rank = dist.get_rank(self.group)
         self._shapes = []
         for g, names in enumerate(self.tie_groups):

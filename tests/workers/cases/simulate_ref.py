@@ -1,6 +1,7 @@
 """Case ``simulate_ref``: the real run a simulation is held against (tests/test_simulate.py). The tiny GPT under
 the run's strategy on gloo, a Fabric loop of ``steps`` steps (forward and loss, ``fabric.backward``, clipping by
-the whole model's norm, ``optimizer.step``) at ``global_batch`` samples and 32-true, as the simulator steps it.
+the whole model's norm, ``optimizer.step``) at ``global_batch`` samples and 32-true, as the simulator steps it
+(under pp, ``pipeline_step``: the schedule's forwards and backwards).
 Each rank records the last step's collectives (lightning_parallel.simulate.trace's recorder, the mesh's groups
 named as the simulator names them) and its model-state bytes after that step, before zero_grad."""
 
@@ -21,21 +22,24 @@ def run_case(case: dict, ctx) -> dict:
     fabric.launch()
     torch.manual_seed(0)
     with fabric.init_module(empty_init=True):
-        from lightning_parallel.models import LitGPT
+        from lightning_parallel.models import GPTConfig, LitGPT
 
-        model = LitGPT(config=TINY)
+        model = LitGPT(config=GPTConfig(**case["gpt"]) if "gpt" in case else TINY)
     optimizer = model.configure_optimizers()
     model, optimizer = fabric.setup(model, optimizer)
     samples = case["global_batch"] // fabric.strategy.parallel_dims.role_size("batch")
     recorder = TraceRecorder()
     for step in range(case["steps"]):
-        idx = torch.randint(0, TINY.vocab_size, (samples, TINY.seq_len))
-        targets = torch.randint(0, TINY.vocab_size, (samples, TINY.seq_len))
+        vocab, seq = model.config.vocab_size, model.config.seq_len
+        idx = torch.randint(0, vocab, (samples, seq))
+        targets = torch.randint(0, vocab, (samples, seq))
         idx, targets = getattr(fabric.strategy, "shard_batch", lambda b: b)((idx, targets))  # cp: this rank's chunks
         recorder.step = step
         with recorder:
-            loss = model.loss(model(idx), targets)
-            fabric.backward(loss)
+            if fabric.strategy.parallel_dims.pp > 1:
+                fabric.strategy.pipeline_step(model, idx, targets)
+            else:
+                fabric.backward(model.loss(model(idx), targets))
             fabric.clip_gradients(model, optimizer, max_norm=1.0)
             optimizer.step()
         states = model_state_bytes(model.module, [optimizer.optimizer])
