@@ -96,6 +96,31 @@ def test_initial_values_equal_one_process(small, model, layout):
     _assert_same(got, want, f"{model} under {layout}")
 
 
+GPT2_TIED = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 32}
+PP_CASES = {"hf_gpt2_tied": ("hf", GPT2_TIED), "hf_llama": ("hf", HF_SMALL), "lit": ("litgpt", LIT_SMALL)}
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    out = tmp_path_factory.mktemp("config_only_pp")
+    cases = [
+        {"name": name, "strategy": "hybrid3d:pp=2", "model": model, model: config, "save": True}
+        for name, (model, config) in PP_CASES.items()
+    ]
+    run_worker("meta_init", 2, ["--cases", json.dumps(cases)], out)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PP_CASES))
+def test_pipeline_stages_start_from_one_process(pipelined, name):
+    """Under pp each stage initializes only its layers; a weight tied across stages (GPT-2's head) gets the
+    embedding's values on the head's stage."""
+    model, config = PP_CASES[name]
+    got = torch.load(pipelined / f"{name}_params.pt", weights_only=True)
+    _assert_same(got, one_process(model, config), f"{name} under pp=2")
+
+
 @pytest.fixture(scope="module")
 def big(tmp_path_factory):
     """``get(model, layout)``: (each rank's result, the folder) of one launch per model and layout, made when first
