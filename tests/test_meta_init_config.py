@@ -255,3 +255,33 @@ def test_a_tied_weight_in_another_stage_gets_its_first_owners_values():
     torch.manual_seed(unit_seed(0, "0"))
     want = nn.Embedding(16, 8).weight
     assert embedding is not None and torch.equal(model[1].weight, want)
+
+
+def test_a_unit_holding_other_units_stands_in_for_its_own_tensors_only(monkeypatch):
+    """LitGPT's GPT owns its rotary tables and has a reset_parameters(): built on meta (LitGPT's own scripts under
+    Fabric) it is a unit holding every other one. It stands in for its two tables, not the whole model, and the
+    values are still ``GPT(config)``'s, the global generator replayed."""
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    import lightning_parallel.parallel.materialize as materialize
+
+    fields = dict(LIT_SMALL)
+    config = Config.from_name(fields.pop("name"), **fields)
+    torch.manual_seed(0)
+    want = GPT(config).state_dict()
+    torch.manual_seed(0)
+    state = torch.random.get_rng_state()
+    with torch.device("meta"):
+        model = GPT(config)
+    stood_in: dict[str, int] = {}
+    reset = materialize._reset_unit
+
+    def counted(path, unit, own, *args, **kwargs):
+        stood_in[path] = len(own)
+        return reset(path, unit, own, *args, **kwargs)
+
+    monkeypatch.setattr(materialize, "_reset_unit", counted)
+    materialize.fill_meta_tensors(model, model, torch.device("cpu"), rng_state=state)
+    assert stood_in[""] == 2 and max(stood_in.values()) == 2  # cos and sin; a Linear's weight and bias
+    _assert_same(model.state_dict(), want, "GPT built on meta")

@@ -14,7 +14,8 @@ exactly the values a single process has:
   get the module's own ``reset_parameters()``, one unit at a time (the pipeline layers, else each tensor's owner:
   :func:`lightning_parallel.protocol.reset_units`). The unit's tensors are swapped for whole host tensors, its
   ``reset_parameters()`` fills them, each rank keeps its slice, and the unit's host tensors are freed before the
-  next unit: the largest transient is one unit (one layer), never the model. The CPU generator is first set to its
+  next unit: the largest transient is one unit (one layer), never the model (a unit holding other units, such as
+  LitGPT's GPT owning its rotary tables, stands in for its own tensors only). The CPU generator is first set to its
   state when the model was built (``rng_state``), so draws from the global generator replay in the order a single
   process made them (``nn.Linear``'s own init), and values equal a single process that built the model on the host.
 
@@ -197,9 +198,10 @@ def fill_meta_tensors(
     units = owner_units(root, pending) if init is not None else reset_units(module, root, pending)
     if units and rng_state is not None and init is None:
         torch.random.set_rng_state(rng_state)  # global draws replay as when the model was built
-    drawn = set(pending)  # a unit's writes stand, also over a unit inside it (as its __init__'s came last)
+    drawn = set(pending)
+    own = _assigned([path for path, _ in units], pending)
     for path, unit in units:
-        pending -= _reset_unit(path, unit, meta, drawn, init)
+        pending -= _reset_unit(path, unit, own.get(path, set()), drawn, init)
     filled = {id(tensors[name]) for name in drawn - pending}
     pending = {name for name in pending if id(tensors[name]) not in filled}  # a tied weight filled under its other name
     if pending:
@@ -213,16 +215,26 @@ def owner_units(root: nn.Module, names: set[str]) -> list[tuple[str, nn.Module]]
     return [(path, m) for path, m in root.named_modules(remove_duplicate=False) if path in owners]
 
 
-def _slots(path: str, unit: nn.Module, meta: set[str], recurse: bool = True) -> Iterator[tuple[dict, str, str]]:
-    """(the owning dict, the key, the full name) of every tensor slot in ``unit`` (``recurse=False``: owned by
-    ``unit`` itself) that was on meta."""
-    modules = unit.named_modules(remove_duplicate=False) if recurse else [("", unit)]
-    for sub, module in modules:
+def _assigned(paths: list[str], names: set[str]) -> dict[str, set[str]]:
+    """Unit path -> the tensors it initializes: each name goes to the innermost unit holding it. A unit holding other
+    units (LitGPT's GPT, which owns the rotary tables) stands in for its own tensors only, never for the whole model;
+    what its ``reset_parameters()`` writes into an inner unit's tensors lands in the real ones (filled already)."""
+    own: dict[str, set[str]] = {}
+    for name in names:
+        holders = [p for p in paths if p == "" or name.startswith(p + ".")]
+        own.setdefault(max(holders, key=len), set()).add(name)
+    return own
+
+
+def _slots(path: str, unit: nn.Module, names: set[str], other: bool = False) -> Iterator[tuple[dict, str, str]]:
+    """(the owning dict, the key, the full name) of every tensor slot in ``unit`` named in ``names`` (``other``: of
+    those not named, that are DTensors)."""
+    for sub, module in unit.named_modules(remove_duplicate=False):
         prefix = ".".join(p for p in (path, sub) if p)
         for table in (module._parameters, module._buffers):
             for key, t in table.items():
                 full = f"{prefix}.{key}" if prefix else key
-                if t is not None and full in meta:
+                if t is not None and (full not in names and isinstance(t, DTensor) if other else full in names):
                     yield table, key, full
 
 
@@ -236,11 +248,16 @@ def _blank(t: Tensor) -> Tensor:
 
 @torch.no_grad()
 def _reset_unit(
-    path: str, unit: nn.Module, meta: set[str], drawn: set[str], init: Callable[[nn.Module], None] | None = None
+    path: str, unit: nn.Module, own: set[str], drawn: set[str], init: Callable[[nn.Module], None] | None = None
 ) -> set[str]:
-    """Run ``unit.reset_parameters()`` (or ``init(unit)``) on whole host stand-ins for its tensors; copy each rank's
-    slices of those it filled (of ``drawn``: not set aside) into the real tensors; return the names it filled."""
-    slots = list(_slots(path, unit, meta, recurse=init is None))
+    """Run ``unit.reset_parameters()`` (or ``init(unit)``) on whole host stand-ins for its tensors ``own``; copy each
+    rank's slices of those it filled (of ``drawn``: not set aside) into the real tensors; return the names it filled.
+
+    Raises:
+        TypeError: the reset wrote into an inner unit's split tensor (this rank's piece of it, not the whole).
+    """
+    split = {name: (table[key], table[key]._version) for table, key, name in _slots(path, unit, own, other=True)}
+    slots = list(_slots(path, unit, own))
     originals = [table[key] for table, key, _ in slots]
     stand_in: dict[int, Tensor] = {}  # one stand-in per tensor: weights tied inside the unit stay tied
     for (table, key, _), t in zip(slots, originals):
@@ -264,6 +281,13 @@ def _reset_unit(
             table[key] = t
     for t, now in filled.values():
         _fill(t, now)
+    written = [name for name, (t, version) in split.items() if t._version != version]
+    if written:
+        raise TypeError(
+            f"the reset_parameters() of {path or 'the root'} ({type(unit).__name__}) writes {written[:3]}, which a "
+            "unit inside it initialized, and this rank holds only a piece of them: initialize each module's own "
+            "tensors in its own reset_parameters()."
+        )
     return set(filled)
 
 
