@@ -5,15 +5,18 @@ Pure torch + Lightning; no transformers, no litgpt."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_parallel.parallel.dtensor import local
+from lightning_parallel.parallel.materialize import SeededInit, fill_meta_tensors
+from lightning_parallel.protocol import strategy_calls_materialize
 
 IGNORE_INDEX = -100  # HF's label for "no loss here" (padding, prompts)
 
@@ -97,6 +100,50 @@ class CausalLM(pl.LightningModule):
         self._token_norm: tuple[int, Tensor] | None = None
         self._window_tokens: Tensor | None = None
         self._window_factor: Tensor | None = None  # the last optimizer step's gradient factor (None: 1)
+
+    # ----- a model built from its config alone: on the meta device, initialized once split -----
+
+    _seeded_init: SeededInit | None = None  # set while such a model waits for its values
+
+    def build_on_meta(
+        self, build: Callable[[], nn.Module], init_of: Callable[[nn.Module], Callable[[nn.Module], None]]
+    ) -> nn.Module:
+        """``build()`` on the meta device (no memory), to be initialized by :meth:`materialize`: each module that owns
+        tensors by ``init_of(model)(module)`` (the library's own rule), from the global generator seeded by the seed
+        now (``torch.initial_seed()``) and the module's name in the model
+        (:class:`~lightning_parallel.parallel.materialize.SeededInit`), so the values are the same in every layout
+        and in one process."""
+        with torch.device("meta"):
+            model = build()
+        self._seeded_init = SeededInit(model, init_of(model))
+        return model
+
+    @property
+    def awaits_materialize(self) -> bool:
+        """Whether the model's values are still to come (:meth:`materialize`)."""
+        return self._seeded_init is not None
+
+    def materialize(self, device: torch.device | str = "cpu") -> None:
+        """Give the model built on meta storage on ``device`` and its initial values. The strategies of this package
+        call it once the model is split, so each rank allocates and initializes only the pieces it holds, one module's
+        whole tensors at a time on the host at most; nothing to do when the values are there."""
+        if self._seeded_init is not None:
+            fill_meta_tensors(self, self, torch.device(device), init=self._seeded_init)
+            self._seeded_init = None
+
+    def configure_model(self) -> None:
+        """Under a strategy that does not split the model through :meth:`materialize` (Lightning's own): the whole
+        model, on the strategy's device."""
+        if self.awaits_materialize and not strategy_calls_materialize(self.trainer.strategy):
+            self.materialize(self.trainer.strategy.root_device)
+
+    def require_values(self, hint: str = "") -> None:
+        """A RuntimeError when the model's values are still to come (a forward before :meth:`materialize`)."""
+        if self.awaits_materialize:
+            raise RuntimeError(
+                f"{type(self).__name__}'s weights are not there yet (built on the meta device{hint}): train or test "
+                "it with a Trainer, or call .materialize() first."
+            )
 
     def unpack(self, batch: Any) -> tuple[Tensor, Tensor, dict[str, Tensor] | Tensor | None]:
         """(input_ids, labels, the model's other keyword inputs) of a batch: a dict (``attention_mask``,

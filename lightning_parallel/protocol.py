@@ -17,9 +17,11 @@ Where a model's initial values come from when a layout shards its parameters (tp
   whole. With only ZeRO 0-2 and no tp or pp, parameters are whole on every rank by design and move there whole.
 - built in ``configure_model()`` or under ``Trainer.init_module()``: on the meta device, so it is never whole
   anywhere; once split, ``materialize(device)`` fills it when the module has one (HFCausalLM reads its slices of a
-  folder), else each :func:`reset_units` unit's ``reset_parameters()`` does, one unit at a time on the host, each
-  rank keeping its slices: the values a single process gets when it builds the module on the host with the same
-  seed (an init that only ``__init__`` runs, outside every ``reset_parameters()``, is not replayed).
+  folder; HFCausalLM and LitGPTCausalLM of a config alone, built on meta by themselves, initialize each module they
+  hold from its own seed: ``parallel/materialize.py``'s ``SeededInit``), else each :func:`reset_units` unit's
+  ``reset_parameters()`` does, one unit at a time on the host, each rank keeping its slices: the values a single
+  process gets when it builds the module on the host with the same seed (an init that only ``__init__`` runs,
+  outside every ``reset_parameters()``, is not replayed).
 """
 
 from __future__ import annotations

@@ -152,6 +152,7 @@ def test_litgpt_switch_runs_the_given_attention_and_positions():
 
     torch.manual_seed(0)
     module = LitGPTCausalLM(LITGPT_CONFIGS["neox"]())
+    module.materialize()  # built on meta from the config: its weights made here
     ids = torch.randint(0, 128, (2, 8))
     pos = _shifted_positions(8, ids.device)
     with torch.no_grad():

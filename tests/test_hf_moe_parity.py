@@ -124,13 +124,17 @@ def group_runs(tmp_path_factory, tag: str) -> Batch:
 
 
 def plain_hf_training(config: transformers.PretrainedConfig, clip: float | None, accumulate: int, lora: bool = False):
-    """The reference: HF's model built after seed 0 (as the workers build it), its forward and loss (``labels=``,
-    the load-balancing loss added by HF), trained here on the workers' global micro-batches, ``accumulate`` of them
-    per step (HF's auxiliary loss is a product of batch means: each micro-batch's own)."""
+    """The reference: HF's model built after seed 0 (as the workers build it: from the config alone, initialized in
+    one process; with LoRA whole on the host, transformers' own draws), its forward and loss (``labels=``, the
+    load-balancing loss added by HF), trained here on the workers' global micro-batches, ``accumulate`` of them per
+    step (HF's auxiliary loss is a product of batch means: each micro-batch's own)."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
     if lora:
-        model = apply_peft(model, peft.LoraConfig(**MOE_LORA))
+        model = apply_peft(transformers.AutoModelForCausalLM.from_config(config), peft.LoraConfig(**MOE_LORA))
+    else:
+        module = HFCausalLM(config)
+        module.materialize()
+        model = module.model
     return train_reference(
         model, config.vocab_size, lambda m, ids: m(input_ids=ids, labels=ids).loss,
         HFCausalLM.__init__.__defaults__, clip, accumulate,
@@ -221,6 +225,7 @@ def test_hfcausallm_loss_is_hfs_loss(name):
     """HFCausalLM's loss in one process is HF's own ``loss`` (the load-balancing loss added where HF adds it)."""
     torch.manual_seed(0)
     module = HFCausalLM(config_of(name))
+    module.materialize()  # built on meta from the config: its weights made here
     ids = torch.randint(0, 128, (2, SEQ_LEN))
     want = module.model(input_ids=ids, labels=ids).loss
     got = module.loss(module(ids), ids)

@@ -19,6 +19,7 @@ from lightning_parallel.causal_lm import CausalLM
 from lightning_parallel.hf.adapters import PEFT_KEY, BaseIdentity, check_same_base, save_record
 from lightning_parallel.hf.context import check_hf_context, hf_attention_heads, hf_context_parallel
 from lightning_parallel.hf.experts import as_loss_like, check_hf_expert_degrees, hf_expert_parallel_plan, router_aux_of
+from lightning_parallel.hf.init import hf_init_weights
 from lightning_parallel.hf.layers import (
     ATTENTION_TYPES,
     PIPELINE_EXTRAS,
@@ -30,7 +31,6 @@ from lightning_parallel.hf.loading import load_local_weights, parameters_on_meta
 from lightning_parallel.hf.lora import apply_peft, base_of, cast_frozen_base, check_peft_degrees, resolve_base_dtype
 from lightning_parallel.hf.moe_pipeline import pipeline_router_aux
 from lightning_parallel.hf.plan import SP_WITH_PP, hf_tensor_parallel_plan
-from lightning_parallel.protocol import strategy_calls_materialize
 
 # config fields whose effect HF's forward applies between the modules of base_model_pp_plan (final logits
 # softcapping: Gemma 2/3; logit_scale: Cohere; logits_scaling and embedding_multiplier: Granite), with their
@@ -59,6 +59,36 @@ def lazy_causal_lm(source: Any) -> nn.Module | None:
         return AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
 
 
+def config_alone(source: Any) -> Any:
+    """The transformers config of a source that has no weights (a ``PretrainedConfig``, or a local folder holding a
+    config.json and no weights files), else None."""
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.utils import (
+        CONFIG_NAME,
+        SAFE_WEIGHTS_INDEX_NAME,
+        SAFE_WEIGHTS_NAME,
+        WEIGHTS_INDEX_NAME,
+        WEIGHTS_NAME,
+    )
+
+    if isinstance(source, PretrainedConfig):
+        return source
+    if not isinstance(source, (str, Path)) or not (Path(source) / CONFIG_NAME).is_file():
+        return None
+    weights = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+    if any((Path(source) / name).is_file() for name in weights):
+        return None
+    return AutoConfig.from_pretrained(source, local_files_only=True)
+
+
+def fresh_causal_lm(config: Any) -> nn.Module:
+    """The causal LM of a transformers config, with fresh weights (on the meta device inside ``torch.device("meta")``,
+    where transformers skips its initialization)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config)
+
+
 def load_causal_lm(source: Any) -> nn.Module:
     """A ``PreTrainedModel`` as it is, one loaded from a local folder (no network), or one built from a config."""
     from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -66,8 +96,10 @@ def load_causal_lm(source: Any) -> nn.Module:
     if isinstance(source, PreTrainedModel):
         return source
     if isinstance(source, PretrainedConfig):
-        return AutoModelForCausalLM.from_config(source)
+        return fresh_causal_lm(source)
     if isinstance(source, (str, Path)):
+        if config_alone(source) is not None:  # a folder holding a config alone: fresh weights
+            return fresh_causal_lm(config_alone(source))
         if not Path(source).is_dir():
             raise ValueError(
                 f"HFCausalLM({str(source)!r}): no such folder. Pass a local folder written by save_pretrained (this "
@@ -91,7 +123,11 @@ class HFCausalLM(CausalLM):
     A folder with safetensors weights is not read here: the parameters are built on the meta device and each
     rank reads only what it holds once the strategy split the model (its stages, its tensor-parallel and ZeRO-3
     slices; :mod:`lightning_parallel.hf.loading`). Under Lightning's own strategies the whole folder is read in
-    ``configure_model``; outside a Trainer call :meth:`materialize` first.
+    ``configure_model``; outside a Trainer call :meth:`materialize` first. A model from a config alone (a
+    ``PretrainedConfig``, or a folder holding only config.json: pretraining from scratch) is built on the meta device
+    as well and each rank initializes only what it holds once the model is split, each module by Hugging Face's own
+    ``_init_weights`` from a generator seeded by the seed and the module's name (:meth:`CausalLM.materialize`): no
+    rank ever holds the whole model, and every layout gets the values one process gets with the same seed.
 
     MoE models (Mixtral, Qwen3-MoE, DeepSeek-V3: ``config.base_model_ep_plan``) split their experts over ep with HF's
     own router, experts and load-balancing loss (:mod:`lightning_parallel.hf.experts`, docs/hf_moe.md).
@@ -109,8 +145,9 @@ class HFCausalLM(CausalLM):
         base_dtype: with ``peft_config``, the dtype the frozen base is kept in (``torch.bfloat16`` or "bf16" /
             "bfloat16", ``torch.float32`` or "fp32" / "float32"); the adapters, their gradients and optimizer
             states stay as loaded (fp32). None: the base as loaded.
-        lazy_load: False reads a folder's weights whole in every process, now (``from_pretrained``). Default: True
-            without ``peft_config``; with it the folder is read whole for now.
+        lazy_load: False reads a folder's weights whole in every process, now (``from_pretrained``), and builds a
+            model from a config whole on the host, with transformers' own draws (``from_config``). Default: True
+            without ``peft_config``; with it the folder is read (or the model built) whole for now.
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay, not applied to biases and norm weights (parameters of dimension < 2).
         betas: AdamW betas.
@@ -141,7 +178,11 @@ class HFCausalLM(CausalLM):
             msg = "HFCausalLM: lazy_load=True is ignored with peft_config: the folder is read whole for now."
             warnings.warn(msg, stacklevel=2)
         lazy = lazy_causal_lm(model) if lazy_load is not False and peft_config is None else None
-        hf = lazy if lazy is not None else load_causal_lm(model)
+        config = config_alone(model) if lazy_load is not False and peft_config is None else None
+        if config is not None:  # fresh weights: built on meta, initialized once split (each rank its pieces)
+            hf = self.build_on_meta(lambda: fresh_causal_lm(config), hf_init_weights)
+        else:
+            hf = lazy if lazy is not None else load_causal_lm(model)
         # the folder still to read (None once read), the tied names as built, and what this rank read (bytes)
         self._weights_folder = Path(model) if lazy is not None else None
         self._tied_aliases = tied_aliases(hf) if lazy is not None else {}
@@ -159,18 +200,20 @@ class HFCausalLM(CausalLM):
         """The Hugging Face model (inside peft's wrapper when there are adapters)."""
         return base_of(self.model)[0]
 
+    @property
+    def awaits_materialize(self) -> bool:
+        return self._weights_folder is not None or super().awaits_materialize
+
     def materialize(self, device: torch.device | str = "cpu") -> None:
-        """Read the weights of the folder this module was built from into the parameters it holds, on ``device``
-        (the strategies call it once the model is split; nothing to do when they are read already)."""
+        """Read the weights of the folder this module was built from into the parameters it holds, on ``device``, or
+        initialize a model built from its config alone (:meth:`CausalLM.materialize`): the strategies call it once
+        the model is split; nothing to do when the weights are there."""
         if self._weights_folder is None:
+            super().materialize(device)
             return
         device = torch.device(device)
         self.weight_bytes_read = load_local_weights(self.model, self._weights_folder, device, self._tied_aliases)
         self._weights_folder = None
-
-    def configure_model(self) -> None:
-        if self._weights_folder is not None and not strategy_calls_materialize(self.trainer.strategy):
-            self.materialize(self.trainer.strategy.root_device)  # Lightning's own strategies: the whole folder
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
@@ -183,6 +226,7 @@ class HFCausalLM(CausalLM):
                 f"HFCausalLM's weights from {self._weights_folder} are not read yet: train or test it with a Trainer, "
                 "or call .materialize() first (or build it with lazy_load=False)."
             )
+        self.require_values(" from its config; or build it with lazy_load=False")
         inputs = {"attention_mask": attention_mask, "position_ids": position_ids}
         out = self.model(input_ids=input_ids, **inputs, use_cache=False)
         # HF's load-balancing loss (None unless config.output_router_logits), added by loss() as HF's forward adds it

@@ -8,7 +8,8 @@ The model stays LitGPT's own object (``self.model``: parameter names, ``lit_mode
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -75,11 +76,18 @@ def read_source(source: Any, **overrides: Any) -> tuple[Any, dict[str, torch.Ten
     )
 
 
-def load_gpt(source: Any, lora: Mapping[str, Any] | None = None, adapter_seed: int = 0, **overrides: Any) -> nn.Module:
+def load_gpt(
+    source: Any,
+    lora: Mapping[str, Any] | None = None,
+    adapter_seed: int = 0,
+    build: Callable[[Callable[[], nn.Module]], nn.Module] | None = None,
+    **overrides: Any,
+) -> nn.Module:
     """A litgpt ``GPT`` as it is, or one built from a ``Config``, a config name or a local checkpoint folder (see
     :func:`read_source`); with LoRA (``lora`` settings, or a ``litgpt.lora`` config or GPT with ``lora_r > 0``) a
     ``litgpt.lora.GPT`` with the base frozen (:func:`~lightning_parallel.litgpt.lora.build_lora_gpt`). A GPT built
-    from a config or a name without LoRA has ``GPT(config)``'s own initialization."""
+    from a config alone (no weights, no LoRA) is ``build(lambda: GPT(config))`` when ``build`` is given (the
+    module's meta-device build), else ``GPT(config)`` with its own initialization."""
     from litgpt.lora import GPT as LoRAGPT
     from litgpt.lora import mark_only_lora_as_trainable
     from litgpt.model import GPT
@@ -98,6 +106,8 @@ def load_gpt(source: Any, lora: Mapping[str, Any] | None = None, adapter_seed: i
         return build_lora_gpt(adapted, weights, adapter_seed)
     if isinstance(source, GPT):
         return source
+    if weights is None and build is not None:
+        return build(lambda: GPT(config))
     model = GPT(config)
     if weights is not None:
         model.load_state_dict(weights)
@@ -117,6 +127,12 @@ class LitGPTCausalLM(CausalLM):
     only the adapters have gradients and optimizer states. ZeRO 0-3, tp (with or without sequence parallelism)
     and pp for now; cp and ep are refused (:mod:`lightning_parallel.litgpt.lora`). Without LoRA, cp splits each sequence
     (:mod:`lightning_parallel.litgpt.context`).
+
+    A model from a config alone (a ``Config``, a name, or a folder without ``lit_model.pth``; no LoRA) is built on the
+    meta device and each rank initializes only what it holds once the strategy split it, each module by its own
+    ``reset_parameters()`` from a generator seeded by the seed and the module's name (:meth:`CausalLM.materialize`):
+    no rank ever holds the whole model, and every layout gets the values one process gets with the same seed.
+    Outside a Trainer call :meth:`materialize` first.
 
     Args:
         model: a ``litgpt.model.GPT``, a ``litgpt.config.Config``, a litgpt config name (``"pythia-14m"``) or a
@@ -147,11 +163,14 @@ class LitGPTCausalLM(CausalLM):
         **config_overrides: Any,
     ) -> None:
         super().__init__(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
-        self.model = load_gpt(model, lora, adapter_seed, **config_overrides)
+        # from a config alone: built on meta, each module's reset_parameters() once split (CausalLM.materialize)
+        build = functools.partial(self.build_on_meta, init_of=lambda gpt: _reset_parameters)
+        self.model = load_gpt(model, lora, adapter_seed, build, **config_overrides)
         litgpt_pipeline_layers(self.model)  # installs the pipeline hooks now: inert under GPT.forward
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """Logits (B, T, padded_vocab_size) (split over the vocabulary under tensor parallelism)."""
+        self.require_values(" from its config")
         return self.model(input_ids)
 
     def unpack(self, batch: Any) -> tuple[Tensor, Tensor, None]:
@@ -202,6 +221,12 @@ class LitGPTCausalLM(CausalLM):
         check_litgpt_degrees(self.model, pp=pp, tp=tp, cp=cp)
         if pp > 1 and tp > 1 and getattr(self, "_sequence_parallel", False):
             raise ValueError(SP_WITH_PP)
+
+
+def _reset_parameters(module: nn.Module) -> None:
+    """A LitGPT module's own initialization (``GPT(config)`` runs the same in each module's ``__init__``); the GPT's
+    own ``reset_parameters()`` rebuilds its rotary tables."""
+    module.reset_parameters()
 
 
 def _divisors(n: int) -> list[int]:

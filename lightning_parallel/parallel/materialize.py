@@ -14,7 +14,8 @@ exactly the values a single process has:
   get the module's own ``reset_parameters()``, one unit at a time (the pipeline layers, else each tensor's owner:
   :func:`lightning_parallel.protocol.reset_units`). The unit's tensors are swapped for whole host tensors, its
   ``reset_parameters()`` fills them, each rank keeps its slice, and the unit's host tensors are freed before the
-  next unit: the largest transient is one unit (one layer), never the model. The CPU generator is first set to its
+  next unit: the largest transient is one unit (one layer), never the model (a unit holding other units, such as
+  LitGPT's GPT owning its rotary tables, stands in for its own tensors only). The CPU generator is first set to its
   state when the model was built (``rng_state``), so draws from the global generator replay in the order a single
   process made them (``nn.Linear``'s own init), and values equal a single process that built the model on the host.
 
@@ -27,7 +28,8 @@ generators (``models/gpt.py``). A CPU generator (MT19937) cannot skip ahead, so 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -160,6 +162,7 @@ def fill_meta_tensors(
     *,
     params_device: torch.device | None = None,
     rng_state: Tensor | None = None,
+    init: Callable[[nn.Module], None] | None = None,
 ) -> list[str]:
     """Allocate ``root``'s meta tensors (this rank's pieces) and fill them: from ``values`` where set aside, else
     by the reset units' ``reset_parameters()`` (see the module docstring). Runs after a module's own
@@ -172,6 +175,9 @@ def fill_meta_tensors(
         values: :func:`set_aside`'s tensors by name.
         params_device: where parameters live (the host when ZeRO-3 offloads them).
         rng_state: the CPU generator's state when the model was built on meta; set before the first reset.
+        init: initializes the tensors one module owns (a :class:`SeededInit`): then every module owning a tensor
+            left on meta is a unit, ``init(module)`` runs instead of ``reset_parameters()``, and only the module's
+            own tensors are stood in for.
 
     Returns:
         the paths of the units reset, in order.
@@ -189,25 +195,46 @@ def fill_meta_tensors(
     for name in sorted(values.keys() & tensors.keys()):
         _fill(tensors[name], values[name])
     pending = meta - values.keys()
-    units = reset_units(module, root, pending)
-    if units and rng_state is not None:
+    units = owner_units(root, pending) if init is not None else reset_units(module, root, pending)
+    if units and rng_state is not None and init is None:
         torch.random.set_rng_state(rng_state)  # global draws replay as when the model was built
-    drawn = set(pending)  # a unit's writes stand, also over a unit inside it (as its __init__'s came last)
+    drawn = set(pending)
+    own = _assigned([path for path, _ in units], pending)
     for path, unit in units:
-        pending -= _reset_unit(path, unit, meta, drawn)
+        pending -= _reset_unit(path, unit, own.get(path, set()), drawn, init)
+    filled = {id(tensors[name]) for name in drawn - pending}
+    pending = {name for name in pending if id(tensors[name]) not in filled}  # a tied weight filled under its other name
     if pending:
         raise unfilled_error(module, root, sorted(pending))
     return [path for path, _ in units]
 
 
-def _slots(path: str, unit: nn.Module, meta: set[str]) -> Iterator[tuple[dict, str, str]]:
-    """(the owning dict, the key, the full name) of every tensor slot in ``unit`` that was on meta."""
+def owner_units(root: nn.Module, names: set[str]) -> list[tuple[str, nn.Module]]:
+    """(path, module) of every module of ``root`` that owns one of the tensors ``names``, in ``root``'s order."""
+    owners = {name.rpartition(".")[0] for name in names}
+    return [(path, m) for path, m in root.named_modules(remove_duplicate=False) if path in owners]
+
+
+def _assigned(paths: list[str], names: set[str]) -> dict[str, set[str]]:
+    """Unit path -> the tensors it initializes: each name goes to the innermost unit holding it. A unit holding other
+    units (LitGPT's GPT, which owns the rotary tables) stands in for its own tensors only, never for the whole model;
+    what its ``reset_parameters()`` writes into an inner unit's tensors lands in the real ones (filled already)."""
+    own: dict[str, set[str]] = {}
+    for name in names:
+        holders = [p for p in paths if p == "" or name.startswith(p + ".")]
+        own.setdefault(max(holders, key=len), set()).add(name)
+    return own
+
+
+def _slots(path: str, unit: nn.Module, names: set[str], other: bool = False) -> Iterator[tuple[dict, str, str]]:
+    """(the owning dict, the key, the full name) of every tensor slot in ``unit`` named in ``names`` (``other``: of
+    those not named, that are DTensors)."""
     for sub, module in unit.named_modules(remove_duplicate=False):
         prefix = ".".join(p for p in (path, sub) if p)
         for table in (module._parameters, module._buffers):
             for key, t in table.items():
                 full = f"{prefix}.{key}" if prefix else key
-                if t is not None and full in meta:
+                if t is not None and (full not in names and isinstance(t, DTensor) if other else full in names):
                     yield table, key, full
 
 
@@ -220,10 +247,17 @@ def _blank(t: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def _reset_unit(path: str, unit: nn.Module, meta: set[str], drawn: set[str]) -> set[str]:
-    """Run ``unit.reset_parameters()`` on whole host stand-ins for its tensors; copy each rank's slices of those it
-    filled (of ``drawn``: not set aside) into the real tensors; return the names it filled."""
-    slots = list(_slots(path, unit, meta))
+def _reset_unit(
+    path: str, unit: nn.Module, own: set[str], drawn: set[str], init: Callable[[nn.Module], None] | None = None
+) -> set[str]:
+    """Run ``unit.reset_parameters()`` (or ``init(unit)``) on whole host stand-ins for its tensors ``own``; copy each
+    rank's slices of those it filled (of ``drawn``: not set aside) into the real tensors; return the names it filled.
+
+    Raises:
+        TypeError: the reset wrote into an inner unit's split tensor (this rank's piece of it, not the whole).
+    """
+    split = {name: (table[key], table[key]._version) for table, key, name in _slots(path, unit, own, other=True)}
+    slots = list(_slots(path, unit, own))
     originals = [table[key] for table, key, _ in slots]
     stand_in: dict[int, Tensor] = {}  # one stand-in per tensor: weights tied inside the unit stay tied
     for (table, key, _), t in zip(slots, originals):
@@ -233,7 +267,10 @@ def _reset_unit(path: str, unit: nn.Module, meta: set[str], drawn: set[str]) -> 
         table[key] = stand_in[id(t)]
     versions = {i: s._version for i, s in stand_in.items()}
     try:
-        unit.reset_parameters()
+        if init is None:
+            unit.reset_parameters()
+        else:
+            init(unit)
         filled = {}
         for (table, key, name), t in zip(slots, originals):
             now = table[key]
@@ -244,14 +281,83 @@ def _reset_unit(path: str, unit: nn.Module, meta: set[str], drawn: set[str]) -> 
             table[key] = t
     for t, now in filled.values():
         _fill(t, now)
+    written = [name for name, (t, version) in split.items() if t._version != version]
+    if written:
+        raise TypeError(
+            f"the reset_parameters() of {path or 'the root'} ({type(unit).__name__}) writes {written[:3]}, which a "
+            "unit inside it initialized, and this rank holds only a piece of them: initialize each module's own "
+            "tensors in its own reset_parameters()."
+        )
     return set(filled)
+
+
+_PIECE = 2**20  # elements of a stand-in checked at once
 
 
 def _was_written(now: Tensor, blank: Tensor, version: int) -> bool:
     if now is not blank:  # reset_parameters() assigned a new tensor
         return True
     if blank.dtype.is_floating_point or blank.dtype.is_complex:
-        return not bool(torch.isnan(blank).any())
+        flat = blank.reshape(-1)  # looked at in pieces: a whole boolean mask would add a quarter of an fp32 tensor
+        return not any(bool(torch.isnan(flat[i : i + _PIECE]).any()) for i in range(0, flat.numel(), _PIECE))
     if blank.dtype == torch.bool:
         return blank._version != version
     return blank._version != version or bool((blank != torch.iinfo(blank.dtype).min).any())
+
+
+def unit_seed(seed: int, path: str) -> int:
+    """The seed of the module at ``path`` (its name in the model) of a model seeded with ``seed``: stable across
+    processes and Python runs (CRC-32 of the name, not ``hash``)."""
+    return (seed * 1_000_003 + zlib.crc32(path.encode())) % 2**63
+
+
+class SeededInit:
+    """Initializes one module of ``model`` (built on meta) as ``init(module)`` does, the global generator seeded by
+    :func:`unit_seed` of ``seed`` and the module's name in ``model``, and restored afterwards; for
+    :func:`fill_meta_tensors`' ``init``. A module outside ``model`` is left to its ``reset_parameters()``.
+
+    Args:
+        model: the model as built (names are taken now: a later split or wrapper changes nothing).
+        init: what initializes the tensors a module owns (Hugging Face's ``_init_weights``, LitGPT's
+            ``reset_parameters()``).
+        seed: the model's seed; default: the global generator's (``torch.initial_seed()``, which
+            ``seed_everything`` sets), taken now.
+    """
+
+    def __init__(self, model: nn.Module, init: Callable[[nn.Module], None], seed: int | None = None) -> None:
+        self.paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+        self.modules = list(model.modules())  # kept alive (a pipeline split drops other stages'): ids stay theirs
+        self.init, self.seed = init, torch.initial_seed() if seed is None else seed
+        # a tied weight's later places: (module id) -> [(its key there, the first owner, the key in the owner)]
+        self.ties: dict[int, list[tuple[str, nn.Module, str]]] = {}
+        for alias, first in _ties(model):
+            if alias != first:
+                module, key = model.get_submodule(alias.rpartition(".")[0]), alias.rpartition(".")[2]
+                owner = model.get_submodule(first.rpartition(".")[0])
+                self.ties.setdefault(id(module), []).append((key, owner, first.rpartition(".")[2]))
+
+    def _seeded(self, module: nn.Module) -> None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(unit_seed(self.seed, self.paths[id(module)]))
+            self.init(module)
+
+    @torch.no_grad()
+    def __call__(self, module: nn.Module) -> None:
+        if id(module) not in self.paths:
+            module.reset_parameters()
+            return
+        self._seeded(module)
+        for key, owner, owner_key in self.ties.get(id(module), []):  # the first owner's values, also in another stage
+            module._parameters[key].copy_(self._owner_value(owner, owner_key))
+
+    def _owner_value(self, owner: nn.Module, key: str) -> Tensor:
+        """What ``owner`` initializes its ``key`` to, on whole host stand-ins for its own parameters."""
+        kept = dict(owner._parameters)
+        try:
+            for name, t in kept.items():
+                if t is not None:
+                    owner._parameters[name] = nn.Parameter(_blank(t), t.requires_grad)
+            self._seeded(owner)
+            return owner._parameters[key].detach()
+        finally:
+            owner._parameters.update(kept)

@@ -122,7 +122,8 @@ def build_finetune_module(cfg: DictConfig) -> Any:
 
 
 def materialized(module: Any) -> Any:
-    """An HFCausalLM reads its folder's weights late (after a split): here, now; a LitGPTCausalLM holds them."""
+    """A module whose weights come late (an HFCausalLM folder read after a split, a model from a config alone
+    initialized once split): here, now."""
     if hasattr(module, "materialize"):
         module.materialize()
     return module

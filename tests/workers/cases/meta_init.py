@@ -13,8 +13,11 @@ Run by tests/test_meta_init.py through tests/harness.py. Each case builds a mode
   blocks at once, so freed memory shows), a check that nothing outside the dispatcher held a copy;
 - ``model_bytes``: the whole model's parameter bytes; with ``save``, the full state dict after setup (rank 0).
 
-Case keys: name, strategy (a registered name or ``hybrid3d:tp=2,...``), build, model (``gpt`` or ``plain``: an
-MLP whose modules keep torch's default init, drawn from the global generator), gpt (GPTConfig overrides), save.
+Case keys: name, strategy (a registered name or ``hybrid3d:tp=2,...``), build, model (``gpt``; ``plain``: an
+MLP whose modules keep torch's default init, drawn from the global generator; ``hf`` or ``litgpt``: HFCausalLM or
+LitGPTCausalLM of a config alone, which build themselves on meta: ``build`` does not apply), gpt (GPTConfig
+overrides), hf (a transformers config's fields), litgpt (a litgpt config name and overrides), save. With ``hf`` or
+``litgpt`` the result has ``layer_bytes``, the largest pipeline layer's parameter bytes.
 """
 
 from __future__ import annotations
@@ -134,19 +137,48 @@ class EndOfSetup(pl.Callback):
         self.local_bytes = sum(local(p).untyped_storage().nbytes() for p in params)
 
 
+def config_only(case: dict) -> pl.LightningModule:
+    """``model: hf`` (case key ``hf``: a transformers config's fields, model_type among them) or ``model: litgpt``
+    (case key ``litgpt``: a litgpt config name and overrides): the module of a config alone, built on meta by itself."""
+    if case["model"] == "hf":
+        from transformers import AutoConfig
+
+        from lightning_parallel.hf import HFCausalLM
+
+        fields = dict(case["hf"])
+        return HFCausalLM(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    from lightning_parallel.litgpt import LitGPTCausalLM
+
+    fields = dict(case["litgpt"])
+    return LitGPTCausalLM(fields.pop("name"), **fields)
+
+
 def _model(case: dict, build_here: bool) -> pl.LightningModule:
+    if case.get("model") in ("hf", "litgpt"):
+        return config_only(case)
     if case.get("model") == "plain":
         return PlainMLP(build_in_configure_model=not build_here)
     return LitGPT(GPTConfig(**case.get("gpt", {})), build_in_configure_model=not build_here)
+
+
+def _layer_bytes(module: pl.LightningModule) -> int:
+    """The parameter bytes of the largest pipeline layer (embedding, block, norm or head): "one layer"."""
+    return max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in module.pipeline_layers())
 
 
 def run_case(case: dict, ctx) -> dict:
     world, out = ctx.world, ctx.out
     pl.seed_everything(0, verbose=False)
     config = GPTConfig(**case.get("gpt", {}))
-    with torch.device("meta"):  # no draws from the global generator
-        whole = PlainMLP.build() if case.get("model") == "plain" else GPT(config)
+    layer_bytes = None
+    if case.get("model") in ("hf", "litgpt"):
+        whole = config_only(case)  # on meta: no memory, no draws
+        layer_bytes = _layer_bytes(whole)
+    else:
+        with torch.device("meta"):  # no draws from the global generator
+            whole = PlainMLP.build() if case.get("model") == "plain" else GPT(config)
     model_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
+    del whole
     build = case.get("build", "configure")
     meter = PeakTensorBytes()
     probe = EndOfSetup(meter)
@@ -174,6 +206,7 @@ def run_case(case: dict, ctx) -> dict:
     result = {
         "name": case["name"],
         "model_bytes": model_bytes,
+        "layer_bytes": layer_bytes,
         "peak_tensor_bytes": probe.peak,
         "local_param_bytes": probe.local_bytes,
         "rss_growth": (probe.rss_peak_kib - rss_start) * 1024 if reset else None,
