@@ -97,6 +97,20 @@ def test_litgpt_names_are_searched_within_what_their_family_takes(capsys):
     assert not [x for x in layouts if x.pp > 1 and x.tp > 1 and x.sequence_parallel]
 
 
+def test_litgpt_lora_proposals_leave_out_what_its_adapters_refuse(capsys):
+    """LitGPT's LoRA refuses cp and ep: with --lora-rank the long-sequence search proposes no cp (without it, most of
+    its top 40 split the sequence)."""
+    args = ["pythia-160m", "--gpus", "64", "--seq-len", "16384", "--global-batch-size", "64", "--top", "40", "--json"]
+    counts = []
+    for lora in ([], ["--lora-rank", "8"]):
+        assert main([*args, *lora]) == 0
+        layouts = [Layout(**r["layout"]) for r in json.loads(capsys.readouterr().out)["layouts"]]
+        counts.append(sum(x.cp > 1 for x in layouts))
+        assert layouts and not any(x.ep > 1 for x in layouts)
+    assert counts[0] > 0 and counts[1] == 0, counts
+    assert "cp=2 with LitGPTCausalLM(lora=...)" in family_refusal("pythia-160m", lora=True)(Layout(cp=2, dp=32))
+
+
 def test_overrides_print_and_keep_the_plan(plan_70b):
     table = format_scale_table(plan_70b)
     for row in plan_70b["layouts"]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,13 +27,15 @@ if TYPE_CHECKING:
 Refusal = Callable[[Layout], str]
 
 
-def family_refusal(model: str) -> Refusal | None:
+def family_refusal(model: str, lora: bool = False) -> Refusal | None:
     """Why the family of ``model`` (a Hugging Face config.json or folder, or a LitGPT name) refuses a layout, ""
-    if it takes it; None for a model of neither family (a recipe GPT: the planner's own checks)."""
+    if it takes it; None for a model of neither family (a recipe GPT: the planner's own checks). ``lora``: LoRA
+    adapters with their default settings train too (``plan --lora-rank``): LitGPT's refuse cp and ep; peft's take
+    every layout without dropout."""
     if Path(model).is_dir() or model.endswith(".json"):
         return _cached(_hf_checks(_hf_meta(model)))
     try:
-        return _cached(_litgpt_checks(model))
+        return _cached(_litgpt_checks(model, lora))
     except (ImportError, ValueError):  # no litgpt, or no LitGPT name
         return None
 
@@ -106,21 +109,24 @@ def _hf_checks(meta: Any) -> Callable[..., None]:
     return check
 
 
-def _litgpt_checks(name: str) -> Callable[..., None]:
+def _litgpt_checks(name: str, lora: bool = False) -> Callable[..., None]:
     from litgpt import Config
     from litgpt.model import GPT
 
     with torch.device("meta"):
-        return _litgpt_meta_checks(GPT(Config.from_name(name)))
+        return _litgpt_meta_checks(GPT(Config.from_name(name)), lora)
 
 
-def _litgpt_meta_checks(meta: Any) -> Callable[..., None]:
+def _litgpt_meta_checks(meta: Any, lora: bool = False) -> Callable[..., None]:
+    from lightning_parallel.litgpt.lora import check_lora_degrees
     from lightning_parallel.recipes.litgpt import check_litgpt_layout
 
     def check(pp: int, tp: int, cp: int, ep: int, sequence_parallel: bool) -> None:
         check_litgpt_layout(meta, pp=pp, tp=tp, sequence_parallel=sequence_parallel, cp=cp)
         if ep > 1:  # LitGPTCausalLM has no expert plan: check_model looks for the package's MoE layers
             check_expert_layout(meta, ep, {})
+        if lora:  # LitGPTCausalLM(lora=...)'s own layout checks, without dropout
+            check_lora_degrees(SimpleNamespace(lora_dropout=0.0), pp=pp, tp=tp, cp=cp, ep=ep)
 
     return check
 
