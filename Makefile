@@ -57,6 +57,7 @@ lint: install
 
 # the documentation site (docs/, mkdocs.yml) into site/; strict: a broken link, anchor, include or docstring fails
 docs: install
+	$(PYTHON) -m lightning_parallel.recipes.reference --check  # docs/reference/strategy-keys.md matches the schema
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --quiet
 
 # world 8 (pp=2 x dp=2 x tp=2), 300 steps, two workers SIGKILLed and restarted by torchrun: same final state

@@ -18,6 +18,7 @@ reason for every layout that cannot run, then the recommended one.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from dataclasses import asdict
@@ -149,12 +150,12 @@ def recipe_shape(model: str) -> ModelShape | None:
     return from_recipe(m, model)
 
 
-def model_family(model: str) -> Refusal | None:
-    """Why a Hugging Face or LitGPT model's family refuses a layout (None for a recipe model: the planner's own
-    checks are the recipe's)."""
+def model_family(model: str, lora: bool = False) -> Refusal | None:
+    """Why a Hugging Face or LitGPT model's family refuses a layout, with LoRA adapters when ``lora`` (None for a
+    recipe model: the planner's own checks are the recipe's)."""
     if model.endswith((".yaml", ".yml")) or (CONF / "model" / f"{model}.yaml").is_file():
         return None
-    return family_refusal(model)
+    return family_refusal(model, lora)
 
 
 def _check_lora_args(args: argparse.Namespace, kind: str) -> None:
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if scale and args.model is None:
             raise ValueError("give a model: a Hugging Face config.json or folder, a LitGPT name or a recipe model.")
-        plan = make_scale_plan(args, recipe_shape, model_family) if scale else make_plan(args)
+        family = functools.partial(model_family, lora=bool(args.lora_rank))  # LoRA's refusals with --lora-rank
+        plan = make_scale_plan(args, recipe_shape, family) if scale else make_plan(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -162,7 +162,6 @@ def test_recipe_resolves_auto_before_launch():
         (["strategy=auto", "strategy.cp=2"], "strategy.cp=2 cannot be set with strategy=auto"),
         (["strategy=zero2", "strategy.auto_device_memory=8GB"], "only applies to strategy=auto"),
         (["strategy=auto", "strategy.auto_device_memory=lots"], "strategy.auto_device_memory='lots' is not a size"),
-        (["strategy=auto", "model=hf_llama_tiny"], "strategy=auto plans the recipe models"),
         (["strategy=auto", "strategy.auto_device_memory=1MB"], "no layout fits"),
     ],
 )

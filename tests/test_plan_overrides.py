@@ -1,7 +1,8 @@
 """The analytic planner prints recipe overrides the recipe accepts, and proposes nothing the model's family refuses:
 a 70B-shaped Llama config at 256 GPUs, its top proposal's overrides through the recipe's composition and
 pre-launch checks as printed (world 256, the 70B config on the meta device) and at world 2 on a tiny Llama of the
-same family (the slow variant trains 2 steps with them)."""
+same family (the slow variant trains 2 steps with them). ``strategy=auto`` plans the same models in the recipe
+(``model=hf``, ``model=litgpt``) within what their family and ``peft=lora`` take."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.plan import main
 from lightning_parallel.planning.layout import Layout, Workload, recipe_overrides
 from lightning_parallel.planning.scale_cli import format_scale_table
-from lightning_parallel.recipes.family import family_refusal
+from lightning_parallel.recipes.auto import resolve_auto
+from lightning_parallel.recipes.family import family_refusal, recipe_model_plan
 from lightning_parallel.recipes.gpt import check_config
 
 LLAMA_70B = {  # Llama-3.1-70B's config.json shape
@@ -93,6 +95,20 @@ def test_litgpt_names_are_searched_within_what_their_family_takes(capsys):
     layouts = [Layout(**r["layout"]) for r in json.loads(capsys.readouterr().out)["layouts"]]
     assert [x for x in layouts if x.pp > 1 and x.tp > 1] and [x for x in layouts if x.sequence_parallel]
     assert not [x for x in layouts if x.pp > 1 and x.tp > 1 and x.sequence_parallel]
+
+
+def test_litgpt_lora_proposals_leave_out_what_its_adapters_refuse(capsys):
+    """LitGPT's LoRA refuses cp and ep: with --lora-rank the long-sequence search proposes no cp (without it, most of
+    its top 40 split the sequence)."""
+    args = ["pythia-160m", "--gpus", "64", "--seq-len", "16384", "--global-batch-size", "64", "--top", "40", "--json"]
+    counts = []
+    for lora in ([], ["--lora-rank", "8"]):
+        assert main([*args, *lora]) == 0
+        layouts = [Layout(**r["layout"]) for r in json.loads(capsys.readouterr().out)["layouts"]]
+        counts.append(sum(x.cp > 1 for x in layouts))
+        assert layouts and not any(x.ep > 1 for x in layouts)
+    assert counts[0] > 0 and counts[1] == 0, counts
+    assert "cp=2 with LitGPTCausalLM(lora=...)" in family_refusal("pythia-160m", lora=True)(Layout(cp=2, dp=32))
 
 
 def test_overrides_print_and_keep_the_plan(plan_70b):
@@ -195,6 +211,62 @@ def test_the_printed_overrides_train_at_world_2(plan_70b, tmp_path):
     got = run_recipe(GPT, tmp_path, *overrides, "model=hf", f"model.path={tiny}", *short, timeout=900)
     assert got["steps"] == 2 and got["layout"]["world_size"] == 2
     assert math.isfinite(got["final_train_loss"])
+
+
+# ----- strategy=auto in the recipe, on the same models -----
+
+AUTO_70B = ["strategy=auto", "trainer.devices=8", "trainer.num_nodes=32", "strategy.auto_device_memory=80GB"]
+AUTO_70B += ["precision=bf16-mixed", "model.seq_len=8192", "data.global_batch_size=512", "trainer.accelerator=cpu"]
+
+
+def _auto_layout(cfg) -> Layout:
+    names = {f for f in Layout.__dataclass_fields__} & set(ParallelConfig.names())
+    return Layout(**{name: cfg.strategy[name] for name in names})
+
+
+def test_auto_plans_the_70b_hf_config_within_what_its_family_takes(plan_70b):
+    cfg = compose_gpt(*AUTO_70B, "model=hf", f"model.path={plan_70b['folder']}")
+    resolve_auto(cfg)
+    warnings: list[str] = []
+    ParallelConfig.from_mapping(cfg.strategy).validate(warn=warnings.append)
+    assert cfg.strategy.name == "hybrid3d" and not warnings, warnings
+    assert cfg.strategy.planned["planner"] == "analytic"
+    layout = _auto_layout(cfg)
+    assert layout.dp * layout.pp * layout.tp * layout.cp == 256 and 1 < layout.tp <= 8
+    assert family_refusal(plan_70b["folder"])(layout) == ""
+    check_config(cfg)  # the recipe's own pre-launch checks at world 256, the 70B model on the meta device
+
+
+def test_auto_under_lora_leaves_out_what_the_adapters_refuse(plan_70b):
+    """peft.dropout > 0 is refused under tp (the adapters' dropout masks are not split): the plan goes without tp
+    (without LoRA it takes tp=2: the test above)."""
+    lora = ["model=hf", f"model.path={plan_70b['folder']}", "peft=lora", "peft.dropout=0.1"]
+    _, refuses = recipe_model_plan(compose_gpt(*AUTO_70B, *lora))
+    assert "peft.dropout" in refuses(Layout(tp=2, dp=128)) and refuses(Layout(tp=1, dp=256)) == ""
+    cfg = compose_gpt(*AUTO_70B, *lora)
+    resolve_auto(cfg)
+    assert cfg.strategy.tp == 1 and refuses(_auto_layout(cfg)) == ""
+    check_config(cfg)
+
+
+def test_auto_trains_a_tiny_llama_at_world_2(tmp_path):
+    run = ["trainer=debug", "trainer.max_steps=2", "trainer.val_check_interval=2", "sample_tokens=0"]
+    tiny = llama_folder(tmp_path / "tiny", TINY)
+    got = run_recipe(GPT, tmp_path, "strategy=auto", "model=hf", f"model.path={tiny}", "trainer.devices=2", *run)
+    planned = got["planned"]
+    assert planned["planner"] == "analytic" and got["layout"]["world_size"] == 2
+    assert {k: got["layout"][k] for k in ("dp", "pp", "tp", "zero_stage")} == {
+        k: planned["layout"][k] for k in ("dp", "pp", "tp", "zero_stage")
+    }
+    assert got["steps"] == 2 and math.isfinite(got["final_train_loss"])
+
+
+def test_auto_plans_litgpt_in_the_recipe():
+    cfg = compose_gpt("strategy=auto", "model=litgpt", "trainer.devices=4", "trainer.accelerator=cpu")
+    resolve_auto(cfg)
+    assert cfg.strategy.name == "hybrid3d" and cfg.strategy.planned["planner"] == "analytic"
+    assert family_refusal(cfg.model.name)(_auto_layout(cfg)) == ""
+    check_config(cfg)
 
 
 def _typed(text: str) -> object:

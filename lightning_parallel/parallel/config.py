@@ -80,7 +80,9 @@ class ParallelConfig:
         offload: keep the sharded states on the host and step there (stages 2 and 3).
         reshard_after_forward: stage 3: free gathered parameters after each unit's forward (less memory) or
             keep them until backward (less communication).
-        pp_schedule: a name in :data:`~lightning_parallel.parallel.pipeline.schedules.SCHEDULES`.
+        pp_schedule: the pipeline schedule, by its name in
+            :data:`~lightning_parallel.parallel.pipeline.schedules.SCHEDULES`: ``gpipe``, ``1f1b``,
+            ``interleaved_1f1b``, ``zero_bubble``, ``looped_bfs`` or ``interleaved_zero_bubble``.
         microbatches: per pipeline step; they must divide each dp rank's batch (None: 2 * pp).
         pp_balance: ``uniform`` (layers per stage), ``params`` (parameter count) or ``profile`` (timed
             forward+backward on the module's ``example_input_array``).
@@ -101,9 +103,11 @@ class ParallelConfig:
             ``selective`` (keep matmul, conv and attention outputs, recompute the rest).
         fault_tolerance: ``none`` or ``torchft``: ``ft_replicas`` replica groups, each launched on its own, average
             gradients through torchft and go on when one dies (:mod:`~lightning_parallel.parallel.fault_tolerance`).
-        ft_replicas, ft_replica_id: how many replica groups, and this launch's index among them.
-        ft_min_replicas: the fewest groups a step may run with. ft_lighthouse: the lighthouse's ``http://host:port``
-            (None: ``TORCHFT_LIGHTHOUSE``). ft_timeout: seconds for quorums, reductions and state transfers.
+        ft_replicas: with ``fault_tolerance="torchft"``, how many replica groups train together.
+        ft_replica_id: this launch's index among the replica groups (0 to ``ft_replicas`` - 1).
+        ft_min_replicas: the fewest replica groups a step may run with.
+        ft_lighthouse: the torchft lighthouse's ``http://host:port`` (None: the ``TORCHFT_LIGHTHOUSE`` variable).
+        ft_timeout: seconds for torchft's quorums, reductions and state transfers.
     """
 
     dp: Any = "auto"  # an int or "auto"

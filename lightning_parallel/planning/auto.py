@@ -34,6 +34,7 @@ from lightning_parallel.planning.estimate import Estimate, Settings, recommend
 from lightning_parallel.planning.hf_config import ModelShape, from_hf_config
 from lightning_parallel.planning.layout import Workload
 from lightning_parallel.planning.profile import ModelSpec, plan_layouts
+from lightning_parallel.planning.search import Refusal
 
 HOST_FLOPS_PER_CORE = 52e9
 HOST_BANDWIDTH = 0.42e9
@@ -196,6 +197,7 @@ def choose_layout(
     precision: str = "32-true",
     margin: float = 0.1,
     seq_len: int | None = None,
+    refuses: Refusal | None = None,
 ) -> AutoChoice:
     """The planner's recommendation for ``machine``: the fastest predicted layout that fits, tp inside a node.
 
@@ -214,9 +216,11 @@ def choose_layout(
         precision: Lightning's precision flag.
         margin: the fraction of device memory to keep free when a layout allows it.
         seq_len: tokens per sample for a model shape (None: the model's context length).
+        refuses: for a model shape, why its family refuses a layout ("" if it takes it:
+            :mod:`lightning_parallel.recipes.family`); such layouts are never chosen.
     """
     if not isinstance(model, ModelSpec):
-        return _choose_analytic(model_shape(model), machine, global_batch, precision, margin, seq_len)
+        return _choose_analytic(model_shape(model), machine, global_batch, precision, margin, seq_len, refuses)
     if seq_len is not None:
         raise ValueError(
             f"choose_layout(seq_len={seq_len}): a ModelSpec is profiled at the sequence its make_input builds; set "
@@ -256,10 +260,16 @@ def model_shape(model: ModelShape | dict | str | Path) -> ModelShape:
 
 
 def _choose_analytic(
-    shape: ModelShape, machine: Machine, global_batch: int, precision: str, margin: float, seq_len: int | None
+    shape: ModelShape,
+    machine: Machine,
+    global_batch: int,
+    precision: str,
+    margin: float,
+    seq_len: int | None,
+    refuses: Refusal | None,
 ) -> AutoChoice:
     work = Workload(seq_len or shape.seq_len, global_batch, precision=precision, margin=margin)
-    estimates = analytic_candidates(shape, machine_cluster(machine), work)
+    estimates = analytic_candidates(shape, machine_cluster(machine), work, refuses)
     fits = [e for e in estimates if e.feasible]
     if not fits:
         least = min(estimates, key=lambda e: e.memory, default=None)
@@ -274,6 +284,8 @@ def _choose_analytic(
     layout.update(zero_stage=int(best.layout.zero_stage), sharding=getattr(best.layout.zero_stage, "sharding", None))
     if best.layout.pp == 1:
         layout.update(microbatches=None, pp_schedule="1f1b", pp_virtual_stages=None)
+    if layout["zero_stage"] == 3:  # FSDP2 overlaps by itself; the strategy would warn that it ignores the setting
+        layout["overlap_grad_reduce"] = False
     return AutoChoice(ParallelConfig(**layout), best, machine, work)
 
 

@@ -10,7 +10,7 @@ from lightning_parallel.planning.analytic import AnalyticEstimate
 from lightning_parallel.planning.cluster import COMM_EFFICIENCY, DEVICES, Cluster, Device
 from lightning_parallel.planning.hf_config import ModelShape
 from lightning_parallel.planning.layout import Workload
-from lightning_parallel.planning.search import SEARCHED, best_of, candidate_layouts, layout_options
+from lightning_parallel.planning.search import SEARCHED, Refusal, best_of, candidate_layouts, layout_options
 
 if TYPE_CHECKING:
     from lightning_parallel.planning.auto import Machine
@@ -43,15 +43,18 @@ def machine_cluster(machine: Machine) -> Cluster:
     return Cluster(machine.world_size, machine.node_size, device)
 
 
-def analytic_candidates(shape: ModelShape, cluster: Cluster, work: Workload) -> list[AnalyticEstimate]:
+def analytic_candidates(
+    shape: ModelShape, cluster: Cluster, work: Workload, refuses: Refusal | None = None
+) -> list[AnalyticEstimate]:
     """Each split of the cluster (:func:`~lightning_parallel.planning.search.candidate_layouts`) at its fastest
     checkpointing, sequence parallelism, ZeRO stage, virtual stages and microbatches (pp=1: the whole dp batch at
-    once, as the strategy runs it), or at its least memory when none fits."""
+    once, as the strategy runs it), or at its least memory when none fits; none that ``refuses`` (the model
+    family's checks, :mod:`lightning_parallel.recipes.family`) gives a reason for."""
     out = []
     for base in candidate_layouts(shape, cluster, work):
         free = [f for f in SEARCHED if not (base.dp_shard and f == "zero_stage")] + ["sequence_parallel"]
         if base.pp == 1:
             base = replace(base, microbatches=1)
             free.remove("microbatches")
-        out += best_of(shape, cluster, layout_options(base, work, tuple(free)), work)
+        out += best_of(shape, cluster, layout_options(base, work, tuple(free)), work, refuses=refuses)
     return out

@@ -252,6 +252,12 @@ def from_litgpt(name: str) -> ModelShape:
         c = Config.from_name(name)
     except ValueError as err:
         raise ValueError(f"{name!r} is not a LitGPT model name ({err}).") from None
+    return litgpt_shape(c, name)
+
+
+def litgpt_shape(c: Any, name: str = "") -> ModelShape:
+    """A :class:`ModelShape` from a ``litgpt.Config`` (``model=litgpt`` in the recipes: a name or a checkpoint
+    folder's config, with the recipe's changes applied)."""
     gated = c.mlp_class_name in ("LLaMAMLP", "GemmaMLP", "LLaMAMoE")
     moe = {}
     if c.mlp_class_name == "LLaMAMoE":
@@ -261,7 +267,7 @@ def from_litgpt(name: str) -> ModelShape:
             "moe_ffn": c.moe_intermediate_size or c.intermediate_size,
         }
     return ModelShape(
-        name,
+        name or c.name,
         c.padded_vocab_size,
         c.n_embd,
         c.n_layer,

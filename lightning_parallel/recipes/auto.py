@@ -3,7 +3,10 @@ checks): before any worker starts, the planner's layout for the job
 (:mod:`lightning_parallel.planning.auto`) replaces ``strategy=auto`` by ``strategy=hybrid3d`` with the chosen degrees,
 logged with its predicted figures; ``cfg.strategy.planned`` carries them to the workers, and metrics.json's
 ``planned`` beside the measured ones. Each process that runs the checks (the parent, or every rank under torchrun)
-plans from the same config and machine, without timing anything, so every rank gets the same layout. The GPU is read
+plans from the same config and machine, without timing anything, so every rank gets the same layout. The recipe
+models are profiled on the meta device; ``model=hf*`` and ``model=litgpt`` are planned by their shape over every axis
+(cp, HSDP and sequence parallelism too), never with a layout their family or ``peft=lora`` refuses
+(:func:`~lightning_parallel.recipes.family.recipe_model_plan`). The GPU is read
 once per planning process, for the device it runs on (:func:`planning_gpu`): the workers the parent starts receive
 the plan and read nothing."""
 
@@ -18,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.mesh import PLAIN_AXES
-from lightning_parallel.recipes.config import GPTModelConf, VGGModelConf
+from lightning_parallel.recipes.config import GPTModelConf, HFModelConf, LitGPTModelConf, VGGModelConf
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +57,11 @@ def resolve_auto(cfg: DictConfig) -> None:
         )
     choice = plan_for(cfg)
     log.info(choice.describe())
-    c = choice.config
+    c, default = choice.config, ParallelConfig()
     s.name = "hybrid3d"
-    for key in CHOSEN:
-        s[key] = getattr(c, key)
+    for key in ParallelConfig.names():  # what it chooses, and what the analytic planner adds (cp, HSDP, SP, ...)
+        if key in CHOSEN or getattr(c, key) != getattr(default, key):
+            s[key] = getattr(c, key)
     s.planned = choice.planned()
 
 
@@ -66,13 +70,18 @@ def plan_for(cfg: DictConfig) -> Any:
     from lightning_parallel.planning.auto import choose_layout, detect_machine
     from lightning_parallel.recipes.specs import gpt_spec, parse_bytes, vgg_spec
 
-    schema = OmegaConf.get_type(cfg.model)
-    if schema not in (GPTModelConf, VGGModelConf):
+    schema, refuses, seq_len = OmegaConf.get_type(cfg.model), None, None
+    if schema in (HFModelConf, LitGPTModelConf):  # by its shape, within what its family (and LoRA) takes
+        from lightning_parallel.recipes.family import recipe_model_plan
+
+        (spec, refuses), seq_len = recipe_model_plan(cfg), cfg.model.seq_len
+    elif schema in (GPTModelConf, VGGModelConf):
+        spec = gpt_spec(cfg.model) if schema is GPTModelConf else vgg_spec(cfg.model)
+    else:
         raise ValueError(
-            f"strategy=auto plans the recipe models (model=gpt_*, model=vgg*), not model={cfg.model.get('name') or ''}"
-            f" ({schema.__name__}): pick a layout with strategy=hybrid3d and its strategy.dp|pp|tp|zero_stage."
+            f"strategy=auto plans model=gpt_*, vgg*, hf* and litgpt, not a model of {schema.__name__}: pick a layout "
+            "with strategy=hybrid3d and its strategy.dp|pp|tp|zero_stage."
         )
-    spec = gpt_spec(cfg.model) if schema is GPTModelConf else vgg_spec(cfg.model)
     t = cfg.trainer
     memory = cfg.strategy.auto_device_memory
     try:
@@ -83,7 +92,7 @@ def plan_for(cfg: DictConfig) -> Any:
         ) from None
     machine = detect_machine(t.devices * t.num_nodes, t.devices, t.accelerator, memory, planning_gpu(t.accelerator))
     batch = max(1, cfg.data.global_batch_size // max(1, t.accumulate_grad_batches))  # samples per forward
-    return choose_layout(spec, machine, batch, precision=cfg.precision.value)
+    return choose_layout(spec, machine, batch, precision=cfg.precision.value, seq_len=seq_len, refuses=refuses)
 
 
 def planning_gpu(accelerator: str) -> Any:

@@ -23,21 +23,34 @@ from lightning_parallel.parallel.config import ParallelConfig
 @dataclass
 class StrategyConf(ParallelConfig):
     """One schema for every strategy, so the same keys work whichever is picked: the parallel settings are
-    :class:`~lightning_parallel.parallel.config.ParallelConfig`'s (declared there once), plus these."""
+    :class:`~lightning_parallel.parallel.config.ParallelConfig`'s (declared there once), plus these. Each key's
+    description (here and in ParallelConfig's ``Attributes``) is what docs/reference/strategy-keys.md shows
+    (:mod:`lightning_parallel.recipes.reference` writes it; a test checks every key has one).
 
-    name: str = "ddp"  # ddp, zero1, zero2, zero3, zero2_offload, zero3_offload, hybrid3d or async_ps
-    # async_ps only: the last num_servers ranks hold the parameters; staleness 0 is synchronous, s > 0 lets a
-    # worker run up to s steps ahead of the slowest; one worker (slow_worker_rank, null: the last) sleeps
-    # slow_worker_sleep seconds in every step (a slowed worker, for tests and benchmarks)
+    Attributes:
+        name: the strategy: ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``zero2_offload``, ``zero3_offload``,
+            ``hybrid3d``, ``async_ps``, or ``auto`` (the planner's ``hybrid3d`` layout for the job). Usually picked
+            with the config group (``strategy=zero3``) rather than this key.
+        num_servers: ``async_ps``: how many ranks (the last ones) hold the parameters; the others are workers.
+        staleness: ``async_ps``: 0 is synchronous (the same training as one process); s > 0 lets a worker run up
+            to s steps ahead of the slowest.
+        slow_worker_sleep: ``async_ps``: seconds one worker sleeps in every step (a slowed worker, for tests and
+            benchmarks).
+        slow_worker_rank: ``async_ps``: the slowed worker's rank (None: the last worker).
+        timeout_s: seconds a collective waits for its peers; when a rank fails the others end within it, naming
+            the rank (None: torch's default, 30 minutes).
+        auto_device_memory: ``strategy=auto``: memory per device to plan for (``80GB``; None: the CUDA device's,
+            else the host's memory shared by its processes).
+        planned: set by the recipe under ``strategy=auto``, not by hand: the chosen layout and its predicted
+            figures (metrics.json's ``planned``).
+    """
+
+    name: str = "ddp"
     num_servers: int = 1
     staleness: int = 0
     slow_worker_sleep: float = 0.0
     slow_worker_rank: int | None = None
-    # seconds a collective waits for its peers; when a rank fails the others end within it, naming the rank
-    # (None: torch's default, 30 minutes)
     timeout_s: float | None = None
-    # strategy=auto: memory per device to plan for ("80GB"; null: CUDA's, else the host's shared by its processes);
-    # planned: set by the recipe, not by hand: the chosen layout's predicted figures (metrics.json's "planned")
     auto_device_memory: str | None = None
     planned: dict[str, Any] = field(default_factory=dict)
 

@@ -1,0 +1,173 @@
+"""The reference page of every ``strategy.*`` key of the recipes (docs/reference/strategy-keys.md), rendered from the
+schema: each key's type and default from :class:`~lightning_parallel.recipes.config.StrategyConf` (which extends
+:class:`~lightning_parallel.parallel.config.ParallelConfig`), its meaning from the ``Attributes:`` section of the
+docstring of the class that declares it, and the presets from ``conf/strategy/*.yaml``. One source: a key is
+described beside its field, and tests/test_strategy_reference.py fails when a key has no description or the page is
+not what this module renders.
+
+    python -m lightning_parallel.recipes.reference            # rewrite docs/reference/strategy-keys.md
+    python -m lightning_parallel.recipes.reference --check    # exit 1 if the page is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lightning_parallel.recipes.config import StrategyConf
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "reference" / "strategy-keys.md"
+PRESETS = ROOT / "conf" / "strategy"
+_ENTRY = re.compile(r"^(\w+(?:, \w+)*): (.*)$")
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """The ``Attributes:`` entries of ``cls``'s own docstring (Google style), as ``{field: description}``; an entry
+    naming several fields (``a, b: ...``) describes each. Continuation lines are joined with spaces."""
+    doc = inspect.cleandoc(cls.__dict__.get("__doc__") or "")
+    lines = doc.splitlines()
+    if "Attributes:" not in lines:
+        return {}
+    out: dict[str, str] = {}
+    names: list[str] = []
+    indent = None
+    for line in lines[lines.index("Attributes:") + 1 :]:
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = depth
+        if depth < indent:  # the next section
+            break
+        match = _ENTRY.match(line.strip()) if depth == indent else None
+        if match:
+            names = match.group(1).split(", ")
+            for name in names:
+                out[name] = match.group(2)
+        else:
+            for name in names:
+                out[name] += " " + line.strip()
+    return out
+
+
+def key_docs(cls: type = StrategyConf) -> dict[str, str]:
+    """Every field of the dataclass ``cls`` with its description from the class that declares it (an empty string
+    where there is none)."""
+    described: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        described.update(attribute_docs(klass))
+    return {f.name: described.get(f.name, "") for f in dataclasses.fields(cls)}
+
+
+def undocumented(cls: type = StrategyConf) -> list[str]:
+    """The fields of ``cls`` without a description."""
+    return [name for name, text in key_docs(cls).items() if not text.strip()]
+
+
+def stray_entries(cls: type = StrategyConf) -> list[str]:
+    """``Attributes:`` entries of ``cls`` and its bases that name no field (a renamed or removed key)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return [name for klass in cls.__mro__ for name in attribute_docs(klass) if name not in names]
+
+
+def _yaml_value(value: Any) -> str:
+    """A default as it is typed on the command line (``strategy.key=VALUE``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, dict) and not value:
+        return "{}"
+    return str(value)
+
+
+def _markdown(text: str) -> str:
+    """A docstring's reST as Markdown in a table cell."""
+    text = re.sub(r":\w+:`~[\w.]*?(\w+)`", r"`\1`", text)  # :class:`~a.b.C` -> `C`
+    text = re.sub(r":\w+:`([^`]+)`", r"`\1`", text)
+    text = text.replace("``", "`")
+    return text.replace("|", "\\|")
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def key_rows(cls: type = StrategyConf) -> list[tuple[str, str, str, str]]:
+    """(key, type, default, meaning) of every field, in declaration order."""
+    docs = key_docs(cls)
+    return [
+        (f"strategy.{f.name}", str(f.type), _yaml_value(_default(f)), _markdown(docs[f.name]))
+        for f in dataclasses.fields(cls)
+    ]
+
+
+def presets(folder: Path = PRESETS) -> list[tuple[str, dict[str, Any]]]:
+    """Each ``conf/strategy/<preset>.yaml`` and the keys it sets (its ``defaults:`` list left out)."""
+    out = []
+    for file in sorted(folder.glob("*.yaml")):
+        data = yaml.safe_load(file.read_text()) or {}
+        out.append((file.stem, {k: v for k, v in data.items() if k != "defaults"}))
+    return out
+
+
+def render(cls: type = StrategyConf, folder: Path = PRESETS) -> str:
+    """The reference page, as Markdown."""
+    lines = [
+        "# Strategy keys",
+        "",
+        "<!-- generated by `python -m lightning_parallel.recipes.reference` from the schema's docstrings "
+        "(lightning_parallel/parallel/config.py, lightning_parallel/recipes/config.py): edit those, then rerun -->",
+        "",
+        "Every `strategy.*` key the recipes take (`recipes/train_gpt.py`, `recipes/train_vgg.py`, "
+        "`recipes/finetune.py`), with its default and meaning. Set one on the command line as "
+        "`strategy.KEY=VALUE` after picking a preset with `strategy=NAME`; a misspelled key or a value of the wrong "
+        "type is refused when Hydra composes the config. The parallel settings are those of `ParallelConfig`, "
+        "which `Hybrid3DStrategy(...)` and `Hybrid3DFabricStrategy(...)` take as keyword arguments too.",
+        "",
+        "## Presets",
+        "",
+        "`strategy=NAME` picks `conf/strategy/NAME.yaml`: the keys it sets, every other key at its default.",
+        "",
+        "| Preset | Sets |",
+        "| --- | --- |",
+    ]
+    for name, values in presets(folder):
+        sets = ", ".join(f"`{k}={_yaml_value(v)}`" for k, v in values.items()) or "nothing"
+        lines.append(f"| `strategy={name}` | {sets} |")
+    lines += ["", "## Keys", "", "| Key | Type | Default | Meaning |", "| --- | --- | --- | --- |"]
+    for key, kind, default, meaning in key_rows(cls):
+        lines.append(f"| `{key}` | `{_markdown(kind)}` | `{default}` | {meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write (or check) docs/reference/strategy-keys.md.")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page differs from the schema's")
+    parser.add_argument("--out", type=Path, default=PAGE)
+    args = parser.parse_args(argv)
+    missing = undocumented()
+    if missing:
+        print(f"strategy keys without a description: {', '.join(missing)}", file=sys.stderr)
+        return 1
+    text = render()
+    if args.check:
+        stale = not args.out.is_file() or args.out.read_text() != text
+        if stale:
+            print(f"{args.out} is stale: run python -m lightning_parallel.recipes.reference", file=sys.stderr)
+        return int(stale)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
