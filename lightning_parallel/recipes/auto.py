@@ -14,11 +14,10 @@ import os
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.mesh import PLAIN_AXES
-from lightning_parallel.recipes.config import GPTModelConf, VGGModelConf
 
 log = logging.getLogger(__name__)
 
@@ -64,15 +63,16 @@ def resolve_auto(cfg: DictConfig) -> None:
 def plan_for(cfg: DictConfig) -> Any:
     """The :class:`~lightning_parallel.planning.auto.AutoChoice` for the recipe's model, batch, precision and job."""
     from lightning_parallel.planning.auto import choose_layout, detect_machine
-    from lightning_parallel.recipes.specs import gpt_spec, parse_bytes, vgg_spec
+    from lightning_parallel.recipes.model_kinds import kind_of
+    from lightning_parallel.recipes.specs import parse_bytes
 
-    schema = OmegaConf.get_type(cfg.model)
-    if schema not in (GPTModelConf, VGGModelConf):
+    kind = kind_of(cfg.model)
+    if kind.plan is None:  # the families whose entry gives the planner's view (ModelKind.plan)
         raise ValueError(
-            f"strategy=auto plans the recipe models (model=gpt_*, model=vgg*), not model={cfg.model.get('name') or ''}"
-            f" ({schema.__name__}): pick a layout with strategy=hybrid3d and its strategy.dp|pp|tp|zero_stage."
+            f"strategy=auto plans the recipe models (model=gpt_*, model=vgg*), not model.kind={kind.name}: pick a "
+            "layout with strategy=hybrid3d and its strategy.dp|pp|tp|zero_stage."
         )
-    spec = gpt_spec(cfg.model) if schema is GPTModelConf else vgg_spec(cfg.model)
+    spec = kind.plan(cfg.model)
     t = cfg.trainer
     memory = cfg.strategy.auto_device_memory
     try:

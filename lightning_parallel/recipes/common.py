@@ -3,6 +3,9 @@ checks that run before any worker starts, and the Trainer (``metrics.json``: :mo
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,7 @@ from lightning_parallel.recipes.checks import (
 )
 from lightning_parallel.recipes.config import StrategyConf
 from lightning_parallel.strategies.base import MeshStrategy
+from lightning_parallel.strategies.checks import check_model, checked_before_launch
 from lightning_parallel.strategies.zero import ZERO_PRESETS, ZERO_SETTINGS
 
 
@@ -184,6 +188,49 @@ def check_run_settings(cfg: DictConfig, num_layers: int) -> Any:
             "them. Use strategy=zero1..3 or hybrid3d, or drop checkpoint.async_save."
         )
     return strategy
+
+
+def mesh_dims(cfg: DictConfig, strategy: Any) -> Any:
+    """The hybrid3d layout's degrees (:class:`~lightning_parallel.parallel.mesh.ParallelDims`); None under the other
+    strategies (they split data only)."""
+    return strategy.config.dims(world_size(cfg)) if isinstance(strategy, Hybrid3DStrategy) else None
+
+
+# how the recipe names the settings the strategy's check names by their ParallelConfig and LoraConfig names
+RECIPE_NAMES = {axis: f"strategy.{axis}" for axis in ("pp", "tp", "cp", "ep", "spatial")}
+LORA_NAMES = {"target_modules": "peft.target_modules", "lora_dropout": "peft.dropout", "lora_r": "peft.r"}
+
+
+def check_strategy_model(cfg: DictConfig, strategy: Any, module: Any, lora: bool = False) -> None:
+    """The strategy's one check of ``module`` (built on meta, as the workers will train it) against its layout,
+    before any worker starts (:func:`~lightning_parallel.strategies.checks.check_model`); its message names the
+    settings as the recipe calls them. The workers do not repeat it (:func:`skip_worker_check`).
+
+    Raises:
+        ValueError, TypeError: naming the setting and the fix.
+    """
+    if isinstance(strategy, MeshStrategy):  # ddp and async_ps: every rank holds the whole model
+        with recipe_names(lora):  # the job's degrees: the strategy knows its world size once the Trainer has it
+            check_model(module, strategy.config, strategy.config.dims(world_size(cfg)))
+
+
+@contextmanager
+def recipe_names(lora: bool = False) -> Iterator[None]:
+    """A ValueError or TypeError raised inside, with the recipe's names of the settings it names added."""
+    try:
+        yield
+    except (ValueError, TypeError) as err:
+        names = RECIPE_NAMES | (LORA_NAMES if lora else {})
+        named = [f"{name} is {key}" for name, key in names.items() if re.search(rf"\b{name}\b", str(err))]
+        kind = ValueError if isinstance(err, ValueError) else TypeError
+        raise kind(f"{err}" + (f" (in the recipe: {', '.join(named)})" if named else "")) from None
+
+
+def skip_worker_check(trainer: pl.Trainer, model: Any) -> None:
+    """In a recipe's worker: ``model``'s layout was checked before launch (:func:`check_strategy_model`, run by the
+    recipe's ``check_config`` in the parent, or in this process under torchrun), so fit does not check it again."""
+    if isinstance(trainer.strategy, MeshStrategy):
+        checked_before_launch(model, trainer.strategy.config)
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:

@@ -1,8 +1,8 @@
-"""What a model family refuses, for the analytic planner: the checks the recipe runs before launch
-(:func:`~lightning_parallel.recipes.hf.check_hf_layout`, :func:`~lightning_parallel.recipes.litgpt.check_litgpt_layout`)
-and the experts' checks its workers run, called on the model built on the meta device from the planner's config, so
-the planner never proposes a layout the recipe would refuse (sequence parallelism with pp, ep on a dense model, tp
-not dividing the vocabulary, cp on attention it cannot split)."""
+"""What a model family refuses, for the analytic planner: the module the recipe trains (HFCausalLM,
+LitGPTCausalLM), built on the meta device from the planner's config, asked what the strategy's check before launch
+asks it (its tensor-parallel plan, its own ``check_parallel_degrees``, the experts' layout), so the planner never
+proposes a layout the recipe would refuse (sequence parallelism with pp, ep on a dense model, tp not dividing the
+vocabulary, cp on attention it cannot split)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 
 from lightning_parallel.parallel.expert.apply import check_expert_layout
 from lightning_parallel.planning.layout import Layout
+from lightning_parallel.protocol import check_parallel_degrees, expert_parallel_plan, tensor_parallel_plan
 
 Refusal = Callable[[Layout], str]
 
@@ -23,7 +24,7 @@ def family_refusal(model: str) -> Refusal | None:
     """Why the family of ``model`` (a Hugging Face config.json or folder, or a LitGPT name) refuses a layout, ""
     if it takes it; None for a model of neither family (a recipe GPT: the planner's own checks)."""
     if Path(model).is_dir() or model.endswith(".json"):
-        return _cached(_hf_checks(_hf_meta(model)))
+        return _cached(_module_checks(_hf_meta(model)))
     try:
         return _cached(_litgpt_checks(model))
     except (ImportError, ValueError):  # no litgpt, or no LitGPT name
@@ -31,41 +32,34 @@ def family_refusal(model: str) -> Refusal | None:
 
 
 def _hf_meta(model: str) -> Any:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from lightning_parallel.hf import HFCausalLM
 
     file = Path(model) / "config.json" if Path(model).is_dir() else Path(model)
     fields = json.loads(file.read_text())
-    config = AutoConfig.for_model(**fields)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
-def _hf_checks(meta: Any) -> Callable[..., None]:
-    from lightning_parallel.hf.experts import check_hf_expert_degrees, hf_expert_parallel_plan
-    from lightning_parallel.recipes.hf import check_hf_layout
-
-    def check(pp: int, tp: int, cp: int, ep: int, sequence_parallel: bool) -> None:
-        check_hf_layout(meta, pp=pp, tp=tp, sequence_parallel=sequence_parallel, cp=cp)
-        check_hf_expert_degrees(meta, ep=ep)  # HFCausalLM.check_parallel_degrees, in the workers
-        if ep > 1:  # strategies.checks.check_model, in the workers
-            check_expert_layout(meta, ep, hf_expert_parallel_plan(meta))
-
-    return check
+        return HFCausalLM(AutoConfig.for_model(**fields))
 
 
 def _litgpt_checks(name: str) -> Callable[..., None]:
     from litgpt import Config
-    from litgpt.model import GPT
 
-    from lightning_parallel.recipes.litgpt import check_litgpt_layout
+    from lightning_parallel.litgpt import LitGPTCausalLM
 
     with torch.device("meta"):
-        meta = GPT(Config.from_name(name))
+        return _module_checks(LitGPTCausalLM(Config.from_name(name)))
+
+
+def _module_checks(module: Any) -> Callable[..., None]:
+    """The degrees' checks of ``module`` as :func:`~lightning_parallel.strategies.checks.check_model` runs them."""
 
     def check(pp: int, tp: int, cp: int, ep: int, sequence_parallel: bool) -> None:
-        check_litgpt_layout(meta, pp=pp, tp=tp, sequence_parallel=sequence_parallel, cp=cp)
-        if ep > 1:  # LitGPTCausalLM has no expert plan: check_model looks for the package's MoE layers
-            check_expert_layout(meta, ep, {})
+        if tp > 1:  # the plan notes sequence_parallel, which the module's own check reads
+            tensor_parallel_plan(module, tp, sequence_parallel)
+        check_parallel_degrees(module, pp=pp, tp=tp, cp=cp, ep=ep)
+        if ep > 1:
+            check_expert_layout(module, ep, expert_parallel_plan(module))
 
     return check
 
