@@ -21,7 +21,9 @@ from lightning_parallel.hf.experts import resolve_moe_block_entries, tp_plan_wit
 from lightning_parallel.hf.lora import base_of, has_lora_layers, lora_tensor_parallel_plan
 from lightning_parallel.hf.styles import Conv1DColwise, Conv1DRowwise, HiddenStatesInput, ReplicatedWithPartialGrad
 from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
-from lightning_parallel.parallel.tensor.plan import SP_WITH_PP
+from lightning_parallel.parallel.tensor.plan import sp_with_pp
+
+SP_WITH_PP = sp_with_pp("Hugging Face")  # a stage rebuilds positions from the hidden state it receives
 
 # HF's names for a head whose output columns are gathered (v5.0 "colwise_rep", v5.1+ "colwise_gather_output")
 GATHERED_COLWISE = ("colwise_rep", "colwise_gather_output")
