@@ -220,7 +220,7 @@ def recipe_names(lora: bool = False) -> Iterator[None]:
     try:
         yield
     except (ValueError, TypeError) as err:
-        names = RECIPE_NAMES | (LORA_NAMES if lora else {})
+        names = (LORA_NAMES if lora else {}) | RECIPE_NAMES
         named = [f"{name} is {key}" for name, key in names.items() if re.search(rf"\b{name}\b", str(err))]
         kind = ValueError if isinstance(err, ValueError) else TypeError
         raise kind(f"{err}" + (f" (in the recipe: {', '.join(named)})" if named else "")) from None
