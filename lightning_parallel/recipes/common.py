@@ -12,7 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel import AsyncPSStrategy, Hybrid3DStrategy, ZeroStrategy
 from lightning_parallel.callbacks.activation import ActivationCheckpointing, ActivationMemoryMonitor
@@ -150,6 +150,7 @@ def check_run_settings(cfg: DictConfig, num_layers: int) -> Any:
     check_trainer_settings(cfg)
     world = world_size(cfg)
     strategy = build_strategy(cfg.strategy)
+    _CHECKED[id(cfg.strategy)] = (OmegaConf.to_yaml(cfg.strategy), strategy)  # build_trainer's, in this process
     check_precision(cfg, strategy)
     micro = micro_batch_size(cfg, world)
     if isinstance(strategy, MeshStrategy):  # tp, cp and HSDP's dp_shard inside a node
@@ -233,6 +234,18 @@ def skip_worker_check(trainer: pl.Trainer, model: Any) -> None:
         checked_before_launch(model, trainer.strategy.config)
 
 
+# id(cfg.strategy) -> (its YAML, the strategy check_run_settings built from it): a run in one process (one device,
+# torchrun, SLURM's tasks) builds its strategy once; spawned workers build theirs from the config they receive
+_CHECKED: dict[int, tuple[str, Any]] = {}
+
+
+def checked_strategy(conf: DictConfig) -> Any:
+    """The strategy :func:`check_run_settings` built from this ``strategy`` config in this process (taken once,
+    unchanged since), else :func:`build_strategy`'s."""
+    kept = _CHECKED.pop(id(conf), None)
+    return kept[1] if kept is not None and kept[0] == OmegaConf.to_yaml(conf) else build_strategy(conf)
+
+
 def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
     """The Trainer the recipe's ``trainer``, ``precision`` and ``checkpoint`` groups describe."""
     t = cfg.trainer
@@ -240,7 +253,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
     monitor = TrainingMonitor(
         t.log_every_n_steps, measure_step=o.measure_step, timeline_dir=run_dir if o.timeline else None
     )
-    strategy = build_strategy(cfg.strategy)
+    strategy = checked_strategy(cfg.strategy)
     if cfg.checkpoint.async_save:  # checked before launch (check_run_settings): one of our strategies
         strategy.async_save = True
     callbacks: list[pl.Callback] = [*kwargs.pop("callbacks", [])]
