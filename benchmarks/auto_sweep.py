@@ -23,8 +23,9 @@ from statistics import median
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, when run as a script
-from lightning_parallel.plan import gpt_spec, load_model_config, vgg_spec
+from lightning_parallel.plan import load_model_config
 from lightning_parallel.planning.auto import auto_settings, candidates, choose_layout, detect_machine
+from lightning_parallel.recipes.model_kinds import MODEL_KINDS
 
 # model -> (recipe, overrides, global batch): the recipes' own batches, gpt_long's smaller (1024-token windows)
 MODELS = {
@@ -49,7 +50,7 @@ def sweep_model(
     """Every valid layout's median step time at ``world``, the pick and its ratio to the fastest."""
     recipe, extra, batch = MODELS[name]
     kind, m = load_model_config(name)
-    spec = gpt_spec(m) if kind == "gpt" else vgg_spec(m)
+    spec = MODEL_KINDS[kind].plan(m)
     machine = detect_machine(world, world, "cpu")
     choice = choose_layout(spec, machine, batch)
     pick = {k: getattr(choice.estimate, k) for k in KEYS}
@@ -100,7 +101,7 @@ def replan(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for r in results:
         kind, m = load_model_config(r["model"])
-        spec = gpt_spec(m) if kind == "gpt" else vgg_spec(m)
+        spec = MODEL_KINDS[kind].plan(m)
         estimate = choose_layout(spec, detect_machine(r["world"], r["world"], "cpu"), MODELS[r["model"]][2]).estimate
         pick = {k: int(getattr(estimate, k)) for k in KEYS}
         times = {json.dumps(row["layout"]): row["step_s"] for row in r["rows"]}

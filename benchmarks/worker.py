@@ -47,8 +47,8 @@ from lightning_parallel.parallel.parallelize import compile_layers  # noqa: E402
 from lightning_parallel.parallel.shutdown import release_process_groups
 from lightning_parallel.recipes.config import register_configs  # noqa: E402
 from lightning_parallel.recipes.gpt import TextData, gpt_config  # noqa: E402
-from lightning_parallel.recipes.hf import build_hf_module, is_hf_model  # noqa: E402
 from lightning_parallel.recipes.metrics import parameter_counts  # noqa: E402
+from lightning_parallel.recipes.model_kinds import kind_of  # noqa: E402
 from lightning_parallel.recipes.vgg import ImageData, scaled_lr, vgg_config  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -169,8 +169,8 @@ class CompiledGPT(LitGPT):
 
 def build_model(recipe: str, cfg: Any, lightning_2d: bool, compiled: bool = False) -> pl.LightningModule:
     m = cfg.model
-    if recipe == "gpt" and is_hf_model(m):  # model=hf*, with peft=lora its adapters: what the recipe's workers build
-        return build_hf_module(cfg)
+    if recipe == "gpt" and kind_of(m).name != "gpt":  # model=hf*, with peft=lora its adapters: as the recipe's workers
+        return kind_of(m).build(cfg)
     if recipe == "gpt":
         cls = ModelParallelGPT if lightning_2d else CompiledGPT if compiled else LitGPT
         return cls(gpt_config(m), lr=m.lr, weight_decay=m.weight_decay, build_in_configure_model=True)
@@ -232,7 +232,7 @@ def main() -> None:
     strategy, degrees = parse_spec(args.strategy, world)
     micro = cfg.data.global_batch_size // degrees["dp"]
     model = build_model(args.recipe, cfg, isinstance(strategy, ModelParallelStrategy), degrees.pop("compile", False))
-    hf = is_hf_model(cfg.model) if args.recipe == "gpt" else False
+    hf = kind_of(cfg.model).name not in ("gpt", "vgg")  # a library model (model=hf*), built whole
     # model=hf*: trainable (the adapters under peft=lora) and frozen, before the strategy splits it; the native
     # models are built in configure_model: counted on the meta device, all trainable
     counts = parameter_counts(model) if hf else {"trainable_params": num_params(args.recipe, cfg), "frozen_params": 0}

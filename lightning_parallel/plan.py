@@ -41,9 +41,10 @@ from lightning_parallel.planning.profile import plan_layouts
 from lightning_parallel.planning.published import published_table
 from lightning_parallel.planning.scale_cli import add_scale_args, format_scale_table, make_scale_plan
 from lightning_parallel.planning.search import Refusal
-from lightning_parallel.recipes.config import GPTModelConf, ImageDataConf, TextDataConf, VGGModelConf
+from lightning_parallel.recipes.config import ImageDataConf, TextDataConf
 from lightning_parallel.recipes.family import family_refusal
-from lightning_parallel.recipes.specs import gpt_spec, parse_bytes, vgg_spec
+from lightning_parallel.recipes.model_kinds import MODEL_KINDS
+from lightning_parallel.recipes.specs import gpt_spec, parse_bytes, vgg_spec  # noqa: F401  (gpt_spec, vgg_spec: re-exported)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -56,10 +57,12 @@ def load_model_config(model: str) -> tuple[str, DictConfig]:
         raise ValueError(f"model {model!r} not found: give one of {names} or the path of a model YAML file.")
     raw = OmegaConf.to_container(OmegaConf.load(path))
     defaults = raw.pop("defaults", [])  # type: ignore[union-attr]
-    for kind, schema in (("gpt", GPTModelConf), ("vgg", VGGModelConf)):
-        if f"{kind}_schema" in defaults:
-            return kind, OmegaConf.merge(OmegaConf.structured(schema), raw)
-    raise ValueError(f"{path} extends neither gpt_schema nor vgg_schema: start it with `defaults: [gpt_schema]`.")
+    planned = [kind for kind in MODEL_KINDS.values() if kind.plan is not None and kind.schema is not None]
+    for kind in planned:  # the families the planner models (recipes/model_kinds.py: ModelKind.plan)
+        if f"{kind.name}_schema" in defaults:
+            return kind.name, OmegaConf.merge(OmegaConf.structured(kind.schema), raw)
+    names = " nor ".join(f"{kind.name}_schema" for kind in planned)
+    raise ValueError(f"{path} extends neither {names}: start it with `defaults: [gpt_schema]`.")
 
 
 BASE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -108,7 +111,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--world-size={args.world_size} must be at least 1.")
     kind, m = load_model_config(args.model)
     _check_lora_args(args, kind)
-    spec = gpt_spec(m, args.lora_rank) if kind == "gpt" else vgg_spec(m)
+    spec = MODEL_KINDS[kind].plan(m, args.lora_rank)
     default_batch = (TextDataConf if kind == "gpt" else ImageDataConf).global_batch_size
     virtual = schedule_spec(args.pp_schedule).stages_per_rank(args.pp_virtual_stages)
     settings = Settings(

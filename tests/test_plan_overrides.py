@@ -20,7 +20,7 @@ from lightning_parallel.plan import main
 from lightning_parallel.planning.layout import Layout, Workload, recipe_overrides
 from lightning_parallel.planning.scale_cli import format_scale_table
 from lightning_parallel.recipes.auto import resolve_auto
-from lightning_parallel.recipes.family import family_refusal, recipe_model_plan
+from lightning_parallel.recipes.family import family_refusal, recipe_model_refusal
 from lightning_parallel.recipes.gpt import check_config
 
 LLAMA_70B = {  # Llama-3.1-70B's config.json shape
@@ -241,7 +241,7 @@ def test_auto_under_lora_leaves_out_what_the_adapters_refuse(plan_70b):
     """peft.dropout > 0 is refused under tp (the adapters' dropout masks are not split): the plan goes without tp
     (without LoRA it takes tp=2: the test above)."""
     lora = ["model=hf", f"model.path={plan_70b['folder']}", "peft=lora", "peft.dropout=0.1"]
-    _, refuses = recipe_model_plan(compose_gpt(*AUTO_70B, *lora))
+    refuses = recipe_model_refusal(compose_gpt(*AUTO_70B, *lora))
     assert "peft.dropout" in refuses(Layout(tp=2, dp=128)) and refuses(Layout(tp=1, dp=256)) == ""
     cfg = compose_gpt(*AUTO_70B, *lora)
     resolve_auto(cfg)

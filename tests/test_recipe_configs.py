@@ -13,16 +13,13 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 import lightning_parallel  # noqa: F401
-from lightning_parallel.hf.lora import apply_peft
-from lightning_parallel.models import GPTConfig, LitVGG
+from lightning_parallel.models import GPTConfig
 from lightning_parallel.recipes.auto import resolve_auto
 from lightning_parallel.recipes.common import build_strategy, micro_batch_size
 from lightning_parallel.recipes.config import register_configs
 from lightning_parallel.recipes.finetune_assets import make_default_assets
-from lightning_parallel.recipes.hf import check_hf_model, is_hf_model
-from lightning_parallel.recipes.litgpt import check_litgpt_model, is_litgpt_model
-from lightning_parallel.recipes.lora import lora_config, wants_lora
-from lightning_parallel.recipes.vgg import scaled_lr, vgg_config
+from lightning_parallel.recipes.model_kinds import kind_of
+from lightning_parallel.recipes.vgg import scaled_lr
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ["strategy", "precision", "model", "data", "trainer", "checkpoint", "peft"]
@@ -67,17 +64,13 @@ def compose_vgg(*overrides: str):
 
 
 def build_model(cfg) -> None:
-    if is_hf_model(cfg.model):  # on the meta device; model=hf names no model until model.path (test_hf_recipe)
-        if cfg.model.path is not None or cfg.model.config:
-            meta = check_hf_model(cfg)
-            if wants_lora(cfg):
-                apply_peft(meta, lora_config(cfg.peft, meta))
-    elif is_litgpt_model(cfg.model):
-        check_litgpt_model(cfg)  # on the meta device
-    elif "vocab_size" in cfg.model:
-        GPTConfig(**{k: cfg.model[k] for k in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "dropout")})
-    else:
-        LitVGG(vgg_config(cfg.model), lr=scaled_lr(cfg), warmup_steps=cfg.model.warmup_steps)
+    """The model family's checks and its module on the meta device (model=hf names no model until model.path:
+    test_hf_recipe); LoRA adapters included with peft=lora."""
+    kind = kind_of(cfg.model)  # every conf/model file names its kind
+    if kind.name == "hf" and cfg.model.path is None and not cfg.model.config:
+        return
+    kind.check(cfg)
+    kind.meta_module(cfg)
 
 
 @pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in options(g)])

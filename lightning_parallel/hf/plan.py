@@ -21,6 +21,9 @@ from lightning_parallel.hf.experts import resolve_moe_block_entries, tp_plan_wit
 from lightning_parallel.hf.lora import base_of, has_lora_layers, lora_tensor_parallel_plan
 from lightning_parallel.hf.styles import Conv1DColwise, Conv1DRowwise, HiddenStatesInput, ReplicatedWithPartialGrad
 from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
+from lightning_parallel.parallel.tensor.plan import sp_with_pp
+
+SP_WITH_PP = sp_with_pp("Hugging Face")  # a stage rebuilds positions from the hidden state it receives
 
 # HF's names for a head whose output columns are gathered (v5.0 "colwise_rep", v5.1+ "colwise_gather_output")
 GATHERED_COLWISE = ("colwise_rep", "colwise_gather_output")
@@ -28,11 +31,6 @@ GATHERED_COLWISE = ("colwise_rep", "colwise_gather_output")
 # sliced locally, no communication; "replicated_with_grad_allreduce" (Qwen3, Gemma 3: per-head q/k norms): whole
 # on every rank, fed this rank's heads, its gradient summed over tp
 TRANSLATED = ("colwise", "rowwise", "rowwise_split_input", "replicated_with_grad_allreduce", *GATHERED_COLWISE)
-# a stage rebuilds positions from the hidden state it receives, which sequence parallelism splits
-SP_WITH_PP = (
-    "sequence_parallel=True with pp > 1 is not supported for Hugging Face models yet: set sequence_parallel=False "
-    "or pp=1."
-)
 
 
 def is_gpt2(model: nn.Module) -> bool:

@@ -28,8 +28,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from lightning_parallel.hf.styles import HiddenStatesInput, LoraParallel, ReplicatedWithPartialGrad
 from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
+from lightning_parallel.parallel.tensor.plan import sp_with_pp
 
-SP_WITH_PP = "sequence_parallel=True with pp > 1 is not supported for LitGPT models yet: set one of them off."
+SP_WITH_PP = sp_with_pp("LitGPT")  # a stage rebuilds positions from the hidden state it receives
+
 # the MLP classes of litgpt.model this plan knows: (column-split projections, row-split projection)
 MLP_SPLITS = {
     "GptNeoxMLP": (("fc",), "proj"),

@@ -6,7 +6,7 @@ logged with its predicted figures; ``cfg.strategy.planned`` carries them to the 
 plans from the same config and machine, without timing anything, so every rank gets the same layout. The recipe
 models are profiled on the meta device; ``model=hf*`` and ``model=litgpt`` are planned by their shape over every axis
 (cp, HSDP and sequence parallelism too), never with a layout their family or ``peft=lora`` refuses
-(:func:`~lightning_parallel.recipes.family.recipe_model_plan`). The GPU is read
+(:func:`~lightning_parallel.recipes.family.recipe_model_refusal`). The GPU is read
 once per planning process, for the device it runs on (:func:`planning_gpu`): the workers the parent starts receive
 the plan and read nothing."""
 
@@ -17,11 +17,10 @@ import os
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.mesh import PLAIN_AXES
-from lightning_parallel.recipes.config import GPTModelConf, HFModelConf, LitGPTModelConf, VGGModelConf
 
 log = logging.getLogger(__name__)
 
@@ -68,20 +67,20 @@ def resolve_auto(cfg: DictConfig) -> None:
 def plan_for(cfg: DictConfig) -> Any:
     """The :class:`~lightning_parallel.planning.auto.AutoChoice` for the recipe's model, batch, precision and job."""
     from lightning_parallel.planning.auto import choose_layout, detect_machine
-    from lightning_parallel.recipes.specs import gpt_spec, parse_bytes, vgg_spec
+    from lightning_parallel.recipes.model_kinds import kind_of
+    from lightning_parallel.recipes.specs import parse_bytes
 
-    schema, refuses, seq_len = OmegaConf.get_type(cfg.model), None, None
-    if schema in (HFModelConf, LitGPTModelConf):  # by its shape, within what its family (and LoRA) takes
-        from lightning_parallel.recipes.family import recipe_model_plan
-
-        (spec, refuses), seq_len = recipe_model_plan(cfg), cfg.model.seq_len
-    elif schema in (GPTModelConf, VGGModelConf):
-        spec = gpt_spec(cfg.model) if schema is GPTModelConf else vgg_spec(cfg.model)
-    else:
+    kind, refuses, seq_len = kind_of(cfg.model), None, None
+    if kind.plan is None:  # the families whose entry gives the planner's view (ModelKind.plan)
         raise ValueError(
-            f"strategy=auto plans model=gpt_*, vgg*, hf* and litgpt, not a model of {schema.__name__}: pick a layout "
-            "with strategy=hybrid3d and its strategy.dp|pp|tp|zero_stage."
+            f"strategy=auto plans the recipe models and the library families (model=gpt_*, vgg*, hf*, litgpt), not "
+            f"model.kind={kind.name}: pick a layout with strategy=hybrid3d and its strategy.dp|pp|tp|zero_stage."
         )
+    spec = kind.plan(cfg.model)
+    if kind.tokenized:  # a library family, by its shape, within what its module (and LoRA) takes
+        from lightning_parallel.recipes.family import recipe_model_refusal
+
+        refuses, seq_len = recipe_model_refusal(cfg), cfg.model.seq_len
     t = cfg.trainer
     memory = cfg.strategy.auto_device_memory
     try:

@@ -3,13 +3,16 @@ checks that run before any worker starts, and the Trainer (``metrics.json``: :mo
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel import AsyncPSStrategy, Hybrid3DStrategy, ZeroStrategy
 from lightning_parallel.callbacks.activation import ActivationCheckpointing, ActivationMemoryMonitor
@@ -32,6 +35,7 @@ from lightning_parallel.recipes.checks import (
 )
 from lightning_parallel.recipes.config import StrategyConf
 from lightning_parallel.strategies.base import MeshStrategy
+from lightning_parallel.strategies.checks import check_model, checked_before_launch
 from lightning_parallel.strategies.zero import ZERO_PRESETS, ZERO_SETTINGS
 
 
@@ -146,6 +150,7 @@ def check_run_settings(cfg: DictConfig, num_layers: int) -> Any:
     check_trainer_settings(cfg)
     world = world_size(cfg)
     strategy = build_strategy(cfg.strategy)
+    _CHECKED[id(cfg.strategy)] = (OmegaConf.to_yaml(cfg.strategy), strategy)  # build_trainer's, in this process
     check_precision(cfg, strategy)
     micro = micro_batch_size(cfg, world)
     if isinstance(strategy, MeshStrategy):  # tp, cp and HSDP's dp_shard inside a node
@@ -186,6 +191,61 @@ def check_run_settings(cfg: DictConfig, num_layers: int) -> Any:
     return strategy
 
 
+def mesh_dims(cfg: DictConfig, strategy: Any) -> Any:
+    """The hybrid3d layout's degrees (:class:`~lightning_parallel.parallel.mesh.ParallelDims`); None under the other
+    strategies (they split data only)."""
+    return strategy.config.dims(world_size(cfg)) if isinstance(strategy, Hybrid3DStrategy) else None
+
+
+# how the recipe names the settings the strategy's check names by their ParallelConfig and LoraConfig names
+RECIPE_NAMES = {axis: f"strategy.{axis}" for axis in ("pp", "tp", "cp", "ep", "spatial")}
+LORA_NAMES = {"target_modules": "peft.target_modules", "lora_dropout": "peft.dropout", "lora_r": "peft.r"}
+
+
+def check_strategy_model(cfg: DictConfig, strategy: Any, module: Any, lora: bool = False) -> None:
+    """The strategy's one check of ``module`` (built on meta, as the workers will train it) against its layout,
+    before any worker starts (:func:`~lightning_parallel.strategies.checks.check_model`); its message names the
+    settings as the recipe calls them. The workers do not repeat it (:func:`skip_worker_check`).
+
+    Raises:
+        ValueError, TypeError: naming the setting and the fix.
+    """
+    if isinstance(strategy, MeshStrategy):  # ddp and async_ps: every rank holds the whole model
+        with recipe_names(lora):  # the job's degrees: the strategy knows its world size once the Trainer has it
+            check_model(module, strategy.config, strategy.config.dims(world_size(cfg)))
+
+
+@contextmanager
+def recipe_names(lora: bool = False) -> Iterator[None]:
+    """A ValueError or TypeError raised inside, with the recipe's names of the settings it names added."""
+    try:
+        yield
+    except (ValueError, TypeError) as err:
+        names = (LORA_NAMES if lora else {}) | RECIPE_NAMES
+        named = [f"{name} is {key}" for name, key in names.items() if re.search(rf"\b{name}\b", str(err))]
+        kind = ValueError if isinstance(err, ValueError) else TypeError
+        raise kind(f"{err}" + (f" (in the recipe: {', '.join(named)})" if named else "")) from None
+
+
+def skip_worker_check(trainer: pl.Trainer, model: Any) -> None:
+    """In a recipe's worker: ``model``'s layout was checked before launch (:func:`check_strategy_model`, run by the
+    recipe's ``check_config`` in the parent, or in this process under torchrun), so fit does not check it again."""
+    if isinstance(trainer.strategy, MeshStrategy):
+        checked_before_launch(model, trainer.strategy.config)
+
+
+# id(cfg.strategy) -> (its YAML, the strategy check_run_settings built from it): a run in one process (one device,
+# torchrun, SLURM's tasks) builds its strategy once; spawned workers build theirs from the config they receive
+_CHECKED: dict[int, tuple[str, Any]] = {}
+
+
+def checked_strategy(conf: DictConfig) -> Any:
+    """The strategy :func:`check_run_settings` built from this ``strategy`` config in this process (taken once,
+    unchanged since), else :func:`build_strategy`'s."""
+    kept = _CHECKED.pop(id(conf), None)
+    return kept[1] if kept is not None and kept[0] == OmegaConf.to_yaml(conf) else build_strategy(conf)
+
+
 def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
     """The Trainer the recipe's ``trainer``, ``precision`` and ``checkpoint`` groups describe."""
     t = cfg.trainer
@@ -193,7 +253,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
     monitor = TrainingMonitor(
         t.log_every_n_steps, measure_step=o.measure_step, timeline_dir=run_dir if o.timeline else None
     )
-    strategy = build_strategy(cfg.strategy)
+    strategy = checked_strategy(cfg.strategy)
     if cfg.checkpoint.async_save:  # checked before launch (check_run_settings): one of our strategies
         strategy.async_save = True
     callbacks: list[pl.Callback] = [*kwargs.pop("callbacks", [])]

@@ -62,8 +62,10 @@ class PrecisionConf:
 
 @dataclass
 class TextModelConf:
-    """What the GPT recipe reads of every model it trains (``model=gpt_*`` or ``model=hf*``)."""
+    """What the GPT recipe reads of every model it trains (``model=gpt_*``, ``model=hf*``, ``model=litgpt*``)."""
 
+    # the model's family (recipes/model_kinds.py): gpt, hf, litgpt, or a registered one; each schema sets its own
+    kind: str = ""
     seq_len: int = 64  # tokens per training window
     lr: float = 3e-3
     weight_decay: float = 0.1
@@ -71,6 +73,7 @@ class TextModelConf:
 
 @dataclass
 class GPTModelConf(TextModelConf):
+    kind: str = "gpt"
     vocab_size: int = 256  # byte-level tokens
     n_layer: int = 4
     n_head: int = 4
@@ -93,6 +96,8 @@ class GPTModelConf(TextModelConf):
 class HFModelConf(TextModelConf):
     """A Hugging Face causal LM (HFCausalLM): from a local ``save_pretrained`` folder or a transformers config."""
 
+    kind: str = "hf"
+
     path: str | None = None  # a save_pretrained folder: its weights, or its config.json alone (fresh weights)
     config: dict[str, Any] = field(default_factory=dict)  # without path: model_type and the config's fields
     vocab_size: int | None = None  # None: the config's own; the byte-level data needs 256 or more
@@ -101,6 +106,8 @@ class HFModelConf(TextModelConf):
 @dataclass
 class LitGPTModelConf(TextModelConf):
     """LitGPT's GPT (LitGPTCausalLM): a litgpt config name or a local litgpt checkpoint folder."""
+
+    kind: str = "litgpt"
 
     name: str | None = None  # a litgpt config name (litgpt.config.name_to_config), e.g. pythia-14m
     path: str | None = None  # or a litgpt checkpoint folder (model_config.yaml, lit_model.pth)
@@ -124,6 +131,7 @@ class PeftConf:
 
 @dataclass
 class VGGModelConf:
+    kind: str = "vgg"  # the model's family (recipes/model_kinds.py)
     name: str = "vgg11"  # vgg11 (8 convs) or vgg16 (13 convs); pipeline layers are the convs plus the head
     width: int = 64  # channels of the first convs (the paper's 64); tp must divide it
     num_classes: int = 10

@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 from omegaconf import DictConfig
 
 from lightning_parallel.recipes.finetune_assets import make_default_assets
-from lightning_parallel.recipes.finetune_data import is_library_model, tokenizer_of
+from lightning_parallel.recipes.finetune_data import tokenizer_of
 from lightning_parallel.recipes.finetune_generate import answer, build_finetune_module, materialized, trained_copy
 
 SAMPLES_FILE = "samples.json"
@@ -32,8 +32,9 @@ def check_finetune_config(cfg: DictConfig) -> None:
         ValueError: a model other than ``model=hf*`` or ``model=litgpt*``, and everything the GPT recipe refuses.
     """
     from lightning_parallel.recipes.gpt import check_config
+    from lightning_parallel.recipes.model_kinds import resolve_model_kind
 
-    if not is_library_model(cfg.model):
+    if not resolve_model_kind(cfg, recipe="text").tokenized:
         raise ValueError(
             "recipes/finetune.py trains Hugging Face and LitGPT models (model=hf*, e.g. model=hf model.path=FOLDER, "
             "or model=litgpt_chat_tiny model.path=FOLDER): use recipes/train_gpt.py for the others."
@@ -53,7 +54,13 @@ def _before_copy(module: Any) -> Any:
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Fine-tune as ``cfg`` says; rank 0 prints the answers before and after, and writes ``metrics.json`` and
     ``samples.json`` into ``run_dir``. Returns the metrics."""
-    from lightning_parallel.recipes.common import build_trainer, micro_batch_size, resume_path, world_size
+    from lightning_parallel.recipes.common import (
+        build_trainer,
+        micro_batch_size,
+        resume_path,
+        skip_worker_check,
+        world_size,
+    )
     from lightning_parallel.recipes.gpt import TextData
     from lightning_parallel.recipes.metrics import parameter_counts, run_metrics, write_metrics
 
@@ -62,6 +69,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     model = build_finetune_module(cfg)
     counts = parameter_counts(model)
     trainer = build_trainer(cfg, run_dir)
+    skip_worker_check(trainer, model)  # check_config ran the strategy's check on this model before launch
     tokenizer = tokenizer_of(cfg)
     prompts, tokens = list(cfg.sample_prompts), cfg.sample_tokens
     asked = tokenizer is not None and prompts and tokens > 0

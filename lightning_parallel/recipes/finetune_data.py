@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig
 from torch.utils.data import Dataset, Subset
 
+from lightning_parallel.recipes.model_kinds import kind_of
 from lightning_parallel.recipes.text_data import DEFAULT_CORPUS, write_default_corpus
 from lightning_parallel.text import (
     TextDataSettings,
@@ -33,11 +34,8 @@ def data_cache_dir(d: DictConfig) -> Path:
 
 
 def is_library_model(m: DictConfig) -> bool:
-    """``model=hf*`` or ``model=litgpt*``: the models that train on tokenized data."""
-    from lightning_parallel.recipes.hf import is_hf_model
-    from lightning_parallel.recipes.litgpt import is_litgpt_model
-
-    return is_hf_model(m) or is_litgpt_model(m)
+    """A model whose family trains on tokenized data (``model=hf*``, ``model=litgpt*``: ``ModelKind.tokenized``)."""
+    return kind_of(m).tokenized
 
 
 def recipe_tokenizer(cfg: DictConfig) -> tuple[TextTokenizer | None, str]:
@@ -45,15 +43,10 @@ def recipe_tokenizer(cfg: DictConfig) -> tuple[TextTokenizer | None, str]:
     ``data.tokenizer``, else the model folder's own (LitGPT's ``Tokenizer`` and prompt style for a LitGPT
     checkpoint folder); None (bytes) for a model with neither. Refused when it does not fit the model's vocabulary
     (a LitGPT model's ``padded_vocab_size``)."""
-    from lightning_parallel.recipes.hf import is_hf_model, model_vocab_size
-    from lightning_parallel.recipes.litgpt import is_litgpt_model, litgpt_config
-
-    m = cfg.model
+    m, kind = cfg.model, kind_of(cfg.model)
     folder, vocab = None, None
-    if is_hf_model(m):
-        folder, vocab = m.get("path"), model_vocab_size(m)
-    elif is_litgpt_model(m):
-        folder, vocab = m.get("path"), litgpt_config(m).padded_vocab_size
+    if kind.tokenized:
+        folder, vocab = kind.tokenizer_folder(m), kind.vocab_size(m)
     return load_tokenizer(folder, cfg.data.get("tokenizer"), vocab_size=vocab)
 
 
@@ -80,19 +73,14 @@ def prepare_tokenized_data(cfg: DictConfig) -> None:
     Raises:
         ValueError: no tokenizer for ``data=hf_text/sft``, bad files or columns, splits too small for a batch.
     """
-    from lightning_parallel.recipes.litgpt import is_litgpt_model
-
-    d = cfg.data
-    if d.kind in TOKENIZED_KINDS and not is_library_model(cfg.model):
+    d, kind = cfg.data, kind_of(cfg.model)
+    if d.kind in TOKENIZED_KINDS and not kind.tokenized:
         raise ValueError(
             f"data={d.kind} trains Hugging Face and LitGPT models (model=hf*, e.g. model=hf model.path=FOLDER, or "
             "model=litgpt*): the other models read byte-level data=text or data=tokens."
         )
-    if d.kind == "sft" and d.packing and is_litgpt_model(cfg.model):
-        raise ValueError(
-            "data.packing=true with model=litgpt*: LitGPT's GPT takes no position_ids and no block mask, so packed "
-            "samples would attend to each other: set data.packing=false (each sample padded)."
-        )
+    if d.kind == "sft" and d.packing and kind.no_packing:
+        raise ValueError(f"data.packing=true with {kind.no_packing}: set data.packing=false (each sample padded).")
     tokenizer, reason = recipe_tokenizer(cfg)
     if d.kind not in TOKENIZED_KINDS:  # data=text: a model folder's tokenizer, else bytes
         log.info(f"Tokenizer: {reason}.")
@@ -123,11 +111,9 @@ def splits(cfg: DictConfig) -> tuple[Dataset, Dataset]:
     """The training and validation datasets of the built caches: ``data.val_cache``'s, else the last
     ``data.val_fraction`` of the samples (rows once packed, blocks for ``hf_text``), at least one validation batch
     of every dp rank (``data.global_batch_size / trainer.accumulate_grad_batches`` rows)."""
-    from lightning_parallel.recipes.litgpt import is_litgpt_model
-
     d, seq = cfg.data, cfg.model.seq_len
     # LitGPT's GPT takes no attention mask: its causal attention keeps the samples from their right padding
-    options = {"packing": bool(d.get("packing", False)), "attention_mask": not is_litgpt_model(cfg.model)}
+    options = {"packing": bool(d.get("packing", False)), "attention_mask": kind_of(cfg.model).attention_mask}
     train = text_dataset(open_token_cache(d.cache), seq, **options)
     if d.get("val_cache"):
         return train, text_dataset(open_token_cache(d.val_cache), seq, **options)

@@ -115,10 +115,9 @@ def trained_copy(trainer: pl.Trainer, module: Any, cfg: DictConfig) -> Any:
 
 def build_finetune_module(cfg: DictConfig) -> Any:
     """The HFCausalLM or LitGPTCausalLM the config describes (what each worker trains)."""
-    from lightning_parallel.recipes.hf import build_hf_module
-    from lightning_parallel.recipes.litgpt import build_litgpt_module, is_litgpt_model
+    from lightning_parallel.recipes.model_kinds import kind_of
 
-    return build_litgpt_module(cfg) if is_litgpt_model(cfg.model) else build_hf_module(cfg)
+    return kind_of(cfg.model).build(cfg)
 
 
 def materialized(module: Any) -> Any:

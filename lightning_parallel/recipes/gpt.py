@@ -14,164 +14,61 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_parallel import Hybrid3DStrategy
 from lightning_parallel.callbacks.resume import ResumableDataLoader
-from lightning_parallel.hf.layers import hf_pipeline_layers
-from lightning_parallel.models import GPTConfig, LitGPT
-from lightning_parallel.models.gpt import GPT
-from lightning_parallel.parallel.context import check_heads, check_sequence, whole_sequence
+from lightning_parallel.parallel.context import check_sequence, whole_sequence
 from lightning_parallel.recipes.common import (
     build_trainer,
     check_run_settings,
+    check_strategy_model,
+    mesh_dims,
     micro_batch_size,
+    recipe_names,
     resume_path,
     sampler_kwargs,
+    skip_worker_check,
     world_size,
 )
-from lightning_parallel.recipes.config import GPTModelConf
-from lightning_parallel.recipes.finetune_data import TOKENIZED_KINDS, is_library_model, prepare_tokenized_data, splits
-from lightning_parallel.recipes.hf import (
-    build_hf_module,
-    check_hf_layout,
-    check_hf_model,
-    is_hf_model,
-    model_vocab_size,
-)
-from lightning_parallel.recipes.litgpt import (
-    build_litgpt_module,
-    check_litgpt_layout,
-    check_litgpt_model,
-    is_litgpt_model,
-    litgpt_config,
-)
-from lightning_parallel.recipes.lora import (
-    check_hf_lora,
-    check_litgpt_lora,
-    check_peft_settings,
-    refuse_lora,
-    wants_lora,
-)
+from lightning_parallel.recipes.finetune_data import TOKENIZED_KINDS, prepare_tokenized_data, splits
+from lightning_parallel.recipes.gpt_model import MOE_KEYS, gpt_config  # noqa: F401  (their home before the registry)
+from lightning_parallel.recipes.lora import check_peft_settings, refuse_lora, wants_lora
 from lightning_parallel.recipes.metrics import parameter_counts, run_metrics, write_metrics
+from lightning_parallel.recipes.model_kinds import kind_of, resolve_model_kind
 from lightning_parallel.recipes.text_data import TokenWindows, load_tokens
+from lightning_parallel.strategies.checks import as_built
 from lightning_parallel.strategies.pipelined_step import PipelineInput
 
 
-def gpt_config(m: DictConfig) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=m.vocab_size,
-        seq_len=m.seq_len,
-        n_layer=m.n_layer,
-        n_head=m.n_head,
-        d_model=m.d_model,
-        mlp_ratio=m.mlp_ratio,
-        dropout=m.dropout,
-        **{key: m[key] for key in MOE_KEYS},
-    )
-
-
-MOE_KEYS = (
-    "moe_experts",
-    "moe_top_k",
-    "moe_every",
-    "moe_hidden",
-    "moe_capacity_factor",
-    "moe_shared_hidden",
-    "moe_aux_loss_coeff",
-    "moe_z_loss_coeff",
-)
-
-
 def check_config(cfg: DictConfig) -> None:
-    """Everything that can be refused before a worker starts: names, degrees, sizes, batch splits."""
+    """Everything that can be refused before a worker starts: the settings of the recipe's own keys (the model
+    family's, peft's, the run's, the data's), then the strategy's one check of the model it will split, built on
+    the meta device (:func:`~lightning_parallel.recipes.common.check_strategy_model`)."""
+    kind = resolve_model_kind(cfg, recipe="text")
     check_peft_settings(cfg)
-    if is_hf_model(cfg.model):
-        meta = check_hf_model(cfg)
-        strategy = _check_library_model(cfg, meta, len(hf_pipeline_layers(meta)), check_hf_layout)
-        if wants_lora(cfg):  # last: the adapters are injected into the meta model
-            check_hf_lora(cfg, meta, _degrees(cfg, strategy), _sequence_parallel(strategy))
-        return
-    if is_litgpt_model(cfg.model):
-        from lightning_parallel.litgpt import litgpt_pipeline_layers
-
-        meta = check_litgpt_model(cfg)
-        strategy = _check_library_model(cfg, meta, len(litgpt_pipeline_layers(meta)), check_litgpt_layout)
-        if wants_lora(cfg):
-            check_litgpt_lora(cfg, meta.config, _degrees(cfg, strategy))
-        return
-    refuse_lora(cfg, cfg.model.get("name", "gpt_*"))
-    strategy = check_run_settings(cfg, num_layers=cfg.model.n_layer + 2)  # embedding, blocks, head
-    m = cfg.model
-    for key in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
-        if m[key] < 1:
-            raise ValueError(f"model.{key}={m[key]} must be a positive size: set model.{key} to 1 or more.")
-    if not m.moe_experts:
-        defaults = GPTModelConf()
-        moe_set = [k for k in MOE_KEYS if k != "moe_experts" and m[k] != getattr(defaults, k)]
-        if moe_set:
-            raise ValueError(
-                f"model.{moe_set[0]}={m[moe_set[0]]} only applies to MoE blocks, and model.moe_experts=0 makes every "
-                "block dense: set model.moe_experts (or model=gpt_moe_tiny), or drop the override."
-            )
-    config = gpt_config(m)  # checks d_model against n_head, and the MoE settings
-    if isinstance(strategy, Hybrid3DStrategy):
-        dims = strategy.config.dims(world_size(cfg))
-        GPT.check_tensor_parallel_config(config, dims.tp)
-        if dims.ep > 1 and not config.moe_blocks:
-            raise ValueError(
-                f"strategy.ep={dims.ep} splits the experts of MoE blocks, and model={cfg.model.get('name', 'gpt')} "
-                "has none: use model=gpt_moe_tiny (or set model.moe_experts), or set strategy.ep=1."
-            )
-        if dims.context > 1:  # two chunks of the sequence per cp rank; Ulysses gives each cp rank some of the heads
-            check_sequence(config.seq_len, dims.cp, setting="strategy.cp")
-            if strategy.config.cp_mode == "ulysses":
-                check_heads(config.n_head, dims.cp, dims.tp, setting="strategy.cp_mode='ulysses'")
-        if dims.ep > 1 and config.moe_experts % dims.ep:
-            raise ValueError(
-                f"strategy.ep={dims.ep} does not divide model.moe_experts={config.moe_experts}: choose ep among the "
-                f"divisors of {config.moe_experts}."
-            )
-    if cfg.trainer.sync_batchnorm:
-        raise ValueError("trainer.sync_batchnorm=true: the GPT has no BatchNorm to sync (LayerNorm needs none).")
-    check_text_data(cfg)
-
-
-def _check_library_model(cfg: DictConfig, meta: Any, num_layers: int, check_layout: Any) -> Any:
-    """``model=hf*`` / ``model=litgpt``: the same checks, on the model built on the meta device;
-    ``check_layout(meta, pp=, tp=, cp=, sequence_parallel=)`` the checks its module runs in the workers. Returns the
-    strategy (checked, not yet used)."""
-    strategy = check_run_settings(cfg, num_layers=num_layers)
-    if dims := _dims(cfg, strategy):
-        if dims.context > 1:  # what the workers' check_model would refuse, said before any of them starts
+    if not kind.lora:
+        refuse_lora(cfg, cfg.model.get("name") or f"{kind.name}_*")
+    kind.check(cfg)
+    with recipe_names(lora=wants_lora(cfg)):
+        module = kind.meta_module(cfg)  # the module the workers train, on meta; LoRA adapters included
+    strategy = check_run_settings(cfg, num_layers=kind.layers(module))
+    if dims := mesh_dims(cfg, strategy):
+        if kind.check_layout is not None:
+            kind.check_layout(cfg, dims)
+        if dims.context > 1:  # two chunks of each model.seq_len window per cp rank
             check_sequence(cfg.model.seq_len, dims.cp, setting="strategy.cp")
-            if strategy.config.cp_mode == "ulysses":
-                heads = getattr(meta.config, "num_attention_heads", None) or meta.config.n_head  # HF's, LitGPT's
-                check_heads(heads, dims.cp, dims.tp, setting="strategy.cp_mode='ulysses'")
-        check_layout(meta, pp=dims.pp, tp=dims.tp, cp=dims.cp, sequence_parallel=strategy.config.sequence_parallel)
+    check_strategy_model(cfg, strategy, module, lora=wants_lora(cfg))
     if cfg.trainer.sync_batchnorm:
-        raise ValueError("trainer.sync_batchnorm=true: the model has no BatchNorm to sync (its norms need none).")
+        raise ValueError(
+            "trainer.sync_batchnorm=true: the GPT has no BatchNorm to sync, nor have the Hugging Face and LitGPT "
+            "models (LayerNorm and RMSNorm need none)."
+        )
     check_text_data(cfg)
-    return strategy
-
-
-def _degrees(cfg: DictConfig, strategy: Any) -> dict[str, int]:
-    """The layout's pp, tp, cp and ep (1 under the strategies that split data only)."""
-    dims = _dims(cfg, strategy)
-    return {"pp": dims.pp, "tp": dims.tp, "cp": dims.cp, "ep": dims.ep} if dims else {"tp": 1}
-
-
-def _sequence_parallel(strategy: Any) -> bool:
-    return isinstance(strategy, Hybrid3DStrategy) and bool(strategy.config.sequence_parallel)
-
-
-def _dims(cfg: DictConfig, strategy: Any) -> Any:
-    """The hybrid3d layout's degrees (None under the other strategies: they split data only)."""
-    return strategy.config.dims(world_size(cfg)) if isinstance(strategy, Hybrid3DStrategy) else None
 
 
 def check_text_data(cfg: DictConfig) -> None:
     """The data file exists and holds a training and a validation window (read by its size only)."""
     d, seq = cfg.data, cfg.model.seq_len
-    if d.kind in TOKENIZED_KINDS or (is_library_model(cfg.model) and cfg.model.path is not None):
+    kind = kind_of(cfg.model)
+    if d.kind in TOKENIZED_KINDS or (kind.tokenized and kind.tokenizer_folder(cfg.model) is not None):
         prepare_tokenized_data(cfg)  # the tokenizer (logged) and the token cache, or bytes when there is none
         if d.cache is not None:
             return
@@ -214,8 +111,8 @@ class TextData(pl.LightningDataModule):
             self.train_set, self.val_set = splits(self.cfg)
             return
         tokens = load_tokens(self.cfg.data.kind, self.cfg.data.path, self.cache_dir)
-        m = self.cfg.model
-        vocab = litgpt_config(m).padded_vocab_size if is_litgpt_model(m) else model_vocab_size(m)
+        kind = kind_of(self.cfg.model)
+        vocab = kind.vocab_size(self.cfg.model)
         if self.cfg.data.kind == "tokens" and int(tokens.max()) >= vocab:
             raise ValueError(
                 f"data.path holds token id {int(tokens.max())} >= model.vocab_size={vocab}: "
@@ -223,9 +120,9 @@ class TextData(pl.LightningDataModule):
             )
         seq, frac = self.cfg.model.seq_len, self.cfg.data.val_fraction
         # HF and LitGPT modules take labels unshifted (they shift them): (inputs, inputs), T - 1 targets a window
-        hf = is_hf_model(self.cfg.model) or is_litgpt_model(self.cfg.model)
-        self.train_set = TokenWindows(tokens, seq, "train", frac, labels_are_inputs=hf)
-        self.val_set = TokenWindows(tokens, seq, "val", frac, labels_are_inputs=hf)
+        same = kind.labels_are_inputs
+        self.train_set = TokenWindows(tokens, seq, "train", frac, labels_are_inputs=same)
+        self.val_set = TokenWindows(tokens, seq, "val", frac, labels_are_inputs=same)
 
     def _loader(self, dataset: TokenWindows, shuffle: bool) -> DataLoader:
         kwargs = sampler_kwargs(self.trainer)
@@ -285,23 +182,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, verbose=False)
     micro = micro_batch_size(cfg, world_size(cfg))
     m = cfg.model
-    if is_hf_model(m):
-        model = build_hf_module(cfg)  # a folder's weights are read after the split; fresh ones seeded alike
-        counts = parameter_counts(model)
-    elif is_litgpt_model(m):
-        model = build_litgpt_module(cfg)
-        counts = parameter_counts(model)
-    else:
-        model = LitGPT(
-            gpt_config(m),
-            lr=m.lr,
-            weight_decay=m.weight_decay,
-            warmup_steps=m.warmup_steps,
-            build_in_configure_model=True,
-        )
-        with torch.device("meta"):  # the model is built in configure_model: count the same one, allocating nothing
-            counts = parameter_counts(GPT(gpt_config(m)))
+    kind = kind_of(m)
+    model = kind.build(cfg)  # a folder's weights are read after the split; fresh ones seeded alike
+    with torch.device("meta"):  # a model built in configure_model: count the same one, allocating nothing
+        built = as_built(model)
+        counts = parameter_counts(built if built is not None else model)
     trainer = build_trainer(cfg, run_dir)
+    skip_worker_check(trainer, model)  # check_config ran the strategy's check on this model before launch
     data = TextData(cfg, micro, cache_dir=Path.cwd() / "data")  # the default corpus is written there once
     start = time.perf_counter()
     trainer.fit(model, datamodule=data, ckpt_path=resume_path(cfg))

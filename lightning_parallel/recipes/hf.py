@@ -20,11 +20,6 @@ from omegaconf import DictConfig, OmegaConf
 BYTE_VOCAB = 256  # the text data's tokens are UTF-8 bytes
 
 
-def is_hf_model(m: DictConfig) -> bool:
-    """``model=hf*`` (HFModelConf's keys; the workers get the config without its schema)."""
-    return "path" in m and "config" in m and "name" not in m  # LitGPT's settings have a name too
-
-
 def _weights_in(folder: Path) -> bool:
     from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
@@ -84,11 +79,8 @@ def _positions(config: Any) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
-def check_hf_model(cfg: DictConfig) -> Any:
-    """Refuse, before any worker starts, a model the data cannot use; returns it built on the meta device (no
-    memory, no weights read), to count its pipeline layers and check the layout against it."""
-    from transformers import AutoModelForCausalLM
-
+def check_hf_model(cfg: DictConfig) -> None:
+    """Refuse, before any worker starts, a model the data cannot use (the family's own keys)."""
     m = cfg.model
     if m.seq_len < 1:
         raise ValueError(f"model.seq_len={m.seq_len} must be a positive size: set model.seq_len to 1 or more.")
@@ -106,11 +98,6 @@ def check_hf_model(cfg: DictConfig) -> Any:
             f"{positions}."
         )
     _check_attention(config, cfg.trainer.accelerator)
-    try:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
-    except ImportError as err:  # an attention implementation whose package is missing
-        raise ValueError(f"{err} Set model.config.attn_implementation=sdpa (or eager).") from None
 
 
 def _check_attention(config: Any, accelerator: str) -> None:
@@ -124,34 +111,39 @@ def _check_attention(config: Any, accelerator: str) -> None:
         )
 
 
-def check_hf_layout(model: Any, pp: int, tp: int, sequence_parallel: bool, cp: int = 1) -> None:
-    """The checks :class:`~lightning_parallel.hf.HFCausalLM` runs in the workers, run on the meta model here."""
-    from lightning_parallel.hf import check_hf_degrees
-    from lightning_parallel.hf.plan import SP_WITH_PP
-
-    check_hf_degrees(model, pp=pp, tp=tp, cp=cp)
-    if pp > 1 and tp > 1 and sequence_parallel:
-        raise ValueError(SP_WITH_PP)
-
-
 def build_hf_module(cfg: DictConfig) -> Any:
     """The HFCausalLM a worker trains: a folder's weights, or fresh weights from the config (seeded); with
     ``peft=lora`` LoRA adapters drawn from ``seed`` on the frozen base."""
     from lightning_parallel.hf import HFCausalLM
-    from lightning_parallel.recipes.lora import base_dtype_kwargs, lora_config, wants_lora
 
     m = cfg.model
     config = hf_config(m)
     source = m.path if m.path is not None and _weights_in(_folder(m)) else config
+    return HFCausalLM(source, lr=m.lr, weight_decay=m.weight_decay, **_adapters(cfg, config))
+
+
+def meta_hf_module(cfg: DictConfig) -> Any:
+    """The HFCausalLM a worker trains, built from its config on the meta device (no memory, no weights read), its
+    LoRA adapters included: what the strategy checks before launch."""
+    from lightning_parallel.hf import HFCausalLM
+
+    m = cfg.model
+    config = hf_config(m)
+    try:
+        with torch.device("meta"):
+            return HFCausalLM(config, lr=m.lr, weight_decay=m.weight_decay, **_adapters(cfg, config))
+    except ImportError as err:  # an attention implementation whose package is missing
+        raise ValueError(f"{err} Set model.config.attn_implementation=sdpa (or eager).") from None
+
+
+def _adapters(cfg: DictConfig, config: Any) -> dict[str, Any]:
+    """HFCausalLM's LoRA arguments for ``peft=lora`` (none without it)."""
+    from lightning_parallel.recipes.lora import base_dtype_kwargs, lora_config, wants_lora
+
     if not wants_lora(cfg):
-        return HFCausalLM(source, lr=m.lr, weight_decay=m.weight_decay)
+        return {}
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):  # what the adapters' settings depend on (GPT-2's Conv1D), allocating nothing
         meta = AutoModelForCausalLM.from_config(config)
-    adapters = {"peft_config": lora_config(cfg.peft, meta), "adapter_seed": cfg.seed, **base_dtype_kwargs(cfg.peft)}
-    return HFCausalLM(source, lr=m.lr, weight_decay=m.weight_decay, **adapters)
-
-
-def model_vocab_size(m: DictConfig) -> int:
-    return hf_config(m).vocab_size if is_hf_model(m) else m.vocab_size
+    return {"peft_config": lora_config(cfg.peft, meta), "adapter_seed": cfg.seed, **base_dtype_kwargs(cfg.peft)}

@@ -20,11 +20,6 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_parallel.recipes.hf import BYTE_VOCAB
 
 
-def is_litgpt_model(m: DictConfig) -> bool:
-    """``model=litgpt`` (LitGPTModelConf's keys; the workers get the config without its schema)."""
-    return "name" in m and "config" in m and "path" in m
-
-
 def _overrides(m: DictConfig) -> dict[str, Any]:
     fields = OmegaConf.to_container(m.config, resolve=True)
     if m.vocab_size is not None:
@@ -64,8 +59,9 @@ def litgpt_config(m: DictConfig) -> Any:
         raise ValueError(f"model=litgpt: {err} (model.name / model.config)") from None
 
 
-def check_litgpt_model(cfg: DictConfig) -> Any:
-    """Refuse, before any worker starts, a model the data cannot use; returns the GPT built on the meta device."""
+def check_litgpt_model(cfg: DictConfig) -> None:
+    """Refuse, before any worker starts, a model the data cannot use (the family's own keys), and a folder whose
+    weights do not fit the model the settings describe."""
     from litgpt.model import GPT
 
     m = cfg.model
@@ -82,11 +78,10 @@ def check_litgpt_model(cfg: DictConfig) -> Any:
             f"model.seq_len={m.seq_len} is longer than the model's block_size={config.block_size}: set model.seq_len "
             f"<= {config.block_size} or model.config.block_size >= {m.seq_len}."
         )
-    with torch.device("meta"):
-        model = GPT(config)
     if m.path is not None:
+        with torch.device("meta"):
+            model = GPT(config)
         _check_weights_fit(model, Path(_source(m)))
-    return model
 
 
 def _check_weights_fit(model: Any, folder: Path) -> None:
@@ -105,16 +100,6 @@ def _check_weights_fit(model: Any, folder: Path) -> None:
             )
 
 
-def check_litgpt_layout(model: Any, pp: int, tp: int, sequence_parallel: bool, cp: int = 1) -> None:
-    """The checks :class:`~lightning_parallel.litgpt.LitGPTCausalLM` runs in the workers, run on the meta model."""
-    from lightning_parallel.litgpt import check_litgpt_degrees
-    from lightning_parallel.litgpt.plan import SP_WITH_PP
-
-    check_litgpt_degrees(model, pp=pp, tp=tp, cp=cp)
-    if pp > 1 and tp > 1 and sequence_parallel:
-        raise ValueError(SP_WITH_PP)
-
-
 def build_litgpt_module(cfg: DictConfig) -> Any:
     """The LitGPTCausalLM a worker trains: a folder's weights, or a named config's fresh ones (seeded); with
     ``peft=lora`` LitGPT's own LoRA adapters, drawn from ``seed``, on the frozen base."""
@@ -124,3 +109,14 @@ def build_litgpt_module(cfg: DictConfig) -> Any:
     m = cfg.model
     lora = {"lora": litgpt_lora_settings(cfg.peft), "adapter_seed": cfg.seed} if wants_lora(cfg) else {}
     return LitGPTCausalLM(_source(m), lr=m.lr, weight_decay=m.weight_decay, **lora, **_overrides(m))
+
+
+def meta_litgpt_module(cfg: DictConfig) -> Any:
+    """The LitGPTCausalLM a worker trains, built from its config on the meta device (no weights read), LitGPT's LoRA
+    included: what the strategy checks before launch."""
+    from lightning_parallel.litgpt import LitGPTCausalLM
+    from lightning_parallel.recipes.lora import litgpt_lora_settings, wants_lora
+
+    lora = {"lora": litgpt_lora_settings(cfg.peft), "adapter_seed": cfg.seed} if wants_lora(cfg) else {}
+    with torch.device("meta"):
+        return LitGPTCausalLM(litgpt_config(cfg.model), **lora)

@@ -8,7 +8,6 @@ Settings (``PeftConf``): ``peft.r``, ``peft.alpha``, ``peft.dropout``, ``peft.ta
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -89,38 +88,6 @@ def base_dtype_kwargs(p: DictConfig) -> dict[str, torch.dtype]:
     return {} if p.base_dtype is None else {"base_dtype": getattr(torch, p.base_dtype)}
 
 
-def check_hf_lora(cfg: DictConfig, meta: nn.Module, degrees: dict[str, int], sequence_parallel: bool) -> None:
-    """``peft=lora`` on the ``model=hf*`` built on the meta device: the adapters' targets match modules of the
-    model, and the layout takes adapters (what HFCausalLM checks in the workers, run here).
-
-    Args:
-        cfg: the composed recipe config.
-        meta: the Hugging Face model on the meta device (:func:`~lightning_parallel.recipes.hf.check_hf_model`).
-        degrees: the layout's ``pp``, ``tp``, ``cp`` and ``ep``.
-        sequence_parallel: ``strategy.sequence_parallel``.
-
-    Raises:
-        ValueError: naming the ``peft.*`` or ``strategy.*`` setting and the fix.
-    """
-    from lightning_parallel.hf.lora import apply_peft, check_peft_degrees
-    from lightning_parallel.hf.plan import hf_tensor_parallel_plan
-
-    config = lora_config(cfg.peft, meta)
-    try:
-        check_peft_degrees(config, **degrees)
-        adapted = apply_peft(meta, config)  # meta tensors: nothing is allocated
-        if degrees["tp"] > 1:
-            hf_tensor_parallel_plan(adapted, sequence_parallel)  # refuses adapters the split does not follow
-    except (ValueError, TypeError) as err:
-        named = [f"{name} is {key}" for name, key in RECIPE_NAMES.items() if re.search(rf"\b{name}\b", str(err))]
-        raise ValueError(f"peft=lora: {err}" + (f" (in the recipe: {', '.join(named)})" if named else "")) from None
-
-
-# what the LoraConfig fields and layout degrees the shared checks name are called in the recipe
-RECIPE_NAMES = {"target_modules": "peft.target_modules", "lora_dropout": "peft.dropout", "lora_r": "peft.r"}
-RECIPE_NAMES |= {axis: f"strategy.{axis}" for axis in ("pp", "tp", "cp", "ep")}
-
-
 # ``peft.target_modules`` names for ``model=litgpt`` -> litgpt.lora.Config's flags; null: every linear of the blocks
 LITGPT_TARGETS = {name: f"lora_{name}" for name in ("query", "key", "value", "projection", "mlp", "head")}
 LITGPT_DEFAULT = ("query", "key", "value", "projection", "mlp")
@@ -147,22 +114,6 @@ def litgpt_lora_settings(p: DictConfig) -> dict[str, Any]:
             f"(not {unknown}); e.g. peft.target_modules=[query,value], or null for {list(LITGPT_DEFAULT)}."
         )
     return {"lora_r": p.r, "lora_alpha": p.alpha, "lora_dropout": p.dropout, **{LITGPT_TARGETS[n]: True for n in names}}
-
-
-def check_litgpt_lora(cfg: DictConfig, config: Any, degrees: dict[str, int]) -> None:
-    """``peft=lora`` on ``model=litgpt`` (``config``: its litgpt ``Config``): the settings LitGPT takes and the layout,
-    as LitGPTCausalLM checks them in the workers.
-
-    Raises:
-        ValueError: naming the ``peft.*`` or ``strategy.*`` setting and the fix.
-    """
-    from lightning_parallel.litgpt.lora import check_lora_degrees, lora_config
-
-    try:
-        check_lora_degrees(lora_config(config, litgpt_lora_settings(cfg.peft)), **degrees)
-    except ValueError as err:
-        named = [f"{name} is {key}" for name, key in RECIPE_NAMES.items() if re.search(rf"\b{name}\b", str(err))]
-        raise ValueError(f"peft=lora: {err}" + (f" (in the recipe: {', '.join(named)})" if named else "")) from None
 
 
 def refuse_lora(cfg: DictConfig, model: str) -> None:

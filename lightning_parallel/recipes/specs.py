@@ -14,7 +14,7 @@ from lightning_parallel.models.gpt import GPT, GPTConfig, gpt_tp_plan
 from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
 from lightning_parallel.planning.estimate import OPTIMIZER_STATES
 from lightning_parallel.planning.profile import ModelSpec
-from lightning_parallel.recipes.gpt import MOE_KEYS
+from lightning_parallel.recipes.gpt_model import MOE_KEYS
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 _UNITS["TIB"] = 2**40

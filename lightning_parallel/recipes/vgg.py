@@ -16,17 +16,16 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from lightning_parallel import Hybrid3DStrategy
 from lightning_parallel.callbacks.resume import ResumableDataLoader
-from lightning_parallel.models import LitVGG, VGGConfig
-from lightning_parallel.models.lit_vgg import LR_SCHEDULES, OPTIMIZERS
-from lightning_parallel.models.vgg import VGG
 from lightning_parallel.recipes.common import (
     build_trainer,
     check_run_settings,
+    check_strategy_model,
+    mesh_dims,
     micro_batch_size,
     resume_path,
     sampler_kwargs,
+    skip_worker_check,
     world_size,
 )
 from lightning_parallel.recipes.config import ImageDataConf
@@ -39,40 +38,25 @@ from lightning_parallel.recipes.image_data import (
     load_cifar10,
 )
 from lightning_parallel.recipes.metrics import parameter_counts, run_metrics, write_metrics
+from lightning_parallel.recipes.model_kinds import kind_of, resolve_model_kind
+from lightning_parallel.recipes.vgg_model import scaled_lr, vgg_config  # noqa: F401  (their home before the registry)
+from lightning_parallel.strategies.checks import as_built
 
 DATA_KINDS = ("generated", "cifar10")
 
 
-def vgg_config(m: DictConfig) -> VGGConfig:
-    return VGGConfig(
-        name=m.name, width=m.width, num_classes=m.num_classes, image_size=m.image_size, batch_norm=m.batch_norm
-    )
-
-
-def scaled_lr(cfg: DictConfig) -> float:
-    """``model.lr`` scaled linearly with the global batch (Goyal et al., 2017), unless lr_reference_batch is None."""
-    reference = cfg.model.lr_reference_batch
-    return cfg.model.lr if reference is None else cfg.model.lr * cfg.data.global_batch_size / reference
-
-
 def check_config(cfg: DictConfig) -> None:
-    """Everything that can be refused before a worker starts: names, degrees, sizes, batch splits, data."""
-    for key in ("width", "num_classes"):
-        if cfg.model[key] < 1:
-            raise ValueError(f"model.{key}={cfg.model[key]} must be a positive size: set model.{key} to 1 or more.")
-    config = vgg_config(cfg.model)  # checks the name and image size
-    strategy = check_run_settings(cfg, num_layers=len(config.conv_channels()) + 1)  # the convs, then the head
-    if isinstance(strategy, Hybrid3DStrategy):
-        VGG.check_tensor_parallel_config(config, strategy.config.dims(world_size(cfg)).tp)
-        if strategy.config.spatial > 1:  # strips of every image: the height must divide through the five pools
-            VGG.check_spatial_parallel_config(config, strategy.config.spatial)
+    """Everything that can be refused before a worker starts: the settings of the recipe's own keys (the model
+    family's, the run's, the data's), then the strategy's one check of the model it will split, built on the meta
+    device (:func:`~lightning_parallel.recipes.common.check_strategy_model`)."""
+    kind = resolve_model_kind(cfg, recipe="image")
+    kind.check(cfg)
+    module = kind.meta_module(cfg)
+    strategy = check_run_settings(cfg, num_layers=kind.layers(module))  # the convs, then the head
+    if (dims := mesh_dims(cfg, strategy)) and kind.check_layout is not None:
+        kind.check_layout(cfg, dims)
+    check_strategy_model(cfg, strategy, module)
     m, d = cfg.model, cfg.data
-    if m.optimizer not in OPTIMIZERS:
-        raise ValueError(f"model.optimizer={m.optimizer!r} is unknown: use one of {OPTIMIZERS}.")
-    if m.lr_schedule not in LR_SCHEDULES:
-        raise ValueError(f"model.lr_schedule={m.lr_schedule!r} is unknown: use one of {LR_SCHEDULES}.")
-    if m.lr_reference_batch is not None and m.lr_reference_batch <= 0:
-        raise ValueError(f"model.lr_reference_batch={m.lr_reference_batch} must be positive, or null for no scaling.")
     if d.kind not in DATA_KINDS:
         raise ValueError(f"data.kind={d.kind!r} is unknown: use one of {DATA_KINDS} (data=images or data=cifar10).")
     if d.kind == "cifar10":
@@ -149,20 +133,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Train as ``cfg`` says; returns the metrics written to ``run_dir/metrics.json`` (by rank 0)."""
     pl.seed_everything(cfg.seed, verbose=False)
     micro = micro_batch_size(cfg, world_size(cfg))
-    m = cfg.model
-    model = LitVGG(
-        vgg_config(m),
-        optimizer=m.optimizer,
-        lr=scaled_lr(cfg),
-        momentum=m.momentum,
-        weight_decay=m.weight_decay,
-        warmup_steps=m.warmup_steps,
-        lr_schedule=m.lr_schedule,
-        build_in_configure_model=True,
-    )
+    model = kind_of(cfg.model).build(cfg)
     with torch.device("meta"):  # the model is built in configure_model: count the same one, allocating nothing
-        counts = parameter_counts(VGG(vgg_config(m)))
+        counts = parameter_counts(as_built(model))
     trainer = build_trainer(cfg, run_dir, **sync_batchnorm_args(cfg))
+    skip_worker_check(trainer, model)  # check_config ran the strategy's check on this model before launch
     start = time.perf_counter()
     trainer.fit(model, datamodule=ImageData(cfg, micro), ckpt_path=resume_path(cfg))
     wall = time.perf_counter() - start

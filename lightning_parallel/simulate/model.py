@@ -126,7 +126,7 @@ def _recipe(name: str, seq_len: int | None) -> SimulatedModel | None:
     """A recipe GPT of ``conf/model/`` (None when ``name`` is no recipe model); ``seq_len`` replaces its own."""
     from lightning_parallel.models import GPTConfig
     from lightning_parallel.plan import CONF, load_model_config
-    from lightning_parallel.recipes.gpt import MOE_KEYS
+    from lightning_parallel.recipes.gpt_model import MOE_KEYS
 
     if not (name.endswith((".yaml", ".yml")) or (CONF / "model" / f"{name}.yaml").is_file()):
         return None

@@ -28,19 +28,31 @@ from lightning_parallel.protocol import (
     tensor_parallel_plan,
 )
 
+# the layout a module was checked against before launch (checked_before_launch): the workers do not repeat it
+CHECKED_LAYOUT = "_checked_before_launch"
+
+
+def checked_before_launch(model: Any, config: ParallelConfig) -> None:
+    """Say that ``model``'s layout ``config`` was checked before launch, by the process that started this one
+    (a recipe's ``check_config`` on the same module built on meta): :func:`check_model` does not repeat it."""
+    object.__setattr__(model, CHECKED_LAYOUT, config)
+
 
 def check_model(model: Any, config: ParallelConfig, dims: ParallelDims) -> None:
     """Refuse a model ``dims`` cannot split: no protocol method where an axis needs one, a plan that names no
     module or splits a size tp does not divide, more stages than layers, meta layers that cannot initialize
-    themselves, degrees the model itself refuses."""
+    themselves, degrees the model itself refuses. The one check of a model against a layout: the recipes call it
+    before launch on the module built on meta; nothing for a model marked :func:`checked_before_launch`."""
+    if getattr(model, CHECKED_LAYOUT, None) == config:
+        return
     # what configure_model makes, on meta; None when that cannot be known here
     built = as_built(model) if dims.pp > 1 or dims.tp > 1 or dims.ep > 1 or dims.cp > 1 else model
-    if dims.tp > 1:
-        plan = tensor_parallel_plan(model, dims.tp, config.sequence_parallel)
-        check_tp_plan(model if built is None else built, plan, dims.tp, require_match=built is not None)
-    # the model's own refusals (after its plan, which notes sequence_parallel) before the generic checks of the other
-    # axes ask it for what it lacks: it names what it cannot take (LoRA adapters under pp, cp or ep)
+    plan = tensor_parallel_plan(model, dims.tp, config.sequence_parallel) if dims.tp > 1 else None
+    # the model's own refusals (after its plan, which notes sequence_parallel) before the generic checks ask it for
+    # what it lacks: it names what it cannot take (heads tp does not divide, LoRA adapters under pp, cp or ep)
     check_parallel_degrees(model, pp=dims.pp, tp=dims.tp, cp=dims.cp, ep=dims.ep)
+    if plan is not None:
+        check_tp_plan(model if built is None else built, plan, dims.tp, require_match=built is not None)
     if dims.ep > 1 and built is not None:
         check_expert_layout(built, dims.ep, expert_parallel_plan(model))
     if dims.pp > 1:

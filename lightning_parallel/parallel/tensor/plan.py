@@ -17,6 +17,15 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 
+def sp_with_pp(family: str) -> str:
+    """The one refusal of sequence parallelism beside pp, for a ``family`` whose pipeline stages rebuild positions
+    from the hidden state they receive, which sequence parallelism splits (Hugging Face's and LitGPT's models)."""
+    return (
+        f"sequence_parallel=True with pp > 1 is not supported for {family} models yet: set one of them off (set "
+        "sequence_parallel=False or pp=1)."
+    )
+
+
 def tied_parameters(root: nn.Module) -> list[list[tuple[str, str]]]:
     """Groups of (module path, parameter name) that share one Parameter object."""
     owners: dict[int, list[tuple[str, str]]] = {}
