@@ -212,6 +212,9 @@ class RecipeConf:
     observability: ObservabilityConf = field(default_factory=ObservabilityConf)
     seed: int = 0
     ckpt_path: str | None = None  # a checkpoint to resume from, or "last": the newest in checkpoint.dir
+    # the recipe's own launcher starts the workers again after a failure, this many times at most, from the newest
+    # checkpoint in checkpoint.dir (under torchrun or SLURM: their --max-restarts or requeue instead)
+    max_restarts: int = 0
 
 
 @dataclass
