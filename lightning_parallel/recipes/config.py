@@ -147,6 +147,9 @@ class TokenizedDataConf(TextDataConf):
     kind: str = "sft"  # hf_text or sft
     format: str | None = None  # null: from the files' suffixes
     tokenizer: str | None = None  # a tokenizer folder; null: the model folder's own
+    # a Jinja chat template file (e.g. chat_template.jinja): renders `messages` instead of the tokenizer's own
+    # (a base model's folder often has none); null: the tokenizer's
+    chat_template: str | None = None
     packing: bool = False  # sft: several samples per row (no attention across them); false: padded
     val_path: str | None = None  # validation files; null: the last data.val_fraction of the samples
     text_column: str = "text"

@@ -43,8 +43,9 @@ def is_library_model(m: DictConfig) -> bool:
 def recipe_tokenizer(cfg: DictConfig) -> tuple[TextTokenizer | None, str]:
     """The tokenizer the run trains with, and why (see :func:`~lightning_parallel.text.load_tokenizer`):
     ``data.tokenizer``, else the model folder's own (LitGPT's ``Tokenizer`` and prompt style for a LitGPT
-    checkpoint folder); None (bytes) for a model with neither. Refused when it does not fit the model's vocabulary
-    (a LitGPT model's ``padded_vocab_size``)."""
+    checkpoint folder); None (bytes) for a model with neither; with ``data.chat_template=FILE`` that template renders
+    the conversations (and the prompts answered). Refused when it does not fit the model's vocabulary (a LitGPT
+    model's ``padded_vocab_size``)."""
     from lightning_parallel.recipes.hf import is_hf_model, model_vocab_size
     from lightning_parallel.recipes.litgpt import is_litgpt_model, litgpt_config
 
@@ -54,7 +55,32 @@ def recipe_tokenizer(cfg: DictConfig) -> tuple[TextTokenizer | None, str]:
         folder, vocab = m.get("path"), model_vocab_size(m)
     elif is_litgpt_model(m):
         folder, vocab = m.get("path"), litgpt_config(m).padded_vocab_size
-    return load_tokenizer(folder, cfg.data.get("tokenizer"), vocab_size=vocab)
+    tokenizer, reason = load_tokenizer(folder, cfg.data.get("tokenizer"), vocab_size=vocab)
+    template = cfg.data.get("chat_template")
+    if template is None:
+        return tokenizer, reason
+    return with_chat_template(tokenizer, template), f"{reason}, chat template {template!r}"
+
+
+def with_chat_template(tokenizer: TextTokenizer | None, path: str) -> TextTokenizer:
+    """``tokenizer`` rendering conversations with the Jinja template in the file ``path`` (``data.chat_template``).
+
+    Raises:
+        ValueError: no tokenizer, a LitGPT tokenizer (its prompt style writes the prompts), or no such file.
+    """
+    if tokenizer is None or tokenizer.is_litgpt:
+        what = "no tokenizer (the data are bytes)" if tokenizer is None else "LitGPT's tokenizer (its prompt style)"
+        raise ValueError(
+            f"data.chat_template={path!r} needs a transformers tokenizer and the run has {what}: give a model folder "
+            "with one (or data.tokenizer=FOLDER), or unset data.chat_template."
+        )
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(
+            f"data.chat_template={path!r} is not a file: give a Jinja template file (e.g. chat_template.jinja)."
+        )
+    tokenizer.backend.chat_template = file.read_text()
+    return tokenizer
 
 
 def _settings(d: DictConfig, path: str, seq_len: int) -> TextDataSettings:
