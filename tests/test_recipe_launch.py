@@ -86,8 +86,10 @@ def test_max_restarts_starts_the_workers_again_from_the_last_checkpoint(clean_en
     tests/test_recipe_restarts.py (slow tier)."""
     got = launch.run(restartable(tmp_path, 1), tmp_path, entry="launch_entries.die_once")
     assert got == "finished"
-    attempts = sorted(line.split() for line in (tmp_path / "attempts.txt").read_text().splitlines())
-    assert attempts == [["0", "None"], ["0", "last"], ["1", "None"], ["1", "last"]]
+    attempts = [tuple(line.split()) for line in (tmp_path / "attempts.txt").read_text().splitlines()]
+    # the first launch: rank 1 died (rank 0 may have been stopped before it began); the second: both, from last
+    first, second = [a for a in attempts if a[1] == "None"], sorted(a for a in attempts if a[1] == "last")
+    assert ("1", "None") in first and len(first) == len(set(first)) and second == [("0", "last"), ("1", "last")]
 
 
 def test_a_restart_keeps_a_given_checkpoint_until_one_is_saved(tmp_path):
