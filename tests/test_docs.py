@@ -19,6 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TUTORIALS = sorted((ROOT / "docs" / "tutorials").glob("*.md"))  # run whole, in order: tests/test_tutorials.py
 README_MAX_LINES = 200
 NO_RUN = {  # why a snippet cannot run on this machine: it is then only parsed
     "gpu": "needs a CUDA device",
@@ -50,7 +51,7 @@ class Snippet:
 
 def snippets() -> list[Snippet]:
     found = []
-    for page in PAGES:
+    for page in [*PAGES, *TUTORIALS]:
         lines = page.read_text().splitlines()
         i = 0
         while i < len(lines):
@@ -68,7 +69,7 @@ def snippets() -> list[Snippet]:
 
 
 SNIPPETS = snippets()
-RUNNABLE = [s for s in SNIPPETS if s.no_run is None]
+RUNNABLE = [s for s in SNIPPETS if s.no_run is None and s.page not in {t.name for t in TUTORIALS}]
 
 
 def test_the_readme_is_short_and_every_snippet_is_checked():

@@ -126,6 +126,34 @@ def test_bad_input_is_refused_before_workers(tmp_path, assets, monkeypatch, make
         check_finetune_config(cfg)
 
 
+def test_a_chat_template_file_for_a_tokenizer_without_one(tmp_path, assets, monkeypatch):
+    """data.chat_template=FILE: a base folder's tokenizer without a template renders the conversations with the
+    file's template: the same token ids as the assets' tokenizer that carries that template itself."""
+    monkeypatch.chdir(tmp_path)
+    template = tmp_path / "chat_template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    plain = _no_template_tokenizer(tmp_path)
+    cache = f"data.cache_dir={tmp_path / 'given'}"  # built apart from the assets' tokenizer's cache
+    given = compose_finetune(assets, f"data.tokenizer={plain}", f"data.chat_template={template}", cache)
+    check_finetune_config(given)
+    own = compose_finetune(assets)
+    check_finetune_config(own)
+    assert Path(given.data.cache).parent == tmp_path / "given"
+    # the cache's key holds the template: the same vocabulary and template are the same key
+    assert Path(given.data.cache).name == Path(own.data.cache).name
+    got, want = splits(given)[0], splits(own)[0]
+    assert len(got) == len(want) >= 100
+    for i in (0, 1, len(want) - 1):
+        assert got[i]["input_ids"].tolist() == want[i]["input_ids"].tolist(), i
+        assert got[i]["labels"].tolist() == want[i]["labels"].tolist(), i
+    for bad, message in [
+        ([f"data.chat_template={tmp_path / 'none.jinja'}"], r"data.chat_template=.*none.jinja' is not a file"),
+        (["model=litgpt_chat_tiny", f"data.chat_template={template}"], r"needs a transformers tokenizer"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check_finetune_config(compose_finetune(assets, *bad))
+
+
 def test_the_gpt_recipe_uses_a_model_folders_tokenizer(tmp_path, assets, monkeypatch, caplog):
     """model=hf model.path=FOLDER: the folder's tokenizer when it has one (the text's documents tokenized), else
     the bytes; the log says which."""

@@ -72,3 +72,46 @@ def test_the_slurm_launcher_config_asks_for_the_job_s_processes():
     assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
     assert launcher.partition == "gpu"
+
+
+def restartable(tmp_path, restarts: int) -> OmegaConf:
+    cfg = config(devices=2)
+    cfg.merge_with({"max_restarts": restarts, "ckpt_path": None, "checkpoint": {"dir": str(tmp_path / "ckpt")}})
+    return cfg
+
+
+def test_max_restarts_starts_the_workers_again_from_the_last_checkpoint(clean_env, tmp_path):
+    """A worker SIGKILLed once: the launch ends, the recipe's launcher starts both workers again with
+    ckpt_path=last, and the run finishes (rank 0's result). The GPT recipe's own run of it, resumed bitwise, is
+    tests/test_recipe_restarts.py (slow tier)."""
+    got = launch.run(restartable(tmp_path, 1), tmp_path, entry="launch_entries.die_once")
+    assert got == "finished"
+    attempts = [tuple(line.split()) for line in (tmp_path / "attempts.txt").read_text().splitlines()]
+    # the first launch: rank 1 died (rank 0 may have been stopped before it began); the second: both, from last
+    first, second = [a for a in attempts if a[1] == "None"], sorted(a for a in attempts if a[1] == "last")
+    assert ("1", "None") in first and len(first) == len(set(first)) and second == [("0", "last"), ("1", "last")]
+
+
+def test_a_restart_keeps_a_given_checkpoint_until_one_is_saved(tmp_path):
+    cfg = restartable(tmp_path, 1)
+    cfg.ckpt_path = str(tmp_path / "pretrained.ckpt")
+    assert launch.restart_path(cfg) == cfg.ckpt_path  # nothing saved in checkpoint.dir yet: start as given
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "last.ckpt").mkdir()
+    assert launch.restart_path(cfg) == "last"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["max_restarts=2"], r"max_restarts=2 restarts from the newest checkpoint in checkpoint.dir, which is not set"),
+        (["max_restarts=-1", "checkpoint=periodic"], r"max_restarts=-1: give 0"),
+    ],
+)
+def test_max_restarts_needs_checkpoints(overrides, message):
+    from lightning_parallel.recipes.checks import check_checkpoint_settings
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train_gpt", overrides=overrides)
+    with pytest.raises(ValueError, match=message):
+        check_checkpoint_settings(cfg)

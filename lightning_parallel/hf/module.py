@@ -134,8 +134,7 @@ class HFCausalLM(CausalLM):
 
     With ``peft_config`` the model is wrapped by peft's ``get_peft_model`` (``self.model`` is the ``PeftModel``: peft's
     modules and parameter names), the base frozen: only the adapters have gradients and optimizer states. LoRA only,
-    under ZeRO 0-3, HSDP, tp with or without sequence parallelism and pp (every schedule) for now (cp and ep are
-    refused).
+    under ZeRO 0-3, HSDP, tp with or without sequence parallelism, pp (every schedule), cp and ep.
 
     Args:
         model: a ``PreTrainedModel``, a local folder written by ``save_pretrained`` or a transformers config.

@@ -98,6 +98,14 @@ def check_checkpoint_settings(cfg: DictConfig) -> None:
         raise ValueError("checkpoint.async_save=true has nothing to save: add checkpoint=periodic (checkpoint.dir).")
     if cfg.ckpt_path == "last" and not c.dir:
         raise ValueError("ckpt_path=last looks in checkpoint.dir, which is not set: add checkpoint=periodic.")
+    restarts = cfg.get("max_restarts") or 0
+    if restarts < 0:
+        raise ValueError(f"max_restarts={restarts}: give 0 (no restart) or the most restarts a run may take.")
+    if restarts and not c.dir:
+        raise ValueError(
+            f"max_restarts={restarts} restarts from the newest checkpoint in checkpoint.dir, which is not set: add "
+            "checkpoint=periodic (a restart would otherwise begin again at step 0)."
+        )
     if c.dir:
         check_storage(c.dir, "checkpoint.dir")
     if storage.has_scheme(cfg.ckpt_path):

@@ -168,6 +168,9 @@ class TokenizedDataConf(TextDataConf):
     kind: str = "sft"  # hf_text or sft
     format: str | None = None  # null: from the files' suffixes
     tokenizer: str | None = None  # a tokenizer folder; null: the model folder's own
+    # a Jinja chat template file (e.g. chat_template.jinja): renders `messages` instead of the tokenizer's own
+    # (a base model's folder often has none); null: the tokenizer's
+    chat_template: str | None = None
     packing: bool = False  # sft: several samples per row (no attention across them); false: padded
     val_path: str | None = None  # validation files; null: the last data.val_fraction of the samples
     text_column: str = "text"
@@ -233,6 +236,9 @@ class RecipeConf:
     observability: ObservabilityConf = field(default_factory=ObservabilityConf)
     seed: int = 0
     ckpt_path: str | None = None  # a checkpoint to resume from, or "last": the newest in checkpoint.dir
+    # the recipe's own launcher starts the workers again after a failure, this many times at most, from the newest
+    # checkpoint in checkpoint.dir (under torchrun or SLURM: their --max-restarts or requeue instead)
+    max_restarts: int = 0
 
 
 @dataclass

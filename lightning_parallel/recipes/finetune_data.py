@@ -41,13 +41,39 @@ def is_library_model(m: DictConfig) -> bool:
 def recipe_tokenizer(cfg: DictConfig) -> tuple[TextTokenizer | None, str]:
     """The tokenizer the run trains with, and why (see :func:`~lightning_parallel.text.load_tokenizer`):
     ``data.tokenizer``, else the model folder's own (LitGPT's ``Tokenizer`` and prompt style for a LitGPT
-    checkpoint folder); None (bytes) for a model with neither. Refused when it does not fit the model's vocabulary
-    (a LitGPT model's ``padded_vocab_size``)."""
+    checkpoint folder); None (bytes) for a model with neither; with ``data.chat_template=FILE`` that template renders
+    the conversations (and the prompts answered). Refused when it does not fit the model's vocabulary (a LitGPT
+    model's ``padded_vocab_size``)."""
     m, kind = cfg.model, kind_of(cfg.model)
     folder, vocab = None, None
     if kind.tokenized:
         folder, vocab = kind.tokenizer_folder(m), kind.vocab_size(m)
-    return load_tokenizer(folder, cfg.data.get("tokenizer"), vocab_size=vocab)
+    tokenizer, reason = load_tokenizer(folder, cfg.data.get("tokenizer"), vocab_size=vocab)
+    template = cfg.data.get("chat_template")
+    if template is None:
+        return tokenizer, reason
+    return with_chat_template(tokenizer, template), f"{reason}, chat template {template!r}"
+
+
+def with_chat_template(tokenizer: TextTokenizer | None, path: str) -> TextTokenizer:
+    """``tokenizer`` rendering conversations with the Jinja template in the file ``path`` (``data.chat_template``).
+
+    Raises:
+        ValueError: no tokenizer, a LitGPT tokenizer (its prompt style writes the prompts), or no such file.
+    """
+    if tokenizer is None or tokenizer.is_litgpt:
+        what = "no tokenizer (the data are bytes)" if tokenizer is None else "LitGPT's tokenizer (its prompt style)"
+        raise ValueError(
+            f"data.chat_template={path!r} needs a transformers tokenizer and the run has {what}: give a model folder "
+            "with one (or data.tokenizer=FOLDER), or unset data.chat_template."
+        )
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(
+            f"data.chat_template={path!r} is not a file: give a Jinja template file (e.g. chat_template.jinja)."
+        )
+    tokenizer.backend.chat_template = file.read_text()
+    return tokenizer
 
 
 def _settings(d: DictConfig, path: str, seq_len: int) -> TextDataSettings:

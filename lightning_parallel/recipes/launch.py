@@ -10,8 +10,11 @@ job with ``trainer.devices`` tasks per node), the processes exist already and th
 When a worker fails, torch elastic stops the others and raises ``ChildFailedError``; its "first observed
 failure" is the first the agent happened to see, often a rank whose collective failed because of the real
 one. The workers write the first failure into the run directory (``strategies/failure.py``), and the error
-raised here names that rank. A SIGTERM (preemption) makes the workers save ``last`` and stop
-(``lightning_parallel.callbacks.preemption``); the job then ends with status 0 and a line that says what to resume.
+raised here names that rank. With ``max_restarts=N`` (a recipe key, N > 0) the failed job starts its workers again,
+at most N times, from the newest checkpoint in ``checkpoint.dir`` (``ckpt_path=last``): a fresh launch each time (new
+rendezvous, new store), so restarted gloo workers never read the dead ones' addresses. A SIGTERM (preemption) makes
+the workers save ``last`` and stop (``lightning_parallel.callbacks.preemption``); the job then ends with status 0 and
+a line that says what to resume; it is never restarted.
 """
 
 from __future__ import annotations
@@ -96,20 +99,64 @@ def _preempted(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+def restart_path(cfg: DictConfig) -> str | None:
+    """Where a restarted job resumes: the newest checkpoint in ``checkpoint.dir`` (``last``), or the run's own
+    ``ckpt_path`` while no save has been written since it started (a local ``checkpoint.dir`` without last.ckpt)."""
+    from lightning_parallel.parallel.checkpoint import storage
+
+    given, folder = cfg.get("ckpt_path"), cfg.checkpoint.dir
+    if given in (None, "last") or storage.has_scheme(folder) or (Path(folder) / "last.ckpt").exists():
+        return "last"
+    return given
+
+
 def run(cfg: DictConfig, run_dir: Path, entry: str) -> Any:
-    """Run ``entry(cfg, run_dir)`` on ``cfg.trainer.devices`` processes of this machine; returns rank 0's result."""
-    devices = int(cfg.trainer.devices)
+    """Run ``entry(cfg, run_dir)`` on ``cfg.trainer.devices`` processes of this machine; returns rank 0's result.
+    A worker failure starts the workers again from the newest checkpoint, ``cfg.max_restarts`` times at most."""
+    devices, restarts = int(cfg.trainer.devices), int(cfg.get("max_restarts") or 0)
     if launched_externally():
         check_world(devices)
+        if restarts:
+            log.warning(
+                f"max_restarts={restarts} is ignored: torchrun or SLURM started these processes, and restarts them "
+                "(torchrun --max-restarts, SLURM's requeue)."
+            )
         return _call(entry, cfg, run_dir)
     if cfg.trainer.num_nodes > 1:
         raise ValueError(
             f"trainer.num_nodes={cfg.trainer.num_nodes} needs processes started on every node: submit with "
             "-m hydra/launcher=slurm, or run torchrun --nnodes on each node."
         )
-    if devices == 1:
+    if devices == 1 and not restarts:  # one process, nothing to watch: the job runs here
         return _call(entry, cfg, run_dir)
+    for attempt in range(restarts + 1):
+        try:
+            return _launch(cfg, run_dir, entry, devices)
+        except _WorkerFailed as failed:
+            if attempt == restarts:
+                raise RuntimeError(failed.reason) from failed.__cause__
+            cfg.ckpt_path = restart_path(cfg)
+            log.warning(
+                f"{failed.reason}. Restart {attempt + 1} of max_restarts={restarts}: starting the workers again "
+                f"with ckpt_path={cfg.ckpt_path}."
+            )
+    raise AssertionError("unreachable")
 
+
+class _WorkerFailed(Exception):
+    """A worker of one launch failed (``reason`` names the rank that failed first); the launch may be retried."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _launch(cfg: DictConfig, run_dir: Path, entry: str, devices: int) -> Any:
+    """One launch of ``devices`` workers (torch elastic, no restarts of its own); rank 0's result.
+
+    Raises:
+        _WorkerFailed: a worker failed (not a preemption: that returns None after its message).
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -146,7 +193,7 @@ def run(cfg: DictConfig, run_dir: Path, entry: str) -> Any:
             )
             return None
         if isinstance(error, ChildFailedError):
-            raise RuntimeError(_first_failure(error, run_dir)) from error
+            raise _WorkerFailed(_first_failure(error, run_dir)) from error
         raise
     finally:
         os.environ.pop(FAILURE_DIR_ENV, None)

@@ -182,8 +182,9 @@ def tokenize_function(settings: TextDataSettings, columns: list[str], tokenizer:
         if not tokenizer.has_chat_template:
             raise ValueError(
                 f"data=sft: the files hold conversations ({settings.messages_column!r}) but the tokenizer "
-                f"{tokenizer.source!r} has no chat template: use a tokenizer with one (data.tokenizer=FOLDER), or "
-                f"give the data as {settings.prompt_column!r} / {settings.completion_column!r} columns."
+                f"{tokenizer.source!r} has no chat template: give one (data.chat_template=FILE, a Jinja file), use "
+                f"a tokenizer with one (data.tokenizer=FOLDER), or give the data as {settings.prompt_column!r} / "
+                f"{settings.completion_column!r} columns."
             )
         return tokenize_chats, {"tokenizer": tokenizer, "column": columns[0], "seq_len": settings.seq_len}
     prompt, completion = columns
