@@ -40,7 +40,7 @@ def check_model(model: Any, config: ParallelConfig, dims: ParallelDims) -> None:
         check_tp_plan(model if built is None else built, plan, dims.tp, require_match=built is not None)
     # the model's own refusals (after its plan, which notes sequence_parallel) before the generic checks of the other
     # axes ask it for what it lacks: it names what it cannot take (LoRA adapters under pp, cp or ep)
-    check_parallel_degrees(model, pp=dims.pp, tp=dims.tp, cp=dims.cp, ep=dims.ep)
+    check_parallel_degrees(model, dims)
     if dims.ep > 1 and built is not None:
         check_expert_layout(built, dims.ep, expert_parallel_plan(model))
     if dims.pp > 1:
