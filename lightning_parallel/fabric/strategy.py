@@ -199,9 +199,7 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         self._names = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             self._names.setdefault(id(p), name)
-        applied = self.runtime.split(
-            module, module, self.root_device, self.take_init_rng(), warn=rank_zero_warn, info=rank_zero_info
-        )
+        applied = self.runtime.split(module, module, self.root_device, warn=rank_zero_warn, info=rank_zero_info)
         if applied.split is not None:  # pp: pipeline_step runs the stages
             self._pipeline = build_pipeline(self, module, applied.split)
         if splits_model(self.config):

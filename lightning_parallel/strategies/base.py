@@ -158,9 +158,7 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
         under pp the module's steps drive the schedule."""
         module = self.lightning_module
         assert module is not None and self.model is not None
-        applied = self.runtime.split(
-            self.model, module, self.root_device, self.take_init_rng(), warn=rank_zero_warn, info=rank_zero_info
-        )
+        applied = self.runtime.split(self.model, module, self.root_device, warn=rank_zero_warn, info=rank_zero_info)
         if applied.split is not None:
             self._pipelined = pipelined_step(self, module, applied.split, self.parallel_dims.tp > 1)
 

@@ -211,7 +211,7 @@ class DistributedMixin:
         runtime.start(self.root_device, self._precision_name())  # the mesh and the sharding, once per strategy
         runtime.failures = FailureBoard.for_process_group()
         # NCCL: a dead peer is named and this rank's collectives fail, not hang; every backend: a hang is named
-        self._failure_watch = start_watch(
+        runtime.failure_watch = start_watch(
             runtime.failures, backend, runtime.timeout, self._trainer_step(), self._dump_folder, self._end_children
         )
 
@@ -232,7 +232,7 @@ class DistributedMixin:
 
     def end_failure_watch(self) -> None:
         """This rank's work ended normally (teardown): stop watching, and say so on the board."""
-        watch = self.__dict__.pop("_failure_watch", None)
+        watch, self.runtime.failure_watch = self.runtime.failure_watch, None
         if watch is not None:
             watch.stop()
         if self.runtime.failures is not None:

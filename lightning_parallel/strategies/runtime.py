@@ -16,7 +16,7 @@ strategies' free-function modules (checks, sharded_checkpoint).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from datetime import timedelta
 from typing import Any
 
@@ -81,6 +81,9 @@ class MeshRuntime:
         self.split_model: nn.Module | None = None  # the module parallelize() ran on: split once, reused after
         self.full_param_order: list[str] = []  # the unsplit model's parameter names: checkpoints number them
         self._reduced: set[int] = set()  # optimizers whose gradients were reduced since the last backward
+        self.failure_watch: Any = None  # the heartbeat's thread while this rank works (distributed.start_watch)
+        self._init_rng: Tensor | None = None  # the CPU generator's state when building on meta began
+        self._meta_depth = 0  # Lightning nests tensor_init_context and model_sharded_context around configure_model
         self.label: str | None = None  # a preset's own name for the layout in messages ("strategy='zero2'")
         self.check_world: Callable[[int], None] | None = None  # a preset's refusal of a world size
 
@@ -135,12 +138,29 @@ class MeshRuntime:
 
     # ----- the model -----
 
+    @contextlib.contextmanager
+    def built_on_meta(self) -> Generator[None, None, None]:
+        """Build on the meta device (a layout that splits the model: each rank materializes only its pieces, with
+        the values one process draws from the CPU generator's state noted here)."""
+        if self._meta_depth == 0:
+            self._init_rng = torch.random.get_rng_state()
+        self._meta_depth += 1
+        try:
+            with torch.device("meta"):
+                yield
+        finally:
+            self._meta_depth -= 1
+
+    def take_init_rng(self) -> Tensor | None:
+        """The CPU generator's state when the model was built on meta (once: a later setup reuses the split model)."""
+        state, self._init_rng = self._init_rng, None
+        return state
+
     def split(
         self,
         model: nn.Module,
         module: Any,
         device: torch.device,
-        rng_state: Tensor | None,
         warn: Log,
         info: Log,
     ) -> Parallelized:
@@ -158,7 +178,7 @@ class MeshRuntime:
             device,
             warn=warn,
             info=info,
-            rng_state=rng_state,
+            rng_state=self.take_init_rng(),  # a meta build replays the draws one process makes
         )
         if applied.split is None and self.require_dims().tp > 1 and has_loss(module):
             module.loss = vocab_parallel_loss(module.loss)  # logits stay split over the vocabulary
