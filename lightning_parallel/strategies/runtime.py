@@ -180,8 +180,7 @@ class MeshRuntime:
             info=info,
             rng_state=self.take_init_rng(),  # a meta build replays the draws one process makes
         )
-        if applied.split is None and self.require_dims().tp > 1 and has_loss(module):
-            module.loss = vocab_parallel_loss(module.loss)  # logits stay split over the vocabulary
+        keep_logits_split(module, applied, self.require_dims().tp)
         self.applied, self.split_model = applied, model
         return applied
 
@@ -247,6 +246,13 @@ class MeshRuntime:
     def load(self, view: Any, path: Any, optimizers: list[Optimizer]) -> dict[str, Any]:
         """A sharded folder's states into the split model and ``optimizers``, in place; the rest of the checkpoint."""
         return sharded_checkpoint.load(view, path, self.state_views(optimizers))
+
+
+def keep_logits_split(module: Any, applied: Parallelized, tp: int) -> None:
+    """Under tp without pp, ``module.loss`` takes the logits split over the vocabulary (the one place a module's loss
+    is replaced; under pp the door's pipeline runner wraps the loss it calls)."""
+    if applied.split is None and tp > 1 and has_loss(module):
+        module.loss = vocab_parallel_loss(module.loss)
 
 
 _SUM, _MAX, _MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
