@@ -1,12 +1,12 @@
-"""MeshFabricStrategy: the mesh strategies under Lightning Fabric, over the same pieces as the Trainer's.
+"""MeshFabricStrategy: the mesh strategies under Lightning Fabric, an adapter over the Trainer's runtime.
 
-The process group, the mesh and the collectives are
-:class:`~lightning_parallel.strategies.distributed.DistributedMixin`'s, where the model is built is
-:class:`~lightning_parallel.strategies.model_setup.ModelPlacement`'s, the split is
-:func:`~lightning_parallel.parallel.parallelize.parallelize`, the model checks are
-:func:`~lightning_parallel.strategies.checks.check_model`, the gradient reduction and clipping are
-:mod:`lightning_parallel.parallel.step`'s and the checkpoints :mod:`lightning_parallel.strategies.sharded_checkpoint`'s
-(:mod:`.checkpoint`). What differs is only where Fabric calls in:
+Everything a layout has and does is its ``runtime``'s (:class:`~lightning_parallel.strategies.runtime.MeshRuntime`,
+the object the Trainer's :class:`~lightning_parallel.strategies.base.MeshStrategy` holds too): the settings and
+degrees, the mesh and sharding, the checks, the split, the step's reduction, clipping, the batch split, the sharded
+folders (:mod:`.checkpoint`). The Lightning hooks both doors share are
+:class:`~lightning_parallel.strategies.distributed.DistributedMixin`'s (the process group, collectives) and
+:class:`~lightning_parallel.strategies.model_setup.ModelPlacement`'s (where the model is built). What differs is only
+where Fabric calls in:
 
 - ``fabric.setup(model, optimizer)``: the optimizer was built over the unsplit model's parameters; they are
   re-pointed by name at what the split left on this rank before the sharding takes the optimizer.

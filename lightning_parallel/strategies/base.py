@@ -1,10 +1,12 @@
-"""MeshStrategy: the Lightning glue every strategy here shares. It owns no parallelism of its own.
+"""MeshStrategy: the Trainer's front door, an adapter over the runtime. It owns no parallelism of its own.
 
-It sets up the process group and the mesh (:class:`~lightning_parallel.parallel.mesh.ParallelMesh`), hands the
-model to :func:`~lightning_parallel.parallel.parallelize.parallelize` (which applies the axes in their fixed
-order), wires a pipelined model's steps to its schedule (:mod:`.pipelined_step`), asks the data-parallel
-sharding (``parallel/data``) to shard the optimizers and reduce gradients, clips by the norm of the whole
-model, reduces logs over the ``batch`` role, and saves and loads through :mod:`.checkpointing`.
+Everything a layout has and does is its ``runtime``'s (:class:`~lightning_parallel.strategies.runtime.MeshRuntime`,
+the object Fabric's :class:`~lightning_parallel.fabric.strategy.MeshFabricStrategy` holds too): settings and degrees,
+the mesh and the sharding, the checks, the split (:func:`~lightning_parallel.parallel.parallelize.parallelize`), the
+step's gradient reduction, clipping by the whole model's norm, the batch split, the sharded folders. This class
+turns Lightning's hooks into the runtime's calls, wires a pipelined model's steps to its schedule
+(:mod:`.pipelined_step`), and keeps Lightning's checkpoint hooks in :mod:`.checkpointing`; the process group and the
+collectives are :class:`~lightning_parallel.strategies.distributed.DistributedMixin`'s, shared with Fabric.
 
 The strategies themselves (:mod:`.hybrid3d`, :mod:`.zero`) are presets over
 :class:`~lightning_parallel.parallel.config.ParallelConfig`. Where the model is built and placed (the meta device

@@ -1,7 +1,7 @@
-"""The process-level half of the mesh strategies: launching, the process group and the mesh (with the
-data-parallel sharding over its ``shard`` role), which device and rank this is, collectives over the world or a
-role of the mesh, and what happens when a rank fails (``parallel/failure.py``). Mixed into
-:class:`~lightning_parallel.strategies.base.MeshStrategy`."""
+"""The process-level Lightning hooks both front doors share: launching, the process group (then the runtime's
+mesh and sharding), which device and rank this is, collectives over the world or a role of the mesh, and what happens
+when a rank fails (``parallel/failure.py``). Mixed into :class:`~lightning_parallel.strategies.base.MeshStrategy` and
+:class:`~lightning_parallel.fabric.strategy.MeshFabricStrategy`; its state is their ``runtime``'s and Lightning's."""
 
 from __future__ import annotations
 
