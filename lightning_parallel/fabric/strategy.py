@@ -35,6 +35,7 @@ from typing_extensions import override
 from lightning_parallel import _compat
 from lightning_parallel.fabric import checkpoint
 from lightning_parallel.fabric.full_state import accept_whole_state
+from lightning_parallel.fabric.optimizers import repoint
 from lightning_parallel.fabric.pipeline import (
     LossFn,
     as_inputs,
@@ -213,42 +214,13 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         """Re-point ``optimizer`` at the split model's parameters (by name), then let the sharding take it."""
         if self.module is None:
             raise ValueError("set up the model first: fabric.setup(model, optimizer) or fabric.setup_module(model).")
-        self._repoint(optimizer)
+        repoint(optimizer, self.module, self.runtime.stages, self._names, type(self).__name__)
         if self.sharding.powersgd is not None and not self._optimizers:  # embeddings travel whole
             self.sharding.powersgd.keep_whole(embedding_weights(self.module))
         self.sharding.shard_optimizer(optimizer)
         _compat.optimizers_to_device([optimizer], self.root_device)
         self._optimizers.append(optimizer)
         return optimizer
-
-    def _repoint(self, optimizer: Optimizer) -> None:
-        """Each parameter becomes what this rank holds under its name: its split (tp, ZeRO-3), nothing (pp: another
-        stage's), or one parameter per site of a weight tied across stages (pp: each kept copy)."""
-        assert self.module is not None
-        now = dict(self.module.named_parameters(remove_duplicate=False))
-        current = {id(p) for p in now.values()}
-        split = self.runtime.stages
-        held: dict[str, list[nn.Parameter]] = {}  # the unsplit model's name -> this rank's parameters under it
-        named: dict[int, str] = {}  # this rank's parameters -> that name
-        for name, p in now.items():
-            key = split.canonical.get(name, name) if split is not None else name
-            copies = held.setdefault(key, [])
-            named.setdefault(id(p), key)
-            if all(p is not q for q in copies):
-                copies.append(p)
-        for group in optimizer.param_groups:
-            params: list[nn.Parameter] = []
-            for p in group["params"]:
-                # a parameter of the split model by its own name: the id of one the split replaced may be reused
-                name = named[id(p)] if id(p) in current else self._names.get(id(p))
-                if name is None and id(p) not in current:
-                    raise ValueError(
-                        f"{type(self).__name__}: the optimizer holds a parameter of shape {tuple(p.shape)} that is not "
-                        "the model's: build the optimizer over model.parameters() of the model you set up."
-                    )
-                found = [p] if name is None else held.get(name, [])
-                params.extend(q for q in found if all(q is not r for r in params))
-            group["params"] = params
 
     # ----- gradients and steps -----
 
