@@ -121,7 +121,7 @@ class ShardedCheckpointing:
     def _flat_of(self, optimizer: Any) -> StateView | None:
         return self.sharding.state_view(unwrap_optimizer(optimizer))  # type: ignore[attr-defined]
 
-    def _optimizers(self) -> list[Optimizer]:
+    def _unwrapped_optimizers(self) -> list[Optimizer]:
         return [unwrap_optimizer(o) for o in self.optimizers]  # type: ignore[attr-defined]
 
     def _settle_params(self) -> None:
@@ -185,7 +185,7 @@ class ShardedCheckpointing:
             raise TypeError(
                 "checkpoint_format='sharded' writes with torch's distributed checkpoint: no storage_options."
             )
-        self.runtime.save(self, checkpoint, filepath, self._optimizers())
+        self.runtime.save(self, checkpoint, filepath, self._unwrapped_optimizers())
 
     # ----- loading -----
 
@@ -201,7 +201,7 @@ class ShardedCheckpointing:
         self.finish_checkpoint()
         self._settle_params()  # loading writes the buffers in place
         if checkpoint_io.is_sharded_checkpoint(checkpoint_path):
-            return self.runtime.load(self, checkpoint_path, self._optimizers())
+            return self.runtime.load(self, checkpoint_path, self._unwrapped_optimizers())
         if storage.isdir(str(checkpoint_path)):
             raise FileNotFoundError(
                 f"ckpt_path={str(checkpoint_path)!r} is a folder but not a sharded checkpoint (no .metadata and "
