@@ -38,7 +38,7 @@ def main() -> None:
     train = SyntheticTokens(num_samples=4096, seq_len=config.seq_len, vocab_size=config.vocab_size, seed=0)
     val = SyntheticTokens(num_samples=256, seq_len=config.seq_len, vocab_size=config.vocab_size, split=1)
     per_rank = args.global_batch // args.devices
-    # 16-mixed on CPU: Lightning would run bf16; fp16 autocast (torch's CPU autocast has it) is asked for with the plugin
+    # 16-mixed on CPU: Lightning would run bf16; torch's CPU autocast runs fp16, asked for with the plugin
     fp16 = cpu_fp16_plugin(args.precision, args.accelerator) if args.strategy.startswith("zero") else None
     trainer = pl.Trainer(
         accelerator=args.accelerator,
