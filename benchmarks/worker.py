@@ -45,11 +45,13 @@ from lightning_parallel.parallel.expert.moe import moe_layers  # noqa: E402
 from lightning_parallel.parallel.measure.memory import model_state_bytes  # noqa: E402
 from lightning_parallel.parallel.parallelize import compile_layers  # noqa: E402
 from lightning_parallel.parallel.shutdown import release_process_groups
+from lightning_parallel.plugins.precision import cpu_fp16_plugin  # noqa: E402
 from lightning_parallel.recipes.config import register_configs  # noqa: E402
 from lightning_parallel.recipes.gpt import TextData, gpt_config  # noqa: E402
 from lightning_parallel.recipes.metrics import parameter_counts  # noqa: E402
 from lightning_parallel.recipes.model_kinds import kind_of  # noqa: E402
 from lightning_parallel.recipes.vgg import ImageData, scaled_lr, vgg_config  # noqa: E402
+from lightning_parallel.strategies.base import MeshStrategy  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 MODEL_KEYS = ("seq_len", "d_model", "n_layer", "vocab_size", "moe_experts", "moe_top_k", "moe_hidden", "moe_every")
@@ -195,8 +197,11 @@ def num_params(recipe: str, cfg: Any) -> int:
 
 
 def _precision(value: str, strategy: Any) -> dict[str, Any]:
-    """The Trainer's precision. Lightning's own strategies on a CPU turn ``16-mixed`` into ``bf16-mixed``; given
-    its MixedPrecision plugin with torch's GradScaler directly, they run fp16 as on a GPU (scaler and all)."""
+    """The Trainer's precision. Lightning on a CPU turns ``16-mixed`` into ``bf16-mixed``; given its MixedPrecision
+    plugin with torch's GradScaler directly, its own strategies run fp16 as on a GPU (scaler and all), and ours too
+    (with their mesh-wide loss scaler: ``cpu_fp16_plugin``)."""
+    if value == "16-mixed" and isinstance(strategy, MeshStrategy):
+        return {"plugins": [cpu_fp16_plugin(value, "cpu")]}
     if value != "16-mixed" or not isinstance(strategy, str):
         return {"precision": value}
     from lightning.pytorch.plugins import MixedPrecision

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 import lightning_parallel  # noqa: F401  (registers zero1, zero2, zero3, zero3_offload)
 from lightning_parallel.models import GPTConfig, LitGPT, SyntheticTokens
+from lightning_parallel.plugins.precision import cpu_fp16_plugin
 
 
 def main() -> None:
@@ -37,11 +38,14 @@ def main() -> None:
     train = SyntheticTokens(num_samples=4096, seq_len=config.seq_len, vocab_size=config.vocab_size, seed=0)
     val = SyntheticTokens(num_samples=256, seq_len=config.seq_len, vocab_size=config.vocab_size, split=1)
     per_rank = args.global_batch // args.devices
+    # 16-mixed on CPU: Lightning would run bf16; torch's CPU autocast runs fp16, asked for with the plugin
+    fp16 = cpu_fp16_plugin(args.precision, args.accelerator) if args.strategy.startswith("zero") else None
     trainer = pl.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
         strategy=args.strategy,
-        precision=args.precision,
+        precision=None if fp16 else args.precision,
+        plugins=[fp16] if fp16 else None,
         max_steps=args.steps,
         val_check_interval=50,
         limit_val_batches=4,

@@ -2,8 +2,7 @@
 
 ``import lightning_parallel`` registers the strategy names (``hybrid3d``, ``zero1``, ``zero2``,
 ``zero3``, ``zero3_offload``, ...) in Lightning's registry and in Fabric's, so ``Trainer(strategy="zero2")`` and
-``Fabric(strategy="zero2")`` work, and
-lets ``precision="16-mixed"`` on CPU run fp16 under them (Lightning alone would switch it to bf16).
+``Fabric(strategy="zero2")`` work. That is the import's one side effect: nothing of Lightning's is patched.
 
 The layout of the package is described in ARCHITECTURE.md at the repository root.
 """

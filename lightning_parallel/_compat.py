@@ -275,10 +275,7 @@ _LIGHTNING = {
         "lightning.pytorch.strategies.launchers.subprocess_script",
         "_SubprocessScriptLauncher",
     ),
-    "AcceleratorConnector": ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector"),
 }
-# the one method of _AcceleratorConnector that registry.py wraps (fp16 autocast on CPU under our strategies)
-ACCELERATOR_CONNECTOR_PRECISION = "_check_and_init_precision"
 
 
 def __getattr__(name: str) -> Any:
@@ -293,21 +290,6 @@ def __getattr__(name: str) -> Any:
 def lightning_entries() -> list[str]:
     """The Lightning names above (tests resolve every one)."""
     return list(_LIGHTNING)
-
-
-def fp16_requested_on_cpu(connector: Any) -> bool:
-    """Whether Lightning's accelerator connector is about to turn ``precision="16-mixed"`` on CPU into bf16 (no
-    precision plugin given)."""
-    from lightning.pytorch.accelerators import CPUAccelerator
-
-    accelerator = connector._accelerator_flag
-    on_cpu = accelerator == "cpu" or isinstance(accelerator, CPUAccelerator)
-    return connector._precision_plugin_flag is None and connector._precision_flag == "16-mixed" and on_cpu
-
-
-def validate_precision_choice(connector: Any) -> None:
-    """The accelerator connector's own checks of the precision flag (kept when we pick the plugin)."""
-    connector._validate_precision_choice()
 
 
 def attached_trainer(module: Any) -> Any:

@@ -26,13 +26,16 @@ Where a model's initial values come from when a layout shards its parameters (tp
 
 from __future__ import annotations
 
-import inspect
+import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
+
+if TYPE_CHECKING:
+    from lightning_parallel.parallel.mesh import ParallelDims
 
 
 @runtime_checkable
@@ -90,10 +93,12 @@ class SpatialParallel(Protocol):
 
 @runtime_checkable
 class ChecksDegrees(Protocol):
-    """Optional: refuse degrees the model cannot split, before any process starts (a method that also names ``cp``
-    or ``ep`` is given those degrees too)."""
+    """Optional: refuse degrees the model cannot split, before any process starts. ``dims`` is the whole layout,
+    one frozen :class:`~lightning_parallel.parallel.mesh.ParallelDims` (``dims.pp``, ``dims.tp``, ``dims.cp``,
+    ``dims.ep``, ``dims.dp``, ...): a model reads the axes it cares about, and a new axis reaches it with no change
+    of signature."""
 
-    def check_parallel_degrees(self, *, pp: int, tp: int) -> None: ...
+    def check_parallel_degrees(self, dims: ParallelDims) -> None: ...
 
 
 @runtime_checkable
@@ -182,13 +187,46 @@ def spatial_gather_modules(module: Any, spatial: int) -> list[str]:
     return list(module.spatial_gather_modules())
 
 
-def check_parallel_degrees(module: Any, *, pp: int, tp: int, cp: int = 1, ep: int = 1) -> None:
-    """Let the module refuse degrees it cannot split (when it has ``check_parallel_degrees``); ``cp`` and ``ep`` go
-    to a method that names them."""
-    if isinstance(module, ChecksDegrees):
-        accepted = inspect.signature(module.check_parallel_degrees).parameters
-        more = {name: degree for name, degree in (("cp", cp), ("ep", ep)) if name in accepted}
-        module.check_parallel_degrees(pp=pp, tp=tp, **more)
+def check_parallel_degrees(module: Any, dims: ParallelDims) -> None:
+    """Let the module refuse degrees it cannot split, when it has ``check_parallel_degrees(dims)``.
+
+    A method of the earlier form (the degrees as keywords: ``check_parallel_degrees(self, pp, tp, cp=1, ep=1)``)
+    still runs, with a FutureWarning naming the new form: :func:`_keyword_degrees`, the one place that knows it."""
+    method = getattr(module, "check_parallel_degrees", None)
+    if not callable(method):
+        return
+    try:
+        method(dims=dims)
+    except TypeError as error:
+        if not _call_refused(error):
+            raise  # raised inside the method: the model's own refusal, or its bug
+        _keyword_degrees(module, method, dims)
+
+
+def _call_refused(error: TypeError) -> bool:
+    """Whether ``error`` came from the call itself (arguments the method does not take), not from inside it: the
+    traceback stops at the caller's frame."""
+    return error.__traceback__ is not None and error.__traceback__.tb_next is None
+
+
+def _keyword_degrees(module: Any, method: Callable[..., None], dims: ParallelDims) -> None:
+    """Deprecated: ``method`` takes the degrees as keywords (pp and tp, and cp and ep when it names them). Tried with
+    the most it takes, as the earlier protocol passed them; to be removed with that form."""
+    warnings.warn(
+        f"{type(module).__name__}.check_parallel_degrees takes the degrees as keywords (pp=, tp=, ...): define "
+        "check_parallel_degrees(self, dims) and read dims.pp, dims.tp, dims.cp, dims.ep (a ParallelDims). The keyword "
+        "form is deprecated and will be removed.",
+        FutureWarning,
+        stacklevel=3,
+    )
+    base = {"pp": dims.pp, "tp": dims.tp}
+    for extra in ({"cp": dims.cp, "ep": dims.ep}, {"cp": dims.cp}, {"ep": dims.ep}):
+        try:
+            return method(**base, **extra)
+        except TypeError as error:
+            if not _call_refused(error):
+                raise
+    method(**base)
 
 
 def has_pipeline_layers(module: Any) -> bool:

@@ -15,7 +15,7 @@ from torch import nn
 from lightning_parallel.models import GPTConfig
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.parallel.data.fsdp import fsdp_units, precision_policy, router_units
-from lightning_parallel.plugins.precision import param_dtype_of
+from lightning_parallel.plugins.precision import param_dtype_for, param_dtype_of
 
 SPECS = ["zero3", "zero3+bf16", "zero3+moe", "zero3+moe+bf16"]
 
@@ -93,8 +93,8 @@ def test_the_precision_decides_the_gather_dtype():
     trainer_side.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
     fabric_side.precision = FabricMixed("bf16-mixed", "cpu")
     for strategy in (trainer_side, fabric_side):  # what setup_environment hands the sharding
-        assert param_dtype_of(strategy._precision_of()) is torch.bfloat16, type(strategy).__name__
-    assert param_dtype_of(Hybrid3DStrategy(zero_stage=3)._precision_of()) is None
+        assert param_dtype_for(strategy._precision_name()) is torch.bfloat16, type(strategy).__name__
+    assert param_dtype_for(Hybrid3DStrategy(zero_stage=3)._precision_name()) is None
 
     assert param_dtype_of(MixedPrecision("bf16-mixed", "cpu")) is torch.bfloat16
     assert param_dtype_of(FabricMixed("bf16-mixed", "cpu")) is torch.bfloat16

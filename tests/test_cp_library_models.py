@@ -21,6 +21,7 @@ from test_hf_parity import CONFIGS, plain_hf_training
 
 from lightning_parallel.hf import HFCausalLM
 from lightning_parallel.parallel.context import check_context_layout
+from lightning_parallel.parallel.mesh import ParallelDims
 
 # label -> (world, strategy spec, model, tp); "clip" clips the gradient norm, "accum" accumulates 2 micro-batches
 FAST = {
@@ -188,7 +189,7 @@ def test_hf_attention_cp_cannot_run_is_refused(config, message):
     with torch.device("meta"):
         module = HFCausalLM(transformers.AutoModelForCausalLM.from_config(config()))
     with pytest.raises(ValueError, match=message):
-        module.check_parallel_degrees(pp=1, tp=1, cp=2)
+        module.check_parallel_degrees(ParallelDims.of(cp=2))
 
 
 _SMALL = {

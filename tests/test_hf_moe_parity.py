@@ -20,6 +20,7 @@ from lightning_parallel.hf.lora import apply_peft
 from lightning_parallel.hf.plan import hf_tensor_parallel_plan
 from lightning_parallel.hf.styles import HiddenStatesInput
 from lightning_parallel.parallel.expert.apply import check_expert_layout
+from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.parallel.tensor.plan import check_tp_plan
 
 DENSE = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -262,7 +263,7 @@ def test_layouts_refused_by_name(name, degrees, match):
     config = transformers.LlamaConfig(**DENSE, intermediate_size=64) if name == "llama" else config_of(name)
     module = HFCausalLM(config)
     with pytest.raises(ValueError, match=match):
-        module.check_parallel_degrees(**{"pp": 1, "tp": 1, **degrees})
+        module.check_parallel_degrees(ParallelDims.of(**degrees))
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from lightning_parallel.plugins.precision import (
     MeshHalfPrecision,
     MeshMixedPrecision,
     MeshPrecision,
+    cpu_fp16_plugin,
     loss_scale_of,
     to_mesh_precision,
 )
@@ -141,12 +142,32 @@ def no_process_group_left():
 )
 @pytest.mark.parametrize("strategy", ["zero1", "zero3_offload", "hybrid3d"])
 def test_every_precision_flag_builds_a_mesh_plugin(strategy, precision, plugin, dtype, recwarn):
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, precision=precision, logger=False)
+    flag, plugins = precision, None
+    if precision == "16-mixed":  # fp16 on CPU asked for explicitly: Lightning alone runs bf16 there
+        flag, plugins = None, [cpu_fp16_plugin(precision, "cpu")]
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, precision=flag, plugins=plugins, logger=False)
     assert type(trainer.precision_plugin) is plugin
     if dtype is not None:  # 16-mixed stays fp16 on CPU under our strategies (torch's CPU autocast runs it)
         assert trainer.precision_plugin.autocast_context_manager().fast_dtype == dtype
     assert isinstance(getattr(trainer.precision_plugin, "scaler", None), LossScaler) == (precision == "16-mixed")
     assert not [w for w in recwarn if "AMP with fp16 is not supported" in str(w.message)]
+
+
+@pytest.mark.usefixtures("no_process_group_left")
+@pytest.mark.parametrize("accelerator", ["cpu", "auto"])
+def test_fp16_on_cpu_is_explicit(accelerator):
+    assert cpu_fp16_plugin("bf16-mixed", "cpu") is None and cpu_fp16_plugin("16-mixed", "cuda") is None
+    # Lightning's own plugin through the strategy's constructor: ours, with a loss scaler, fp16 autocast on CPU
+    strategy = ZeroStrategy(stage=2, precision_plugin=MixedPrecision("16-mixed", "cpu"))
+    trainer = pl.Trainer(strategy=strategy, accelerator=accelerator, devices=2, logger=False)
+    assert type(trainer.precision_plugin) is MeshMixedPrecision and isinstance(
+        trainer.precision_plugin.scaler, LossScaler
+    )
+    assert trainer.precision_plugin.autocast_context_manager().fast_dtype == torch.float16
+    # the precision flag alone keeps Lightning's behaviour: nothing of Lightning's is patched
+    with pytest.warns(UserWarning, match="AMP with fp16 is not supported on CPU"):
+        trainer = pl.Trainer(strategy="zero2", accelerator="cpu", devices=2, precision="16-mixed", logger=False)
+    assert type(trainer.precision_plugin) is MeshMixedPrecision and trainer.precision_plugin.precision == "bf16-mixed"
 
 
 @pytest.mark.usefixtures("no_process_group_left")

@@ -103,7 +103,7 @@ def test_recipe_launcher_names_the_first_failure(how, tmp_path):
 
 def test_timeout_takes_seconds_or_a_timedelta_and_refuses_the_rest():
     assert to_timeout(20) == to_timeout(timedelta(seconds=20)) == timedelta(seconds=20)
-    assert Hybrid3DStrategy(timeout=12.5)._timeout == timedelta(seconds=12.5)
+    assert Hybrid3DStrategy(timeout=12.5).runtime.timeout == timedelta(seconds=12.5)
     with pytest.raises(ValueError, match=r"timeout=0: the collective timeout must be positive"):
         ZeroStrategy(stage=1, timeout=0)
     with pytest.raises(TypeError, match=r"timeout='20': give a datetime.timedelta or a number of seconds"):
@@ -112,7 +112,7 @@ def test_timeout_takes_seconds_or_a_timedelta_and_refuses_the_rest():
     def conf(**kwargs):  # the recipe's strategy node
         return OmegaConf.structured(StrategyConf(**kwargs))
 
-    assert build_strategy(conf(name="zero2", timeout_s=15))._timeout == timedelta(seconds=15)
+    assert build_strategy(conf(name="zero2", timeout_s=15)).runtime.timeout == timedelta(seconds=15)
     with pytest.raises(ValueError, match=r"strategy.timeout_s=-1"):
         build_strategy(conf(name="hybrid3d", timeout_s=-1))
     with pytest.raises(ValueError, match=r"strategy.timeout_s needs one of our strategies"):

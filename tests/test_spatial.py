@@ -152,9 +152,9 @@ def test_lit_vgg_names_its_head_and_checks_before_launch():
     lit = LitVGG(VGGConfig(width=8, image_size=64))
     assert lit.spatial_gather_modules() == ["model.head"]
     strategy = Hybrid3DStrategy(spatial=2)
-    strategy._dims = ParallelConfig(spatial=2).dims(2)
+    strategy.runtime.dims = ParallelConfig(spatial=2).dims(2)
     strategy.check_model(lit)  # 64 = 2 x 32 fits
-    strategy._dims = ParallelConfig(spatial=4).dims(4)
+    strategy.runtime.dims = ParallelConfig(spatial=4).dims(4)
     with pytest.raises(ValueError, match="image height 64 must be a multiple of spatial x .* = 128"):
         strategy.check_model(lit)
 

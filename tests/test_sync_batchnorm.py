@@ -129,9 +129,9 @@ class _NoMesh:
 
 def test_hybrid3d_warns_that_microbatches_split_the_statistics(monkeypatch):
     strategy = Hybrid3DStrategy(pp=2)  # 1f1b with 2 * pp = 4 microbatches
-    strategy._dims = ParallelDims.from_degrees(4, pp=2)
+    strategy.runtime.dims = ParallelDims.from_degrees(4, pp=2)
     strategy._layer_sync = TorchSyncBatchNorm()
-    strategy._mesh = _NoMesh()  # no process group here: the conversion itself is left out
+    strategy.runtime.mesh = _NoMesh()  # no process group here: the conversion itself is left out
     strategy.model = torch.nn.BatchNorm1d(4)
     monkeypatch.setattr("lightning_parallel.strategies.base.convert_sync_batchnorm", lambda model, group: model)
     with pytest.warns(UserWarning, match=r"pp=2 and microbatches=4: BatchNorm statistics cover one microbatch"):

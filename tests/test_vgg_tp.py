@@ -18,6 +18,7 @@ from lightning_parallel import DataParallelSyncBatchNorm
 from lightning_parallel.models.lit_vgg import LitVGG
 from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
 from lightning_parallel.parallel.data.sync_batchnorm import SyncBatchNorm2d
+from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.parallel.tensor.conv import (
     ChannelInParallel,
     ChannelNormParallel,
@@ -113,8 +114,8 @@ def test_tp_not_dividing_channels_names_layer_count_and_fix():
         VGG.check_tensor_parallel_config(VGGConfig(name="vgg16", width=6), tp=4)
     # through the LightningModule's protocol, with the strategy's path prefix
     with pytest.raises(ValueError, match=r"tp=16 does not divide features\.0\.conv\.out_channels=8"):
-        LitVGG(tiny("vgg11")).check_parallel_degrees(pp=1, tp=16)
-    LitVGG(tiny("vgg16")).check_parallel_degrees(pp=1, tp=8)  # 8 divides every split count
+        LitVGG(tiny("vgg11")).check_parallel_degrees(ParallelDims.of(tp=16))
+    LitVGG(tiny("vgg16")).check_parallel_degrees(ParallelDims.of(tp=8))  # 8 divides every split count
 
 
 def test_check_names_in_channels_and_norm_features():
@@ -150,7 +151,7 @@ def test_lit_vgg_batchnorm_sync_is_the_trainers():
     norms = [m for m in lit.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     assert len(norms) == 13 and all(type(m) is SyncBatchNorm2d for m in norms)
     assert lit.model.features[0].bn.weight is weight
-    lit.check_parallel_degrees(pp=1, tp=8)  # ChannelNormParallel still takes the swapped BatchNorms
+    lit.check_parallel_degrees(ParallelDims.of(tp=8))  # ChannelNormParallel still takes the swapped BatchNorms
     check_conv_tp_plan(lit, lit.tensor_parallel_plan(), tp=8)
 
 

@@ -18,7 +18,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_parallel.parallel.checkpoint import files as checkpoint_io
-from lightning_parallel.strategies import sharded_checkpoint
 from lightning_parallel.strategies.sharded_checkpoint import LOADED_IN_PLACE
 
 FABRIC_KEYS = "lightning_parallel_fabric_keys"  # which keys of the user's dict held the model and the optimizers
@@ -45,7 +44,7 @@ class CheckpointView:
 def _split_state(strategy: Any, state: dict[str, Any]) -> tuple[str, list[str]]:
     """The key of the set-up model and the keys of the optimizers in ``state``."""
     models = [k for k, v in state.items() if isinstance(v, nn.Module)]
-    if len(models) != 1 or state[models[0]] is not strategy._module:
+    if len(models) != 1 or state[models[0]] is not strategy.module:
         raise ValueError(
             f"{type(strategy).__name__}: fabric.save and fabric.load take the model set up with fabric.setup under "
             f"one key of the state dict (found modules under {models}): {{'model': model, 'optimizer': optimizer}}."
@@ -75,9 +74,7 @@ def save(strategy: Any, path: Any, state: dict[str, Any], storage_options: Any, 
         "optimizer_states": [{} for _ in optimizers],  # the states themselves are taken from the optimizers
         FABRIC_KEYS: {"model": model_key, "optimizers": optimizer_keys},
     }
-    view = CheckpointView(strategy, model, optimizers)
-    flats = [strategy.sharding.state_view(o) for o in optimizers]
-    sharded_checkpoint.save(view, checkpoint, path, flats, strategy._full_param_order)
+    strategy.runtime.save(CheckpointView(strategy, model, optimizers), checkpoint, path, optimizers)
 
 
 def load_raw(strategy: Any, path: Any, module: nn.Module, strict: bool) -> dict[str, Any]:
@@ -113,8 +110,8 @@ def load(strategy: Any, path: Any, state: Any, strict: bool) -> dict[str, Any]:
     ordered = saved_keys.get("optimizers")
     if ordered is not None and set(ordered) == set(optimizer_keys):
         optimizer_keys = list(ordered)  # the optimizers in the order they were saved
-    view = CheckpointView(strategy, model, [state[k] for k in optimizer_keys])
-    remainder = sharded_checkpoint.load(view, path, [strategy.sharding.state_view(state[k]) for k in optimizer_keys])
+    optimizers = [state[k] for k in optimizer_keys]
+    remainder = strategy.runtime.load(CheckpointView(strategy, model, optimizers), path, optimizers)
     for key in INTERNAL:
         remainder.pop(key, None)
     for key, obj in state.items():

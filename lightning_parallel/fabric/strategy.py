@@ -1,12 +1,12 @@
-"""MeshFabricStrategy: the mesh strategies under Lightning Fabric, over the same pieces as the Trainer's.
+"""MeshFabricStrategy: the mesh strategies under Lightning Fabric, an adapter over the Trainer's runtime.
 
-The process group, the mesh and the collectives are
-:class:`~lightning_parallel.strategies.distributed.DistributedMixin`'s, where the model is built is
-:class:`~lightning_parallel.strategies.model_setup.ModelPlacement`'s, the split is
-:func:`~lightning_parallel.parallel.parallelize.parallelize`, the model checks are
-:func:`~lightning_parallel.strategies.checks.check_model`, the gradient reduction and clipping are
-:mod:`lightning_parallel.parallel.step`'s and the checkpoints :mod:`lightning_parallel.strategies.sharded_checkpoint`'s
-(:mod:`.checkpoint`). What differs is only where Fabric calls in:
+Everything a layout has and does is its ``runtime``'s (:class:`~lightning_parallel.strategies.runtime.MeshRuntime`,
+the object the Trainer's :class:`~lightning_parallel.strategies.base.MeshStrategy` holds too): the settings and
+degrees, the mesh and sharding, the checks, the split, the step's reduction, clipping, the batch split, the sharded
+folders (:mod:`.checkpoint`). The Lightning hooks both doors share are
+:class:`~lightning_parallel.strategies.distributed.DistributedMixin`'s (the process group, collectives) and
+:class:`~lightning_parallel.strategies.model_setup.ModelPlacement`'s (where the model is built). What differs is only
+where Fabric calls in:
 
 - ``fabric.setup(model, optimizer)``: the optimizer was built over the unsplit model's parameters; they are
   re-pointed by name at what the split left on this rank before the sharding takes the optimizer.
@@ -29,13 +29,13 @@ from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncCont
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _compat
 from lightning_parallel.fabric import checkpoint
 from lightning_parallel.fabric.full_state import accept_whole_state
+from lightning_parallel.fabric.optimizers import repoint
 from lightning_parallel.fabric.pipeline import (
     LossFn,
     as_inputs,
@@ -46,20 +46,12 @@ from lightning_parallel.fabric.pipeline import (
 )
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.powersgd import embedding_weights
-from lightning_parallel.parallel.data.sharding import DataParallelSharding
-from lightning_parallel.parallel.failure import FailureBoard, to_timeout
 from lightning_parallel.parallel.materialize import splits_model
-from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
-from lightning_parallel.parallel.parallelize import Parallelized, parallelize
 from lightning_parallel.parallel.pipeline.runner import Pipeline
-from lightning_parallel.parallel.step import clip_model_grad_norm, reduce_step_gradients
-from lightning_parallel.parallel.tensor.loss import vocab_parallel_loss
 from lightning_parallel.plugins.precision import loss_scaler_like
-from lightning_parallel.protocol import has_loss
-from lightning_parallel.strategies.base import build_config
-from lightning_parallel.strategies.checks import check_model
 from lightning_parallel.strategies.distributed import DistributedMixin
 from lightning_parallel.strategies.model_setup import ModelPlacement
+from lightning_parallel.strategies.runtime import MeshRuntime
 
 
 def check_fabric_config(config: ParallelConfig, owner: str) -> None:
@@ -104,7 +96,8 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         prepare_model: Callable[[nn.Module], Any] | None = None,
         **settings: Any,
     ) -> None:
-        self.config = build_config(type(self).__name__, config, settings)
+        timeout = default_pg_timeout if timeout is None else timeout  # Lightning's default: 30 minutes
+        self.runtime = MeshRuntime.create(type(self).__name__, self._name(), config, settings, timeout, rank_zero_warn)
         check_fabric_config(self.config, type(self).__name__)
         self.prepare_model = prepare_model
         super().__init__(
@@ -114,20 +107,16 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
             precision=precision,
         )
         self._process_group_backend = process_group_backend
-        self._timeout = to_timeout(default_pg_timeout if timeout is None else timeout)
-        self._failures: FailureBoard | None = None
         self._num_nodes = 1
-        self._dims: ParallelDims | None = None
-        self._mesh: ParallelMesh | None = None
-        self._sharding: DataParallelSharding | None = None
-        self._parallel: Parallelized | None = None
-        self._module: nn.Module | None = None  # the model setup_module split
         self._pipeline: Pipeline | None = None  # this rank's stages under the schedule (pp > 1)
         self._names: dict[int, str] = {}  # the unsplit model's parameters by id: optimizers are re-pointed by name
-        self._full_param_order: list[str] = []  # the unsplit model's parameter names: checkpoints number them
         self._optimizers: list[Optimizer] = []
-        self._reduced: set[int] = set()  # optimizers whose gradients were reduced since the last backward
         self._backward_sync_control = _ParallelBackwardSyncControl()  # ZeRO-3's FSDP2 units skip their reduction
+
+    @property
+    def module(self) -> nn.Module | None:
+        """The model ``fabric.setup`` split (None before)."""
+        return self.runtime.split_model
 
     # ----- Fabric's bookkeeping -----
 
@@ -145,8 +134,8 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self._dims = self._parallel_degrees(self.world_size)  # bad degrees fail here, before any process starts
-        self._dims.check_node_size(self.num_processes, self.num_nodes)
+        # bad degrees fail here, before any process starts; tp, cp, dp_shard inside a node
+        self.runtime.degrees(self.world_size, self.num_processes, self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -200,91 +189,47 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Check ``module`` against the layout, then split it in place (:func:`parallelize`)."""
-        if self._module is not None:
+        if self.module is not None:
             raise ValueError(
                 f"{type(self).__name__} sets up one model: call fabric.setup once, or use one Fabric per model."
             )
         if self.prepare_model is not None:
             self.prepare_model(module)
-        check_model(module, self.config, self.parallel_dims)
+        self.runtime.check(module, self.parallel_dims)
         whole_keys = set(module.state_dict())
         self._names = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             self._names.setdefault(id(p), name)
-        self._full_param_order = [name for name, _ in module.named_parameters()]
-        self._parallel = parallelize(
-            module,
-            module,
-            self.mesh,
-            self.config,
-            self.sharding,
-            self.root_device,
-            warn=rank_zero_warn,
-            info=rank_zero_info,
-            rng_state=self.take_init_rng(),
-        )
-        if self._parallel.split is not None:  # pp: pipeline_step runs the stages
-            self._pipeline = build_pipeline(self, module, self._parallel.split)
-        elif self.parallel_dims.tp > 1 and has_loss(module):
-            module.loss = vocab_parallel_loss(module.loss)  # logits stay split over the vocabulary
+        applied = self.runtime.split(module, module, self.root_device, warn=rank_zero_warn, info=rank_zero_info)
+        if applied.split is not None:  # pp: pipeline_step runs the stages
+            self._pipeline = build_pipeline(self, module, applied.split)
         if splits_model(self.config):
             module.to(self.root_device)
         accept_whole_state(module, whole_keys - set(module.state_dict()))  # model.load_state_dict(single-process)
-        self._module = module
         self.barrier()
         return module
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Re-point ``optimizer`` at the split model's parameters (by name), then let the sharding take it."""
-        if self._module is None:
+        if self.module is None:
             raise ValueError("set up the model first: fabric.setup(model, optimizer) or fabric.setup_module(model).")
-        self._repoint(optimizer)
+        repoint(optimizer, self.module, self.runtime.stages, self._names, type(self).__name__)
         if self.sharding.powersgd is not None and not self._optimizers:  # embeddings travel whole
-            self.sharding.powersgd.keep_whole(embedding_weights(self._module))
+            self.sharding.powersgd.keep_whole(embedding_weights(self.module))
         self.sharding.shard_optimizer(optimizer)
         _compat.optimizers_to_device([optimizer], self.root_device)
         self._optimizers.append(optimizer)
         return optimizer
 
-    def _repoint(self, optimizer: Optimizer) -> None:
-        """Each parameter becomes what this rank holds under its name: its split (tp, ZeRO-3), nothing (pp: another
-        stage's), or one parameter per site of a weight tied across stages (pp: each kept copy)."""
-        assert self._module is not None
-        now = dict(self._module.named_parameters(remove_duplicate=False))
-        current = {id(p) for p in now.values()}
-        split = self._parallel.split if self._parallel is not None else None
-        held: dict[str, list[nn.Parameter]] = {}  # the unsplit model's name -> this rank's parameters under it
-        named: dict[int, str] = {}  # this rank's parameters -> that name
-        for name, p in now.items():
-            key = split.canonical.get(name, name) if split is not None else name
-            copies = held.setdefault(key, [])
-            named.setdefault(id(p), key)
-            if all(p is not q for q in copies):
-                copies.append(p)
-        for group in optimizer.param_groups:
-            params: list[nn.Parameter] = []
-            for p in group["params"]:
-                # a parameter of the split model by its own name: the id of one the split replaced may be reused
-                name = named[id(p)] if id(p) in current else self._names.get(id(p))
-                if name is None and id(p) not in current:
-                    raise ValueError(
-                        f"{type(self).__name__}: the optimizer holds a parameter of shape {tuple(p.shape)} that is not "
-                        "the model's: build the optimizer over model.parameters() of the model you set up."
-                    )
-                found = [p] if name is None else held.get(name, [])
-                params.extend(q for q in found if all(q is not r for r in params))
-            group["params"] = params
-
     # ----- gradients and steps -----
 
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        self._reduced.clear()  # a new backward: the step's gradients are not reduced yet
-        context = loss_parallel() if self.parallel_dims.tp > 1 else contextlib.nullcontext()
+        self.runtime.new_backward()  # the step's gradients are not reduced yet
         # under tp the vocabulary-parallel loss needs its own backward rules. MoE auxiliary losses get the factor a
         # loop sets around its backward with parallel.expert.aux.aux_loss_scale (1 by default), as in one process
-        with context:
+        with self.runtime.loss_context():
             super().backward(tensor, module, *args, **kwargs)
 
     def pipeline_step(
@@ -313,22 +258,17 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
                 :func:`~lightning_parallel.parallel.pipeline.runner.stage_inputs`).
         """
         module = getattr(model, "module", model)  # Fabric's wrapper, or the module
-        if self._module is None or module is not self._module:
+        if self.module is None or module is not self.module:
             raise ValueError(
                 f"{type(self).__name__}.pipeline_step runs the model set up with fabric.setup: pass it (or "
                 "fabric.setup(model, optimizer) first)."
             )
-        self._reduced.clear()  # a new backward: the step's gradients are not reduced yet
+        self.runtime.new_backward()  # the step's gradients are not reduced yet
         args = as_inputs(inputs)
         if self._pipeline is None:
             return unpipelined_loss(self, module, args, kwargs, target, loss_fn, scale)
         loss = loss_of(module, loss_fn, type(self).__name__)
         return pipelined_loss(self, self._pipeline, args, kwargs, target, loss, scale)
-
-    def _reduce_once(self, optimizer: Optimizer) -> None:
-        if id(optimizer) not in self._reduced:
-            reduce_step_gradients(self._parallel, self.sharding, optimizer)
-            self._reduced.add(id(optimizer))
 
     @override
     def clip_gradients_norm(
@@ -340,24 +280,23 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         """Clip by the norm of the whole model's gradient, however it is split; returns that norm."""
-        self._reduce_once(optimizer)
+        self.runtime.reduce_gradients(optimizer)  # once per step, at clipping or the step, whichever comes first
         self.precision.unscale_gradients(optimizer)
-        parallel, sharding, mesh = self._parallel, self.sharding, self.mesh
-        norm = clip_model_grad_norm(optimizer, float(max_norm), float(norm_type), parallel, sharding, mesh)
+        norm = self.runtime.clip(optimizer, float(max_norm), float(norm_type))
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"The total norm of the gradients is {norm.item()}: clipping cannot make it finite.")
         return norm
 
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        self._reduce_once(optimizer)
+        self.runtime.reduce_gradients(optimizer)
         self.precision.unscale_gradients(optimizer)
         for grad, _, _ in self.sharding.grad_pieces(optimizer):
             grad.clamp_(-clip_val, clip_val)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        self._reduce_once(optimizer)
+        self.runtime.reduce_gradients(optimizer)
         result = self.precision.optimizer_step(optimizer, **kwargs)
         self.sharding.after_step(optimizer)
         return result
@@ -365,9 +304,7 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
     def shard_batch(self, batch: Any) -> Any:
         """This rank's piece of every sample in ``batch`` under cp (sequence chunks) or spatial (image strips);
         the batch itself otherwise. A Fabric loop calls it on each batch before the forward."""
-        if self._parallel is not None and self._parallel.splits_samples:
-            return self._parallel.shard_batch(batch)
-        return batch
+        return self.runtime.shard_batch(batch)
 
     # ----- collectives -----
 

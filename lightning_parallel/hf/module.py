@@ -31,6 +31,7 @@ from lightning_parallel.hf.loading import load_local_weights, parameters_on_meta
 from lightning_parallel.hf.lora import apply_peft, base_of, cast_frozen_base, check_peft_degrees, resolve_base_dtype
 from lightning_parallel.hf.moe_pipeline import pipeline_router_aux
 from lightning_parallel.hf.plan import SP_WITH_PP, hf_tensor_parallel_plan
+from lightning_parallel.parallel.mesh import ParallelDims
 
 # config fields whose effect HF's forward applies between the modules of base_model_pp_plan (final logits
 # softcapping: Gemma 2/3; logit_scale: Cohere; logits_scaling and embedding_multiplier: Granite), with their
@@ -319,7 +320,8 @@ class HFCausalLM(CausalLM):
         prefix = f"model.{base_of(self.model)[1]}"
         return {prefix + path: style for path, style in hf_expert_parallel_plan(self.hf_model).items()}
 
-    def check_parallel_degrees(self, pp: int, tp: int, cp: int = 1, ep: int = 1) -> None:
+    def check_parallel_degrees(self, dims: ParallelDims) -> None:
+        pp, tp, cp, ep = dims.pp, dims.tp, dims.cp, dims.ep
         if self.peft_config is not None:
             check_peft_degrees(self.peft_config, pp=pp, tp=tp, cp=cp, ep=ep)
         check_hf_degrees(self.hf_model, pp=pp, tp=tp, cp=cp)

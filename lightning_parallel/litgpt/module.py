@@ -23,6 +23,7 @@ from lightning_parallel.litgpt.context import check_litgpt_context, litgpt_conte
 from lightning_parallel.litgpt.layers import litgpt_pipeline_layers
 from lightning_parallel.litgpt.lora import build_lora_gpt, check_lora_degrees, lora_config
 from lightning_parallel.litgpt.plan import SP_WITH_PP, litgpt_tensor_parallel_plan
+from lightning_parallel.parallel.mesh import ParallelDims
 
 # the checkpoint key of the model's LitGPT config (``dataclasses.asdict``): ``Config(**checkpoint[key])``
 LITGPT_CONFIG_KEY = "litgpt_config"
@@ -215,7 +216,8 @@ class LitGPTCausalLM(CausalLM):
     def attention_heads(self) -> int:
         return int(self.model.config.n_head)
 
-    def check_parallel_degrees(self, pp: int, tp: int, cp: int = 1, ep: int = 1) -> None:
+    def check_parallel_degrees(self, dims: ParallelDims) -> None:
+        pp, tp, cp, ep = dims.pp, dims.tp, dims.cp, dims.ep
         if self.has_lora:
             check_lora_degrees(self.model.config, pp=pp, tp=tp, cp=cp, ep=ep)
         check_litgpt_degrees(self.model, pp=pp, tp=tp, cp=cp)

@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.models.gpt import GPT, GPTConfig, gpt_tp_plan
+from lightning_parallel.parallel.mesh import ParallelDims
 
 EXAMPLE_MICROBATCH = 4  # samples in example_input_array
 
@@ -109,9 +110,10 @@ class LitGPT(pl.LightningModule):
     def attention_heads(self) -> int:
         return self.config.n_head
 
-    def check_parallel_degrees(self, pp: int, tp: int, cp: int = 1) -> None:
+    def check_parallel_degrees(self, dims: ParallelDims) -> None:
         """Refuse degrees this model cannot split into, before any process group exists."""
-        GPT.check_tensor_parallel_config(self.config, tp)
+        GPT.check_tensor_parallel_config(self.config, dims.tp)
+        cp = dims.cp
         if cp > 1 and self.config.dropout:
             raise ValueError(
                 f"cp={cp}: context-parallel attention has no dropout, and the model's attention dropout is "

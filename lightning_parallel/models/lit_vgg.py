@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
+from lightning_parallel.parallel.mesh import ParallelDims
 
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "cosine")
@@ -135,9 +136,9 @@ class LitVGG(pl.LightningModule):
         """Under spatial > 1 the convolutions run on strips of the images; the head's input is gathered whole."""
         return ["model.head"]
 
-    def check_parallel_degrees(self, pp: int, tp: int) -> None:
+    def check_parallel_degrees(self, dims: ParallelDims) -> None:
         """Refuse degrees this model cannot split into, before any process group exists."""
-        VGG.check_tensor_parallel_config(self.config, tp)
+        VGG.check_tensor_parallel_config(self.config, dims.tp)
 
     def configure_optimizers(self) -> torch.optim.Optimizer | dict:
         decay = [p for p in self.parameters() if p.dim() >= 2]

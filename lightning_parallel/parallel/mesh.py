@@ -167,6 +167,23 @@ class ParallelDims:
         dpr = dp // dp_shard
         return cls(world_size=world_size, ep=ep, dp=dp, cp=cp, dpr=dpr, spatial=spatial, **sizes)
 
+    @classmethod
+    def of(
+        cls,
+        *,
+        dp: int | None = None,
+        ep: int = 1,
+        cp: int = 1,
+        dp_shard: int | None = None,
+        spatial: int = 1,
+        **plain: int,
+    ) -> ParallelDims:
+        """The degrees given, on as many processes as they take (their product): a layout to check a model against
+        without a world size (``ParallelDims.of(tp=2, cp=2)``); ``dp`` defaults to ``ep``'s ranks."""
+        dp = ep if dp is None else dp
+        world_size = dp * max(cp, spatial) * _product(plain.values())
+        return cls.from_degrees(world_size, dp=dp, ep=ep, cp=cp, dp_shard=dp_shard, spatial=spatial, **plain)
+
     @property
     def degrees(self) -> dict[str, int]:
         """Every mesh axis and its size, outermost first (``dpr``: HSDP's replicas; ``dp``: the ranks of one replica

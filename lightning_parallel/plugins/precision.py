@@ -103,6 +103,25 @@ def loss_scaler_like(scaler: Any, device: str) -> LossScaler:
     )
 
 
+def cpu_fp16_plugin(precision: str | None, accelerator: Any) -> MeshMixedPrecision | None:
+    """The plugin that runs ``precision="16-mixed"`` as fp16 on CPU under a mesh strategy, else None.
+
+    Lightning turns ``16-mixed`` on CPU into bf16 ("AMP with fp16 is not supported on CPU"), but torch's CPU
+    autocast runs fp16 (linear, matmul, attention and convolution in fp16, losses in fp32). Asking for fp16 there
+    is explicit, through Lightning's own inputs: ``Trainer(plugins=[plugin])`` with ``precision`` unset, or
+    ``MeshStrategy(precision_plugin=plugin)`` (``MixedPrecision("16-mixed", "cpu")`` works as well: the strategy
+    turns it into this, with its scaler's settings). Nothing of Lightning's is patched.
+
+    Args:
+        precision: the Trainer's precision flag.
+        accelerator: the Trainer's accelerator flag (``"auto"``: the host when no GPU is there).
+    """
+    on_cpu = accelerator == "cpu" or type(accelerator).__name__ == "CPUAccelerator"
+    if accelerator == "auto":
+        on_cpu = not torch.cuda.is_available() and not torch.backends.mps.is_available()
+    return MeshMixedPrecision("16-mixed", "cpu") if precision == "16-mixed" and on_cpu else None
+
+
 def to_mesh_precision(plugin: Precision, strategy_name: str, clip_fn: ClipFn) -> Precision:
     """Lightning's plugin for ``precision=...`` turned into its mesh version, or a clear error."""
     if isinstance(plugin, _GlobalNormClipping):

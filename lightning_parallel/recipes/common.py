@@ -19,6 +19,7 @@ from lightning_parallel.callbacks.activation import ActivationCheckpointing, Act
 from lightning_parallel.callbacks.moe import MoEAuxLossScale, MoEMonitor
 from lightning_parallel.callbacks.monitor import TrainingMonitor
 from lightning_parallel.callbacks.preemption import PREEMPTED_FILE, Preemption
+from lightning_parallel.callbacks.progress import step_progress_bar
 from lightning_parallel.callbacks.resume import ExactResume
 from lightning_parallel.parallel.activation_checkpoint import check_activation_checkpointing
 from lightning_parallel.parallel.async_ps import protocol
@@ -27,6 +28,7 @@ from lightning_parallel.parallel.checkpoint.files import is_sharded_checkpoint
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.failure import to_timeout
 from lightning_parallel.parallel.pipeline.partition import check_stage_count
+from lightning_parallel.plugins.precision import cpu_fp16_plugin
 from lightning_parallel.recipes.checks import (
     check_checkpoint_settings,
     check_known_keys,
@@ -263,6 +265,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
     # after the TrainingMonitor: both enter dispatch modes at a batch's start, and torch pops modes from the top
     # of one stack, so the activation counter (entered last) must be the first to leave (before backward)
     callbacks.append(ActivationMemoryMonitor())
+    if t.enable_progress_bar:  # the step out of max_steps and the loss, not "Epoch 0/-2" and v_num
+        callbacks.append(step_progress_bar())
     if strategy == "ddp" and cfg.strategy.activation_checkpointing != "none":
         callbacks.append(ActivationCheckpointing(cfg.strategy.activation_checkpointing))  # Lightning's own ddp
     if cfg.checkpoint.dir:
@@ -280,12 +284,17 @@ def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
                 enable_version_counter=False,
             )
         )
+    precision, plugins = cfg.precision.value, list(kwargs.pop("plugins", None) or [])
+    fp16 = cpu_fp16_plugin(precision, t.accelerator) if isinstance(strategy, MeshStrategy) else None
+    if fp16 is not None:  # 16-mixed on CPU: fp16 autocast asked for explicitly (Lightning alone would run bf16)
+        precision, plugins = None, [*plugins, fp16]
     return pl.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
         strategy=strategy,
-        precision=cfg.precision.value,
+        precision=precision,
+        plugins=plugins or None,
         max_steps=t.max_steps,
         log_every_n_steps=t.log_every_n_steps,
         val_check_interval=min(t.val_check_interval, t.max_steps),

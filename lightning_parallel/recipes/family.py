@@ -17,6 +17,7 @@ import torch
 
 from lightning_parallel.parallel.context import check_sequence
 from lightning_parallel.parallel.expert.apply import check_expert_layout
+from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.planning.layout import Layout
 from lightning_parallel.protocol import check_parallel_degrees, expert_parallel_plan, tensor_parallel_plan
 
@@ -92,7 +93,7 @@ def _module_checks(module: Any) -> Callable[..., None]:
     def check(pp: int, tp: int, cp: int, ep: int, sequence_parallel: bool) -> None:
         if tp > 1:  # the plan notes sequence_parallel, which the module's own check reads
             tensor_parallel_plan(module, tp, sequence_parallel)
-        check_parallel_degrees(module, pp=pp, tp=tp, cp=cp, ep=ep)
+        check_parallel_degrees(module, ParallelDims.of(pp=pp, tp=tp, cp=cp, ep=ep))
         if ep > 1:
             check_expert_layout(module, ep, expert_parallel_plan(module))
 

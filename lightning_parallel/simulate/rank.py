@@ -26,8 +26,6 @@ from lightning_parallel.parallel.dtensor import local
 from lightning_parallel.parallel.measure.flops import LocalFlopCounter
 from lightning_parallel.parallel.parallelize import Parallelized, parallelize
 from lightning_parallel.parallel.step import clip_model_grad_norm, reduce_step_gradients
-from lightning_parallel.parallel.tensor.loss import vocab_parallel_loss
-from lightning_parallel.protocol import has_loss
 from lightning_parallel.simulate.experts import uniform_routing
 from lightning_parallel.simulate.model import Batch, SimulatedModel, fake_materialize
 from lightning_parallel.simulate.pipeline import (
@@ -39,6 +37,7 @@ from lightning_parallel.simulate.pipeline import (
 )
 from lightning_parallel.simulate.trace import Collective, TraceRecorder
 from lightning_parallel.simulate.world import SimulatedWorld, rank_coordinates
+from lightning_parallel.strategies.runtime import keep_logits_split
 
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -229,10 +228,9 @@ def _split(world: SimulatedWorld, config: ParallelConfig, model: SimulatedModel,
     fake = fake_tensor_mode(allow_non_fake_inputs=True)
     with fake_materialize(module, fake):
         parallel = parallelize(module, module, world.mesh, config, world.sharding, _CPU, info=_quiet)
-    if parallel.split is None and world.dims.tp > 1 and has_loss(module):
-        # as the front doors do: logits stay split over the vocabulary (under pp the schedule runs in one
-        # loss_parallel instead: simulate/pipeline.py)
-        module.loss = vocab_parallel_loss(module.loss)
+    # as the front doors do: logits stay split over the vocabulary (under pp the schedule runs in one loss_parallel
+    # instead: simulate/pipeline.py)
+    keep_logits_split(module, parallel, world.dims.tp)
     return module, parallel, fake
 
 

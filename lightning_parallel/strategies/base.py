@@ -1,10 +1,12 @@
-"""MeshStrategy: the Lightning glue every strategy here shares. It owns no parallelism of its own.
+"""MeshStrategy: the Trainer's front door, an adapter over the runtime. It owns no parallelism of its own.
 
-It sets up the process group and the mesh (:class:`~lightning_parallel.parallel.mesh.ParallelMesh`), hands the
-model to :func:`~lightning_parallel.parallel.parallelize.parallelize` (which applies the axes in their fixed
-order), wires a pipelined model's steps to its schedule (:mod:`.pipelined_step`), asks the data-parallel
-sharding (``parallel/data``) to shard the optimizers and reduce gradients, clips by the norm of the whole
-model, reduces logs over the ``batch`` role, and saves and loads through :mod:`.checkpointing`.
+Everything a layout has and does is its ``runtime``'s (:class:`~lightning_parallel.strategies.runtime.MeshRuntime`,
+the object Fabric's :class:`~lightning_parallel.fabric.strategy.MeshFabricStrategy` holds too): settings and degrees,
+the mesh and the sharding, the checks, the split (:func:`~lightning_parallel.parallel.parallelize.parallelize`), the
+step's gradient reduction, clipping by the whole model's norm, the batch split, the sharded folders. This class
+turns Lightning's hooks into the runtime's calls, wires a pipelined model's steps to its schedule
+(:mod:`.pipelined_step`), and keeps Lightning's checkpoint hooks in :mod:`.checkpointing`; the process group and the
+collectives are :class:`~lightning_parallel.strategies.distributed.DistributedMixin`'s, shared with Fabric.
 
 The strategies themselves (:mod:`.hybrid3d`, :mod:`.zero`) are presets over
 :class:`~lightning_parallel.parallel.config.ParallelConfig`. Where the model is built and placed (the meta device
@@ -16,7 +18,6 @@ and the modules of this package below it (launcher, checks, checkpointing, pipel
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -30,7 +31,6 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
@@ -39,44 +39,21 @@ from lightning_parallel import _compat
 from lightning_parallel.parallel import strict
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.powersgd import embedding_weights
-from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.data.sync_batchnorm import convert_sync_batchnorm
 from lightning_parallel.parallel.expert.aux import aux_loss_scale
-from lightning_parallel.parallel.failure import FailureBoard, to_timeout
-from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
-from lightning_parallel.parallel.parallelize import Parallelized, parallelize
-from lightning_parallel.parallel.step import clip_model_grad_norm, reduce_step_gradients
-from lightning_parallel.parallel.tensor.loss import vocab_parallel_loss
 from lightning_parallel.plugins.layer_sync import DataParallelSyncBatchNorm
 from lightning_parallel.plugins.precision import loss_scale_of, to_mesh_precision
-from lightning_parallel.protocol import has_loss
 from lightning_parallel.strategies.checkpointing import (
     ShardedCheckpointing,
     check_async_save,
     check_checkpoint_format,
     unwrap_optimizer,
 )
-from lightning_parallel.strategies.checks import check_model
 from lightning_parallel.strategies.distributed import DistributedMixin
 from lightning_parallel.strategies.fault_tolerant_step import fault_tolerant_step, start_replicas
 from lightning_parallel.strategies.model_setup import ModelPlacement
 from lightning_parallel.strategies.pipelined_step import pipelined_step
-
-
-def build_config(owner: str, config: ParallelConfig | None, settings: dict[str, Any]) -> ParallelConfig:
-    """A strategy's validated settings: ``config`` (or the defaults) with ``settings`` over it (both front doors).
-
-    Raises:
-        TypeError: a setting ParallelConfig does not have, naming the ones it has.
-    """
-    unknown = set(settings) - set(ParallelConfig.names())
-    if unknown:
-        raise TypeError(
-            f"{owner} got unknown setting(s) {', '.join(sorted(unknown))}: use the names of "
-            f"ParallelConfig ({', '.join(ParallelConfig.names())}) or Lightning's strategy arguments."
-        )
-    base = config if config is not None else ParallelConfig()
-    return ParallelConfig(**{**vars(base), **settings}).validate(warn=rank_zero_warn)
+from lightning_parallel.strategies.runtime import MeshRuntime
 
 
 class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, ParallelStrategy):
@@ -115,7 +92,8 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
     ) -> None:
         check_checkpoint_format(checkpoint_format)
         check_async_save(async_save, checkpoint_format)
-        self.config = build_config(type(self).__name__, config, settings)
+        timeout = default_pg_timeout if timeout is None else timeout  # Lightning's default: 30 minutes
+        self.runtime = MeshRuntime.create(type(self).__name__, self._name(), config, settings, timeout, rank_zero_warn)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -124,18 +102,9 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
             precision_plugin=precision_plugin,
         )
         self._process_group_backend = process_group_backend
-        # every collective, on the world and on the mesh's axis groups, fails after this long without its peers
-        self._timeout = to_timeout(default_pg_timeout if timeout is None else timeout)
-        self._failures: FailureBoard | None = None
         self.num_nodes = 1
         self.checkpoint_format, self.async_save = checkpoint_format, async_save
-        self._dims: ParallelDims | None = None
-        self._mesh: ParallelMesh | None = None
-        self._sharding: DataParallelSharding | None = None
-        self._parallel: Parallelized | None = None
-        self._parallelized: torch.nn.Module | None = None  # the model parallelize() ran on
         self._pipelined: Any = None  # PipelinedStep under pp > 1
-        self._full_param_order: list[str] = []  # the unsplit model's parameter names: checkpoints number them
         self._replicas: Any = None  # fault_tolerance='torchft': this rank's FaultTolerantReplicas
 
     @property
@@ -152,7 +121,7 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
     def check_model(self, model: Any) -> None:
         """Refuse a model this layout cannot split, in the calling process: before Lightning's launcher starts
         the other ranks and before any process group exists (``connect`` runs it too, for torchrun)."""
-        check_model(model, self.config, self.parallel_dims)
+        self.runtime.check(model, self.parallel_dims)
 
     @override
     def connect(self, model: Any) -> None:
@@ -167,19 +136,16 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if self._parallelized is not self.model:  # validate/test after fit reuse the parallel model
-            # checkpoints number optimizer states as the unsplit model's parameters (what one process has)
-            self._full_param_order = [name for name, _ in self.model.named_parameters()]
+        if self.runtime.split_model is not self.model:  # validate/test after fit reuse the split model
             self._sync_batchnorm_over_batch()  # before tp, pp and ZeRO-3 wrap the BatchNorms' parameters
-            self._parallelize_model()
+            self._split_model()
             self.place_split_model()
-            self._parallelized = self.model
             self._sync_metrics_over_batch()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.sharding.powersgd is not None:  # embeddings and weights tied across stages travel whole
-                tied = self._parallel.tied if self._parallel is not None else None
+                tied = self.runtime.applied.tied if self.runtime.applied is not None else None
                 self.sharding.powersgd.keep_whole(embedding_weights(self.model) + (tied.params() if tied else []))
             for optimizer in self.optimizers:
                 self.sharding.shard_optimizer(optimizer)
@@ -189,26 +155,14 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
             _compat.optimizers_to_device(self.optimizers, self.root_device)
         self._hide_example_input()
 
-    def _parallelize_model(self) -> None:
-        """Split ``self.model`` in place, before ``configure_optimizers`` sees its parameters."""
+    def _split_model(self) -> None:
+        """Split ``self.model`` in place (the runtime's split), before ``configure_optimizers`` sees its parameters;
+        under pp the module's steps drive the schedule."""
         module = self.lightning_module
         assert module is not None and self.model is not None
-        self._parallel = parallelize(
-            self.model,
-            module,
-            self.mesh,
-            self.config,
-            self.sharding,
-            self.root_device,
-            warn=rank_zero_warn,
-            info=rank_zero_info,
-            rng_state=self.take_init_rng(),
-        )
-        tp = self.parallel_dims.tp > 1
-        if self._parallel.split is not None:
-            self._pipelined = pipelined_step(self, module, self._parallel.split, tp)
-        elif tp and has_loss(module):
-            module.loss = vocab_parallel_loss(module.loss)  # logits stay split over the vocabulary
+        applied = self.runtime.split(self.model, module, self.root_device, warn=rank_zero_warn, info=rank_zero_info)
+        if applied.split is not None:
+            self._pipelined = pipelined_step(self, module, applied.split, self.parallel_dims.tp > 1)
 
     def _hide_example_input(self) -> None:
         """Lightning's model summary (and TensorBoard's graph) run ``example_input_array`` through the model on
@@ -269,15 +223,9 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
             None if plugin is None else to_mesh_precision(plugin, self._name(), self.clip_grad_norm)
         )
 
-    def _after_backward(self, optimizer: Optimizer) -> None:
-        """Runs once per optimizer step after the last backward, before clipping and the update."""
-        reduce_step_gradients(self._parallel, self.sharding, optimizer)
-
     def clip_grad_norm(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the norm of the whole model's gradient, however it is split; returns that norm."""
-        return clip_model_grad_norm(
-            unwrap_optimizer(optimizer), max_norm, norm_type, self._parallel, self.sharding, self.mesh
-        )
+        return self.runtime.clip(unwrap_optimizer(optimizer), max_norm, norm_type)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -288,8 +236,9 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
                 self.sharding.before_last_backward(raw)
             else:  # the schedule arms each stage's buckets before its last microbatch's backward
                 self._pipelined.arm_last_backward(self.sharding, raw)
+            self.runtime.new_backward()
             result = closure()
-            self._after_backward(raw)
+            self.runtime.reduce_gradients(raw)  # once per step, after its last backward, before clipping
             return result
 
         if self._replicas is not None:  # fault_tolerance='torchft': across the replica groups alive now
@@ -317,8 +266,7 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
         # MoE auxiliary losses get the gradient the main loss has: fp16 scale, divided by the accumulation steps
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-        context = loss_parallel() if self.parallel_dims.tp > 1 else contextlib.nullcontext()
-        with aux_loss_scale(loss_scale_of(self.precision_plugin) / accumulate), context:
+        with aux_loss_scale(loss_scale_of(self.precision_plugin) / accumulate), self.runtime.loss_context():
             # under tp the vocabulary-parallel loss needs its own backward rules too
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
@@ -327,9 +275,10 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
     def _step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         assert self.lightning_module is not None and self.model is not None
         with context:
-            if self._parallel is not None and self._parallel.splits_samples and args:  # cp, spatial: this rank's part
-                args = (self._parallel.shard_batch(args[0]), *args[1:])
-            if self._parallel is not None and self._parallel.route_through_root:
+            if args:  # cp, spatial: this rank's part of each sample
+                args = (self.runtime.shard_batch(args[0]), *args[1:])
+            applied = self.runtime.applied
+            if applied is not None and applied.route_through_root:
                 # call the module itself so the sharded root's forward hooks gather its parameters
                 return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
             return getattr(self.lightning_module, name)(*args, **kwargs)

@@ -36,6 +36,7 @@ from lightning_parallel.parallel.checkpoint.pipeline import (
 from lightning_parallel.parallel.checkpoint.selection import unsaved_keys
 from lightning_parallel.parallel.data.sharding import StateView
 from lightning_parallel.strategies import sharded_checkpoint
+from lightning_parallel.strategies.runtime import MeshRuntime
 from lightning_parallel.strategies.sharded_checkpoint import LOADED_IN_PLACE
 
 FORMATS = ("sharded", "full")
@@ -67,14 +68,16 @@ def check_async_save(value: Any, checkpoint_format: str) -> None:
 
 
 class ShardedCheckpointing:
-    """Mixed into :class:`~lightning_parallel.strategies.base.MeshStrategy` (which provides ``model``,
-    ``optimizers``, ``sharding``, ``mesh``, ``checkpoint_format`` and the parallelized model's ``_parallel``)."""
+    """Lightning's checkpoint hooks of :class:`~lightning_parallel.strategies.base.MeshStrategy`, over its
+    ``runtime`` (:class:`~lightning_parallel.strategies.runtime.MeshRuntime`: the sharding, the split, the sharded
+    folders' save and load) and Lightning's ``model``, ``optimizers`` and ``checkpoint_format``; the asynchronous
+    saver is its own."""
 
     model: nn.Module | None
+    runtime: MeshRuntime
     checkpoint_format: str
     async_save: bool = False
     _async_checkpointer: AsyncCheckpointer | None = None
-    _full_param_order: list[str]
 
     def async_checkpointer(self, create: bool = True) -> AsyncCheckpointer | None:
         """The asynchronous saver while ``async_save`` and fitting (a save outside fit, which nothing would wait
@@ -87,7 +90,7 @@ class ShardedCheckpointing:
             return None
         if self._async_checkpointer is None:
             rank, world = self.global_rank, self.world_size  # type: ignore[attr-defined]
-            self._async_checkpointer = AsyncCheckpointer(rank, world, self._timeout)  # type: ignore[attr-defined]
+            self._async_checkpointer = AsyncCheckpointer(rank, world, self.runtime.timeout)  # type: ignore[attr-defined]
         return self._async_checkpointer
 
     def finish_checkpoint(self) -> None:
@@ -113,19 +116,18 @@ class ShardedCheckpointing:
             checkpointer.close()
 
     def _split(self) -> Any:
-        parallel = getattr(self, "_parallel", None)
-        return parallel.split if parallel is not None else None
+        return self.runtime.stages
 
     def _flat_of(self, optimizer: Any) -> StateView | None:
         return self.sharding.state_view(unwrap_optimizer(optimizer))  # type: ignore[attr-defined]
 
-    def _flat_zeros(self) -> list[StateView | None]:
-        return [self._flat_of(o) for o in self.optimizers]  # type: ignore[attr-defined]
+    def _unwrapped_optimizers(self) -> list[Optimizer]:
+        return [unwrap_optimizer(o) for o in self.optimizers]  # type: ignore[attr-defined]
 
     def _settle_params(self) -> None:
         """overlap_grad_reduce: ZeRO-1/2's parameter gathers still in flight land before the buffers are read or
         written (before the strategy set up its sharding there is nothing to wait for)."""
-        sharding = getattr(self, "_sharding", None)
+        sharding = self.runtime.sharding
         if sharding is not None:
             sharding.settle_params()
 
@@ -183,7 +185,7 @@ class ShardedCheckpointing:
             raise TypeError(
                 "checkpoint_format='sharded' writes with torch's distributed checkpoint: no storage_options."
             )
-        sharded_checkpoint.save(self, checkpoint, filepath, self._flat_zeros(), self._full_param_order)
+        self.runtime.save(self, checkpoint, filepath, self._unwrapped_optimizers())
 
     # ----- loading -----
 
@@ -199,7 +201,7 @@ class ShardedCheckpointing:
         self.finish_checkpoint()
         self._settle_params()  # loading writes the buffers in place
         if checkpoint_io.is_sharded_checkpoint(checkpoint_path):
-            return sharded_checkpoint.load(self, checkpoint_path, self._flat_zeros())
+            return self.runtime.load(self, checkpoint_path, self._unwrapped_optimizers())
         if storage.isdir(str(checkpoint_path)):
             raise FileNotFoundError(
                 f"ckpt_path={str(checkpoint_path)!r} is a folder but not a sharded checkpoint (no .metadata and "

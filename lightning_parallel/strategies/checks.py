@@ -50,7 +50,7 @@ def check_model(model: Any, config: ParallelConfig, dims: ParallelDims) -> None:
     plan = tensor_parallel_plan(model, dims.tp, config.sequence_parallel) if dims.tp > 1 else None
     # the model's own refusals (after its plan, which notes sequence_parallel) before the generic checks ask it for
     # what it lacks: it names what it cannot take (heads tp does not divide, LoRA adapters under pp, cp or ep)
-    check_parallel_degrees(model, pp=dims.pp, tp=dims.tp, cp=dims.cp, ep=dims.ep)
+    check_parallel_degrees(model, dims)
     if plan is not None:
         check_tp_plan(model if built is None else built, plan, dims.tp, require_match=built is not None)
     if dims.ep > 1 and built is not None:

@@ -1,7 +1,7 @@
-"""The process-level half of the mesh strategies: launching, the process group and the mesh (with the
-data-parallel sharding over its ``shard`` role), which device and rank this is, collectives over the world or a
-role of the mesh, and what happens when a rank fails (``parallel/failure.py``). Mixed into
-:class:`~lightning_parallel.strategies.base.MeshStrategy`."""
+"""The process-level Lightning hooks both front doors share: launching, the process group (then the runtime's
+mesh and sharding), which device and rank this is, collectives over the world or a role of the mesh, and what happens
+when a rank fails (``parallel/failure.py``). Mixed into :class:`~lightning_parallel.strategies.base.MeshStrategy` and
+:class:`~lightning_parallel.fabric.strategy.MeshFabricStrategy`; its state is their ``runtime``'s and Lightning's."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from typing_extensions import override
 
 from lightning_parallel import _compat
 from lightning_parallel.parallel import strict
+from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
-from lightning_parallel.parallel.data.stages import make_sharding
 from lightning_parallel.parallel.failure import (
     FailureBoard,
     annotate,
@@ -31,27 +31,8 @@ from lightning_parallel.parallel.fault_tolerance import check_backend, lighthous
 from lightning_parallel.parallel.heartbeat import dump_folder, enable_flight_recorder, start_watch
 from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.parallel.shutdown import release_at_exit
-from lightning_parallel.plugins.precision import param_dtype_of
 from lightning_parallel.strategies.launcher import CheckFirstLauncher
-
-_SUM, _MAX, _MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
-_OPS = {"sum": _SUM, "mean": _SUM, "avg": _SUM, "max": _MAX, "min": _MIN}  # a mean is a sum divided (gloo has no AVG)
-
-
-def reduce_in_place(tensor: Tensor, group: dist.ProcessGroup, size: int, reduce_op: Any) -> Tensor:
-    """Lightning's ``_sync_ddp`` (``tensor`` reduced in place over ``group``) without what a step can do without: no
-    barrier before the all-reduce (the all-reduce waits for every rank itself) and no collective over a group of one
-    (a loss over a dp of 1 under tp or pp). ``reduce_op``: ``"mean"`` / ``"avg"``, ``"sum"``, ``"max"``, ``"min"`` or
-    a ``ReduceOp``; anything else goes to Lightning's."""
-    name = reduce_op.lower() if isinstance(reduce_op, str) else None
-    if name not in _OPS and not isinstance(reduce_op, dist.ReduceOp.RedOpType):
-        return _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-    if size == 1:
-        return tensor
-    dist.all_reduce(tensor, op=_OPS[name] if name is not None else reduce_op, group=group)
-    if name not in ("mean", "avg"):
-        return tensor
-    return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
+from lightning_parallel.strategies.runtime import MeshRuntime
 
 
 def set_world_ranks(strategy: Any) -> None:
@@ -65,40 +46,37 @@ def set_world_ranks(strategy: Any) -> None:
 
 
 class DistributedMixin:
-    """Expects ``config``, ``parallel_devices``, ``cluster_environment``, ``_launcher``, ``_timeout``,
-    ``_process_group_backend``, ``_dims`` and ``_parallel`` from the strategy; sets ``_mesh``, ``_sharding`` and
-    ``_failures``; gives the mesh by role, the degrees and the sampler's arguments (both front doors)."""
+    """The process-level Lightning hooks both front doors share, over ``runtime`` (the strategy's
+    :class:`~lightning_parallel.strategies.runtime.MeshRuntime`, which holds the degrees, mesh, sharding and failure
+    board) and Lightning's own attributes (``parallel_devices``, ``cluster_environment``, ``_launcher``,
+    ``_process_group_backend``): the mesh by role, the degrees, the sampler's arguments, the process group,
+    collectives, failures."""
 
-    # ----- what subclasses decide -----
+    runtime: MeshRuntime
 
-    def _parallel_degrees(self, world_size: int) -> ParallelDims:
-        return self.config.dims(world_size)
-
-    def _setting(self) -> str:
-        """How the user named this layout, for error messages."""
-        return self.config.describe(self._name())
+    @property
+    def config(self) -> ParallelConfig:
+        """The parallel settings (the runtime's)."""
+        return self.runtime.config
 
     def _name(self) -> str:
         return getattr(self, "strategy_name", type(self).__name__)
 
-    def _precision_of(self) -> Any:
-        """The Trainer's precision plugin, or Fabric's (a Fabric strategy's ``precision``)."""
-        return self.precision_plugin if hasattr(type(self), "precision_plugin") else self.precision
+    def _precision_name(self) -> str | None:
+        """The precision's name: the Trainer's precision plugin's, or Fabric's (a Fabric strategy's ``precision``)."""
+        plugin = self.precision_plugin if hasattr(type(self), "precision_plugin") else self.precision
+        return getattr(plugin, "precision", None)
 
     # ----- the mesh -----
 
     @property
     def parallel_dims(self) -> ParallelDims:
-        if self._dims is None:
-            self._dims = self._parallel_degrees(self.world_size)
-        return self._dims
+        return self.runtime.dims if self.runtime.dims is not None else self.runtime.degrees(self.world_size)
 
     @property
     def mesh(self) -> ParallelMesh:
         """The world's mesh, by role (``batch``, ``loss``, ``shard``, ``stage``, ``tensor``) or axis."""
-        if self._mesh is None:
-            raise RuntimeError("The device mesh exists once the strategy has set up its process group.")
-        return self._mesh
+        return self.runtime.require_mesh()
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -107,13 +85,11 @@ class DistributedMixin:
 
     @property
     def sharding(self) -> DataParallelSharding:
-        if self._sharding is None:
-            raise RuntimeError("The data-parallel sharding exists once the strategy has set up its process group.")
-        return self._sharding
+        return self.runtime.require_sharding()
 
     @property
     def fsdp_units(self) -> list[str]:
-        return self._parallel.fsdp_units if self._parallel is not None else []
+        return self.runtime.fsdp_units
 
     @property
     @override
@@ -143,15 +119,16 @@ class DistributedMixin:
     def on_exception(self, exception: BaseException) -> None:
         """A rank that fails leaves word of it; a rank whose collective failed names the rank that failed
         first; the process that launched the others (Lightning's launcher) gives them 5 s, then kills them."""
-        if self._failures is not None and isinstance(exception, Exception):
+        failures = self.runtime.failures
+        if failures is not None and isinstance(exception, Exception):
             if is_collective_failure(exception):
-                annotate(exception, self._failures.explain(), self.global_rank)
+                annotate(exception, failures.explain(), self.global_rank)
             else:
-                self._failures.record(exception)
+                failures.record(exception)
             report_now(exception)  # before a launcher's signal can stop this process unheard
         procs = getattr(self._launcher, "procs", None)
         if procs and not isinstance(exception, SystemExit):  # SystemExit: a preemption stop, every rank exits
-            end_children(procs, grace_s=min(self._timeout.total_seconds(), 5.0))
+            end_children(procs, grace_s=min(self.runtime.timeout.total_seconds(), 5.0))
 
     # ----- collectives -----
 
@@ -175,8 +152,8 @@ class DistributedMixin:
         the same values."""
         if not isinstance(tensor, Tensor):
             return tensor
-        if group is None and self._mesh is not None:
-            return reduce_in_place(tensor, self.mesh.group("loss"), self.mesh.size("loss"), reduce_op)
+        if group is None and self.runtime.mesh is not None:
+            return self.runtime.reduce(tensor, reduce_op)
         return _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override
@@ -191,10 +168,10 @@ class DistributedMixin:
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self._dims = self._parallel_degrees(self.world_size)  # bad degrees fail here, before any process starts
-        self._dims.check_node_size(self.num_processes, self.num_nodes)  # tp, cp, dp_shard inside a node
+        # bad degrees fail here, before any process starts; tp, cp, dp_shard inside a node
+        self.runtime.degrees(self.world_size, self.num_processes, self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
-            grace_s = min(self._timeout.total_seconds(), 10.0)  # for the launching rank to say which rank failed
+            grace_s = min(self.runtime.timeout.total_seconds(), 10.0)  # for the launching rank to say who failed
             env = self.cluster_environment
             self._launcher = CheckFirstLauncher(self, env, self.num_processes, self.num_nodes, grace_s=grace_s)
 
@@ -220,25 +197,22 @@ class DistributedMixin:
             lighthouse_address(self.config.ft_lighthouse)
         reset_seed()
         self.set_world_ranks()
-        dims = self.parallel_dims
+        self.parallel_dims  # noqa: B018  (resolved before the process group: bad degrees fail without one)
         backend = self._process_group_backend or _compat.default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        runtime = self.runtime
+        kwargs: dict[str, Any] = {"timeout": runtime.timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         enable_flight_recorder()  # before the first group: a hang's dump shows each rank's last collectives
         _compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
         strict.enable_from_env()  # LP_STRICT_COLLECTIVES=1: gloo keeps NCCL's rules (every group, side groups too)
         release_at_exit()  # the groups go before the interpreter does: a finished run exits 0
-        if self._mesh is None:  # once per strategy: validate/test after fit run on the model fit split
-            # the run's timeout, Lightning's default (30 minutes) too: torch would give new NCCL groups 10 minutes
-            self._mesh = dims.build_mesh(self.root_device.type, timeout=self._timeout)
-            param_dtype = param_dtype_of(self._precision_of())  # ZeRO-3 under bf16-mixed gathers bf16
-            self._sharding = make_sharding(self.config, self._mesh, setting=self._setting(), param_dtype=param_dtype)
-        self._failures = FailureBoard.for_process_group()
+        runtime.start(self.root_device, self._precision_name())  # the mesh and the sharding, once per strategy
+        runtime.failures = FailureBoard.for_process_group()
         # NCCL: a dead peer is named and this rank's collectives fail, not hang; every backend: a hang is named
-        self._failure_watch = start_watch(
-            self._failures, backend, self._timeout, self._trainer_step(), self._dump_folder, self._end_children
+        runtime.failure_watch = start_watch(
+            runtime.failures, backend, runtime.timeout, self._trainer_step(), self._dump_folder, self._end_children
         )
 
     def _trainer_step(self) -> Any:
@@ -258,8 +232,8 @@ class DistributedMixin:
 
     def end_failure_watch(self) -> None:
         """This rank's work ended normally (teardown): stop watching, and say so on the board."""
-        watch = self.__dict__.pop("_failure_watch", None)
+        watch, self.runtime.failure_watch = self.runtime.failure_watch, None
         if watch is not None:
             watch.stop()
-        if self._failures is not None:
-            self._failures.mark_done()
+        if self.runtime.failures is not None:
+            self.runtime.failures.mark_done()

@@ -22,38 +22,27 @@ import contextlib
 from collections.abc import Generator
 from typing import Any
 
-import torch
-from torch import Tensor
 from typing_extensions import override
 
 from lightning_parallel.parallel.materialize import splits_model
 
 
 class ModelPlacement:
-    """Mixin of :class:`~lightning_parallel.strategies.base.MeshStrategy`: the model's build device and placement."""
+    """Lightning's build and placement hooks of both front doors, over ``runtime``
+    (:class:`~lightning_parallel.strategies.runtime.MeshRuntime`: the settings, the meta build and its RNG state)."""
 
-    config: Any  # ParallelConfig
+    runtime: Any  # MeshRuntime
     calls_materialize = True  # protocol.strategy_calls_materialize: each rank's pieces filled through materialize()
-    _init_rng: Tensor | None = None  # the CPU generator's state when building on meta began
-    _meta_depth: int = 0  # Lightning nests tensor_init_context and model_sharded_context around configure_model
 
-    @contextlib.contextmanager
-    def _built_on_meta(self) -> Generator[None, None, None]:
-        if self._meta_depth == 0:
-            self._init_rng = torch.random.get_rng_state()
-        self._meta_depth += 1
-        try:
-            with torch.device("meta"):
-                yield
-        finally:
-            self._meta_depth -= 1
+    def _built_on_meta(self) -> contextlib.AbstractContextManager:
+        return self.runtime.built_on_meta()
 
     @override
     @contextlib.contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``Trainer.init_module()``: on the meta device under a layout that splits the model (see the module
         docstring), else Lightning's (on the device)."""
-        if not splits_model(self.config):
+        if not splits_model(self.runtime.config):
             with super().tensor_init_context(empty_init):  # type: ignore[misc]
                 yield
             return
@@ -65,7 +54,7 @@ class ModelPlacement:
     def model_sharded_context(self) -> Generator[None, None, None]:
         """``configure_model``: on the meta device under a layout that splits the model; each rank materializes
         only its pieces once it is split."""
-        if not splits_model(self.config):
+        if not splits_model(self.runtime.config):
             yield
             return
         with self._built_on_meta():
@@ -76,18 +65,13 @@ class ModelPlacement:
         """Whole onto the device only when every rank holds all of it (else :meth:`place_split_model`, once split)."""
         model = self.model  # type: ignore[attr-defined]
         assert model is not None
-        if splits_model(self.config) or any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        if splits_model(self.runtime.config) or any(t.is_meta for t in (*model.parameters(), *model.buffers())):
             return  # parallelize() puts each rank's pieces on its device (a meta build: its materialize(device))
         model.to(self.root_device)  # type: ignore[attr-defined]
-
-    def take_init_rng(self) -> Tensor | None:
-        """The CPU generator's state when the model was built on meta (once: a later setup reuses the split model)."""
-        state, self._init_rng = self._init_rng, None
-        return state
 
     def place_split_model(self) -> None:
         """After the split, everything is on this rank's device already (ZeRO-3 offload: parameter shards on the
         host); ``.to`` sets what Lightning reports as the module's device and moves torchmetrics' states. Under
         offload on an accelerator FSDP2 brings the shards back to pinned host memory at once."""
-        if splits_model(self.config):
+        if splits_model(self.runtime.config):
             self.model.to(self.root_device)  # type: ignore[attr-defined]

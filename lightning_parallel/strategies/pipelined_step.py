@@ -183,7 +183,8 @@ def pipelined_step(strategy: Any, module: pl.LightningModule, split: PipelineSpl
     step = PipelinedStep(
         module, pipeline, split.parameters(), context, lambda: loss_scale_of(strategy.precision_plugin)
     )
-    tied = strategy._parallel.tied if strategy._parallel is not None else None
+    applied = strategy.runtime.applied
+    tied = applied.tied if applied is not None else None
     shared = {id(p) for p in tied.params()} if tied is not None else set()  # reduced over pp after the schedule
     step.stage_params = {i: [p for p in m.parameters() if id(p) not in shared] for i, m in split.stages.items()}
     return step

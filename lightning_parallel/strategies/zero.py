@@ -6,7 +6,6 @@ from typing import Any
 
 from lightning_parallel.parallel.config import ParallelConfig, check_flag
 from lightning_parallel.parallel.data.stages import OFFLOAD_STAGES, ZERO_STAGES, check_zero_settings
-from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.strategies.base import MeshStrategy
 
 # the ParallelConfig settings a ZeRO strategy takes; the others (pp, tp, ...) need hybrid3d
@@ -64,6 +63,7 @@ class ZeroPreset:
             **settings,
         )
         super().__init__(config, **kwargs)  # type: ignore[call-arg]
+        self._name_layout()
 
     @property
     def stage(self) -> int:
@@ -73,17 +73,18 @@ class ZeroPreset:
     def offload(self) -> bool:
         return self.config.offload
 
-    def _setting(self) -> str:
-        return f"strategy='zero{self.stage}{'_offload' if self.offload else ''}'"
+    def _name_layout(self) -> None:
+        """Messages name the preset (``strategy='zero2'``); one process is refused (nothing to shard over)."""
+        self.runtime.label = f"strategy='zero{self.stage}{'_offload' if self.offload else ''}'"
+        self.runtime.check_world = self._check_world
 
-    def _parallel_degrees(self, world_size: int) -> ParallelDims:
+    def _check_world(self, world_size: int) -> None:
         if world_size < 2:
             raise ValueError(
-                f"{self._setting()} shards over data-parallel processes but the world size is {world_size}: "
+                f"{self.runtime.setting()} shards over data-parallel processes but the world size is {world_size}: "
                 "set devices (or num_nodes) so there are at least 2 processes, "
                 "or use strategy='auto' for one."
             )
-        return super()._parallel_degrees(world_size)  # type: ignore[misc]
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

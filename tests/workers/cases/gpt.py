@@ -104,8 +104,9 @@ def run_case(case: dict, ctx) -> dict:
     if case.get("precision") or case.get("inject_inf") is not None:
         precision_probe = PrecisionProbe(case.get("inject_inf"), case.get("inject_rank", 0))
         callbacks.append(precision_probe)
-    if precision == "16-mixed" and strategy == "auto" and accelerator == "cpu":
-        # Lightning would run bf16 on CPU: hand it fp16 autocast with torch's own GradScaler (the reference)
+    if precision == "16-mixed" and accelerator == "cpu":
+        # Lightning would run bf16 on CPU: hand it fp16 autocast, asked for explicitly (the reference keeps torch's
+        # own GradScaler; a mesh strategy turns the plugin into its own, with its loss scaler)
         precision, plugins = None, [MixedPrecision("16-mixed", "cpu")]
     if case.get("sync_bn") == "plugin":
         plugins.append(DataParallelSyncBatchNorm())
