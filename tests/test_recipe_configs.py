@@ -15,7 +15,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 import lightning_parallel  # noqa: F401
 from lightning_parallel.models import GPTConfig
 from lightning_parallel.recipes.auto import resolve_auto
-from lightning_parallel.recipes.common import build_strategy, micro_batch_size
+from lightning_parallel.recipes.common import build_strategy, build_trainer, micro_batch_size
 from lightning_parallel.recipes.config import register_configs
 from lightning_parallel.recipes.finetune_assets import make_default_assets
 from lightning_parallel.recipes.model_kinds import kind_of
@@ -88,20 +88,15 @@ def test_every_option_composes_and_builds(group, option):
 
 
 @pytest.mark.parametrize("strategy", options("strategy"))
-def test_every_precision_builds_with_every_strategy(strategy):
+def test_every_precision_builds_with_every_strategy(strategy, tmp_path):
     devices = 8 if strategy.startswith("hybrid3d_") else 2
     for precision in options("precision"):
         if strategy == "async_ps" and precision not in ("32-true", "bf16-mixed"):
             continue  # refused before launch (test_bad_input_catalogue: async-recipe-fp16, async-half-weights)
         cfg = compose_gpt(f"strategy={strategy}", f"precision={precision}", f"trainer.devices={devices}")
+        cfg.trainer.accelerator = "cpu"
         resolve_auto(cfg)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=devices,
-            strategy=build_strategy(cfg.strategy),
-            precision=cfg.precision.value,
-            logger=False,
-        )
+        trainer = build_trainer(cfg, tmp_path)  # the recipe's own Trainer (its precision plugin included)
         if strategy != "ddp":  # ours keep fp16 on CPU; Lightning's ddp switches it to bf16
             assert getattr(trainer.precision_plugin, "precision", "32-true") == precision, f"{strategy} {precision}"
 
