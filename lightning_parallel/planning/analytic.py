@@ -11,8 +11,9 @@ models too large to build on the host. Pure Python arithmetic.
   per-GPU matmuls run slower), attention at the fused kernels' efficiency (or as batched GEMMs plus its scores'
   memory traffic when materialized), elementwise work at HBM bandwidth (its traffic from the activations), tp
   collectives not overlapped, cp ring transfers hidden behind attention, ep all-to-alls exposed, pipeline
-  microbatches and bubble ``(pp-1)/v`` microbatch times, ZeRO-3 gathers hidden behind compute, and the gradient
-  reduction after the last microbatch (less the last backward with ``overlap_grad_reduce``).
+  microbatches and bubble ``(pp-1)/v`` microbatch times, ZeRO-3 gathers and the gradient reduction after the last
+  microbatch hidden behind at most the calibrated fraction of the compute (:func:`.timemodel.exposed_dp`, the
+  constants of :data:`.timemodel.CALIBRATION`, shared with the simulator).
 """
 
 from __future__ import annotations
