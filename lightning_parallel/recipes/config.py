@@ -40,6 +40,9 @@ class StrategyConf(ParallelConfig):
     # planned: set by the recipe, not by hand: the chosen layout's predicted figures (metrics.json's "planned")
     auto_device_memory: str | None = None
     planned: dict[str, Any] = field(default_factory=dict)
+    # strategy=auto: simulate the pick first (python -m lightning_parallel.simulate: the real parallelize and steps
+    # on fake tensors at the full world size) and refuse it, with the figures, when a rank's peak exceeds the memory
+    simulate: bool = False
 
 
 @dataclass
