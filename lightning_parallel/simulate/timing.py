@@ -25,7 +25,7 @@ class StepTime:
     """Seconds of one training step on one rank.
 
     Attributes:
-        compute: counted FLOPs / (peak x the device's calibrated GEMM efficiency).
+        compute: counted FLOPs / (peak x the device's calibrated GEMM efficiency x ``achieved``).
         bubble: the pipeline's idle fraction of the step (0 without pp).
         comm: the recorded collectives over the link model, by mesh axes (before overlap).
         exposed: the part of ``comm`` on the critical path (tp, cp, ep, pp, and what of the data-parallel
@@ -75,7 +75,7 @@ def step_time(
         hide_reduce: the gradient reduction overlaps the backward (ZeRO-3, ``overlap_grad_reduce``).
     """
     device = cluster.device
-    compute = flops / (device.peak_flops * cluster.efficiency("gemm"))
+    compute = flops / (device.peak_flops * cluster.efficiency("gemm") * cluster.calibration.achieved)
     comm: dict[str, float] = {}
     critical = reduce = gathers = 0.0
     for c in ops:
