@@ -63,6 +63,12 @@ def model_of(shape: ModelShape) -> dict[str, Any]:
     }
 
 
+def two_ranks(gpus: int, tp: int) -> list[int]:
+    """Rank 0 and the last data-parallel rank beside it (they share a data-parallel group, whose sequences are
+    compared): two ranks per row keep a row to minutes on a shared 2-core machine."""
+    return [0, gpus - tp]
+
+
 def published_rows() -> list[dict[str, Any]]:
     """Each published run's layout as the planner completes it (the microbatches a paper leaves open)."""
     out = []
@@ -82,6 +88,7 @@ def published_rows() -> list[dict[str, Any]]:
                 "seq_len": run.workload.seq_len,
                 "global_batch": run.workload.global_batch,
                 "published_tflops": run.tflops,
+                "ranks": two_ranks(run.cluster.gpus, x.tp),
             }
         )
     return out
@@ -115,20 +122,23 @@ MIXTRAL = {
 # three layouts at >= 1,024 ranks: dense tp x ZeRO-3, dense plain ZeRO-3 (HSDP), MoE with ep
 SCALE = [
     {"label": "Llama 70B tp=8 x ZeRO-3 dp=128", "model": LLAMA_70B, "gpus": 1024, "seq_len": 8192,
-     "layout": {"tp": 8, "zero_stage": 3, "sequence_parallel": True, "activation_checkpointing": "full"}},
+     "layout": {"tp": 8, "zero_stage": 3, "sequence_parallel": True, "activation_checkpointing": "full"},
+     "ranks": [0, 1016]},
     {"label": "Llama 70B HSDP dp=2048 (shard 64)", "model": LLAMA_70B, "gpus": 2048, "seq_len": 4096,
-     "layout": {"zero_stage": 3, "dp_shard": 64, "activation_checkpointing": "full"}},
+     "layout": {"zero_stage": 3, "dp_shard": 64, "activation_checkpointing": "full"}, "ranks": [0, 63]},
     {"label": "Mixtral 8x7B ep=8 x ZeRO-1 dp=1024", "model": MIXTRAL, "gpus": 1024, "seq_len": 4096,
-     "layout": {"ep": 8, "zero_stage": 1}},
+     "layout": {"ep": 8, "zero_stage": 1}, "ranks": [0, 7]},
 ]  # fmt: skip
 
 
-def run_rows(rows: list[dict[str, Any]], only: str | None) -> None:
+def run_rows(rows: list[dict[str, Any]], only: str | None, again: bool = False) -> None:
+    """Simulate ``rows`` (those whose label contains ``only``), skipping those stored simulated unless ``again``."""
     from lightning_parallel.simulate import simulate
 
-    stored = json.loads(OUT.read_text()) if OUT.is_file() else {}
     for row in rows:
-        if only and only not in row["label"]:
+        stored = json.loads(OUT.read_text()) if OUT.is_file() else {}
+        done = "simulation" in stored.get(row["label"], {})
+        if (only and only not in row["label"]) or (done and not again):
             continue
         start = time.perf_counter()
         try:
@@ -147,6 +157,7 @@ def run_rows(rows: list[dict[str, Any]], only: str | None) -> None:
         except (ValueError, TypeError) as err:
             report = {"refused": str(err)}
         report.update(row=row, wall_s=time.perf_counter() - start)
+        stored = json.loads(OUT.read_text()) if OUT.is_file() else {}
         stored[row["label"]] = report
         OUT.write_text(json.dumps(stored, indent=1))
         print(f"{row['label']}: {'refused' if 'refused' in report else 'simulated'} in {report['wall_s']:.0f} s")
@@ -218,10 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run", choices=["published", "scale"])
     p.add_argument("--only", help="rows whose label contains this")
+    p.add_argument("--again", action="store_true", help="simulate rows already stored again")
     p.add_argument("--table", action="store_true")
     args = p.parse_args(argv)
     if args.run:
-        run_rows(published_rows() if args.run == "published" else SCALE, args.only)
+        run_rows(published_rows() if args.run == "published" else SCALE, args.only, args.again)
     if args.table:
         print(table("published"), "\n", table("scale"), sep="\n")
     return 0
