@@ -38,7 +38,7 @@ LAYOUT_FIELDS += ("reshard_after_forward", "overlap_grad_reduce")
 
 
 def model_of(shape: ModelShape) -> dict[str, Any]:
-    """A Hugging Face config dict for a published shape (Megatron's GPTs as GPT-2, Llama 3 as llama)."""
+    """The model of a published shape: Llama 3 as a Hugging Face llama config, Megatron's GPTs as the recipe GPT."""
     if shape.gated:
         return {
             "model_type": "llama",
@@ -52,15 +52,9 @@ def model_of(shape: ModelShape) -> dict[str, Any]:
             "tie_word_embeddings": False,
             "_name_or_path": shape.name,
         }
-    return {
-        "model_type": "gpt2",
-        "vocab_size": shape.vocab,
-        "n_embd": shape.hidden,
-        "n_layer": shape.layers,
-        "n_head": shape.heads,
-        "n_positions": shape.seq_len,
-        "_name_or_path": shape.name,
-    }
+    # Megatron's GPT is the recipe GPT's architecture (GeLU 4h MLP, learned positions, tied embeddings)
+    gpt = {"vocab_size": shape.vocab, "seq_len": shape.seq_len, "n_layer": shape.layers, "n_head": shape.heads}
+    return {"gpt": {**gpt, "d_model": shape.hidden, "mlp_ratio": 4, "dropout": 0.0}, "_name_or_path": shape.name}
 
 
 def two_ranks(gpus: int, tp: int) -> list[int]:
@@ -119,6 +113,10 @@ MIXTRAL = {
     "max_position_embeddings": 4096,
     "_name_or_path": "Mixtral 8x7B shape",
 }
+# a recipe GPT with 64 routed experts of 1,408 in every block (a DeepSeek-MoE-16B-like width), top-2
+MOE_GPT = {"gpt": {"vocab_size": 102400, "seq_len": 4096, "n_layer": 28, "n_head": 16, "d_model": 2048,
+                   "mlp_ratio": 4, "dropout": 0.0, "moe_experts": 64, "moe_top_k": 2, "moe_every": 1,
+                   "moe_hidden": 1408}, "_name_or_path": "GPT MoE 64 experts"}  # fmt: skip
 # three layouts at >= 1,024 ranks: dense tp x ZeRO-3, dense plain ZeRO-3 (HSDP), MoE with ep
 SCALE = [
     {"label": "Llama 70B tp=8 x ZeRO-3 dp=128", "model": LLAMA_70B, "gpus": 1024, "seq_len": 8192,
@@ -126,6 +124,8 @@ SCALE = [
      "ranks": [0, 1016]},
     {"label": "Llama 70B HSDP dp=2048 (shard 64)", "model": LLAMA_70B, "gpus": 2048, "seq_len": 4096,
      "layout": {"zero_stage": 3, "dp_shard": 64, "activation_checkpointing": "full"}, "ranks": [0, 63]},
+    {"label": "GPT MoE 64 experts ep=8 x ZeRO-1 dp=1024", "model": MOE_GPT, "gpus": 1024, "seq_len": 4096,
+     "layout": {"ep": 8, "zero_stage": 1}, "ranks": [0, 7]},
     {"label": "Mixtral 8x7B ep=8 x ZeRO-1 dp=1024", "model": MIXTRAL, "gpus": 1024, "seq_len": 4096,
      "layout": {"ep": 8, "zero_stage": 1}, "ranks": [0, 7]},
 ]  # fmt: skip
@@ -143,7 +143,7 @@ def run_rows(rows: list[dict[str, Any]], only: str | None, again: bool = False) 
         start = time.perf_counter()
         try:
             sim = simulate(
-                dict(row["model"]),
+                _model(row["model"]),
                 row["gpus"],
                 row["layout"],
                 device=row.get("device", "h100"),
@@ -156,11 +156,23 @@ def run_rows(rows: list[dict[str, Any]], only: str | None, again: bool = False) 
             report: dict[str, Any] = {"simulation": sim.to_dict()}
         except (ValueError, TypeError) as err:
             report = {"refused": str(err)}
+        except RuntimeError as err:  # a rank's simulation failed: its traceback's last line
+            report = {"failed": str(err).strip().splitlines()[-1]}
         report.update(row=row, wall_s=time.perf_counter() - start)
         stored = json.loads(OUT.read_text()) if OUT.is_file() else {}
         stored[row["label"]] = report
         OUT.write_text(json.dumps(stored, indent=1))
-        print(f"{row['label']}: {'refused' if 'refused' in report else 'simulated'} in {report['wall_s']:.0f} s")
+        outcome = next((k for k in ("refused", "failed") if k in report), "simulated")
+        print(f"{row['label']}: {outcome} in {report['wall_s']:.0f} s", flush=True)
+
+
+def _model(spec: dict[str, Any]) -> Any:
+    """A Hugging Face config dict, or ``{"gpt": GPTConfig's fields}`` for the recipe GPT."""
+    if "gpt" in spec:
+        from lightning_parallel.models import GPTConfig
+
+        return GPTConfig(**spec["gpt"])
+    return dict(spec)
 
 
 def _collectives(rank: dict[str, Any]) -> list[Collective]:
@@ -197,8 +209,9 @@ def table(kind: str) -> str:
         if (row.get("kind") == "published") != (kind == "published"):
             continue
         lay = ",".join(f"{k}={v}" for k, v in row["layout"].items())
-        if "refused" in rep:
-            lines.append(f"| {label} | {row['gpus']:,} | `{lay}` | not simulated yet: {rep['refused'][:90]}... |")
+        if "refused" in rep or "failed" in rep:
+            why = f"not simulated yet: {rep['refused'][:90]}..." if "refused" in rep else f"failed: {rep['failed']}"
+            lines.append(f"| {label} | {row['gpus']:,} | `{lay}` | {why} |")
             continue
         sim = dict(rep["simulation"], row_layout=row["layout"])
         planner = _planner_memory(row)

@@ -13,7 +13,8 @@ What hides behind compute and what does not:
   ``inter_link`` of nominal: so ZeRO-3 across a thousand GPUs, a full gather of the model twice a step and a
   reduce-scatter through one card per GPU, is bound by the network, not by compute.
 
-Three free parameters (and the simulator's fourth), fitted on part of the published runs (:mod:`.calibrate`) and held against the rest.
+Three free parameters (and the simulator's fourth), fitted on part of the published runs (:mod:`.calibrate`) and
+held against the rest.
 """
 
 from __future__ import annotations
