@@ -230,12 +230,18 @@ def table(kind: str) -> str:
 
 
 def _planner_memory(row: dict[str, Any]) -> str:
-    """The analytic planner's memory per GPU for a published row's layout (states + activations)."""
+    """The analytic planner's states + activations per GPU for a published row's layout, at what the simulation
+    runs: at pp=1 the dp rank's whole batch in one pass (the simulator does not accumulate microbatches); the
+    activations without the layer a full checkpoint rebuilds in backward (after the simulator's reading)."""
     run: Run | None = next((r for r in RUNS if r.label == row["label"]), None)
     if run is None:
         return "-"
-    est = complete(run.shape, run.cluster, run.layout, run.workload, run.free)
-    return f"{est.states / 1e9:.2f} + {est.activations / 1e9:.2f}"
+    layout, free = run.layout, run.free
+    if layout.pp == 1:
+        layout, free = dataclasses.replace(layout, microbatches=1), tuple(f for f in free if f != "microbatches")
+    est = complete(run.shape, run.cluster, layout, run.workload, free)
+    # what the forward leaves for backward: without the layer a full checkpoint rebuilds during backward
+    return f"{est.states / 1e9:.2f} + {(est.activations - est.recompute) / 1e9:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
