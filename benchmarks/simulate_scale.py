@@ -57,10 +57,11 @@ def model_of(shape: ModelShape) -> dict[str, Any]:
     return {"gpt": {**gpt, "d_model": shape.hidden, "mlp_ratio": 4, "dropout": 0.0}, "_name_or_path": shape.name}
 
 
-def two_ranks(gpus: int, tp: int) -> list[int]:
-    """Rank 0 and the last data-parallel rank beside it (they share a data-parallel group, whose sequences are
-    compared): two ranks per row keep a row to minutes on a shared 2-core machine."""
-    return [0, gpus - tp]
+def two_ranks(gpus: int, tp: int, pp: int) -> list[int]:
+    """Two ranks per row (minutes a row on a shared 2-core machine): rank 0 and the last data-parallel rank beside
+    it (they share a data-parallel group, whose sequences are compared); under pp the first rank of the first and
+    of the last stage instead."""
+    return [0, (pp - 1) * gpus // pp] if pp > 1 else [0, gpus - tp]
 
 
 def published_rows() -> list[dict[str, Any]]:
@@ -82,7 +83,7 @@ def published_rows() -> list[dict[str, Any]]:
                 "seq_len": run.workload.seq_len,
                 "global_batch": run.workload.global_batch,
                 "published_tflops": run.tflops,
-                "ranks": two_ranks(run.cluster.gpus, x.tp),
+                "ranks": two_ranks(run.cluster.gpus, x.tp, x.pp),
             }
         )
     return out
@@ -99,6 +100,14 @@ LLAMA_70B = {
     "max_position_embeddings": 8192,
     "tie_word_embeddings": False,
     "_name_or_path": "Llama 3 70B shape",
+}
+LLAMA_8B = {
+    **LLAMA_70B,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "_name_or_path": "Llama 3 8B shape",
 }
 MIXTRAL = {
     "model_type": "mixtral",
@@ -122,7 +131,7 @@ SCALE = [
     {"label": "Llama 70B tp=8 x ZeRO-3 dp=128", "model": LLAMA_70B, "gpus": 1024, "seq_len": 8192,
      "layout": {"tp": 8, "zero_stage": 3, "sequence_parallel": True, "activation_checkpointing": "full"},
      "ranks": [0, 1016]},
-    {"label": "Llama 70B HSDP dp=2048 (shard 64)", "model": LLAMA_70B, "gpus": 2048, "seq_len": 4096,
+    {"label": "Llama 8B HSDP dp=2048 (shard 64)", "model": LLAMA_8B, "gpus": 2048, "seq_len": 8192,
      "layout": {"zero_stage": 3, "dp_shard": 64, "activation_checkpointing": "full"}, "ranks": [0, 63]},
     {"label": "GPT MoE 64 experts ep=8 x ZeRO-1 dp=1024", "model": MOE_GPT, "gpus": 1024, "seq_len": 4096,
      "layout": {"ep": 8, "zero_stage": 1}, "ranks": [0, 7]},
@@ -201,7 +210,7 @@ def table(kind: str) -> str:
     stored = json.loads(OUT.read_text())
     lines = [
         "| row | GPUs | layout | rank | states GB | activations GB | peak GB (card) | planner GB | sent per step GB "
-        "| step s | TFLOP/s per GPU (published) | MFU | simulated in |",
+        "| step s (planner) | TFLOP/s per GPU (published) | MFU | simulated in |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, rep in stored.items():
@@ -214,7 +223,7 @@ def table(kind: str) -> str:
             lines.append(f"| {label} | {row['gpus']:,} | `{lay}` | {why} |")
             continue
         sim = dict(rep["simulation"], row_layout=row["layout"])
-        planner = _planner_memory(row)
+        planner, planner_step = _planner(row)
         card = get_device(sim["device"]).memory
         for r in sim["ranks"]:
             t = rank_time(sim, r)
@@ -224,24 +233,24 @@ def table(kind: str) -> str:
             lines.append(
                 f"| {label} | {row['gpus']:,} | `{lay}` | {r['rank']} | {_gb(r['model_state_bytes']['total'])} | "
                 f"{_gb(r['activation_bytes'])} | {_gb(r['peak_bytes'])} ({_gb(card)}) | {planner} | {_gb(sent)} | "
-                f"{t.total:.2f} | {tflops:.0f}{pub} | {t.mfu:.1%} | {r['simulation_seconds']:.0f} s |"
+                f"{t.total:.2f} ({planner_step}) | {tflops:.0f}{pub} | {t.mfu:.1%} | {r['simulation_seconds']:.0f} s |"
             )
     return "\n".join(lines)
 
 
-def _planner_memory(row: dict[str, Any]) -> str:
+def _planner(row: dict[str, Any]) -> tuple[str, str]:
     """The analytic planner's states + activations per GPU for a published row's layout, at what the simulation
     runs: at pp=1 the dp rank's whole batch in one pass (the simulator does not accumulate microbatches); the
     activations without the layer a full checkpoint rebuilds in backward (after the simulator's reading)."""
     run: Run | None = next((r for r in RUNS if r.label == row["label"]), None)
     if run is None:
-        return "-"
+        return "-", "-"
     layout, free = run.layout, run.free
     if layout.pp == 1:
         layout, free = dataclasses.replace(layout, microbatches=1), tuple(f for f in free if f != "microbatches")
     est = complete(run.shape, run.cluster, layout, run.workload, free)
     # what the forward leaves for backward: without the layer a full checkpoint rebuilds during backward
-    return f"{est.states / 1e9:.2f} + {(est.activations - est.recompute) / 1e9:.2f}"
+    return f"{est.states / 1e9:.2f} + {(est.activations - est.recompute) / 1e9:.2f}", f"{est.step_time:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
