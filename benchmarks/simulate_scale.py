@@ -213,13 +213,18 @@ def table(kind: str) -> str:
         "| step s (planner) | TFLOP/s per GPU (published) | MFU | simulated in |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for label, rep in stored.items():
+    order = [r.label for r in RUNS] if kind == "published" else [r["label"] for r in SCALE]
+    for label in [k for k in order if k in stored]:
+        rep = stored[label]
         row = rep["row"]
-        if (row.get("kind") == "published") != (kind == "published"):
-            continue
-        lay = ",".join(f"{k}={v}" for k, v in row["layout"].items())
+        shown = {
+            k: v for k, v in row["layout"].items() if row["layout"].get("pp", 1) > 1 or not k.startswith(("mi", "pp_"))
+        }
+        lay = ",".join(f"{k}={v}" for k, v in shown.items())
         if "refused" in rep or "failed" in rep:
-            why = f"not simulated yet: {rep['refused'][:90]}..." if "refused" in rep else f"failed: {rep['failed']}"
+            why = (
+                rep["refused"].split(":")[0] + ": not simulated yet" if "refused" in rep else f"failed: {rep['failed']}"
+            )
             lines.append(f"| {label} | {row['gpus']:,} | `{lay}` | {why} |")
             continue
         sim = dict(rep["simulation"], row_layout=row["layout"])
