@@ -170,7 +170,7 @@ def run_rows(rows: list[dict[str, Any]], only: str | None, again: bool = False) 
         report.update(row=row, wall_s=time.perf_counter() - start)
         stored = json.loads(OUT.read_text()) if OUT.is_file() else {}
         stored[row["label"]] = report
-        OUT.write_text(json.dumps(stored, indent=1))
+        OUT.write_text(json.dumps(stored, separators=(",", ":")))  # compact: every rank's collectives
         outcome = next((k for k in ("refused", "failed") if k in report), "simulated")
         print(f"{row['label']}: {outcome} in {report['wall_s']:.0f} s", flush=True)
 
