@@ -26,9 +26,10 @@ def main(cfg: DictConfig) -> None:
     from lightning_parallel.recipes.auto import resolve_auto
     from lightning_parallel.recipes.gpt import check_config
     from lightning_parallel.recipes.sweep import run_job
+    from lightning_parallel.simulate.prelaunch import simulate_pick
 
     def check(cfg: DictConfig) -> None:
-        resolve_auto(cfg)  # strategy=auto: the planner's layout, written into cfg for the workers
+        resolve_auto(cfg, simulate_pick)  # strategy=auto: the planner's layout, written into cfg for the workers
         check_config(cfg)  # bad settings fail here, before any worker starts
 
     # trainer.devices > 1: this job starts its own workers (also inside a -m sweep); under torchrun it just runs.

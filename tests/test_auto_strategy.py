@@ -400,3 +400,42 @@ def test_under_torchrun_each_rank_reads_its_own_device_once_set(fake_cuda, monke
     machine = detect_machine(2, 2, "gpu", gpu=planning_gpu("gpu"))
     assert (machine.device, machine.device_memory) == ("h100", 80 * 2**30)
     assert planning_gpu("cpu") is None
+
+
+# ----- strategy.simulate=true: the pick simulated before launch -----
+
+
+def test_simulated_pick_that_does_not_fit_is_refused_with_the_figures():
+    """At 8.25 MB per device the planner's pick for gpt_tiny at world 2 predicts 6.09 MB (states and activations at
+    the start of backward); the simulation's peak, with the gradients and temporaries, is 8.29 MB: refused, with
+    the rank's figures, before any worker starts."""
+    from lightning_parallel.simulate.prelaunch import simulate_pick
+
+    over = ["trainer.devices=2", "trainer.accelerator=cpu", "strategy.auto_device_memory=8.25MB"]
+    cfg = compose_gpt("strategy=auto", "strategy.simulate=true", *over)
+    with pytest.raises(ValueError, match=r"does not fit: rank \d peaks at [\d.]+ MB \(model states") as err:
+        resolve_auto(cfg, simulate_pick)
+    assert "of 8.25 MB per device; the planner predicted" in str(err.value)
+
+
+@pytest.mark.slow
+def test_simulated_pick_that_fits_carries_its_figures():
+    from lightning_parallel.simulate.prelaunch import simulate_pick
+
+    cfg = compose_gpt("strategy=auto", "strategy.simulate=true", "trainer.devices=2", "trainer.accelerator=cpu")
+    resolve_auto(cfg, simulate_pick)
+    simulated = cfg.strategy.planned["simulated"]
+    assert [r["rank"] for r in simulated["ranks"]] == [0, 1] and simulated["groups_compared"] >= 1
+    assert all(0 < r["peak_bytes"] <= simulated["device_memory_bytes"] for r in simulated["ranks"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["strategy=zero2", "strategy.simulate=true"], "only applies to strategy=auto"),
+        (["strategy=auto", "strategy.simulate=true"], "gave resolve_auto no simulate_pick"),
+    ],
+)
+def test_simulate_settings_are_refused_where_they_cannot_apply(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_auto(compose_gpt(*overrides, "trainer.devices=2", "trainer.accelerator=cpu"))

@@ -112,10 +112,10 @@ def test_activations_are_korthikanti_formulas():
 
 def test_axis_placement_picks_the_link():
     c = Cluster(64, 8, get_device("h100"))
-    nvlink, node = 450e9 * 0.8, 400e9 * 0.8
+    nvlink, nic = 450e9 * 0.8, 400e9 / 8 * c.calibration.inter_link
     assert c.bandwidth(1, 8) == nvlink  # tp=8 inside a node
-    assert c.bandwidth(8, 8) == node / 8  # dp behind tp=8: one NIC per group
-    assert c.bandwidth(1, 64) == min(450e9, 400e9) * 0.8  # consecutive ranks: all the node's NICs
+    assert c.bandwidth(8, 8) == nic  # dp behind tp=8: each rank its own NIC
+    assert c.bandwidth(1, 64) == nic  # consecutive ranks crossing nodes: still each rank its own NIC
     assert c.bandwidth(2, 4) == nvlink  # tp=2, cp=4: still one node
     with pytest.raises(ValueError, match="whole number of nodes"):
         Cluster(12, 8, get_device("h100"))

@@ -179,6 +179,8 @@ def at_world_2(overrides: list[str]) -> list[str]:
         s["strategy.ep"] = "1"
     if s.get("strategy.dp_shard"):
         s["strategy.dp_shard"] = s["strategy.dp"]
+    if int(s.get("strategy.pp_virtual_stages", 1)) > 4:  # the tiny model's 11 pipeline layers: 2 x 4 stages
+        s["strategy.pp_virtual_stages"] = "4"
     dp, accumulate = int(s["strategy.dp"]), int(s.get("trainer.accumulate_grad_batches", 1))
     per_step = int(s.get("strategy.microbatches", 2 * int(s["strategy.pp"]))) if s["strategy.pp"] != "1" else 1
     s.update({"model.seq_len": "64", "data.global_batch_size": str(dp * accumulate * per_step)})
@@ -190,8 +192,9 @@ def test_the_recipe_accepts_them_at_world_2_on_a_tiny_llama(plan_70b, tmp_path):
     overrides = at_world_2(plan_70b["layouts"][0]["overrides"])
     printed = dict(item.split("=", 1) for item in plan_70b["layouts"][0]["overrides"])
     scaled = dict(item.split("=", 1) for item in overrides)
-    replaced = {"strategy.dp", "strategy.pp", "strategy.tp", "strategy.cp", "model.seq_len"}
-    replaced |= {"data.global_batch_size", "trainer.devices", "trainer.num_nodes"}
+    replaced = {"strategy.dp", "strategy.pp", "strategy.tp", "strategy.cp", "model.seq_len", "strategy.dp_shard"}
+    replaced |= {"strategy.pp_virtual_stages"}
+    replaced |= {"data.global_batch_size", "trainer.devices", "trainer.num_nodes"}  # dp_shard: at_world_2's dp
     assert {k: v for k, v in scaled.items() if k not in replaced} == {
         k: v for k, v in printed.items() if k not in replaced
     }

@@ -11,8 +11,9 @@ models too large to build on the host. Pure Python arithmetic.
   per-GPU matmuls run slower), attention at the fused kernels' efficiency (or as batched GEMMs plus its scores'
   memory traffic when materialized), elementwise work at HBM bandwidth (its traffic from the activations), tp
   collectives not overlapped, cp ring transfers hidden behind attention, ep all-to-alls exposed, pipeline
-  microbatches and bubble ``(pp-1)/v`` microbatch times, ZeRO-3 gathers hidden behind compute, and the gradient
-  reduction after the last microbatch (less the last backward with ``overlap_grad_reduce``).
+  microbatches and bubble ``(pp-1)/v`` microbatch times, ZeRO-3 gathers and the gradient reduction after the last
+  microbatch hidden behind at most the calibrated fraction of the compute (:func:`.timemodel.exposed_dp`, the
+  constants of :data:`.timemodel.CALIBRATION`, shared with the simulator).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from lightning_parallel.planning.cluster import Cluster
 from lightning_parallel.planning.estimate import element_bytes, shard_degree
 from lightning_parallel.planning.hf_config import ModelShape
 from lightning_parallel.planning.layout import Layout, Workload, microbatches
+from lightning_parallel.planning.timemodel import exposed_dp
 
 GEMM_ROLLOFF = 64  # a GEMM dimension d runs at d / (d + 64) of the large-GEMM rate (tile and wave quantization)
 TRAFFIC = 2.0  # HBM bytes moved per byte of activations kept, forward (elementwise reads and writes); 2x backward
@@ -116,7 +118,7 @@ class _Rank:
     # ----- time -----
     def gemm(self, m: float, k: float, n: float, count: float = 1.0) -> float:
         d = self.c.device
-        eff = d.gemm_efficiency * math.prod(v / (v + GEMM_ROLLOFF) for v in (m, k, n))
+        eff = self.c.efficiency("gemm") * math.prod(v / (v + GEMM_ROLLOFF) for v in (m, k, n))
         return count * 2 * m * k * n / (d.peak_flops * eff) if m and k and n else 0.0
 
     def layer_forward(self, moe: bool) -> tuple[float, float]:
@@ -143,7 +145,7 @@ class _Rank:
         heads = s.heads / self.x.tp
         flops = 2 * T * w.seq_len * heads * (s.qk_head_dim + s.v_head_dim)
         if w.attention == "flash":
-            return flops / 2 / (d.peak_flops * d.attention_efficiency)
+            return flops / 2 / (d.peak_flops * self.c.efficiency("attention"))
         score_bytes = heads * T * w.seq_len * (self.a + (1 + self.a if s.dropout else 0))
         gemms = self.gemm(T, s.qk_head_dim, w.seq_len, heads) + self.gemm(T, w.seq_len, s.v_head_dim, heads)
         return gemms + TRAFFIC * score_bytes / d.hbm_bandwidth
@@ -263,12 +265,11 @@ def _dp_time(r: _Rank, params: tuple[float, float], compute: float, m: int, unit
         reduce += c.all_reduce_time(grads / shard, stride * shard, x.dp // x.dp_shard, units)
     if x.zero_stage in (1, 2):  # the updated parameters gathered back
         reduce += c.gather_time(grads, stride, shard, units)
-    hidden = compute * 2 / 3 if x.overlap_grad_reduce or x.zero_stage == 3 else 0.0
-    exposed = max(0.0, reduce - hidden)
+    gathers = 0.0
     if x.zero_stage == 3:  # parameter all-gathers per microbatch, prefetched behind each microbatch's compute
         gathers = (2 if x.reshard_after_forward else 1) * c.gather_time(weights, stride, shard, units)
-        exposed += m * max(0.0, gathers - compute)
-    return exposed
+    hide = x.overlap_grad_reduce or x.zero_stage == 3
+    return exposed_dp(reduce, gathers, compute, c.calibration.overlap, hide, m)
 
 
 def count_throughput(est: AnalyticEstimate, shape: ModelShape, cluster: Cluster, work: Workload) -> None:

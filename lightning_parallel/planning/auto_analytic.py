@@ -11,6 +11,7 @@ from lightning_parallel.planning.cluster import COMM_EFFICIENCY, DEVICES, Cluste
 from lightning_parallel.planning.hf_config import ModelShape
 from lightning_parallel.planning.layout import Workload
 from lightning_parallel.planning.search import SEARCHED, Refusal, best_of, candidate_layouts, layout_options
+from lightning_parallel.planning.timemodel import CALIBRATION, NOMINAL
 
 if TYPE_CHECKING:
     from lightning_parallel.planning.auto import Machine
@@ -40,7 +41,9 @@ def machine_cluster(machine: Machine) -> Cluster:
             intra_latency=machine.latency,
             inter_latency=machine.latency,
         )
-    return Cluster(machine.world_size, machine.node_size, device)
+    return Cluster(
+        machine.world_size, machine.node_size, device, NOMINAL if machine.device not in DEVICES else CALIBRATION
+    )
 
 
 def analytic_candidates(

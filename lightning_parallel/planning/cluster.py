@@ -4,17 +4,21 @@ each parallel axis sits on the mesh (so which bandwidth its collectives get). Pu
 Axes are laid out innermost first: tp, cp, dp (its HSDP shard group inside its replicas, ep the inner part of
 dp), pp, as this package's mesh does. A group of ``size`` ranks ``stride`` apart stays inside one node when
 ``stride * size <= gpus_per_node`` and then gets the NVLink-class bandwidth; otherwise it crosses nodes, and the
-node's network bandwidth is shared by the ``min(stride, gpus_per_node)`` groups of that axis running on the node
-at once (a group whose ranks are consecutive gets all of a node's NICs; tp=8 leaves each dp group one NIC).
+rank gets its own share of the node's network (the node's bandwidth over its GPUs: one NIC per GPU on 8-GPU nodes
+with 8 NICs) at the calibrated ``inter_link`` efficiency (:mod:`.timemodel`), whatever the stride: a flat data
+parallel group of consecutive ranks gets no more than one behind tp=8 (the published ZeRO-3 runs across a thousand
+GPUs ran at that rate, :mod:`.calibrate`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+from lightning_parallel.planning.timemodel import CALIBRATION, INTRA_LINK, Calibration
 
 # nominal figures; COMM_EFFICIENCY turns link bandwidth into what collectives achieve (NCCL's bus bandwidth)
-COMM_EFFICIENCY = 0.8
+COMM_EFFICIENCY = INTRA_LINK
 
 
 @dataclass(frozen=True)
@@ -73,11 +77,13 @@ class Cluster:
         gpus: the world size.
         gpus_per_node: devices sharing one node's fast interconnect.
         device: their :class:`Device`.
+        calibration: the time model's fitted constants (:data:`.timemodel.CALIBRATION`).
     """
 
     gpus: int
     gpus_per_node: int
     device: Device
+    calibration: Calibration = field(default=CALIBRATION)
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -92,8 +98,13 @@ class Cluster:
         d = self.device
         if stride * size <= self.gpus_per_node:
             return d.intra_node_bw * COMM_EFFICIENCY
-        sharing = min(stride, self.gpus_per_node)
-        return min(d.intra_node_bw, d.inter_node_bw / sharing) * COMM_EFFICIENCY
+        return min(d.intra_node_bw, d.inter_node_bw / self.gpus_per_node) * self.calibration.inter_link
+
+    def efficiency(self, kind: str = "gemm") -> float:
+        """The fraction of peak FLOP/s large GEMMs (``gemm``) or fused attention (``attention``) achieve: the
+        device table's figure times the calibrated ``compute`` scale."""
+        d = self.device
+        return (d.gemm_efficiency if kind == "gemm" else d.attention_efficiency) * self.calibration.compute
 
     def latency(self, stride: int, size: int) -> float:
         d = self.device

@@ -18,6 +18,7 @@ from lightning_parallel.planning.search import complete, search
 
 MEGATRON = "Megatron-LM (Narayanan et al. 2021), Table 1"
 LLAMA3 = "Llama 3 (Dubey et al. 2024), Table 4"
+ZERO3 = "Megatron-LM (Narayanan et al. 2021), Table 2"
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,23 @@ def _megatron(params_b: float, heads: int, hidden: int, layers: int, t: int, p: 
         ("microbatches", "pp_virtual_stages"),
         tf,
     )
+
+
+def _table2(scheme: str, gpus: int, micro: int, tf: float) -> Run:
+    """Table 2 of the same paper: GPT-3 175B (96 layers, hidden 12,288, 96 heads), global batch 1536, ZeRO-3
+    without model parallelism (DeepSpeed) against PTD-P (t=8, p=12), the same A100 cluster; both with activation
+    recomputation. Transcribed into this module only (not in ``../shared/published_runs.md``)."""
+    shape = gpt_shape("GPT 174.6B", 96, 12288, 96, 51200, 2048)
+    work = Workload(2048, 1536, precision="16-mixed", attention="materialized", flops_count="megatron")
+    if scheme == "zero3":  # microbatch size 4, 2, 1 at 384, 768, 1536 GPUs: one microbatch per step
+        layout = Layout(dp=gpus, zero_stage=3, activation_checkpointing="full", microbatches=1536 // gpus // micro)
+        free: tuple[str, ...] = ()
+    else:
+        layout = Layout(tp=8, pp=12, dp=gpus // 96, activation_checkpointing="full", pp_schedule="interleaved_1f1b")
+        layout = replace(layout, microbatches=1536 // layout.dp // micro)
+        free = ("pp_virtual_stages",)
+    label = f"175B {'ZeRO-3' if scheme == 'zero3' else 'PTD-P'} {gpus} GPUs"
+    return Run(ZERO3, label, shape, Cluster(gpus, 8, get_device("a100-80gb")), work, layout, free, tf)
 
 
 LLAMA3_405B = ModelShape("Llama 3 405B", 128256, 16384, 126, 128, 8, 128, 128, 53248, seq_len=8192)
@@ -104,6 +122,15 @@ RUNS = [
     _llama3(8192, 8, 1, 16, 64, 8192, 32, 430),
     _llama3(16384, 8, 1, 16, 128, 8192, 16, 400),
     _llama3(16384, 8, 16, 16, 8, 131072, 16, 380),
+]
+# the published comparison of ZeRO-3 and 3D parallelism at scale (apart from RUNS: the calibration's rows)
+ZERO3_RUNS = [
+    _table2("zero3", 384, 4, 144),
+    _table2("zero3", 768, 2, 88),
+    _table2("zero3", 1536, 1, 44),
+    _table2("ptdp", 384, 1, 153),
+    _table2("ptdp", 768, 1, 149),
+    _table2("ptdp", 1536, 1, 141),
 ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from lightning_parallel.parallel.mesh import PLAIN_AXES
 
 log = logging.getLogger(__name__)
 
-AUTO_KEYS = ("auto_device_memory", "planned")  # StrategyConf's keys for strategy=auto
+AUTO_KEYS = ("auto_device_memory", "planned", "simulate")  # StrategyConf's keys for strategy=auto
 # what strategy=auto chooses, and what the planner does not model: neither may be set beside it
 CHOSEN = ("dp", "pp", "tp", "ep", "zero_stage", "sharding", "activation_checkpointing", "microbatches", "pp_schedule")
 CHOSEN += ("pp_virtual_stages",)
@@ -32,12 +33,15 @@ UNMODELED = ("cp", "spatial", "dp_shard", "offload", "sequence_parallel", "pp_ba
 UNMODELED += tuple(axis for axis in PLAIN_AXES if axis not in CHOSEN)  # an axis added since: refused until planned
 
 
-def resolve_auto(cfg: DictConfig) -> None:
+def resolve_auto(cfg: DictConfig, simulate_pick: Callable[[DictConfig, Any], dict] | None = None) -> None:
     """With ``strategy=auto``: set ``cfg.strategy`` (in place) to the planner's layout for ``trainer.devices`` x
     ``trainer.num_nodes`` processes and the machine's memory per device; without it, refuse its settings.
 
     Args:
         cfg: the composed recipe config (GPT or VGG recipe).
+        simulate_pick: with ``strategy.simulate=true``, the check of the pick before launch
+            (:func:`lightning_parallel.simulate.prelaunch.simulate_pick`, which the recipe scripts pass: the
+            simulator sits above the recipes): it refuses a pick that does not fit, or returns its figures.
     """
     s = cfg.strategy
     if s.name != "auto":
@@ -45,6 +49,11 @@ def resolve_auto(cfg: DictConfig) -> None:
             raise ValueError(
                 f"strategy.auto_device_memory={s.auto_device_memory} only applies to strategy=auto: set strategy=auto "
                 "or drop the override."
+            )
+        if s.simulate:
+            raise ValueError(
+                "strategy.simulate=true only applies to strategy=auto: set strategy=auto, or simulate a layout of your "
+                "own with python -m lightning_parallel.simulate MODEL --gpus N --layout tp=..,zero_stage=.."
             )
         return
     set_ = list(ParallelConfig.from_mapping(s).non_defaults([*CHOSEN, *UNMODELED]))
@@ -56,12 +65,18 @@ def resolve_auto(cfg: DictConfig) -> None:
         )
     choice = plan_for(cfg)
     log.info(choice.describe())
+    if s.simulate and simulate_pick is None:
+        raise ValueError(
+            "strategy.simulate=true: this caller gave resolve_auto no simulate_pick; launch with recipes/train_gpt.py "
+            "(it passes lightning_parallel.simulate.prelaunch.simulate_pick), or pass it yourself."
+        )
+    simulated = simulate_pick(cfg, choice) if s.simulate and simulate_pick is not None else None
     c, default = choice.config, ParallelConfig()
     s.name = "hybrid3d"
     for key in ParallelConfig.names():  # what it chooses, and what the analytic planner adds (cp, HSDP, SP, ...)
         if key in CHOSEN or getattr(c, key) != getattr(default, key):
             s[key] = getattr(c, key)
-    s.planned = choice.planned()
+    s.planned = {**choice.planned(), **({"simulated": simulated} if simulated is not None else {})}
 
 
 def plan_for(cfg: DictConfig) -> Any:

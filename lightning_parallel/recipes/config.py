@@ -43,6 +43,9 @@ class StrategyConf(ParallelConfig):
             else the host's memory shared by its processes).
         planned: set by the recipe under ``strategy=auto``, not by hand: the chosen layout and its predicted
             figures (metrics.json's ``planned``).
+        simulate: ``strategy=auto``: simulate the pick before launch (the real ``parallelize()`` and training steps
+            on fake tensors at the full world size, docs/simulate.md) and refuse it, with the figures, when a
+            rank's peak memory exceeds the device's or a group's ranks issue different collectives.
     """
 
     name: str = "ddp"
@@ -53,6 +56,7 @@ class StrategyConf(ParallelConfig):
     timeout_s: float | None = None
     auto_device_memory: str | None = None
     planned: dict[str, Any] = field(default_factory=dict)
+    simulate: bool = False
 
 
 @dataclass

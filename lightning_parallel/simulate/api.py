@@ -268,7 +268,8 @@ def simulate(
     kw: dict[str, Any] = {"precision": precision, "steps": steps, "clip": clip}
     results = _simulate_ranks(config, gpus, chosen, model, seq_len, batch // batch_ranks, kw)
     bubble = config.schedule.bubble(config.pp, config.microbatches or 1, config.stages_per_rank)
-    times = [step_time(r.flops, r.collectives, cluster, bubble) for r in results]
+    zero3, hide = config.zero_stage == 3, config.zero_stage == 3 or config.overlap_grad_reduce
+    times = [step_time(r.flops, r.collectives, cluster, bubble, zero3, hide) for r in results]
     mismatches, compared = check_consistency({r.rank: r.trace for r in results})
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     return Simulation(

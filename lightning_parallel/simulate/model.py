@@ -126,14 +126,13 @@ def _recipe(name: str, seq_len: int | None) -> SimulatedModel | None:
     """A recipe GPT of ``conf/model/`` (None when ``name`` is no recipe model); ``seq_len`` replaces its own."""
     from lightning_parallel.models import GPTConfig
     from lightning_parallel.plan import CONF, load_model_config
-    from lightning_parallel.recipes.gpt_model import MOE_KEYS
 
     if not (name.endswith((".yaml", ".yml")) or (CONF / "model" / f"{name}.yaml").is_file()):
         return None
     kind, m = load_model_config(name)
     if kind != "gpt":
         raise ValueError(f"simulate: {name} is a {kind} model; the simulator runs causal language models for now.")
-    moe = {key: m[key] for key in MOE_KEYS}
+    moe = {f.name: m[f.name] for f in dataclasses.fields(GPTConfig) if f.name.startswith("moe_")}  # the recipe's
     config = GPTConfig(m.vocab_size, m.seq_len, m.n_layer, m.n_head, m.d_model, m.mlp_ratio, m.dropout, **moe)
     return _recipe_gpt(config, seq_len, Path(name).stem)
 
