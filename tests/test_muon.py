@@ -67,7 +67,8 @@ def test_split_rule_on_the_recipe_gpt():
     assert all(p.ndim == 1 for p in no_decay) and len(no_decay) == len(list(model.parameters())) - 15
     optimizer = MuonAdamW.from_module(model)
     assert [g["use_muon"] for g in optimizer.param_groups] == [True, False, False]
-    assert optimizer.param_groups[2]["adamw_weight_decay"] == 0.0
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0, 0.0]
+    assert [g["lr"] for g in optimizer.param_groups] == [0.02, 3e-3, 3e-3]
 
 
 def test_adamw_part_is_torch_adamw():

@@ -52,6 +52,7 @@ from lightning_parallel.recipes.lora import (
     wants_lora,
 )
 from lightning_parallel.recipes.metrics import parameter_counts, run_metrics, write_metrics
+from lightning_parallel.recipes.optimizers import check_optimizer, use_optimizer
 from lightning_parallel.recipes.text_data import TokenWindows, load_tokens
 from lightning_parallel.strategies.pipelined_step import PipelineInput
 
@@ -84,6 +85,7 @@ MOE_KEYS = (
 def check_config(cfg: DictConfig) -> None:
     """Everything that can be refused before a worker starts: names, degrees, sizes, batch splits."""
     check_peft_settings(cfg)
+    check_optimizer(cfg)
     if is_hf_model(cfg.model):
         meta = check_hf_model(cfg)
         strategy = _check_library_model(cfg, meta, len(hf_pipeline_layers(meta)), check_hf_layout)
@@ -301,6 +303,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         )
         with torch.device("meta"):  # the model is built in configure_model: count the same one, allocating nothing
             counts = parameter_counts(GPT(gpt_config(m)))
+    use_optimizer(model, cfg)  # optimizer=adamw|sgd|muon in place of the model's own
     trainer = build_trainer(cfg, run_dir)
     data = TextData(cfg, micro, cache_dir=Path.cwd() / "data")  # the default corpus is written there once
     start = time.perf_counter()

@@ -32,6 +32,7 @@ from lightning_parallel.parallel.data.compression import wire_dtype
 from lightning_parallel.parallel.data.powersgd import PowerSGD
 from lightning_parallel.parallel.dtensor import local, split_axes
 from lightning_parallel.parallel.mesh import ParallelMesh
+from lightning_parallel.parallel.optim.muon import is_muon
 
 # A local gradient, its parameter, and the mesh axes that split the gradient (each element counted once
 # when partial norms are summed over exactly those axes).
@@ -56,13 +57,20 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 )
 
 
-def check_shardable_optimizer(optimizer: torch.optim.Optimizer, setting: str) -> None:
-    """Refuse optimizers whose math changes when the parameters are split.
+def check_shardable_optimizer(optimizer: torch.optim.Optimizer, setting: str, per_parameter: bool = False) -> None:
+    """Refuse optimizers whose math changes when the parameters are split. ``per_parameter``: the optimizer steps
+    the model's own (DTensor) parameters, as under ZeRO-3, so MuonAdamW can gather each whole matrix.
 
     Raises:
         TypeError: naming the optimizer, the setting and the optimizers that work.
     """
-    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+    if is_muon(optimizer) and not per_parameter:
+        raise TypeError(
+            f"{setting} cannot shard MuonAdamW: ZeRO-1 and ZeRO-2 slice flat buffers across weight matrices, and "
+            "Muon orthogonalizes each whole matrix. Use zero_stage=3 (its matrices are orthogonalized whole on one "
+            "owner rank each) or zero_stage=0, or optimizer=adamw."
+        )
+    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS and not is_muon(optimizer):
         names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
         raise TypeError(
             f"{setting} cannot shard {type(optimizer).__name__}: its update is not elementwise, so it would "
@@ -248,7 +256,7 @@ class DataParallelSharding:
     def shard_optimizer(self, optimizer: Optimizer) -> None:
         """Take a fresh optimizer from ``configure_optimizers`` (stages 1-2 re-point it at a slice)."""
         if self.sharded:
-            check_shardable_optimizer(optimizer, self.setting)
+            check_shardable_optimizer(optimizer, self.setting, per_parameter="params" in self.sharded)
         if self.powersgd is not None:
             self.powersgd.track(trainable(optimizer))
 

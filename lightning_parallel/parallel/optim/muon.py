@@ -77,7 +77,8 @@ def split_params(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramet
 
 class MuonAdamW(Optimizer):
     """Muon on the groups marked ``use_muon``, AdamW on the others (see the module docstring for the split rule
-    and :meth:`from_module` to apply it). Each group may override any default below.
+    and :meth:`from_module` to apply it). Each group may override any default below; a group's ``lr`` and
+    ``weight_decay`` are the ones it steps with (an AdamW group's default to ``adamw_lr`` and ``adamw_weight_decay``).
 
     Args:
         params: parameter groups; a group with ``use_muon=True`` holds 2-D matrices only.
@@ -115,10 +116,16 @@ class MuonAdamW(Optimizer):
         defaults = dict(
             use_muon=False, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, eps=eps, adjust_lr_fn=adjust_lr_fn,
-            ns_dtype=ns_dtype, adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
-            adamw_weight_decay=adamw_weight_decay,
+            ns_dtype=ns_dtype, betas=tuple(adamw_betas), adamw_eps=adamw_eps,
         )  # fmt: skip
-        super().__init__(params, defaults)
+        # each group's own lr and weight_decay are what it steps with (LR schedulers scale both parts alike): AdamW's
+        # groups take adamw_lr and adamw_weight_decay unless they set their own
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        adamw_defaults = {"lr": adamw_lr, "weight_decay": adamw_weight_decay}
+        groups = [g if g.get("use_muon") else {**adamw_defaults, **g} for g in groups]
+        super().__init__(groups, defaults)
         # the last step's Muon exchange on this rank: elements and bytes sent, matrices orthogonalized here
         self.exchange: dict[str, int] = {}
         for group in self.param_groups:
@@ -138,7 +145,7 @@ class MuonAdamW(Optimizer):
         groups = [
             {"params": muon, "use_muon": True},
             {"params": decay, "use_muon": False},
-            {"params": no_decay, "use_muon": False, "adamw_weight_decay": 0.0},
+            {"params": no_decay, "use_muon": False, "weight_decay": 0.0},
         ]
         return cls([g for g in groups if g["params"]], **kwargs)
 
@@ -190,10 +197,10 @@ class MuonAdamW(Optimizer):
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
-        beta1, beta2 = group["adamw_betas"]
+        beta1, beta2 = group["betas"]
         adamw(
             params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, amsgrad=False, beta1=beta1, beta2=beta2,
-            lr=group["adamw_lr"], weight_decay=group["adamw_weight_decay"], eps=group["adamw_eps"], maximize=False,
+            lr=group["lr"], weight_decay=group["weight_decay"], eps=group["adamw_eps"], maximize=False,
         )  # fmt: skip
 
 
