@@ -44,11 +44,28 @@ def test_muon_parity(runs, label):
         rel = assert_same_losses(runs[label].losses(name, leaders), reference.losses(name), f"muon {label} {name}")
         diff = assert_same_params(runs[label].params(name), reference.params(name), f"muon {label} {name}")
         print(f"muon {label} {name}: max loss rel diff {rel:.1e}, max param abs diff {diff:.1e}")
+    check_exchange(runs[label], label)
     moved = max(
         (p - q).abs().max().item()
         for p, q in zip(reference.params("plain").values(), reference.params("clip").values())
     )
     assert moved > 1e-4  # clipping changed the training: the two cases test different things
+
+
+# the recipe GPT of tests/workers/cases: 2 blocks of q, k, v, proj (32 x 32) and fc, proj (128 x 32, 32 x 128)
+MATRICES, P = 12, 2 * (4 * 32 * 32 + 2 * 128 * 32)
+
+
+def check_exchange(run, label: str) -> None:
+    """Each matrix orthogonalized once per group that splits it, and the bytes sent as the formula says."""
+    stats = [run.case("plain", r)["muon_exchange"] for r in range(len(run.ranks))]
+    world = len(stats)
+    if label in ("zero3", "tp2", "tp2-sp"):  # one Shard(d) over the 2 ranks: owners, 2 all_to_all_single
+        assert sum(s["orthogonalized"] for s in stats) == MATRICES and {s["orthogonalized"] for s in stats} == {6}
+        want = 4 * 2 * (world - 1) * P // world**2  # fp32 on the wire: 2 b (W - 1) P / W^2, balanced and even
+        assert [s["sent_bytes"] for s in stats] == [want] * world, (stats, want)
+    else:  # whole matrices (ddp), or split on two mesh dimensions (gathered whole on every rank)
+        assert all(s["orthogonalized"] == MATRICES and s.get("sent_bytes", 0) == 0 for s in stats), stats
 
 
 @pytest.mark.slow

@@ -155,6 +155,7 @@ class MuonAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.exchange.clear()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if group["use_muon"]:
@@ -164,7 +165,6 @@ class MuonAdamW(Optimizer):
         return loss
 
     def _muon_step(self, group: dict, params: list[Tensor]) -> None:
-        self.exchange.clear()
         momentum = group["momentum"]
         updates = []
         for p in params:
