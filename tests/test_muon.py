@@ -100,3 +100,6 @@ def test_sharded_matrices_orthogonalized_whole_at_world_2(tmp_path, ns_dtype):
         assert rank["sent_bytes"] == rank["formula_bytes"] > 0
     assert sum(r["orthogonalized"] for r in ranks) == 6  # each matrix once, not on every rank
     assert [r["orthogonalized"] for r in ranks] == [ranks[0]["owners"].count(q) for q in range(2)]
+    flat = [r["flat"] for r in ranks]  # ZeRO-1/2: 90 elements in 2 slices of 45, the (6, 4) matrix across the cut
+    assert flat[0]["crossing"] == 1 and sum(f["covered"] for f in flat) == 90
+    assert max(f["worst"] for f in flat) <= 1e-6 and sum(f["orthogonalized"] for f in flat) == 5

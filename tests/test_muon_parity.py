@@ -1,7 +1,8 @@
 """MuonAdamW (ns_dtype=float32, fp32, 10 steps, plain and clipped) under the layouts that split its matrices,
 against the same optimizer in one process: losses within 1e-5 relative, parameters within 1e-5 (the recipe GPT,
 tests/workers/cases/gpt.py with optimizer="muon"). ZeRO-3 splits each matrix by Shard(0) over dp, tp by Shard(0)
-or Shard(1); each matrix is orthogonalized whole on one owner. ZeRO-1/2 refuse Muon by name."""
+or Shard(1); ZeRO-1/2 slice a flat buffer whose ranges cut matrices; each matrix is orthogonalized whole on one owner.
+ZeRO-1/2 with tp refuse Muon by name."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ LAYOUTS = {  # label -> (world, strategy, tp)
     "tp2": (2, "hybrid3d:tp=2", 1 * 2),
     "tp2-sp": (2, "hybrid3d:tp=2,sequence_parallel=1", 2),
     "ddp": (2, "hybrid3d:zero_stage=0", 1),
+    "zero1": (2, "zero1", 1),
+    "zero2": (2, "zero2", 1),
     "dp2-tp2-zero3": (4, "hybrid3d:tp=2,zero_stage=3", 2),
+    "zero2-w4": (4, "zero2", 1),  # slices of 6,144: mlp.fc (4,096 .. 8,192) is cut between ranks 0 and 1
 }
-REFUSED = {
-    "zero1": (2, "zero1", [{**CASES[0], "expect_error": True}]),
-    "zero2": (2, "zero2", [{**CASES[0], "expect_error": True}]),
-}
+REFUSED = {"zero1-tp2": (2, "hybrid3d:tp=2,zero_stage=1", [{**CASES[0], "expect_error": True}])}
 
 
 @pytest.fixture(scope="module")
@@ -60,18 +61,20 @@ def check_exchange(run, label: str) -> None:
     """Each matrix orthogonalized once per group that splits it, and the bytes sent as the formula says."""
     stats = [run.case("plain", r)["muon_exchange"] for r in range(len(run.ranks))]
     world = len(stats)
-    if label in ("zero3", "tp2", "tp2-sp"):  # one Shard(d) over the 2 ranks: owners, 2 all_to_all_single
+    if label in ("zero3", "tp2", "tp2-sp", "zero1", "zero2"):  # split over the 2 ranks: owners, 2 all_to_all_single
         assert sum(s["orthogonalized"] for s in stats) == MATRICES and {s["orthogonalized"] for s in stats} == {6}
         want = 4 * 2 * (world - 1) * P // world**2  # fp32 on the wire: 2 b (W - 1) P / W^2, balanced and even
         assert [s["sent_bytes"] for s in stats] == [want] * world, (stats, want)
+    elif label == "zero2-w4":
+        assert sum(s["orthogonalized"] for s in stats) == MATRICES and all(s["sent_bytes"] > 0 for s in stats), stats
     else:  # whole matrices (ddp), or split on two mesh dimensions (gathered whole on every rank)
         assert all(s["orthogonalized"] == MATRICES and s.get("sent_bytes", 0) == 0 for s in stats), stats
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("label", list(REFUSED))
-def test_flat_zero_refuses_muon_by_name(runs, label):
+def test_flat_zero_with_tp_refuses_muon_by_name(runs, label):
     for rank in range(2):
         error = runs[label].case("plain", rank).get("error", "")
-        assert error.startswith("TypeError") and f"strategy='{label}' cannot shard MuonAdamW" in error, error
+        assert error.startswith("TypeError") and "MuonAdamW under ZeRO-1/2 with tp splits" in error, error
         assert "zero_stage=3" in error

@@ -53,10 +53,10 @@ def test_overrides_reach_the_optimizer():
         (["optimizer.name=lion"], r"optimizer='lion' is not an optimizer of the recipes: pick one of adamw, sgd, muon"),
         (["optimizer=muon", "optimizer.ns_dtype=float16"], r"optimizer.ns_dtype='float16'.*bfloat16, float32"),
         (["optimizer=muon", "precision=16-mixed"], r"optimizer=muon with precision=16-mixed.*bf16-mixed"),
-        (["optimizer=muon", "strategy=zero1", "trainer.devices=2"], r"optimizer=muon with strategy=zero1.*zero3"),
+        (["optimizer=muon", "strategy=zero2_offload", "trainer.devices=2"], r"optimizer=muon with strategy=zero2_o"),
         (
-            ["optimizer=muon", "strategy=hybrid3d", "strategy.zero_stage=2", "trainer.devices=2"],
-            r"strategy=hybrid3d \(zero_stage=2\).*strategy.zero_stage=3",
+            ["optimizer=muon", "strategy=hybrid3d", "strategy.zero_stage=2", "strategy.tp=2", "trainer.devices=2"],
+            r"strategy=hybrid3d \(zero_stage=2, tp=2\).*strategy.zero_stage=3",
         ),
     ],
 )
@@ -65,5 +65,6 @@ def test_bad_optimizer_settings_are_refused_before_launch(overrides, match):
         check_config(compose_gpt(*TINY, *overrides))
 
 
-def test_muon_under_zero3_passes_the_checks():
-    check_config(compose_gpt("model=gpt_tiny", "optimizer=muon", "strategy=zero3", "trainer.devices=2"))
+@pytest.mark.parametrize("strategy", ["zero3", "zero1", "zero2", "ddp"])
+def test_muon_passes_the_checks(strategy):
+    check_config(compose_gpt("model=gpt_tiny", "optimizer=muon", f"strategy={strategy}", "trainer.devices=2"))

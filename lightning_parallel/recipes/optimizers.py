@@ -43,7 +43,7 @@ class OptimizerConf:
 
 def check_optimizer(cfg: DictConfig) -> None:
     """Refuse before launch what the optimizer cannot do: an unknown name, a bad ``ns_dtype``, Muon under fp16's
-    loss scaling or under a sharding that slices flat buffers across matrices (ZeRO-1/2, async_ps)."""
+    loss scaling, under async_ps, offload, or ZeRO-1/2 with tp (their slices are not pieces of whole matrices)."""
     opt = cfg.get("optimizer")
     if opt is None:
         return
@@ -61,13 +61,13 @@ def check_optimizer(cfg: DictConfig) -> None:
             "precision=bf16-mixed (no loss scaling) or 32-true, or optimizer=adamw."
         )
     s = cfg.strategy
-    if s.name in ("zero1", "zero2", "zero2_offload", "async_ps") or (
-        s.name == "hybrid3d" and s.get("zero_stage") in (1, 2)
-    ):
+    flat = s.name in ("zero1", "zero2") or (s.name == "hybrid3d" and s.get("zero_stage") in (1, 2))
+    if s.name in ("zero2_offload", "async_ps") or (flat and (s.get("tp") or 1) > 1) or (flat and s.get("offload")):
         raise ValueError(
-            f"optimizer=muon with strategy={s.name} (zero_stage={s.get('zero_stage')}): ZeRO-1/2 and async_ps step "
-            "flat slices across weight matrices, and Muon orthogonalizes each whole matrix. Use strategy=zero3 or "
-            "strategy.zero_stage=3 (each matrix orthogonalized whole on one owner rank), or zero_stage=0."
+            f"optimizer=muon with strategy={s.name} (zero_stage={s.get('zero_stage')}, tp={s.get('tp')}): Muon "
+            "orthogonalizes each whole matrix, which async_ps, offload and ZeRO-1/2 with tp do not give it. Use "
+            "strategy=zero3 or strategy.zero_stage=3 (each matrix orthogonalized whole on one owner rank), "
+            "ZeRO-1/2 without tp or offload, or optimizer=adamw."
         )
 
 

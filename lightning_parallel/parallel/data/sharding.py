@@ -57,19 +57,13 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 )
 
 
-def check_shardable_optimizer(optimizer: torch.optim.Optimizer, setting: str, per_parameter: bool = False) -> None:
-    """Refuse optimizers whose math changes when the parameters are split. ``per_parameter``: the optimizer steps
-    the model's own (DTensor) parameters, as under ZeRO-3, so MuonAdamW can gather each whole matrix.
+def check_shardable_optimizer(optimizer: torch.optim.Optimizer, setting: str) -> None:
+    """Refuse optimizers whose math changes when the parameters are split. MuonAdamW is the one matrix optimizer
+    allowed: it gathers each whole matrix itself (parallel/optim/muon_exchange.py; ZeRO-1/2 tell it their layout).
 
     Raises:
         TypeError: naming the optimizer, the setting and the optimizers that work.
     """
-    if is_muon(optimizer) and not per_parameter:
-        raise TypeError(
-            f"{setting} cannot shard MuonAdamW: ZeRO-1 and ZeRO-2 slice flat buffers across weight matrices, and "
-            "Muon orthogonalizes each whole matrix. Use zero_stage=3 (its matrices are orthogonalized whole on one "
-            "owner rank each) or zero_stage=0, or optimizer=adamw."
-        )
     if type(optimizer) not in ELEMENTWISE_OPTIMIZERS and not is_muon(optimizer):
         names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
         raise TypeError(
@@ -256,7 +250,7 @@ class DataParallelSharding:
     def shard_optimizer(self, optimizer: Optimizer) -> None:
         """Take a fresh optimizer from ``configure_optimizers`` (stages 1-2 re-point it at a slice)."""
         if self.sharded:
-            check_shardable_optimizer(optimizer, self.setting, per_parameter="params" in self.sharded)
+            check_shardable_optimizer(optimizer, self.setting)
         if self.powersgd is not None:
             self.powersgd.track(trainable(optimizer))
 

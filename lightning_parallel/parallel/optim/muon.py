@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
 from lightning_parallel.parallel.dtensor import local
-from lightning_parallel.parallel.optim.muon_exchange import orthogonalize_all
+from lightning_parallel.parallel.optim.muon_exchange import FlatMatrices, orthogonalize_all, orthogonalize_flat
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's)
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -128,6 +128,8 @@ class MuonAdamW(Optimizer):
         super().__init__(groups, defaults)
         # the last step's Muon exchange on this rank: elements and bytes sent, matrices orthogonalized here
         self.exchange: dict[str, int] = {}
+        # ZeRO-1/2 (flat_zero.py): a use_muon group's flat slice -> the matrices packed in its buffer
+        self.flat_layouts: dict[int, FlatMatrices] = {}
         for group in self.param_groups:
             for p in group["params"] if group["use_muon"] else []:
                 if p.ndim != 2:
@@ -178,12 +180,21 @@ class MuonAdamW(Optimizer):
         def orthogonalize(whole: Tensor) -> Tensor:
             return newton_schulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
 
-        orthogonal = orthogonalize_all(params, updates, orthogonalize, group["ns_dtype"], self.exchange)
+        flat = [i for i, p in enumerate(params) if id(p) in self.flat_layouts]
+        whole = [i for i in range(len(params)) if id(params[i]) not in self.flat_layouts]
+        orthogonal = orthogonalize_all([params[i] for i in whole], [updates[i] for i in whole], orthogonalize,
+                                       group["ns_dtype"], self.exchange)  # fmt: skip
         lr = group["lr"]
-        for p, update in zip(params, orthogonal):
-            param = local(p)
+        for i, update in zip(whole, orthogonal):
+            param = local(params[i])
             param.mul_(1 - lr * group["weight_decay"])
-            param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+            param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], params[i].shape))
+        for i in flat:  # ZeRO-1/2: this rank's slice of a flat buffer of matrices
+            layout = self.flat_layouts[id(params[i])]
+            pieces = orthogonalize_flat(layout, updates[i], orthogonalize, group["ns_dtype"], self.exchange)
+            params[i].mul_(1 - lr * group["weight_decay"])
+            for m, start, end, piece in pieces:
+                params[i][start:end].add_(piece, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], layout.shapes[m]))
 
     def _adamw_step(self, group: dict, params: list[Tensor]) -> None:
         grads, exp_avgs, exp_avg_sqs, steps = [], [], [], []
@@ -205,7 +216,7 @@ class MuonAdamW(Optimizer):
 
 
 def is_muon(optimizer: Optimizer) -> bool:
-    """Whether ``optimizer`` is (or wraps) a :class:`MuonAdamW`: the shardings that slice flat buffers refuse it."""
+    """Whether ``optimizer`` is (or wraps) a :class:`MuonAdamW`, the one matrix optimizer the shardings accept."""
     return isinstance(getattr(optimizer, "_optimizer", optimizer), MuonAdamW)
 
 

@@ -16,6 +16,9 @@ Bytes one rank sends per step, over a group of ``W`` ranks, with ``s_m = |m| / W
 for ``P`` elements of Muon matrices in the group, balanced owners and even slices: ``2/W`` of one all-gather of
 them; an all-gather to every rank (each rank orthogonalizing every matrix) would send ``b (W - 1) P / W``.
 
+ZeRO-1/2 (:class:`FlatMatrices`, :func:`orthogonalize_flat`): the matrices packed in a flat buffer whose equal slices
+cut them anywhere; each matrix's contiguous segments go to its owner the same way, joined and reshaped there.
+
 A matrix split on several mesh dimensions (ZeRO-3 x tp: ``Shard(0)`` and ``_StridedShard``) is gathered whole on
 every rank of its mesh (``full_tensor``) and orthogonalized there (redundantly); a plain tensor or a replicated
 DTensor is whole already and orthogonalized where it is.
@@ -24,6 +27,7 @@ DTensor is whole already and orthogonalized where it is.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -102,48 +106,107 @@ def _exchange(
     wire_dtype: torch.dtype,
     stats: dict[str, int],
 ) -> list[Tensor]:
-    """The matrices of one group: slices to their owners, Newton-Schulz there, slices back."""
+    """The DTensor matrices of one group, each split by ``Shard(dims[m])``: slices along that dimension."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    owner = owners([p.numel() for p in params], world)
-    # shapes[m][q]: matrix m's slice on rank q
-    shapes = []
+    shapes = []  # shapes[m][q]: matrix m's slice on rank q
     for p, d in zip(params, dims):
         shape = list(p.shape)
         shapes.append([tuple(shape[:d] + [n] + shape[d + 1 :]) for n in chunk_sizes(shape[d], world)])
-    numel = [[_prod(s) for s in per_rank] for per_rank in shapes]
-    mine = [m for m in range(len(params)) if owner[m] == rank]
-    # 1. each rank's slices to the owners
-    send = [torch.cat([updates[m].to(wire_dtype).reshape(-1) for m in range(len(params)) if owner[m] == q] or
-                      [updates[0].new_empty(0, dtype=wire_dtype)]) for q in range(world)]  # fmt: skip
+
+    def assemble(m: int, pieces: list[Tensor]) -> Tensor:
+        return torch.cat([piece.view(shapes[m][q]) for q, piece in enumerate(pieces)], dim=dims[m])
+
+    def cut(m: int, whole: Tensor) -> list[Tensor]:
+        return [piece.reshape(-1) for piece in whole.split([s[dims[m]] for s in shapes[m]], dim=dims[m])]
+
+    numels = [[_prod(s) for s in per_rank] for per_rank in shapes]
+    flat = [u.reshape(-1) for u in updates]
+    done = owner_exchange(group, numels, flat, assemble, cut, orthogonalize, wire_dtype, stats)
+    return [piece.view(shapes[m][rank]) for m, piece in enumerate(done)]
+
+
+@dataclass
+class FlatMatrices:
+    """ZeRO-1/2: the matrices packed in one flat buffer sharded over ``group``, rank ``q`` holding elements
+    ``[q * shard_numel, (q + 1) * shard_numel)``: each matrix's offset and (whole) shape."""
+
+    group: dist.ProcessGroup
+    shard_numel: int
+    offsets: list[int]
+    shapes: list[torch.Size]
+
+    def segments(self, m: int, world: int) -> list[tuple[int, int]]:
+        """Matrix ``m``'s elements on each rank: (start, end) in the flat buffer (end <= start: none)."""
+        lo, hi = self.offsets[m], self.offsets[m] + _prod(tuple(self.shapes[m]))
+        return [(max(lo, q * self.shard_numel), min(hi, (q + 1) * self.shard_numel)) for q in range(world)]
+
+
+def orthogonalize_flat(
+    layout: FlatMatrices,
+    update: Tensor,
+    orthogonalize: Callable[[Tensor], Tensor],
+    wire_dtype: torch.dtype,
+    stats: dict[str, int],
+) -> list[tuple[int, int, int, Tensor]]:
+    """ZeRO-1/2: ``update`` is this rank's slice of the flat buffer; each matrix's segments go to its owner, are
+    joined (they are contiguous in the buffer) and orthogonalized there, and come back. Returns (matrix, start, end,
+    piece) per matrix with elements here, positions relative to this rank's slice."""
+    world, rank = dist.get_world_size(layout.group), dist.get_rank(layout.group)
+    segments = [layout.segments(m, world) for m in range(len(layout.shapes))]
+    numels = [[max(0, hi - lo) for lo, hi in seg] for seg in segments]
+    base = rank * layout.shard_numel
+    mine = [update[max(0, lo - base) : max(0, hi - base)] if hi > lo else update[:0] for lo, hi in
+            (seg[rank] for seg in segments)]  # fmt: skip
+
+    def assemble(m: int, pieces: list[Tensor]) -> Tensor:
+        return torch.cat(pieces).view(layout.shapes[m])
+
+    def cut(m: int, whole: Tensor) -> list[Tensor]:
+        return list(whole.reshape(-1).split(numels[m]))
+
+    done = owner_exchange(layout.group, numels, mine, assemble, cut, orthogonalize, wire_dtype, stats)
+    here = [seg[rank] for seg in segments]
+    return [(m, lo - base, hi - base, piece) for m, ((lo, hi), piece) in enumerate(zip(here, done)) if hi > lo]
+
+
+def owner_exchange(
+    group: dist.ProcessGroup,
+    numels: list[list[int]],
+    mine: list[Tensor],
+    assemble: Callable[[int, list[Tensor]], Tensor],
+    cut: Callable[[int, Tensor], list[Tensor]],
+    orthogonalize: Callable[[Tensor], Tensor],
+    wire_dtype: torch.dtype,
+    stats: dict[str, int],
+) -> list[Tensor]:
+    """Matrices split over ``group`` (``numels[m][q]``: matrix m's elements on rank q; ``mine[m]``: this rank's,
+    flat): each to its owner by one ``all_to_all_single``, joined by ``assemble``, orthogonalized, cut into the
+    ranks' flat pieces by ``cut``, and back by a second one. Returns this rank's flat piece of each result."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    count = len(numels)
+    owner = owners([sum(n) for n in numels], world)
+    owned = [m for m in range(count) if owner[m] == rank]
+    empty = mine[0].new_empty(0, dtype=wire_dtype)
+    send = [torch.cat([mine[m].to(wire_dtype) for m in range(count) if owner[m] == q] or [empty]) for q in range(world)]
     in_splits = [t.numel() for t in send]
-    out_splits = [sum(numel[m][q] for m in mine) for q in range(world)]
+    out_splits = [sum(numels[m][q] for m in owned) for q in range(world)]
     received = _all_to_all(torch.cat(send), in_splits, out_splits, group)
-    # 2. the owner's matrices whole, orthogonalized, cut into the ranks' slices
-    by_rank = [list(chunk.split([numel[m][q] for m in mine])) for q, chunk in enumerate(received.split(out_splits))]
+    by_rank = [chunk.split([numels[m][q] for m in owned]) for q, chunk in enumerate(received.split(out_splits))]
     back: list[list[Tensor]] = [[] for _ in range(world)]
-    for k, m in enumerate(mine):
-        whole = torch.cat([by_rank[q][k].view(shapes[m][q]) for q in range(world)], dim=dims[m])
-        done = orthogonalize(whole)
-        for q, piece in enumerate(done.split([s[dims[m]] for s in shapes[m]], dim=dims[m])):
-            back[q].append(piece.reshape(-1))
-    # 3. the slices back to their ranks
-    empty = updates[0].new_empty(0, dtype=wire_dtype)
+    for k, m in enumerate(owned):
+        for q, piece in enumerate(cut(m, orthogonalize(assemble(m, [by_rank[q][k] for q in range(world)])))):
+            back[q].append(piece)
     back_flat = [torch.cat(pieces).to(wire_dtype) if pieces else empty for pieces in back]
     in_back = [t.numel() for t in back_flat]
-    out_back = [sum(numel[m][rank] for m in range(len(params)) if owner[m] == q) for q in range(world)]
+    out_back = [sum(numels[m][rank] for m in range(count) if owner[m] == q) for q in range(world)]
     returned = _all_to_all(torch.cat(back_flat), in_back, out_back, group)
-    from_owner = [list(chunk.split([numel[m][rank] for m in range(len(params)) if owner[m] == q]))
+    from_owner = [iter(chunk.split([numels[m][rank] for m in range(count) if owner[m] == q]))
                   for q, chunk in enumerate(returned.split(out_back))]  # fmt: skip
-    taken = [0] * world
-    result = []
-    for m in range(len(params)):
-        q = owner[m]
-        result.append(from_owner[q][taken[q]].view(shapes[m][rank]))
-        taken[q] += 1
+    result = [next(from_owner[owner[m]]) for m in range(count)]
     elements = sum(n for q, n in enumerate(in_splits) if q != rank) + sum(n for q, n in enumerate(in_back) if q != rank)
     stats["sent_elements"] = stats.get("sent_elements", 0) + elements
     stats["sent_bytes"] = stats.get("sent_bytes", 0) + elements * torch.finfo(wire_dtype).bits // 8
-    stats["orthogonalized"] = stats.get("orthogonalized", 0) + len(mine)
+    stats["orthogonalized"] = stats.get("orthogonalized", 0) + len(owned)
     return result
 
 
