@@ -3,6 +3,9 @@ bad input, and the owner exchange of sharded matrices at world 2 (tests/workers/
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
 from harness import run_worker
@@ -18,10 +21,10 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 24, bias=False), nn.Tanh(), nn.Linear(24, 8, bias=False))
 
 
-def _train(net: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 10) -> list[float]:
-    g = torch.Generator().manual_seed(1)
+def _train(net: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 10, start: int = 0) -> list[float]:
     losses = []
-    for _ in range(steps):
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(step)  # each step's batch by its index: a resumed run sees the same
         x, y = torch.randn(16, 12, generator=g), torch.randn(16, 8, generator=g)
         loss = (net(x) - y).pow(2).mean()
         optimizer.zero_grad()
@@ -78,11 +81,35 @@ def test_adamw_part_is_torch_adamw():
     assert got == want
 
 
+def test_state_dict_resumes_exactly():
+    """Momentum buffers and AdamW's moments saved and loaded (torch.save of the state dict): the next losses equal."""
+    whole = _net()
+    torch.manual_seed(0)
+    whole.insert(0, nn.LayerNorm(12))  # a 1-D parameter: AdamW's state too
+    reference = copy.deepcopy(whole)
+    make = lambda net: MuonAdamW.from_module(net, ns_dtype="float32")  # noqa: E731
+    want = _train(reference, make(reference), steps=8)
+    first = make(whole)
+    _train(whole, first, steps=4)
+    buffer = io.BytesIO()
+    torch.save({"model": whole.state_dict(), "optimizer": first.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed = copy.deepcopy(whole)
+    resumed.load_state_dict(saved["model"])
+    second = make(resumed)
+    second.load_state_dict(saved["optimizer"])
+    assert {k for s in second.state.values() for k in s} == {"momentum_buffer", "step", "exp_avg", "exp_avg_sq"}
+    assert _train(resumed, second, steps=4, start=4) == want[4:]
+
+
 def test_bad_input_names_the_setting():
     with pytest.raises(ValueError, match=r"shape \(3,\).*use_muon=False.*from_module"):
         MuonAdamW([{"params": [nn.Parameter(torch.ones(3))], "use_muon": True}])
     with pytest.raises(ValueError, match=r"ns_dtype='float16'.*bfloat16, float32"):
         MuonAdamW([nn.Parameter(torch.ones(3))], ns_dtype="float16")
+    with pytest.raises(ValueError, match=r"ns_dtype=torch.float16.*bfloat16, float32"):
+        MuonAdamW([nn.Parameter(torch.ones(3))], ns_dtype=torch.float16)
     with pytest.raises(ValueError, match=r"adjust_lr_fn='rms'"):
         MuonAdamW([nn.Parameter(torch.ones(3))], adjust_lr_fn="rms")
 

@@ -25,7 +25,7 @@ from lightning_parallel.recipes.lora import lora_config, wants_lora
 from lightning_parallel.recipes.vgg import scaled_lr, vgg_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ["strategy", "precision", "model", "data", "trainer", "checkpoint", "peft"]
+GROUPS = ["strategy", "precision", "model", "data", "trainer", "checkpoint", "peft", "optimizer"]
 
 register_configs()
 

@@ -105,12 +105,14 @@ class MuonAdamW(Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
     ) -> None:
-        if isinstance(ns_dtype, str):
-            if ns_dtype not in NS_DTYPES:
-                raise ValueError(f"ns_dtype={ns_dtype!r}: set it to one of {', '.join(NS_DTYPES)}")
-            ns_dtype = NS_DTYPES[ns_dtype]
-        if ns_dtype not in NS_DTYPES.values():
-            raise ValueError(f"ns_dtype={ns_dtype}: set it to torch.bfloat16 (as torch's Muon) or torch.float32")
+        # kept by name in the groups: a checkpoint's param_groups hold plain values
+        names = {dtype: name for name, dtype in NS_DTYPES.items()}
+        ns_dtype = names.get(ns_dtype, ns_dtype)  # type: ignore[call-overload]
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(
+                f"ns_dtype={ns_dtype!r}: set it to one of {', '.join(NS_DTYPES)} (torch.bfloat16, as torch's Muon, "
+                "or torch.float32)"
+            )
         if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
             raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}: set it to None, 'original' or 'match_rms_adamw'")
         defaults = dict(
@@ -177,13 +179,15 @@ class MuonAdamW(Optimizer):
             buf.lerp_(grad, 1 - momentum)
             updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
 
+        ns_dtype = NS_DTYPES.get(group["ns_dtype"], group["ns_dtype"])  # a group may name it or give the dtype
+
         def orthogonalize(whole: Tensor) -> Tensor:
-            return newton_schulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
+            return newton_schulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"], ns_dtype)
 
         flat = [i for i, p in enumerate(params) if id(p) in self.flat_layouts]
         whole = [i for i in range(len(params)) if id(params[i]) not in self.flat_layouts]
         orthogonal = orthogonalize_all([params[i] for i in whole], [updates[i] for i in whole], orthogonalize,
-                                       group["ns_dtype"], self.exchange)  # fmt: skip
+                                       ns_dtype, self.exchange)  # fmt: skip
         lr = group["lr"]
         for i, update in zip(whole, orthogonal):
             param = local(params[i])
@@ -191,7 +195,7 @@ class MuonAdamW(Optimizer):
             param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], params[i].shape))
         for i in flat:  # ZeRO-1/2: this rank's slice of a flat buffer of matrices
             layout = self.flat_layouts[id(params[i])]
-            pieces = orthogonalize_flat(layout, updates[i], orthogonalize, group["ns_dtype"], self.exchange)
+            pieces = orthogonalize_flat(layout, updates[i], orthogonalize, ns_dtype, self.exchange)
             params[i].mul_(1 - lr * group["weight_decay"])
             for m, start, end, piece in pieces:
                 params[i][start:end].add_(piece, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], layout.shapes[m]))
