@@ -496,6 +496,14 @@ RECIPE_CASES = [
         "capacity_factor=-1",
         "or None (dropless)",
     ),
+    Case("gpt-unknown-optimizer", G("optimizer.name=lion"), "optimizer='lion'", "pick one of adamw, sgd, muon"),
+    Case("gpt-muon-fp16", G("optimizer=muon", "precision=16-mixed"), "optimizer=muon with precision=16", "bf16-mixed"),
+    Case(
+        "gpt-muon-zero1-tp",
+        G(H3D, "optimizer=muon", "strategy.zero_stage=1", "strategy.tp=2", "trainer.devices=2"),
+        "optimizer=muon with strategy=hybrid3d (zero_stage=1, tp=2)",
+        "strategy.zero_stage=3",
+    ),
     Case(
         "vgg-tp-not-dividing-channels",
         V(H3D, "strategy.tp=2", "trainer.devices=2", "model.width=3"),

@@ -22,7 +22,7 @@ from lightning_parallel.recipes.model_kinds import kind_of
 from lightning_parallel.recipes.vgg import scaled_lr
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ["strategy", "precision", "model", "data", "trainer", "checkpoint", "peft"]
+GROUPS = ["strategy", "precision", "model", "data", "trainer", "checkpoint", "peft", "optimizer"]
 
 register_configs()
 

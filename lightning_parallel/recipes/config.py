@@ -18,6 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.recipes.optimizers import OptimizerConf
 
 
 @dataclass
@@ -252,6 +253,7 @@ class GPTRecipeConf(RecipeConf):
     model: TextModelConf = MISSING  # GPTModelConf (model=gpt_*), HFModelConf (model=hf*), LitGPTModelConf
     data: TextDataConf = MISSING
     peft: PeftConf = MISSING  # peft=none (default) or peft=lora
+    optimizer: OptimizerConf = field(default_factory=OptimizerConf)  # optimizer=adamw (default), sgd or muon
     sample_tokens: int = 200  # generated at the end of training; 0 for none
 
 
@@ -288,6 +290,7 @@ SCHEMAS = {
     ("trainer", "schema"): TrainerConf,
     ("checkpoint", "schema"): CheckpointConf,
     ("peft", "schema"): PeftConf,
+    ("optimizer", "schema"): OptimizerConf,
 }
 
 

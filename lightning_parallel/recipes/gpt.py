@@ -33,6 +33,7 @@ from lightning_parallel.recipes.gpt_model import MOE_KEYS, gpt_config  # noqa: F
 from lightning_parallel.recipes.lora import check_peft_settings, refuse_lora, wants_lora
 from lightning_parallel.recipes.metrics import parameter_counts, run_metrics, write_metrics
 from lightning_parallel.recipes.model_kinds import kind_of, resolve_model_kind
+from lightning_parallel.recipes.optimizers import check_optimizer, use_optimizer
 from lightning_parallel.recipes.text_data import TokenWindows, load_tokens
 from lightning_parallel.strategies.checks import as_built
 from lightning_parallel.strategies.pipelined_step import PipelineInput
@@ -44,6 +45,7 @@ def check_config(cfg: DictConfig) -> None:
     the meta device (:func:`~lightning_parallel.recipes.common.check_strategy_model`)."""
     kind = resolve_model_kind(cfg, recipe="text")
     check_peft_settings(cfg)
+    check_optimizer(cfg)
     if not kind.lora:
         refuse_lora(cfg, cfg.model.get("name") or f"{kind.name}_*")
     kind.check(cfg)
@@ -187,6 +189,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     with torch.device("meta"):  # a model built in configure_model: count the same one, allocating nothing
         built = as_built(model)
         counts = parameter_counts(built if built is not None else model)
+    use_optimizer(model, cfg)  # optimizer=adamw|sgd|muon in place of the model's own
     trainer = build_trainer(cfg, run_dir)
     skip_worker_check(trainer, model)  # check_config ran the strategy's check on this model before launch
     data = TextData(cfg, micro, cache_dir=Path.cwd() / "data")  # the default corpus is written there once

@@ -49,6 +49,7 @@ from lightning_parallel.parallel.data.overlap import DEFAULT_BUCKET_MB, Prepare
 from lightning_parallel.parallel.data.powersgd import PowerSGD
 from lightning_parallel.parallel.dtensor import like, local, placed_like
 from lightning_parallel.parallel.expert.apply import is_expert_param
+from lightning_parallel.parallel.optim.muon_exchange import FlatMatrices
 
 __all__ = ["SCALAR_STATE_KEYS", "FlatGroup", "FlatZero"]
 
@@ -121,6 +122,11 @@ class FlatZero:
         kinds = [[p for p in params if not is_expert_param(p)], [p for p in params if is_expert_param(p)]]
         made = [self._flat_group(members, expert) for expert, members in enumerate(kinds) if members]
         param_group["params"] = [fg.shard for fg in made]
+        if param_group.get("use_muon") and hasattr(
+            self.optimizer, "flat_layouts"
+        ):  # MuonAdamW: each matrix gathered whole from the slices (muon_exchange.py)
+            for fg in made:
+                self.optimizer.flat_layouts[id(fg.shard)] = muon_layout(fg)
         return made
 
     def _flat_group(self, params: list[nn.Parameter], expert: int) -> FlatGroup:
@@ -316,3 +322,14 @@ class FlatZero:
 
 
 _grad = attrgetter("grad")
+
+
+def muon_layout(fg: FlatGroup) -> FlatMatrices:
+    """The matrices of a MuonAdamW group's flat buffer, for its owners to gather whole (each a plain tensor here)."""
+    split = [p for p in fg.params if isinstance(p, DTensor) and not all(x.is_replicate() for x in p.placements)]
+    if split or fg.host is not None:
+        why = "offload steps a host copy of the slice" if fg.host is not None else "tp splits its matrices too"
+        raise TypeError(
+            f"MuonAdamW under ZeRO-1/2 with {why}: use zero_stage=3, whose matrices each stay one DTensor, or AdamW."
+        )
+    return FlatMatrices(fg.group, fg.shard_numel, list(fg.offsets), [p.shape for p in fg.params])

@@ -32,6 +32,7 @@ from lightning_parallel.parallel.data.compression import wire_dtype
 from lightning_parallel.parallel.data.powersgd import PowerSGD
 from lightning_parallel.parallel.dtensor import local, split_axes
 from lightning_parallel.parallel.mesh import ParallelMesh
+from lightning_parallel.parallel.optim.muon import is_muon
 
 # A local gradient, its parameter, and the mesh axes that split the gradient (each element counted once
 # when partial norms are summed over exactly those axes).
@@ -57,12 +58,13 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 
 
 def check_shardable_optimizer(optimizer: torch.optim.Optimizer, setting: str) -> None:
-    """Refuse optimizers whose math changes when the parameters are split.
+    """Refuse optimizers whose math changes when the parameters are split. MuonAdamW is the one matrix optimizer
+    allowed: it gathers each whole matrix itself (parallel/optim/muon_exchange.py; ZeRO-1/2 tell it their layout).
 
     Raises:
         TypeError: naming the optimizer, the setting and the optimizers that work.
     """
-    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS and not is_muon(optimizer):
         names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
         raise TypeError(
             f"{setting} cannot shard {type(optimizer).__name__}: its update is not elementwise, so it would "

@@ -156,6 +156,8 @@ def _after_fit(case: dict, trainer: pl.Trainer, model: pl.LightningModule, datam
     result["overlap"] = sharding.overlap_stats() if sharding is not None else {}
     result["built_on"] = getattr(model, "built_on", None)
     result["memory"] = probe.bytes
+    optimizer = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0]) if trainer.optimizers else None
+    result["muon_exchange"] = dict(getattr(optimizer, "exchange", {}))  # MuonAdamW: the last step's exchange
     result["activation_bytes"] = activation_monitor.bytes if activation_monitor else None
     if precision_probe is not None:
         result["scales"], result["param_sums"] = precision_probe.scales, precision_probe.param_sums

@@ -18,6 +18,7 @@ from lightning_parallel.models.gpt import gpt_tp_plan
 from lightning_parallel.models.lit_vgg import LitVGG
 from lightning_parallel.models.vgg import VGGConfig
 from lightning_parallel.parallel.expert import MoE
+from lightning_parallel.parallel.optim.muon import MuonAdamW
 
 from .common import DEEP, TINY
 
@@ -129,6 +130,8 @@ class RecordingGPT(RecordLosses, LitGPT):
             return torch.optim.LBFGS(self.parameters())
         if self.optimizer_name == "sgd":  # linear in the gradient: a wrong gradient scale shows at once
             return torch.optim.SGD(self.parameters(), lr=0.5)
+        if self.optimizer_name == "muon":  # Muon on the matrices, AdamW on the rest; fp32 Newton-Schulz for parity
+            return MuonAdamW.from_module(self, lr=0.02, ns_dtype="float32", adamw_lr=self.lr, adamw_eps=self.eps)
         return super().configure_optimizers()
 
 
