@@ -179,3 +179,18 @@ def test_a_pipeline_batch_that_does_not_split_into_microbatches_is_refused():
         simulate(TINY, 2, "pp=2", global_batch_size=2)
     with pytest.raises(ValueError, match="zero-bubble schedules"):
         simulate(TINY, 2, "pp=2,pp_schedule=zero_bubble")
+
+
+def test_fp16_and_misplaced_lora_settings_are_refused_by_name(capsys):
+    """16-mixed by name with its reason (the loss scaler's host read) and the fix (bf16-mixed), from the API and the
+    command line; LoRA on a model the simulator puts no adapters on, or a base dtype without adapters."""
+    from lightning_parallel.simulate.__main__ import main
+
+    with pytest.raises(ValueError, match=r"16-mixed is not simulated: its loss scaler .* Simulate --precision bf16"):
+        simulate(TINY, 2, "zero_stage=2", precision="16-mixed")
+    assert main(["gpt_tiny", "--gpus", "2", "--precision", "16-mixed"]) == 2
+    assert "found_inf.item()" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="lora-rank=4: gpt is a recipe GPT, and the simulator puts LoRA adapters on"):
+        simulate(TINY, 2, "zero_stage=2", lora_rank=4)
+    with pytest.raises(ValueError, match="lora-base-dtype=bfloat16 is the frozen base's dtype: add --lora-rank"):
+        simulate(TINY, 2, "zero_stage=2", lora_base_dtype="bfloat16")

@@ -42,6 +42,7 @@ class Simulation:
     groups_compared: int = 0
     seconds: float = 0.0
     peak_rss_bytes: int = 0
+    adapters: Adapters = field(default_factory=Adapters)
 
     def config_degree(self, axis: str) -> int:
         return self.config.dims(self.world_size).degrees[axis]
@@ -57,6 +58,8 @@ class Simulation:
             "seq_len": self.seq_len,
             "global_batch_size": self.global_batch,
             "precision": self.precision,
+            "lora_rank": self.adapters.rank,
+            "lora_base_dtype": self.adapters.base_dtype,
             "ranks": [_rank_dict(r, t) for r, t in zip(self.ranks, self.times)],
             "consistent": not self.mismatches,
             "groups_compared": self.groups_compared,
@@ -181,8 +184,19 @@ def _check_settings(config: ParallelConfig, steps: int, precision: str) -> None:
             "with pp_schedule=1f1b or interleaved_1f1b (the same stages, states and messages but the weight-gradient "
             "split) and take the bubble from the planner."
         )
+    if precision == "16-mixed":
+        raise ValueError(FP16_REFUSED)
     if precision not in PRECISIONS:
         raise ValueError(f"--precision={precision!r}: the simulator runs {', '.join(PRECISIONS)}; choose one of them.")
+
+
+FP16_REFUSED = (
+    "--precision=16-mixed is not simulated: its loss scaler (parallel/loss_scaler.py) reads on the host whether any "
+    "rank's gradients overflowed (found_inf.item(), after an all-reduce MAX over the world) to decide whether the "
+    "step is taken, and a fake tensor holds no value to read. Simulate --precision bf16-mixed instead: the same "
+    "model-state bytes (fp32 parameters, gradients and AdamW states), the same 2-byte activations and the same "
+    "collectives, except the scaler's one 4-byte all-reduce over all ranks per step (and fp16's skipped steps)."
+)
 
 
 def _check_batch(config: ParallelConfig, batch: int, batch_ranks: int) -> None:
@@ -293,4 +307,5 @@ def simulate(
         compared,
         time.perf_counter() - start,
         rss,
+        adapters,
     )
