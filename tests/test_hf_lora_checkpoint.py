@@ -26,9 +26,9 @@ from conftest import Batch
 from parity import assert_same_losses, assert_same_params
 from test_hf_lora import LORA, MODELS, lora_config
 
+from lightning_parallel import _compat
 from lightning_parallel.checkpoint import consolidated, main
 from lightning_parallel.hf import HFCausalLM
-from lightning_parallel import _compat
 from lightning_parallel.hf.adapters import PEFT_KEY, folder_sha256, without_values
 from lightning_parallel.parallel.checkpoint import files as checkpoint_io
 from lightning_parallel.strategies import sharded_checkpoint
