@@ -104,7 +104,7 @@ def test_lora_ranks_equal_a_gloo_run(label, tmp_path):
     sim = _check_against_gloo(world, spec, layout, tmp_path, _llama(), case={"hf_lora": lora}, sim_kw=sim_kw)
     for r in sim.ranks:  # adapters train, the base is held: gradients and AdamW's states are the adapters' only
         states = r.model_state_bytes
-        assert 0 < states["optimizer"] == 2 * states["grads"] and 10 * states["grads"] < states["params"]
+        assert 0 < states["optimizer"] == 2 * states["grads"] and 2 * states["grads"] < states["params"]
 
 
 def _llama():
