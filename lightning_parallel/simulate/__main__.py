@@ -54,7 +54,7 @@ def format_report(sim: Simulation) -> str:
 
 def _lora(sim: Simulation) -> str:
     a = sim.adapters
-    return f", LoRA rank {a.rank} on a frozen {a.base_dtype or 'base'}" if a.rank else ""
+    return f", LoRA rank {a.rank} on a frozen {a.base_dtype + ' ' if a.base_dtype else ''}base" if a.rank else ""
 
 
 def _consistency(sim: Simulation) -> str:
