@@ -45,6 +45,13 @@ def fake_tensor_mode(**kwargs: Any) -> Any:
     return FakeTensorMode(**kwargs)
 
 
+def is_fake_tensor(tensor: Any) -> bool:
+    """``torch._subclasses.fake_tensor.is_fake(tensor)``: a fake tensor (shapes, no values), or a wrapper of one."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor)
+
+
 def resolve_group(name: str) -> Any:
     """The process group of that name (functional collectives name their groups)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
@@ -53,10 +60,30 @@ def resolve_group(name: str) -> Any:
 
 
 def mem_tracker() -> Any:
-    """``torch.distributed._tools.mem_tracker.MemTracker()``: tensor memory by kind, peak included."""
+    """``torch.distributed._tools.mem_tracker.MemTracker()``: tensor memory by kind, peak included; one that
+    follows frozen parameters too (LoRA's base): torch's registers a gradient hook on every parameter a module's
+    forward meets, which raises on one that does not require gradients. Here a frozen parameter is counted as a
+    parameter and given no hook (it gets no gradient to count)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    return MemTracker()
+    class FrozenAwareMemTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            for param in module.parameters():
+                if not param.requires_grad:  # marked as hooked already: torch's loop skips the hook
+                    self._param_to_grad_hook_handles.setdefault(param, (_NO_HOOK, _NO_HOOK))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return FrozenAwareMemTracker()
+
+
+class _NoHook:
+    """A removable handle that stands for a hook not registered."""
+
+    def remove(self) -> None:
+        return None
+
+
+_NO_HOOK = _NoHook()
 
 
 # Even collectives into / out of one flat tensor (public API). torch 2.13 names them ``all_gather_single`` and

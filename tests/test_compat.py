@@ -39,8 +39,13 @@ def test_private_apis_resolve():
     assert not _compat.is_in_torch_dispatch_mode(include_infra_modes=False)
     assert callable(torch._C._current_graph_task_id) and not _compat.in_backward()
     with _compat.fake_tensor_mode():  # the simulator: shapes without memory, torch's memory tracker over them
-        assert type(torch.empty(2)).__name__ == "FakeTensor"
+        assert type(torch.empty(2)).__name__ == "FakeTensor" and _compat.is_fake_tensor(torch.empty(2))
+    assert not _compat.is_fake_tensor(torch.empty(2))
     assert callable(_compat.mem_tracker().get_tracker_snapshot) and callable(_compat.resolve_group)
+    from torch.distributed._tools.mem_tracker import MemTracker  # the frozen parameters' hooks are skipped there
+
+    assert callable(MemTracker._track_module_params_and_buffers)
+    assert "_param_to_grad_hook_handles" in vars(_compat.mem_tracker())
     from torch.distributed.device_mesh import DeviceMesh
 
     assert callable(DeviceMesh._flatten)

@@ -26,9 +26,10 @@ from conftest import Batch
 from parity import assert_same_losses, assert_same_params
 from test_hf_lora import LORA, MODELS, lora_config
 
+from lightning_parallel import _compat
 from lightning_parallel.checkpoint import consolidated, main
 from lightning_parallel.hf import HFCausalLM
-from lightning_parallel.hf.adapters import PEFT_KEY, folder_sha256
+from lightning_parallel.hf.adapters import PEFT_KEY, folder_sha256, without_values
 from lightning_parallel.parallel.checkpoint import files as checkpoint_io
 from lightning_parallel.strategies import sharded_checkpoint
 
@@ -301,6 +302,23 @@ def test_a_base_given_as_an_object_is_named_by_its_tensors(folders, tmp_path, ca
         main(["export-hf", str(tmp_path / "one.ckpt"), str(tmp_path / "c"), "--merge", "--base", folders["other"]]) == 2
     )
     assert "adapters fit only the base they were trained on" in capsys.readouterr().err
+
+
+def test_a_base_without_values_is_not_hashed_and_its_adapters_are_not_saved():
+    """The rule for a base without values (meta, or the simulator's fake tensors): built without a hash; every save
+    and every resume (both ask for the record) refused, naming the tensor and the fix. With values: hashed at build."""
+    with torch.device("meta"):
+        module = HFCausalLM(MODELS[MODEL](), peft_config=lora_config(MODEL))
+    assert module._base_identity.valueless and module._base_identity._sha256 is None
+    checkpoint = {"state_dict": {}}
+    with pytest.raises(ValueError, match=r"built without values \(model\..* is on the meta device or fake\)"):
+        module.on_save_checkpoint(checkpoint)
+    with pytest.raises(ValueError, match="build HFCausalLM from a save_pretrained folder"):
+        module.check_checkpoint({PEFT_KEY: {"base": {"sha256": "0" * 64, "over": "tensors", "path": None}}})
+    with _compat.fake_tensor_mode():
+        assert without_values(torch.nn.Linear(2, 2)) == ["weight", "bias"]
+    real = HFCausalLM(MODELS[MODEL](), peft_config=lora_config(MODEL))  # from a config, on the host: hashed now
+    assert not real._base_identity.valueless and len(real._base_identity.record()["sha256"]) == 64
 
 
 @pytest.mark.slow

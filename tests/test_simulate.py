@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 import pytest
 from harness import run_worker
@@ -79,13 +80,49 @@ def test_expert_parallel_ranks_equal_a_gloo_run_but_for_the_routed_rows(tmp_path
     _check_against_gloo(2, "hybrid3d:ep=2", {"ep": 2}, tmp_path, MOE, _routed)
 
 
-def _check_against_gloo(world: int, spec: str, layout: dict, tmp_path, model=TINY, comparable=_comparable) -> None:
-    case = {"steps": STEPS, "global_batch": BATCH}
-    if model is not TINY:
+# a tiny Llama (GQA, gated MLP) for LoRA: peft's adapters on its 7 linear layers per block, rank 4
+LLAMA = {
+    "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 16,
+}  # fmt: skip
+# label -> (world, the worker's strategy spec, the layout, the frozen base's dtype)
+LORA = {
+    "lora_zero2": (2, "zero2", {"zero_stage": 2}, None),
+    "lora_tp2_sp_bf16_base": (2, "hybrid3d:tp=2,sequence_parallel=1", {"tp": 2, "sequence_parallel": True}, "bfloat16"),
+    "lora_zero3": (2, "zero3", {"zero_stage": 3}, None),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(LORA))
+def test_lora_ranks_equal_a_gloo_run(label, tmp_path):
+    """LoRA (rank 4, every linear layer but the head) on a frozen base: the simulated rank holds the frozen base's
+    shard, the adapters' gradients and AdamW states only, and issues the real run's collectives."""
+    world, spec, layout, base_dtype = LORA[label]
+    lora = {"llama": LLAMA, "rank": 4, "seq_len": 16, "base_dtype": base_dtype}
+    sim_kw = {"lora_rank": 4, "lora_base_dtype": base_dtype, "seq_len": 16}
+    sim = _check_against_gloo(world, spec, layout, tmp_path, _llama(), case={"hf_lora": lora}, sim_kw=sim_kw)
+    for r in sim.ranks:  # adapters train, the base is held: gradients and AdamW's states are the adapters' only
+        states = r.model_state_bytes
+        assert 0 < states["optimizer"] == 2 * states["grads"] and 2 * states["grads"] < states["params"]
+
+
+def _llama():
+    import transformers
+
+    return transformers.LlamaConfig(**LLAMA)
+
+
+def _check_against_gloo(
+    world: int, spec: str, layout: dict, tmp_path, model=TINY, comparable=_comparable, case=None, sim_kw=None
+) -> Any:
+    case = {"steps": STEPS, "global_batch": BATCH, **(case or {})}
+    if isinstance(model, type(TINY)) and model is not TINY:
         case["gpt"] = dataclasses.asdict(model)
     real = run_worker("simulate_ref", world, ["--strategy", spec, "--opts", json.dumps(case)], tmp_path, timeout=600)
     ranks = list(range(world))
-    sim = simulate(model, world, layout, precision="32-true", global_batch_size=BATCH, steps=STEPS, ranks=ranks)
+    kw = {"precision": "32-true", "global_batch_size": BATCH, "steps": STEPS, "ranks": ranks, **(sim_kw or {})}
+    sim = simulate(model, world, layout, **kw)
     assert [r.rank for r in sim.ranks] == ranks
     for rank, (mine, theirs) in enumerate(zip(sim.ranks, real)):
         assert mine.model_state_bytes == theirs["model_state_bytes"], f"rank {rank}"
@@ -93,6 +130,7 @@ def _check_against_gloo(world: int, spec: str, layout: dict, tmp_path, model=TIN
         assert simulated == [comparable(c) for c in theirs["collectives"]], f"rank {rank}"
         assert simulated, "a layout that communicates recorded no collective"
     assert not sim.mismatches and sim.groups_compared >= 1
+    return sim
 
 
 def _op(op: str, shape: tuple[int, ...], ranks=(0, 1), step=0) -> Collective:
@@ -141,3 +179,18 @@ def test_a_pipeline_batch_that_does_not_split_into_microbatches_is_refused():
         simulate(TINY, 2, "pp=2", global_batch_size=2)
     with pytest.raises(ValueError, match="zero-bubble schedules"):
         simulate(TINY, 2, "pp=2,pp_schedule=zero_bubble")
+
+
+def test_fp16_and_misplaced_lora_settings_are_refused_by_name(capsys):
+    """16-mixed by name with its reason (the loss scaler's host read) and the fix (bf16-mixed), from the API and the
+    command line; LoRA on a model the simulator puts no adapters on, or a base dtype without adapters."""
+    from lightning_parallel.simulate.__main__ import main
+
+    with pytest.raises(ValueError, match=r"16-mixed is not simulated: its loss scaler .* Simulate --precision bf16"):
+        simulate(TINY, 2, "zero_stage=2", precision="16-mixed")
+    assert main(["gpt_tiny", "--gpus", "2", "--precision", "16-mixed"]) == 2
+    assert "found_inf.item()" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="lora-rank=4: gpt is a recipe GPT, and the simulator puts LoRA adapters on"):
+        simulate(TINY, 2, "zero_stage=2", lora_rank=4)
+    with pytest.raises(ValueError, match="lora-base-dtype=bfloat16 is the frozen base's dtype: add --lora-rank"):
+        simulate(TINY, 2, "zero_stage=2", lora_base_dtype="bfloat16")

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_parallel._compat import is_fake_tensor
+
 PEFT_KEY = "peft"  # checkpoint key: {"config": peft config as JSON, "base": {"path", "sha256", "over"}}
 OVER_FILES, OVER_TENSORS = "safetensors files", "tensors"
 PREFIX = "model."  # HFCausalLM keeps the PeftModel as self.model
@@ -53,9 +55,26 @@ def tensors_sha256(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def without_values(model: nn.Module) -> list[str]:
+    """The names of ``model``'s state tensors that hold no values: on the meta device or fake (``FakeTensor``, a
+    simulation's), each a DTensor's local piece when it is one."""
+    out = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        local = getattr(tensor, "_local_tensor", tensor)
+        if local.is_meta or is_fake_tensor(local):
+            out.append(name)
+    return out
+
+
 class BaseIdentity:
     """What a LoRA checkpoint names its base by. A folder's hash is taken when first asked for (then kept); a
     model given as an object is hashed now, before any strategy splits it.
+
+    The rule for a base without values (built on the meta device, or on fake tensors by the simulator,
+    :mod:`lightning_parallel.simulate`): when any of its tensors is meta or fake it is not hashed (there is nothing
+    to hash, and reading it would fail), and :meth:`record` (every adapter save and every resume asks for it)
+    refuses, naming the tensor and the fix. A base with values, or a folder, is hashed as before: no real run saves
+    adapters without their base's hash.
 
     Args:
         source: what ``HFCausalLM`` was built from (a folder, a model or a config).
@@ -65,10 +84,21 @@ class BaseIdentity:
     def __init__(self, source: Any, model: nn.Module) -> None:
         folder = isinstance(source, (str, Path)) and Path(source).is_dir() and any(Path(source).glob("*.safetensors"))
         self.path = str(Path(source).resolve()) if folder else None
-        on_meta = any(t.is_meta for t in model.state_dict().values())  # built for a check before launch: no bytes
-        self._sha256 = None if folder else "" if on_meta else tensors_sha256(model)
+        self.valueless = [] if folder else without_values(model)
+        self._sha256 = None if folder or self.valueless else tensors_sha256(model)
 
     def record(self) -> dict[str, Any]:
+        """``{"path", "sha256", "over"}``.
+
+        Raises:
+            ValueError: the base was built without values (meta or fake tensors), so it has no hash.
+        """
+        if self.valueless:
+            raise ValueError(
+                f"the LoRA base was built without values ({self.valueless[0]} is on the meta device or fake), so "
+                "adapters saved from it could not name their base by a hash: build HFCausalLM from a "
+                "save_pretrained folder (hashed over its files) or from a model with weights."
+            )
         if self._sha256 is None:
             self._sha256 = folder_sha256(self.path)
         return {"path": self.path, "sha256": self._sha256, "over": OVER_FILES if self.path else OVER_TENSORS}

@@ -16,7 +16,7 @@ from typing import Any
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.mesh import MESH_AXES, ParallelDims
 from lightning_parallel.planning.cluster import Cluster, get_device
-from lightning_parallel.simulate.model import build_model
+from lightning_parallel.simulate.model import Adapters, build_model
 from lightning_parallel.simulate.rank import PRECISIONS, RankResult, first_stage_of, simulate_rank
 from lightning_parallel.simulate.timing import StepTime, step_time
 from lightning_parallel.simulate.trace import Mismatch, check_consistency
@@ -42,6 +42,7 @@ class Simulation:
     groups_compared: int = 0
     seconds: float = 0.0
     peak_rss_bytes: int = 0
+    adapters: Adapters = field(default_factory=Adapters)
 
     def config_degree(self, axis: str) -> int:
         return self.config.dims(self.world_size).degrees[axis]
@@ -57,6 +58,8 @@ class Simulation:
             "seq_len": self.seq_len,
             "global_batch_size": self.global_batch,
             "precision": self.precision,
+            "lora_rank": self.adapters.rank,
+            "lora_base_dtype": self.adapters.base_dtype,
             "ranks": [_rank_dict(r, t) for r, t in zip(self.ranks, self.times)],
             "consistent": not self.mismatches,
             "groups_compared": self.groups_compared,
@@ -140,7 +143,7 @@ def _run_rank(config: ParallelConfig, world: int, rank: int, model: Any, seq: in
     """In the child: build, split and step rank ``rank``; its errors come back as plain ones (torch's may not
     pickle), a setting's ValueError or TypeError as itself, anything else with the child's traceback."""
     try:
-        built = build_model(model, seq)
+        built = build_model(model[0], seq, model[1])  # (the source, its adapters)
         with open_rank(config, world, rank, kw["precision"]) as w:
             result = simulate_rank(w, config, built, samples, **kw)
     except (ValueError, TypeError) as err:
@@ -161,7 +164,7 @@ def _probe_first_stage(
 ) -> Any:
     """In the child: what ranks of later stages learn from rank ``rank`` (it holds the first pipeline stage)."""
     try:
-        built = build_model(model, seq)
+        built = build_model(model[0], seq, model[1])  # (the source, its adapters)
         with open_rank(config, world, rank, precision) as w:
             return first_stage_of(w, config, built, samples, precision)
     except (ValueError, TypeError) as err:
@@ -181,8 +184,19 @@ def _check_settings(config: ParallelConfig, steps: int, precision: str) -> None:
             "with pp_schedule=1f1b or interleaved_1f1b (the same stages, states and messages but the weight-gradient "
             "split) and take the bubble from the planner."
         )
+    if precision == "16-mixed":
+        raise ValueError(FP16_REFUSED)
     if precision not in PRECISIONS:
         raise ValueError(f"--precision={precision!r}: the simulator runs {', '.join(PRECISIONS)}; choose one of them.")
+
+
+FP16_REFUSED = (
+    "--precision=16-mixed is not simulated: its loss scaler (parallel/loss_scaler.py) reads on the host whether any "
+    "rank's gradients overflowed (found_inf.item(), after an all-reduce MAX over the world) to decide whether the "
+    "step is taken, and a fake tensor holds no value to read. Simulate --precision bf16-mixed instead: the same "
+    "model-state bytes (fp32 parameters, gradients and AdamW states), the same 2-byte activations and the same "
+    "collectives, except the scaler's one 4-byte all-reduce over all ranks per step (and fp16's skipped steps)."
+)
 
 
 def _check_batch(config: ParallelConfig, batch: int, batch_ranks: int) -> None:
@@ -230,6 +244,8 @@ def simulate(
     ranks: list[int] | None = None,
     steps: int = 2,
     clip: float | None = 1.0,
+    lora_rank: int = 0,
+    lora_base_dtype: str | None = None,
 ) -> Simulation:
     """Simulate ``layout`` of ``model`` on ``gpus`` devices: the real ``parallelize()`` and training steps at the
     full world size, each chosen rank in a fresh child process on torch's fake process group and fake tensors.
@@ -248,6 +264,10 @@ def simulate(
         ranks: the global ranks to simulate (None: :func:`default_ranks`).
         steps: training steps per rank (the report shows the last; every one is checked for consistency).
         clip: gradient clipping's max norm (None: no clipping).
+        lora_rank: LoRA adapters of this rank on a frozen base (0: every parameter trains), as the planner's
+            ``--lora-rank``: peft's adapters on every linear layer but the output head (the recipe's ``peft=lora``),
+            Hugging Face models only.
+        lora_base_dtype: with ``lora_rank``, the frozen base's dtype (``bfloat16`` or ``float32``; None: as built).
     """
     start = time.perf_counter()
     config = parse_config(layout)
@@ -264,9 +284,10 @@ def simulate(
         raise ValueError(f"--ranks: {bad} are not ranks of the world of {gpus}: give ranks in 0..{gpus - 1}.")
     # built here once on the meta device: the model's errors come before any rank, and its imports are paid once
     # (each rank's process is forked from this one and builds its own copy)
-    first = build_model(model, seq_len)
+    adapters = Adapters(lora_rank, lora_base_dtype)
+    first = build_model(model, seq_len, adapters)
     kw: dict[str, Any] = {"precision": precision, "steps": steps, "clip": clip}
-    results = _simulate_ranks(config, gpus, chosen, model, seq_len, batch // batch_ranks, kw)
+    results = _simulate_ranks(config, gpus, chosen, (model, adapters), seq_len, batch // batch_ranks, kw)
     bubble = config.schedule.bubble(config.pp, config.microbatches or 1, config.stages_per_rank)
     zero3, hide = config.zero_stage == 3, config.zero_stage == 3 or config.overlap_grad_reduce
     times = [step_time(r.flops, r.collectives, cluster, bubble, zero3, hide) for r in results]
@@ -287,4 +308,5 @@ def simulate(
         compared,
         time.perf_counter() - start,
         rss,
+        adapters,
     )

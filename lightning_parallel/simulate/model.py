@@ -72,25 +72,56 @@ def token_batch(vocab_size: int, seq_len: int) -> Callable[[int], Batch]:
     return make
 
 
-def build_model(source: Any, seq_len: int | None = None) -> SimulatedModel:
+@dataclass(frozen=True)
+class Adapters:
+    """LoRA on a frozen base, as the planner takes it (``--lora-rank``, ``--lora-base-dtype``) and the recipe's
+    ``peft=lora`` builds it: peft's ``LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0,
+    target_modules="all-linear")`` (every linear layer but the output head) on a Hugging Face model.
+
+    Attributes:
+        rank: the adapters' rank (0: no adapters, every parameter trains).
+        base_dtype: the frozen base's dtype (``bfloat16`` / ``float32``; None: as built).
+    """
+
+    rank: int = 0
+    base_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"--lora-rank={self.rank} is not a rank: give 1 or more (0: full training).")
+        if self.base_dtype is not None and not self.rank:
+            raise ValueError(f"--lora-base-dtype={self.base_dtype} is the frozen base's dtype: add --lora-rank R.")
+
+    def peft_config(self) -> Any:
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.rank, lora_alpha=2 * self.rank, lora_dropout=0.0, target_modules=ALL_LINEAR)
+
+
+ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output head (the recipe's default)
+
+
+def build_model(source: Any, seq_len: int | None = None, adapters: Adapters | None = None) -> SimulatedModel:
     """``source`` (see the module docstring) as a :class:`SimulatedModel` on the meta device; ``seq_len`` None: the
-    model's context length."""
+    model's context length; ``adapters``: LoRA on a frozen base (Hugging Face models only)."""
+    lora = adapters if adapters is not None and adapters.rank else None
     if isinstance(source, (str, Path)):
         path = Path(source)
         if path.is_dir() or str(source).endswith(".json"):
-            return _hf(_read_hf_config(path), seq_len, path.stem if path.suffix else path.name)
+            return _hf(_read_hf_config(path), seq_len, path.stem if path.suffix else path.name, lora)
         recipe = _recipe(str(source), seq_len)
-        return recipe if recipe is not None else _litgpt(str(source), seq_len)
+        found = recipe if recipe is not None else _litgpt(str(source), seq_len)
+        return _no_adapters(found, lora, "a recipe GPT" if recipe is not None else "a LitGPT model")
     from lightning_parallel.models import GPTConfig
 
     if isinstance(source, GPTConfig):
-        return _recipe_gpt(source, seq_len, "gpt")
+        return _no_adapters(_recipe_gpt(source, seq_len, "gpt"), lora, "a recipe GPT")
     if isinstance(source, dict):
-        return _hf(_config_from_dict(dict(source)), seq_len, source.get("_name_or_path") or "model")
+        return _hf(_config_from_dict(dict(source)), seq_len, source.get("_name_or_path") or "model", lora)
     from transformers import PretrainedConfig
 
     if isinstance(source, PretrainedConfig):
-        return _hf(source, seq_len, source.name_or_path or source.model_type)
+        return _hf(source, seq_len, source.name_or_path or source.model_type, lora)
     raise TypeError(
         f"simulate: model={type(source).__name__} is not a model to simulate: give a conf/model name, a Hugging Face "
         "config (config.json, its folder, a dict or a PretrainedConfig) or a LitGPT model name."
@@ -113,12 +144,26 @@ def _config_from_dict(raw: dict[str, Any]) -> Any:
     return AutoConfig.for_model(kind, **raw)
 
 
-def _hf(config: Any, seq_len: int | None, name: str) -> SimulatedModel:
+def _no_adapters(model: SimulatedModel, adapters: Adapters | None, kind: str) -> SimulatedModel:
+    if adapters is not None:
+        raise ValueError(
+            f"--lora-rank={adapters.rank}: {model.name} is {kind}, and the simulator puts LoRA adapters on Hugging "
+            "Face models (HFCausalLM with peft, as the recipe's peft=lora): give the model's config.json or folder, "
+            "or drop --lora-rank."
+        )
+    return model
+
+
+def _hf(config: Any, seq_len: int | None, name: str, adapters: Adapters | None = None) -> SimulatedModel:
+    """``HFCausalLM`` of ``config`` on meta; with ``adapters`` wrapped by peft, its base frozen (and cast), as the
+    recipe's ``peft=lora`` builds it (the base has no values: :class:`~lightning_parallel.hf.adapters.BaseIdentity`
+    takes no hash of it)."""
     from lightning_parallel.hf import HFCausalLM
 
     seq = seq_len or getattr(config, "max_position_embeddings", None) or 2048
+    lora = {"peft_config": adapters.peft_config(), "base_dtype": adapters.base_dtype} if adapters else {}
     with torch.device("meta"):
-        module = HFCausalLM(config)
+        module = HFCausalLM(config, **lora)
     return SimulatedModel(module, name, seq, token_batch(config.vocab_size, seq))
 
 
