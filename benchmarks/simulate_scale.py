@@ -188,7 +188,7 @@ def _collectives(rank: dict[str, Any]) -> list[Collective]:
     out = []
     for c in rank["collectives"]:
         c = dict(c, shape=tuple(c["shape"]), ranks=tuple(c["ranks"]))
-        out.append(Collective(**{f.name: c[f.name] for f in dataclasses.fields(Collective)}))
+        out.append(Collective(**{f.name: c[f.name] for f in dataclasses.fields(Collective) if f.name in c}))
     return out
 
 
