@@ -17,6 +17,7 @@ def rebuilt(ckpt, config_folder=None) -> HFCausalLM:
     """The trained model as the checkpoint holds it, in this process."""
     checkpoint = consolidated(ckpt)
     module = HFCausalLM(hf_config_of(checkpoint, config_folder))
+    module.materialize()  # built on meta from its config: storage first, then the checkpoint's values
     module.load_state_dict(checkpoint["state_dict"])
     return module.eval()
 
@@ -54,6 +55,7 @@ def llama_checkpoint(path, with_config: bool = True):
     )  # fmt: skip
     torch.manual_seed(0)
     module = HFCausalLM(config)
+    module.materialize()  # a model from a config alone is built on meta; a Trainer's setup does this
     checkpoint = {"state_dict": module.state_dict()}
     if with_config:
         module.on_save_checkpoint(checkpoint)

@@ -230,7 +230,9 @@ def test_packed_rows_restart_positions_and_give_the_padded_loss(tmp_path, tok):
     assert n0 + n1 <= 64 and (row["input_ids"][n0 : n0 + n1] == padded[1]["input_ids"][:n1]).all()
 
     torch.manual_seed(0)
-    module = HFCausalLM(_tiny_llama(tok.vocab_size)).double()  # float64: equal up to rounding, not by luck
+    module = HFCausalLM(_tiny_llama(tok.vocab_size))
+    module.materialize()  # built on meta from its config
+    module.double()  # float64: equal up to rounding, not by luck
     collate = torch.utils.data.default_collate
     padded_batch, packed_batch = collate(list(padded)), collate(list(packed))
     assert module.unpack(padded_batch)[2]["attention_mask"] is padded_batch["attention_mask"]
@@ -349,7 +351,7 @@ def test_missing_columns_are_listed(tmp_path, tok):
 def test_chat_data_without_a_chat_template_is_refused(tmp_path, tok):
     plain, _ = load_tokenizer(None, _save_tokenizer(_bpe(), tmp_path / "plain", chat_template=None))
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS])
-    with pytest.raises(ValueError, match="has no chat template: use a tokenizer with one .*'prompt' / 'completion'"):
+    with pytest.raises(ValueError, match="has no chat template: give one .*data.chat_template=FILE.*use a tokenizer with one .*'prompt' / 'completion'"):
         build_token_cache(_sft(path), plain, tmp_path / "c")
     no_answer = _jsonl(tmp_path / "q.jsonl", [{"messages": CHATS[0][:2]}])
     with pytest.raises(ValueError, match="has no assistant message"):

@@ -152,7 +152,7 @@ def _after_fit(case: dict, trainer: pl.Trainer, model: pl.LightningModule, datam
     from torch._dynamo.utils import counters  # how many graphs torch.compile made (compile=True)
 
     result["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
-    sharding = getattr(trainer.strategy, "_sharding", None)
+    sharding = getattr(getattr(trainer.strategy, "runtime", None), "sharding", None)
     result["overlap"] = sharding.overlap_stats() if sharding is not None else {}
     result["built_on"] = getattr(model, "built_on", None)
     result["memory"] = probe.bytes
