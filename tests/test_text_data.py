@@ -351,7 +351,8 @@ def test_missing_columns_are_listed(tmp_path, tok):
 def test_chat_data_without_a_chat_template_is_refused(tmp_path, tok):
     plain, _ = load_tokenizer(None, _save_tokenizer(_bpe(), tmp_path / "plain", chat_template=None))
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS])
-    refused = "has no chat template: give one .*data.chat_template=FILE.*use a tokenizer with one .*'prompt' / 'completion'"
+    refused = "has no chat template: give one .*data.chat_template=FILE.*use a tokenizer with one "
+    refused += ".*'prompt' / 'completion'"
     with pytest.raises(ValueError, match=refused):
         build_token_cache(_sft(path), plain, tmp_path / "c")
     no_answer = _jsonl(tmp_path / "q.jsonl", [{"messages": CHATS[0][:2]}])
