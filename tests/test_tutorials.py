@@ -137,7 +137,8 @@ def check_pretrain(cwd: Path, out: str) -> None:
     slurm = next(code for code, _, no_run in blocks(TUTORIALS / "pretrain-70b-slurm.md") if no_run == "slurm")
     assert all(item in slurm.split() for item in printed), "the submission carries every printed override"
     metrics = json.loads((cwd / "runs/rehearsal/metrics.json").read_text())
-    assert metrics["layout"]["cp"] == 2 and metrics["layout"]["zero_stage"] == 3 and metrics["steps"] == 4
+    layout = metrics["layout"]
+    assert (layout["pp"], layout["cp"], layout["zero_stage"], metrics["steps"]) == (2, 2, 3, 4), layout
     written = (cwd / "sbatch_script.sh").read_text()
     (sweep,) = set(re.findall(r"(/[^\s=]*?/multirun/[\d-]+/[\d-]+)/", written))
     python = re.search(r" (\S+python\S*) -u -m submitit", written).group(1)
