@@ -155,7 +155,8 @@ def generate(
     for _ in range(tokens):
         with whole_sequence(model):  # cp: the prompt is not split, every cp rank runs all of it
             out = model(idx[:, -seq_len:])
-        logits = out.materialize() if isinstance(out, PipelineInput) else out
+            # under pp the forward runs here, when the pipeline's input is made: inside, so cp leaves it whole too
+            logits = out.materialize() if isinstance(out, PipelineInput) else out
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
         last = logits[:, -1, :256].float().cpu()  # (1, 256): byte ids only (a larger vocabulary has more)
         if temperature <= 0:
