@@ -247,3 +247,11 @@ def gpt_recipe_with_a_tokenizer(tmp_path: Path, *model: str) -> str:
 def test_the_gpt_recipe_trains_and_samples_with_the_folders_tokenizer(tmp_path, assets):
     output = gpt_recipe_with_a_tokenizer(tmp_path, "model=hf", f"model.path={assets / 'tiny_llama'}")
     assert "Tokenizer: the tokenizer of the model folder" in output
+
+
+def test_an_optimizer_the_finetune_recipe_would_ignore_is_refused(assets):
+    """The fine-tune recipe trains with its model's own AdamW and has no optimizer group; one added by hand
+    (+optimizer=muon) is refused by name, not silently ignored."""
+    check_finetune_config(compose_finetune(assets))
+    with pytest.raises(ValueError, match="the fine-tune recipe trains with the model's own AdamW"):
+        check_finetune_config(compose_finetune(assets, "+optimizer=muon"))

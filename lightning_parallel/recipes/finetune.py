@@ -39,11 +39,26 @@ def check_finetune_config(cfg: DictConfig) -> None:
             "recipes/finetune.py trains Hugging Face and LitGPT models (model=hf*, e.g. model=hf model.path=FOLDER, "
             "or model=litgpt_chat_tiny model.path=FOLDER): use recipes/train_gpt.py for the others."
         )
+    _refuse_optimizer(cfg.get("optimizer"))
     assets = Path(cfg.assets).expanduser().resolve()
     named = [p for p in (cfg.model.path, cfg.data.path) if p is not None]
     if any(Path(p).expanduser().resolve().is_relative_to(assets) for p in named):
         make_default_assets(assets)
     check_config(cfg)
+
+
+def _refuse_optimizer(opt: Any) -> None:
+    """The fine-tune recipe trains with its model's own AdamW (model.lr, model.weight_decay): an ``optimizer``
+    group other than the default would be ignored, so it is refused."""
+    if opt is None:
+        return
+    default = opt.name == "adamw" and opt.get("lr") is None and opt.get("weight_decay") is None
+    if not default or list(opt.get("betas", [0.9, 0.95])) != [0.9, 0.95] or opt.get("eps", 1e-8) != 1e-8:
+        raise ValueError(
+            f"optimizer={opt.name} (or its lr/weight_decay/betas/eps) with recipes/finetune.py: the fine-tune recipe "
+            "trains with the model's own AdamW; set model.lr and model.weight_decay instead, or use "
+            "recipes/train_gpt.py for optimizer=sgd|muon."
+        )
 
 
 def _before_copy(module: Any) -> Any:
