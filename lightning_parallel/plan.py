@@ -37,6 +37,7 @@ from lightning_parallel.planning.estimate import (
     recommend,
 )
 from lightning_parallel.planning.hf_config import ModelShape, from_recipe
+from lightning_parallel.planning.layout import OPTIMIZERS
 from lightning_parallel.planning.profile import plan_layouts
 from lightning_parallel.planning.published import published_table
 from lightning_parallel.planning.scale_cli import add_scale_args, format_scale_table, make_scale_plan
@@ -82,7 +83,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, help="per pipeline step (default: 2 * pp, as hybrid3d)")
     p.add_argument("--pp-schedule", choices=list(SCHEDULES), default="1f1b")
     p.add_argument("--pp-virtual-stages", type=int, default=2, help="stages per rank for interleaved_1f1b")
-    p.add_argument("--precision", choices=PRECISIONS, default="32-true")
+    p.add_argument("--precision", choices=PRECISIONS, default="32-true", help="fp8: float8 linears over bf16-mixed")
+    p.add_argument(
+        "--optimizer",
+        choices=list(OPTIMIZERS),
+        default="adamw",
+        help="muon: MuonAdamW's state, owner exchange and Newton-Schulz (with --gpus)",
+    )
+    p.add_argument(
+        "--fsdp-float8-all-gather",
+        action="store_true",
+        help="with --precision fp8 and ZeRO-3: the converted linears' weights gathered in fp8 (with --gpus)",
+    )
     p.add_argument("--margin", type=float, default=0.1, help="fraction of device memory to keep free")
     p.add_argument("--device-flops", type=float, default=100e12, help="sustained FLOP/s per device (cost model)")
     p.add_argument("--bandwidth", type=float, default=50e9, help="bytes/s each rank sends (cost model)")
@@ -109,6 +121,13 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("give a model, --world-size and --device-memory (or --gpus for the analytic planner).")
     if args.world_size < 1:
         raise ValueError(f"--world-size={args.world_size} must be at least 1.")
+    for given, setting in ((args.optimizer == "muon", "--optimizer muon"),
+                           (args.fsdp_float8_all_gather, "--fsdp-float8-all-gather")):  # fmt: skip
+        if given:
+            raise ValueError(
+                f"{setting}: the profiling planner counts states per parameter and gathers by precision alone; plan "
+                "it with the analytic planner: add --gpus N (and --device h100, ...)."
+            )
     kind, m = load_model_config(args.model)
     _check_lora_args(args, kind)
     spec = MODEL_KINDS[kind].plan(m, args.lora_rank)
