@@ -4,6 +4,7 @@ exchange bytes against what the optimizer's exchange counts (single process, no 
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -174,6 +175,9 @@ def test_cli_and_choose_layout(capsys):
     assert "--optimizer muon: the profiling planner" in capsys.readouterr().err
     assert main(["pythia-14m", "--gpus", "8", "--device", "a100-80gb", "--precision", "fp8"]) == 2
     assert "a100-80gb has none" in capsys.readouterr().err
+    fp8_given = ["pythia-14m", "--gpus", "8", "--device", "a100-80gb", "--fp8-peak-flops", "624e12", "--json"]
+    assert main([*fp8_given, "--precision", "fp8", "--top", "1"]) == 0  # a figure of one's own is taken
+    assert json.loads(capsys.readouterr().out)["cluster"]["device"]["fp8_flops"] == 624e12
     args = ["pythia-14m", "--gpus", "8", "--device", "h100", "--precision", "fp8", "--optimizer", "muon", "--top", "1"]
     assert main([*args, "--fsdp-float8-all-gather"]) == 0
     out = capsys.readouterr().out

@@ -31,6 +31,7 @@ def add_scale_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus-per-node", type=int, default=8)
     g.add_argument("--device", choices=list(DEVICES), default="h100")
     g.add_argument("--peak-flops", type=float, help="override: dense bf16 FLOP/s per device")
+    g.add_argument("--fp8-peak-flops", type=float, help="override: dense fp8 FLOP/s per device (0: none)")
     g.add_argument("--intra-node-bw", type=float, help="override: bytes/s per device inside a node")
     g.add_argument("--inter-node-bw", type=float, help="override: bytes/s per node across nodes")
     g.add_argument("--hbm-bw", type=float, help="override: device memory bytes/s")
@@ -68,6 +69,7 @@ def make_scale_plan(
     device = get_device(
         args.device,
         peak_flops=args.peak_flops,
+        fp8_flops=getattr(args, "fp8_peak_flops", None),
         intra_node_bw=args.intra_node_bw,
         inter_node_bw=args.inter_node_bw,
         hbm_bandwidth=args.hbm_bw,
