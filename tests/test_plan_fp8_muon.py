@@ -9,8 +9,10 @@ import types
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_parallel import plan as plan_cli
 from lightning_parallel.parallel.optim import muon_exchange
 from lightning_parallel.parallel.optim.muon import NS_COEFFICIENTS, newton_schulz
 from lightning_parallel.plan import main
@@ -21,7 +23,14 @@ from lightning_parallel.planning.fp8 import check_fp8_device, converted_kinds, c
 from lightning_parallel.planning.hf_config import from_hf_config
 from lightning_parallel.planning.layout import Layout, Workload, layout_error
 from lightning_parallel.planning.matrices import layer_matrices
-from lightning_parallel.planning.muon import exchange_bytes, exchange_sent, muon_params, newton_schulz_flops, ns_flops
+from lightning_parallel.planning.muon import (
+    exchange_bytes,
+    exchange_sent,
+    muon_params,
+    newton_schulz_flops,
+    ns_flops,
+    states_per_param,
+)
 
 # head_dim 16; per layer: q 64x64, k 32x64, v 32x64, o 64x64 (12,288), gate/up 128x64, down 64x128 (24,576)
 TINY = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -135,9 +144,9 @@ def _exchange_stats(monkeypatch, shapes, world, rank, dtype):
 
 
 def test_exchange_bytes_as_the_optimizer_counts_them(monkeypatch):
-    # docs/muon.md's count: the test GPT (d_model 32, 2 blocks: qkv 96x32, proj 32x32, fc 128x32, fc2 32x128; P =
+    # docs/muon.md's count: the test GPT (d_model 32, 2 blocks: q, k, v, proj 32x32, fc 128x32, fc2 32x128; P =
     # 24,576), W = 2, fp32: 49,152 bytes a rank, = 2 b (W-1) P / W^2
-    gpt = [(96, 32), (32, 32), (128, 32), (32, 128)] * 2
+    gpt = [(32, 32)] * 4 * 2 + [(128, 32), (32, 128)] * 2
     assert exchange_sent(gpt, 2, elem=4) == [49_152, 49_152] == [exchange_bytes(24_576, 2, elem=4)] * 2
     # uneven slices and owners over 3 ranks, bf16 on the wire: what owner_exchange itself counts on each rank
     odd = [(7, 5), (64, 16), (10, 3), (33, 8)]
@@ -170,9 +179,26 @@ def test_muon_state_exchange_and_time_by_hand():
     assert "optimizer=muon is refused under zero_stage=1 with tp=2" in refusal
 
 
+def test_profiled_muon_states_per_parameter(monkeypatch):
+    # docs/muon.md's example: Muon takes the Linear(32, 32)'s 1,024; AdamW the embedding 2,048, the bias 32, the norm
+    # 64 and the head (64 outputs: the embedding's rows) 2,048 + 64
+    model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 64))
+    assert states_per_param(model) == pytest.approx((1_024 + 2 * 4_256) / 5_280)
+    seen = []
+    monkeypatch.setattr(plan_cli, "plan_layouts", lambda spec, world, settings: seen.append(settings) or [])
+    plan = plan_cli.make_plan(plan_cli.parse_args(["gpt_small", "--world-size", "2", "--device-memory", "1GB",
+                                                   "--optimizer", "muon"]))  # fmt: skip
+    muon = 8 * 12 * 320**2  # q, k, v, proj 320 x 320 and fc, proj 1,280 x 320 in each of 8 blocks
+    total = plan["num_params"]
+    assert seen[0].optimizer_states == pytest.approx((muon + 2 * (total - muon)) / total)
+    with pytest.raises(ValueError, match="--optimizer muon with --lora-rank"):
+        plan_cli.make_plan(plan_cli.parse_args(["gpt_small", "--world-size", "2", "--device-memory", "1GB",
+                                                "--optimizer", "muon", "--lora-rank", "4"]))  # fmt: skip
+
+
 def test_cli_and_choose_layout(capsys):
-    assert main(["gpt_tiny", "--world-size", "2", "--device-memory", "1GB", "--optimizer", "muon"]) == 2
-    assert "--optimizer muon: the profiling planner" in capsys.readouterr().err
+    assert main(["gpt_tiny", "--world-size", "2", "--device-memory", "1GB", "--fsdp-float8-all-gather"]) == 2
+    assert "--fsdp-float8-all-gather: the profiling planner" in capsys.readouterr().err
     assert main(["pythia-14m", "--gpus", "8", "--device", "a100-80gb", "--precision", "fp8"]) == 2
     assert "a100-80gb has none" in capsys.readouterr().err
     fp8_given = ["pythia-14m", "--gpus", "8", "--device", "a100-80gb", "--fp8-peak-flops", "624e12", "--json"]

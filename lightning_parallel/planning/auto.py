@@ -34,6 +34,7 @@ from lightning_parallel.planning.estimate import Estimate, Settings, recommend
 from lightning_parallel.planning.fp8 import check_fp8_device
 from lightning_parallel.planning.hf_config import ModelShape, from_hf_config
 from lightning_parallel.planning.layout import Workload
+from lightning_parallel.planning.muon import states_per_param
 from lightning_parallel.planning.profile import ModelSpec, plan_layouts
 from lightning_parallel.planning.search import Refusal
 
@@ -221,18 +222,19 @@ def choose_layout(
         seq_len: tokens per sample for a model shape (None: the model's context length).
         refuses: for a model shape, why its family refuses a layout ("" if it takes it:
             :mod:`lightning_parallel.recipes.family`); such layouts are never chosen.
-        optimizer: ``adamw`` or, for a model shape, ``muon`` (its state, exchange and Newton-Schulz counted).
+        optimizer: ``adamw`` (a :class:`ModelSpec`'s own ``optimizer_states``) or ``muon``: a model shape's state,
+            exchange and Newton-Schulz counted (:mod:`.muon`); a ModelSpec's states at the model's average per
+            parameter (:func:`.muon.states_per_param`, exact at pp=1), no exchange or Newton-Schulz time.
             ``precision="fp8"``: a model shape's converted linears at the device's fp8 peak; a profiled
             :class:`ModelSpec` is planned as ``bf16-mixed`` holds it (one FLOP/s figure, no fp8 speed-up).
     """
     if not isinstance(model, ModelSpec):
         work = Workload(1, global_batch, precision=precision, margin=margin, optimizer=optimizer)
         return _choose_analytic(model_shape(model), machine, work, seq_len, refuses)
-    if optimizer != "adamw":
-        raise ValueError(
-            f"choose_layout(optimizer={optimizer!r}): a profiled ModelSpec is planned with its own optimizer_states; "
-            "plan Muon for a model given by its shape (a Hugging Face config, a LitGPT name or a ModelShape)."
-        )
+    if optimizer == "muon":  # its states at the model's average per parameter (no exchange, no Newton-Schulz)
+        model = replace(model, optimizer_states=states_per_param(model.model, model.optimizer_states))
+    elif optimizer != "adamw":
+        raise ValueError(f"choose_layout(optimizer={optimizer!r}): plan 'adamw' (the model's own) or 'muon'.")
     if seq_len is not None:
         raise ValueError(
             f"choose_layout(seq_len={seq_len}): a ModelSpec is profiled at the sequence its make_input builds; set "

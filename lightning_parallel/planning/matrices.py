@@ -2,8 +2,9 @@
 treats matrices apart from other parameters: FP8 training (:mod:`.fp8`: which linears torchao converts) and Muon
 (:mod:`.muon`: which parameters are orthogonalized, and their shapes). Pure Python.
 
-- Attention: separate q, k and v projections (Hugging Face's and LitGPT's layout), or one fused ``qkv`` for the
-  models with biases (GPT-2 style: the recipe GPT, Megatron's); then the output projection. Multi-head latent
+- Attention: separate q, k and v projections (Hugging Face's, LitGPT's and the recipe GPT's layout; GPT-2's fused
+  ``Conv1D`` is no ``nn.Linear`` and neither torchao nor Muon's split rule takes it), then the output projection.
+  Multi-head latent
   attention (``attn_params`` given) is taken as one input matrix ``hidden x (attn_params / hidden - heads * v)``
   and the output projection: its low-rank factors are not listed one by one.
 - MLP: gate, up and down (gated) or fc and proj, of the dense width; a MoE layer's shared experts the same at
@@ -44,8 +45,6 @@ def layer_matrices(shape: ModelShape, moe: bool) -> list[Matrix]:
     out = Matrix("o", h, s.heads * s.v_head_dim, "attention")
     if s.attn_params is not None:  # multi-head latent attention, its input side as one matrix
         attn = [Matrix("qkv", s.attn_params // h - s.heads * s.v_head_dim, h, "attention"), out]
-    elif s.biases:
-        attn = [Matrix("qkv", q + k + v, h, "attention"), out]
     else:
         attn = [Matrix("q", q, h, "attention"), Matrix("k", k, h, "attention"), Matrix("v", v, h, "attention"), out]
     if not moe:

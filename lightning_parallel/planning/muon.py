@@ -24,6 +24,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch import nn
+
+from lightning_parallel.parallel.optim.muon import split_params
 from lightning_parallel.parallel.optim.muon_exchange import chunk_sizes, owners
 from lightning_parallel.planning.hf_config import ModelShape
 from lightning_parallel.planning.matrices import Matrix, stage_matrices
@@ -41,6 +44,15 @@ def muon_matrices(shape: ModelShape, dense: int, moe: int) -> list[tuple[Matrix,
 def muon_params(shape: ModelShape, dense: int, moe: int) -> int:
     """Elements of the Muon matrices of ``dense`` dense and ``moe`` MoE layers (whole, before tp)."""
     return sum(m.numel * n for m, n in muon_matrices(shape, dense, moe))
+
+
+def states_per_param(model: nn.Module, adamw_states: int = 2) -> float:
+    """Optimizer-state tensors per trainable parameter of ``model`` under MuonAdamW's split rule (its own
+    :func:`~lightning_parallel.parallel.optim.muon.split_params`): one for Muon's matrices, ``adamw_states`` for
+    the rest, averaged over the model (what the profiling planner's one figure per parameter can hold)."""
+    muon, decay, no_decay = split_params(model)
+    matrices, rest = sum(p.numel() for p in muon), sum(p.numel() for p in decay + no_decay)
+    return (matrices + adamw_states * rest) / max(1, matrices + rest)
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int = NS_STEPS) -> float:
