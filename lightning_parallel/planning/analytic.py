@@ -59,15 +59,15 @@ class AnalyticEstimate:
         memory: bytes on the busiest rank; states, activations: its parts.
         recompute: the part of ``activations`` a fully checkpointed layer rebuilds during its backward (the rest
             is what the forward leaves for backward, what ``ActivationMemoryMonitor`` measures).
-        step_time: seconds; times: its parts (compute, bubble, tp, cp, ep, pp, dp, optimizer).
+        step_time: seconds; times: its parts (compute, bubble, tp, cp, ep, pp, dp, optimizer; muon with Muon).
         tokens_per_s: for the whole job; mfu: the FLOPs the model needs (6 N per token and causal attention, no
             recomputation) per second per device over the device's peak (under fp8, :func:`mixed_peak`).
         tflops_per_gpu: FLOP/s per device as the workload's ``flops_count`` counts them (``megatron``: full
             attention and the recomputed forward, as Megatron-LM's tables; ``causal``: the FLOPs MFU counts).
         bound: the largest part of the step.
         counts: per step on the busiest rank: ``fp8_flop_share`` (of the FLOPs MFU counts, :mod:`.fp8`),
-            ``zero3_gather_bytes`` (ZeRO-3's parameter all-gathers and, under fp8, their amax all-reduces),
-            ``optimizer_state_bytes``, and with Muon ``muon_exchange_bytes`` and ``muon_ns_flops`` (:mod:`.muon`).
+            ``zero3_gather_bytes`` (ZeRO-3's parameter all-gathers and, under fp8, their amax all-reduces), and
+            with Muon ``muon_exchange_bytes`` and ``muon_ns_flops`` (:mod:`.muon`).
     """
 
     layout: Layout
