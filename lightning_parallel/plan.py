@@ -21,7 +21,7 @@ import argparse
 import functools
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,8 @@ from lightning_parallel.planning.estimate import (
     recommend,
 )
 from lightning_parallel.planning.hf_config import ModelShape, from_recipe
+from lightning_parallel.planning.layout import OPTIMIZERS
+from lightning_parallel.planning.muon import states_per_param
 from lightning_parallel.planning.profile import plan_layouts
 from lightning_parallel.planning.published import published_table
 from lightning_parallel.planning.scale_cli import add_scale_args, format_scale_table, make_scale_plan
@@ -82,7 +84,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, help="per pipeline step (default: 2 * pp, as hybrid3d)")
     p.add_argument("--pp-schedule", choices=list(SCHEDULES), default="1f1b")
     p.add_argument("--pp-virtual-stages", type=int, default=2, help="stages per rank for interleaved_1f1b")
-    p.add_argument("--precision", choices=PRECISIONS, default="32-true")
+    p.add_argument("--precision", choices=PRECISIONS, default="32-true", help="fp8: float8 linears over bf16-mixed")
+    p.add_argument(
+        "--optimizer",
+        choices=list(OPTIMIZERS),
+        default="adamw",
+        help="muon: MuonAdamW's state, owner exchange and Newton-Schulz (with --gpus)",
+    )
+    p.add_argument(
+        "--fsdp-float8-all-gather",
+        action="store_true",
+        help="with --precision fp8 and ZeRO-3: the converted linears' weights gathered in fp8 (with --gpus)",
+    )
     p.add_argument("--margin", type=float, default=0.1, help="fraction of device memory to keep free")
     p.add_argument("--device-flops", type=float, default=100e12, help="sustained FLOP/s per device (cost model)")
     p.add_argument("--bandwidth", type=float, default=50e9, help="bytes/s each rank sends (cost model)")
@@ -109,9 +122,16 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("give a model, --world-size and --device-memory (or --gpus for the analytic planner).")
     if args.world_size < 1:
         raise ValueError(f"--world-size={args.world_size} must be at least 1.")
+    if args.fsdp_float8_all_gather:
+        raise ValueError(
+            "--fsdp-float8-all-gather: the profiling planner gathers by precision alone; plan it with the analytic "
+            "planner: add --gpus N (and --device h100, ...)."
+        )
     kind, m = load_model_config(args.model)
     _check_lora_args(args, kind)
     spec = MODEL_KINDS[kind].plan(m, args.lora_rank)
+    if args.optimizer == "muon":  # Muon's states at the model's average per parameter (exact at pp=1)
+        spec = replace(spec, optimizer_states=states_per_param(spec.model, spec.optimizer_states))
     default_batch = (TextDataConf if kind == "gpt" else ImageDataConf).global_batch_size
     virtual = schedule_spec(args.pp_schedule).stages_per_rank(args.pp_virtual_stages)
     settings = Settings(
@@ -169,6 +189,8 @@ def _check_lora_args(args: argparse.Namespace, kind: str) -> None:
             f"--lora-rank={args.lora_rank} puts adapters on attention and MLP linears, and {args.model} (a {kind}) "
             "has none: drop --lora-rank."
         )
+    if args.lora_rank and args.optimizer == "muon":
+        raise ValueError("--optimizer muon with --lora-rank: the planner counts Muon for full training; plan adamw.")
     if args.lora_base_dtype and not args.lora_rank:
         raise ValueError(f"--lora-base-dtype={args.lora_base_dtype} is the frozen base's dtype: add --lora-rank R.")
 

@@ -14,6 +14,10 @@ models too large to build on the host. Pure Python arithmetic.
   microbatches and bubble ``(pp-1)/v`` microbatch times, ZeRO-3 gathers and the gradient reduction after the last
   microbatch hidden behind at most the calibrated fraction of the compute (:func:`.timemodel.exposed_dp`, the
   constants of :data:`.timemodel.CALIBRATION`, shared with the simulator).
+- FP8 (``precision="fp8"``, :mod:`.fp8`): the converted linears' matmuls at the device's fp8 peak, the rest at
+  bf16's; ZeRO-3's gathers of converted weights in 1 byte with ``fsdp_float8_all_gather``.
+- Muon (``optimizer="muon"``, :mod:`.muon`): one momentum buffer per matrix element, and the optimizer step's
+  owner exchange and Newton-Schulz iterations, exposed (``times["muon"]``).
 """
 
 from __future__ import annotations
@@ -24,10 +28,22 @@ from dataclasses import dataclass, field
 from lightning_parallel.parallel.data.stages import zero_stage as zero_stage_of
 from lightning_parallel.parallel.pipeline.schedules import schedule_spec
 from lightning_parallel.planning.adapters import adapter_model_state_bytes
-from lightning_parallel.planning.cluster import Cluster
+from lightning_parallel.planning.cluster import Cluster, Device
 from lightning_parallel.planning.estimate import element_bytes, shard_degree
+from lightning_parallel.planning.fp8 import (
+    CAST_BYTES,
+    FP8,
+    amax_bytes,
+    check_fp8_device,
+    converted_kinds,
+    converted_params,
+    fp8_flop_share,
+    gather_payload,
+)
 from lightning_parallel.planning.hf_config import ModelShape
 from lightning_parallel.planning.layout import Layout, Workload, microbatches
+from lightning_parallel.planning.matrices import ROW_PARALLEL, layer_matrices
+from lightning_parallel.planning.muon import NS_BYTES, exchange_bytes, muon_params, ns_flops
 from lightning_parallel.planning.timemodel import exposed_dp
 
 GEMM_ROLLOFF = 64  # a GEMM dimension d runs at d / (d + 64) of the large-GEMM rate (tile and wave quantization)
@@ -43,12 +59,15 @@ class AnalyticEstimate:
         memory: bytes on the busiest rank; states, activations: its parts.
         recompute: the part of ``activations`` a fully checkpointed layer rebuilds during its backward (the rest
             is what the forward leaves for backward, what ``ActivationMemoryMonitor`` measures).
-        step_time: seconds; times: its parts (compute, bubble, tp, cp, ep, pp, dp, optimizer).
+        step_time: seconds; times: its parts (compute, bubble, tp, cp, ep, pp, dp, optimizer; muon with Muon).
         tokens_per_s: for the whole job; mfu: the FLOPs the model needs (6 N per token and causal attention, no
-            recomputation) per second per device over the device's peak.
+            recomputation) per second per device over the device's peak (under fp8, :func:`mixed_peak`).
         tflops_per_gpu: FLOP/s per device as the workload's ``flops_count`` counts them (``megatron``: full
             attention and the recomputed forward, as Megatron-LM's tables; ``causal``: the FLOPs MFU counts).
         bound: the largest part of the step.
+        counts: per step on the busiest rank: ``fp8_flop_share`` (of the FLOPs MFU counts, :mod:`.fp8`),
+            ``zero3_gather_bytes`` (ZeRO-3's parameter all-gathers and, under fp8, their amax all-reduces), and
+            with Muon ``muon_exchange_bytes`` and ``muon_ns_flops`` (:mod:`.muon`).
     """
 
     layout: Layout
@@ -63,6 +82,7 @@ class AnalyticEstimate:
     mfu: float = 0.0
     tflops_per_gpu: float = 0.0
     bound: str = ""
+    counts: dict[str, float] = field(default_factory=dict)
 
     @property
     def feasible(self) -> bool:
@@ -78,6 +98,12 @@ class _Rank:
         self.b = work.global_batch // x.dp // microbatches(x, work)
         self.tokens = self.b * work.seq_len / x.cp  # T: tokens through the rank per microbatch
         self.r = x.tp if x.sequence_parallel else 1  # what divides the replicated (h-wide) activations
+        self.fp8 = converted_kinds(shape) if work.precision == FP8 else frozenset()  # the kinds run in fp8
+        self.dense, self.moe = _stage_layers(shape, x)
+        # Muon's matrix elements and the fp8-converted weights' (elements, tensors) on this rank (its tp shard)
+        self.muon = muon_params(shape, self.dense, self.moe) / x.tp if work.optimizer == "muon" else 0.0
+        fp8_held, self.fp8_tensors = converted_params(shape, self.dense, self.moe) if self.fp8 else (0, 0)
+        self.fp8_held = fp8_held / x.tp
 
     # ----- memory -----
     def layer_activations(self, moe: bool, mode: str | None = None, scores: bool = True) -> float:
@@ -116,16 +142,19 @@ class _Rank:
         return 4 * self.tokens * self.s.vocab / self.x.tp * 2  # fp32 logits and their log-softmax
 
     # ----- time -----
-    def gemm(self, m: float, k: float, n: float, count: float = 1.0) -> float:
+    def gemm(self, m: float, k: float, n: float, count: float = 1.0, kind: str = "") -> float:
+        """Seconds of ``count`` (m x k) @ (k x n) matmuls; a ``kind`` of linears converted to fp8 at fp8's peak."""
         d = self.c.device
         eff = self.c.efficiency("gemm") * math.prod(v / (v + GEMM_ROLLOFF) for v in (m, k, n))
-        return count * 2 * m * k * n / (d.peak_flops * eff) if m and k and n else 0.0
+        peak = d.fp8_flops if kind in self.fp8 else d.peak_flops
+        return count * 2 * m * k * n / (peak * eff) if m and k and n else 0.0
 
     def layer_forward(self, moe: bool) -> tuple[float, float]:
         """(seconds of one layer's forward for one microbatch, the attention core's part of it)."""
         s, T, t = self.s, self.tokens, self.x.tp
         attn_in = (s.attention_params() - s.heads * s.v_head_dim * s.hidden) / s.hidden
-        time = self.gemm(T, s.hidden, attn_in / t) + self.gemm(T, s.heads * s.v_head_dim / t, s.hidden)
+        time = self.gemm(T, s.hidden, attn_in / t, kind="attention")
+        time += self.gemm(T, s.heads * s.v_head_dim / t, s.hidden, kind="attention")
         core = self.attention_core()
         width = 2 if s.gated else 1
         if moe:
@@ -134,10 +163,18 @@ class _Rank:
             time += self.gemm(per_expert, s.hidden, width * s.moe_ffn / t, local)
             time += self.gemm(per_expert, s.moe_ffn / t, s.hidden, local) + self.gemm(T, s.hidden, s.experts)
         ffn = s.shared_ffn if moe else s.ffn
-        time += self.gemm(T, s.hidden, width * ffn / t) + self.gemm(T, ffn / t, s.hidden)
+        time += self.gemm(T, s.hidden, width * ffn / t, kind="mlp") + self.gemm(T, ffn / t, s.hidden, kind="mlp")
         hbm = self.c.device.hbm_bandwidth
-        time += TRAFFIC * self.layer_activations(moe, "none", scores=False) / hbm
+        time += TRAFFIC * self.layer_activations(moe, "none", scores=False) / hbm + self.fp8_casts(moe) / hbm
         return time + core, core
+
+    def fp8_casts(self, moe: bool) -> float:
+        """HBM bytes of one layer's forward casts to fp8: each converted linear's input read for its amax, read
+        again and written in 1 byte (:data:`.fp8.CAST_BYTES` an element; the backward's casts of the output
+        gradients and the transposes follow as twice it, as its matmuls do)."""
+        inputs = sum(m.cols / (self.x.tp if m.name in ROW_PARALLEL else 1)
+                     for m in layer_matrices(self.s, moe) if m.kind in self.fp8 and m.numel)  # fmt: skip
+        return CAST_BYTES * self.tokens * inputs
 
     def attention_core(self) -> float:
         """Forward seconds of softmax(QK^T)V on this rank (causal: fused kernels skip half the blocks)."""
@@ -191,7 +228,9 @@ def _states(shape: ModelShape, x: Layout, work: Workload, dense: int, moe: int) 
         states = adapter_model_state_bytes(int(params), adapters, dp=shard, **frozen)
         states += adapter_model_state_bytes(int(expert_params), 0, dp=max(1, shard // x.ep), **frozen)
         return states, adapters, params + expert_params
-    states = sharding.state_bytes_exact(int(params), shard, elem, work.optimizer_states)
+    muon = muon_params(shape, dense, moe) // x.tp if work.optimizer == "muon" else 0  # one momentum buffer each
+    states = sharding.state_bytes_exact(int(params) - muon, shard, elem, work.optimizer_states)
+    states += sharding.state_bytes_exact(muon, shard, elem, 1) if muon else 0
     states += sharding.state_bytes_exact(int(expert_params), max(1, shard // x.ep), elem, work.optimizer_states)
     return states, params + expert_params, params + expert_params
 
@@ -203,6 +242,7 @@ def evaluate(shape: ModelShape, cluster: Cluster, x: Layout, work: Workload) -> 
         shape: the model; cluster: the devices; x: the layout (checked by :func:`.layout.layout_error` first);
         work: sequence, batch, precision and attention kernel.
     """
+    check_fp8_device(cluster.device, work.precision)
     r, est = _Rank(shape, cluster, x, work), AnalyticEstimate(x)
     m, v = microbatches(x, work), x.virtual
     dense, moe = _stage_layers(shape, x)
@@ -219,6 +259,9 @@ def evaluate(shape: ModelShape, cluster: Cluster, x: Layout, work: Workload) -> 
     if est.memory > (1 - work.margin) * cluster.device.memory:
         est.reason = f"needs {est.memory / 1e9:.1f} GB of {cluster.device.memory / 1e9:.1f} GB (margin {work.margin})"
     est.times = _step_times(r, dense, moe, (trained, held), (m, v))
+    est.counts = _counts(r, held, m)
+    if work.optimizer == "muon":
+        est.times["muon"], est.counts["muon_exchange_bytes"], est.counts["muon_ns_flops"] = _muon(r)
     est.step_time = sum(est.times.values())
     est.bound = max(est.times, key=est.times.__getitem__)
     count_throughput(est, shape, cluster, work)
@@ -244,9 +287,8 @@ def _step_times(r: _Rank, dense: int, moe: int, params: tuple[float, float], mv:
     times.update({k: m * t for k, t in comm.items()})
     times["pp"] = m * p2p
     times["dp"] = _dp_time(r, params, compute, m, dense + moe)
-    states_bytes = (
-        element_bytes(r.w.precision) * (2 + r.w.optimizer_states) * params[0] / shard_degree(x.dp, x.cp, x.dp_shard)
-    )
+    per_param = (2 + r.w.optimizer_states) * (params[0] - r.muon) + (2 + 1) * r.muon  # Muon: one state tensor
+    states_bytes = element_bytes(r.w.precision) * per_param / shard_degree(x.dp, x.cp, x.dp_shard)
     times["optimizer"] = 2 * states_bytes / c.device.hbm_bandwidth
     return times
 
@@ -256,7 +298,8 @@ def _dp_time(r: _Rank, params: tuple[float, float], compute: float, m: int, unit
     ``params[1]``) per step, ``units`` collectives each (one per layer: FSDP's units, the buckets)."""
     x, c = r.x, r.c
     stride, shard = x.tp, shard_degree(x.dp, x.cp, x.dp_shard)
-    grads, weights = r.a * params[0], r.a * params[1]
+    grads = r.a * params[0]
+    weights = gather_payload(params[1], r.fp8_held, r.w.fsdp_float8_all_gather) if r.fp8 else r.a * params[1]
     if x.zero_stage:
         reduce = c.gather_time(grads, stride, shard, units)
     else:
@@ -270,6 +313,48 @@ def _dp_time(r: _Rank, params: tuple[float, float], compute: float, m: int, unit
         gathers = (2 if x.reshard_after_forward else 1) * c.gather_time(weights, stride, shard, units)
     hide = x.overlap_grad_reduce or x.zero_stage == 3
     return exposed_dp(reduce, gathers, compute, c.calibration.overlap, hide, m)
+
+
+def _counts(r: _Rank, held: float, m: int) -> dict[str, float]:
+    """The FLOP share in fp8 and the bytes ZeRO-3's all-gathers send per step (:attr:`AnalyticEstimate.counts`)."""
+    x, w = r.x, r.w
+    counts = {"fp8_flop_share": fp8_flop_share(r.s, w.seq_len) if r.fp8 else 0.0, "zero3_gather_bytes": 0.0}
+    shard = shard_degree(x.dp, x.cp, x.dp_shard)
+    if x.zero_stage == 3 and shard > 1:
+        payload = gather_payload(held, r.fp8_held, w.fsdp_float8_all_gather) if r.fp8 else r.a * held
+        amax = amax_bytes(r.fp8_tensors, shard) if w.fsdp_float8_all_gather else 0.0
+        counts["zero3_gather_bytes"] = (
+            m * (2 if x.reshard_after_forward else 1) * (payload * (shard - 1) / shard + amax)
+        )
+    return counts
+
+
+def _muon(r: _Rank) -> tuple[float, float, float]:
+    """(exposed seconds, bytes sent, Newton-Schulz FLOPs) of the Muon step on the busiest rank (:mod:`.muon`): the
+    owner exchange over the group that splits the matrices (ZeRO 1-3: the dp shard group; tp at ZeRO-0), a full
+    gather on every rank under ZeRO-3 with tp (in the parameters' dtype), nothing for whole matrices."""
+    x, c = r.x, r.c
+    whole = r.muon * x.tp  # the stage's Muon matrices, whole
+    shard = shard_degree(x.dp, x.cp, x.dp_shard)
+    if x.zero_stage and x.tp > 1:  # split on two mesh dimensions: full_tensor on every rank, orthogonalized there
+        elem, world = element_bytes(r.w.precision), 1
+        sent = elem * whole / shard * (x.tp - 1) / x.tp + elem * whole * (shard - 1) / shard
+        comm = c.gather_time(elem * whole / shard, 1, x.tp) + c.gather_time(elem * whole, x.tp, shard)
+    else:
+        world, stride = (shard, x.tp) if x.zero_stage else (x.tp, 1)
+        sent = exchange_bytes(whole, world)
+        comm = 2 * c.gather_time(NS_BYTES * whole / world, stride, world)  # to the owners and back
+    flops = ns_flops(r.s, r.dense, r.moe, world)
+    return comm + flops / (c.device.peak_flops * c.efficiency("gemm")), sent, flops
+
+
+def mixed_peak(shape: ModelShape, device: Device, work: Workload) -> float:
+    """The peak MFU divides by: the device's bf16 peak, or under fp8 the rate at which the counted FLOPs would run
+    at the peaks, ``1 / (f / fp8_peak + (1 - f) / bf16_peak)`` for the fp8 share ``f``."""
+    if work.precision != FP8:
+        return device.peak_flops
+    share = fp8_flop_share(shape, work.seq_len)
+    return 1.0 / (share / device.fp8_flops + (1 - share) / device.peak_flops)
 
 
 def count_throughput(est: AnalyticEstimate, shape: ModelShape, cluster: Cluster, work: Workload) -> None:
@@ -287,5 +372,5 @@ def count_throughput(est: AnalyticEstimate, shape: ModelShape, cluster: Cluster,
         ]
     est.tokens_per_s = tokens / est.step_time
     est.mfu = tokens * passes * (2 * shape.active_params() + attn / 2) / est.step_time / cluster.gpus
-    est.mfu /= cluster.device.peak_flops
+    est.mfu /= mixed_peak(shape, cluster.device, work)
     est.tflops_per_gpu = counted / est.step_time / cluster.gpus / 1e12

@@ -31,8 +31,10 @@ from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.planning.analytic import AnalyticEstimate
 from lightning_parallel.planning.auto_analytic import analytic_candidates, machine_cluster
 from lightning_parallel.planning.estimate import Estimate, Settings, recommend
+from lightning_parallel.planning.fp8 import check_fp8_device
 from lightning_parallel.planning.hf_config import ModelShape, from_hf_config
 from lightning_parallel.planning.layout import Workload
+from lightning_parallel.planning.muon import states_per_param
 from lightning_parallel.planning.profile import ModelSpec, plan_layouts
 from lightning_parallel.planning.search import Refusal
 
@@ -161,6 +163,7 @@ class AutoChoice:
                 "step_time_s": e.step_time,
                 "times_s": dict(e.times),
                 "bound": e.bound,
+                "counts": dict(e.counts),
                 "planner": "analytic",
                 **common,
             }
@@ -198,6 +201,7 @@ def choose_layout(
     margin: float = 0.1,
     seq_len: int | None = None,
     refuses: Refusal | None = None,
+    optimizer: str = "adamw",
 ) -> AutoChoice:
     """The planner's recommendation for ``machine``: the fastest predicted layout that fits, tp inside a node.
 
@@ -218,9 +222,19 @@ def choose_layout(
         seq_len: tokens per sample for a model shape (None: the model's context length).
         refuses: for a model shape, why its family refuses a layout ("" if it takes it:
             :mod:`lightning_parallel.recipes.family`); such layouts are never chosen.
+        optimizer: ``adamw`` (a :class:`ModelSpec`'s own ``optimizer_states``) or ``muon``: a model shape's state,
+            exchange and Newton-Schulz counted (:mod:`.muon`); a ModelSpec's states at the model's average per
+            parameter (:func:`.muon.states_per_param`, exact at pp=1), no exchange or Newton-Schulz time.
+            ``precision="fp8"``: a model shape's converted linears at the device's fp8 peak; a profiled
+            :class:`ModelSpec` is planned as ``bf16-mixed`` holds it (one FLOP/s figure, no fp8 speed-up).
     """
     if not isinstance(model, ModelSpec):
-        return _choose_analytic(model_shape(model), machine, global_batch, precision, margin, seq_len, refuses)
+        work = Workload(1, global_batch, precision=precision, margin=margin, optimizer=optimizer)
+        return _choose_analytic(model_shape(model), machine, work, seq_len, refuses)
+    if optimizer == "muon":  # its states at the model's average per parameter (no exchange, no Newton-Schulz)
+        model = replace(model, optimizer_states=states_per_param(model.model, model.optimizer_states))
+    elif optimizer != "adamw":
+        raise ValueError(f"choose_layout(optimizer={optimizer!r}): plan 'adamw' (the model's own) or 'muon'.")
     if seq_len is not None:
         raise ValueError(
             f"choose_layout(seq_len={seq_len}): a ModelSpec is profiled at the sequence its make_input builds; set "
@@ -260,16 +274,12 @@ def model_shape(model: ModelShape | dict | str | Path) -> ModelShape:
 
 
 def _choose_analytic(
-    shape: ModelShape,
-    machine: Machine,
-    global_batch: int,
-    precision: str,
-    margin: float,
-    seq_len: int | None,
-    refuses: Refusal | None,
+    shape: ModelShape, machine: Machine, work: Workload, seq_len: int | None, refuses: Refusal | None
 ) -> AutoChoice:
-    work = Workload(seq_len or shape.seq_len, global_batch, precision=precision, margin=margin)
-    estimates = analytic_candidates(shape, machine_cluster(machine), work, refuses)
+    work = replace(work, seq_len=seq_len or shape.seq_len)
+    cluster, global_batch = machine_cluster(machine), work.global_batch
+    check_fp8_device(cluster.device, work.precision)
+    estimates = analytic_candidates(shape, cluster, work, refuses)
     fits = [e for e in estimates if e.feasible]
     if not fits:
         least = min(estimates, key=lambda e: e.memory, default=None)

@@ -40,6 +40,7 @@ def machine_cluster(machine: Machine) -> Cluster:
             attention_efficiency=1.0,
             intra_latency=machine.latency,
             inter_latency=machine.latency,
+            fp8_flops=machine.device_flops,  # fp8 emulated on the host: no faster than the rest
         )
     return Cluster(
         machine.world_size, machine.node_size, device, NOMINAL if machine.device not in DEVICES else CALIBRATION

@@ -35,6 +35,8 @@ class Device:
         gemm_efficiency: the fraction of ``peak_flops`` large matrix multiplies sustain.
         attention_efficiency: the fraction fused (flash) attention kernels sustain, forward and backward together.
         intra_latency, inter_latency: seconds per step of a collective inside a node and across nodes.
+        fp8_flops: dense fp8 FLOP/s (no sparsity); 0: the device has no fp8 matrix multiplies
+            (``precision=fp8`` is refused on it, :func:`.fp8.check_fp8_device`).
     """
 
     name: str
@@ -47,17 +49,24 @@ class Device:
     attention_efficiency: float = 0.5
     intra_latency: float = 3e-6
     inter_latency: float = 10e-6
+    fp8_flops: float = 0.0
 
 
 GIB = 2**30
+# dense peaks, the vendors' datasheets (their "with sparsity" figures halved): A100 SXM bf16 312 TFLOP/s, no fp8
+# (compute capability 8.0); H100 SXM bf16 989.4, fp8 1,978.9 (3,958 sparse); H200 SXM the same tensor cores as
+# H100 SXM, bf16 989.4, fp8 1,978.9; MI300X bf16 1,307.4, fp8 2,614.9 (5,229.8 sparse; e4m3fnuz, which torchao
+# picks on MI300).
 DEVICES = {
     d.name: d
     for d in (
         Device("a100-40gb", 312e12, 40 * GIB, 1.555e12, 300e9, 200e9, 0.75, 0.55),  # NVLink3, 8 x HDR 200 Gb/s
         Device("a100-80gb", 312e12, 80 * GIB, 2.039e12, 300e9, 200e9, 0.75, 0.55),
-        Device("h100", 989e12, 80 * GIB, 3.35e12, 450e9, 400e9, 0.7, 0.35),  # NVLink4, 8 x NDR 400 Gb/s
-        Device("h200", 989e12, 141e9, 4.8e12, 450e9, 400e9, 0.7, 0.35),
-        Device("mi300x", 1307e12, 192e9, 5.3e12, 448e9, 400e9, 0.55, 0.35),  # Infinity Fabric, 8 x 400 Gb/s
+        # NVLink4, 8 x NDR 400 Gb/s
+        Device("h100", 989e12, 80 * GIB, 3.35e12, 450e9, 400e9, 0.7, 0.35, fp8_flops=1979e12),
+        Device("h200", 989e12, 141e9, 4.8e12, 450e9, 400e9, 0.7, 0.35, fp8_flops=1979e12),
+        # Infinity Fabric, 8 x 400 Gb/s
+        Device("mi300x", 1307e12, 192e9, 5.3e12, 448e9, 400e9, 0.55, 0.35, fp8_flops=2615e12),
     )
 }
 

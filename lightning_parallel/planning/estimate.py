@@ -28,7 +28,7 @@ from lightning_parallel.parallel.data.stages import zero_stage as zero_stage_of
 from lightning_parallel.parallel.pipeline.schedules import schedule_spec
 from lightning_parallel.planning.adapters import adapter_comm_bytes, adapter_model_state_bytes
 
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "fp8")  # fp8: float8 linears over bf16-mixed
 # optimizer states per parameter: AdamW keeps exp_avg and exp_avg_sq, SGD with momentum its momentum buffer
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "sgd_no_momentum": 0}
 
@@ -40,8 +40,9 @@ def check_precision(precision: str) -> str:
 
 
 def element_bytes(precision: str) -> int:
-    """Bytes of one parameter, gradient or optimizer-state element: the mixed precisions keep fp32 states
-    (autocast casts in the forward), ``bf16-true`` keeps everything in bf16."""
+    """Bytes of one parameter, gradient or optimizer-state element: the mixed precisions (and ``fp8``, float8
+    linears over ``bf16-mixed``) keep fp32 states (autocast casts in the forward), ``bf16-true`` keeps everything
+    in bf16."""
     return 2 if check_precision(precision) == "bf16-true" else 4
 
 
@@ -297,7 +298,7 @@ def _model_states(
             sharding.state_bytes_exact(experts, max(1, dp // ep), elem, s.optimizer_states) if experts else 0
         )
         states = sharding.state_bytes_exact(params, dp, elem, s.optimizer_states) + expert_states
-        ratio = 0.5 if s.precision == "bf16-mixed" else 1.0  # ZeRO-3 gathers bf16 parameters there (fsdp.py)
+        ratio = 0.5 if s.precision in ("bf16-mixed", "fp8") else 1.0  # ZeRO-3 gathers bf16 parameters (fsdp.py)
         sent = sharding.comm_bytes(params * elem, dp, ratio) + sharding.comm_bytes(experts * elem, dp // ep, ratio)
         return states, expert_states, sent
     base = s.base_bytes_per_param or elem

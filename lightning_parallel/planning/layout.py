@@ -11,6 +11,7 @@ from lightning_parallel.planning.estimate import check_precision
 from lightning_parallel.planning.hf_config import ModelShape
 
 CHECKPOINTING = ("none", "selective", "full")
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,10 @@ class Workload:
             recomputed forward, 96 B s l h^2 (1 + s/6h + V/16lh) for GPT).
         lora_rank: LoRA adapters of this rank (0: every parameter trains), the base frozen in
             ``base_bytes_per_param`` bytes (None: the precision's element).
+        optimizer: ``adamw`` (``optimizer_states`` per parameter) or ``muon`` (MuonAdamW: one momentum buffer per
+            matrix element, AdamW's on the rest, the owner exchange and Newton-Schulz; :mod:`.muon`).
+        fsdp_float8_all_gather: with ``precision="fp8"``, ZeRO-3 gathers the converted linears' weights in fp8
+            (:mod:`.fp8`).
     """
 
     seq_len: int
@@ -90,9 +95,19 @@ class Workload:
     flops_count: str = "causal"
     lora_rank: int = 0
     base_bytes_per_param: int | None = None
+    optimizer: str = "adamw"
+    fsdp_float8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r} is unknown to the planner: use {' or '.join(OPTIMIZERS)}.")
+        if self.optimizer == "muon" and self.lora_rank:
+            raise ValueError("optimizer=muon with lora_rank: the planner counts Muon for full training; plan adamw.")
+        if self.fsdp_float8_all_gather and self.precision != "fp8":
+            raise ValueError(
+                f"fsdp_float8_all_gather gathers fp8 weights, and precision={self.precision!r}: set precision=fp8."
+            )
         if self.attention not in ("flash", "materialized"):
             raise ValueError(f"attention={self.attention!r} is unknown: use 'flash' or 'materialized'.")
         if self.lora_rank < 0:
@@ -152,6 +167,8 @@ def layout_error(shape: ModelShape, layout: Layout, work: Workload, gpus: int, g
         return f"cp={x.cp} ({x.cp_mode}) must split seq_len={work.seq_len} in 2 cp chunks"
     if x.cp_mode == "ulysses" and (shape.heads // x.tp) % x.cp:
         return f"cp={x.cp} ulysses must divide the {shape.heads // x.tp} heads per tp rank"
+    if work.optimizer == "muon" and x.tp > 1 and int(x.zero_stage) in (1, 2):
+        return f"optimizer=muon is refused under zero_stage={int(x.zero_stage)} with tp={x.tp} (use zero_stage 0 or 3)"
     if work.global_batch % x.dp:
         return f"dp={x.dp} does not divide the global batch of {work.global_batch} samples"
     per_dp, m = work.global_batch // x.dp, microbatches(layout, work)
@@ -192,6 +209,10 @@ def recipe_overrides(layout: Layout, work: Workload, gpus_per_node: int) -> list
     out = ["strategy=hybrid3d", f"strategy.dp={layout.dp}"]
     out += [f"strategy.{k}={_value(v)}" for k, v in values.items() if k != "dp" and v != getattr(default, k)]
     out += [f"precision={work.precision}", f"model.seq_len={work.seq_len}"]
+    if work.fsdp_float8_all_gather and layout.zero_stage == 3:
+        out.append("precision.fsdp_float8_all_gather=true")
+    if work.optimizer != "adamw":
+        out.append(f"optimizer={work.optimizer}")
     out.append(f"data.global_batch_size={work.global_batch}")
     if layout.pp == 1 and m > 1:
         out.append(f"trainer.accumulate_grad_batches={m}")

@@ -18,6 +18,7 @@ from typing import Any
 
 from lightning_parallel.planning.analytic import AnalyticEstimate, evaluate
 from lightning_parallel.planning.cluster import DEVICES, Cluster, get_device
+from lightning_parallel.planning.fp8 import FP8, check_fp8_device, fp8_flop_share
 from lightning_parallel.planning.hf_config import ModelShape, from_litgpt, load_hf_config
 from lightning_parallel.planning.layout import Layout, Workload, layout_error, parse_layout, recipe_overrides
 from lightning_parallel.planning.search import SEARCHED, Refusal, complete, search
@@ -30,6 +31,7 @@ def add_scale_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus-per-node", type=int, default=8)
     g.add_argument("--device", choices=list(DEVICES), default="h100")
     g.add_argument("--peak-flops", type=float, help="override: dense bf16 FLOP/s per device")
+    g.add_argument("--fp8-peak-flops", type=float, help="override: dense fp8 FLOP/s per device (0: none)")
     g.add_argument("--intra-node-bw", type=float, help="override: bytes/s per device inside a node")
     g.add_argument("--inter-node-bw", type=float, help="override: bytes/s per node across nodes")
     g.add_argument("--hbm-bw", type=float, help="override: device memory bytes/s")
@@ -67,6 +69,7 @@ def make_scale_plan(
     device = get_device(
         args.device,
         peak_flops=args.peak_flops,
+        fp8_flops=getattr(args, "fp8_peak_flops", None),
         intra_node_bw=args.intra_node_bw,
         inter_node_bw=args.inter_node_bw,
         hbm_bandwidth=args.hbm_bw,
@@ -87,9 +90,13 @@ def make_scale_plan(
         margin=args.margin,
         lora_rank=args.lora_rank,
         base_bytes_per_param=base_bytes,
+        optimizer=getattr(args, "optimizer", "adamw"),
+        fsdp_float8_all_gather=getattr(args, "fsdp_float8_all_gather", False),
     )
+    check_fp8_device(device, work.precision)
     plan: dict[str, Any] = {"model": shape.name or args.model, "shape": asdict(shape), "params": shape.num_params()}
     plan.update(active_params=shape.active_params(), cluster=asdict(cluster), workload=asdict(work))
+    plan["fp8_flop_share"] = fp8_flop_share(shape, seq) if work.precision == FP8 else 0.0
     if args.layout is not None:
         error = layout_error(shape, args.layout, work, cluster.gpus, cluster.gpus_per_node)
         error = error or (refuses(args.layout) if refuses else "")
@@ -124,6 +131,7 @@ def _row(e: AnalyticEstimate, work: Workload, cluster: Cluster) -> dict[str, Any
         "mfu": e.mfu,
         "tflops_per_gpu": e.tflops_per_gpu,
         "bound": e.bound,
+        "counts": e.counts,
     }
 
 
@@ -132,7 +140,9 @@ def format_scale_table(plan: dict[str, Any]) -> str:
     lines = [
         f"{plan['model']}: {plan['params'] / 1e9:.2f}B parameters ({plan['active_params'] / 1e9:.2f}B active), "
         f"{c['gpus']} x {c['device']['name']} ({c['gpus_per_node']} per node), seq {w['seq_len']}, global batch "
-        f"{w['global_batch']} samples, {w['precision']}",
+        f"{w['global_batch']} samples, {w['precision']}"
+        + (f" ({plan['fp8_flop_share']:.1%} of the FLOPs in fp8 linears)" if w["precision"] == FP8 else "")
+        + (f", optimizer {w['optimizer']}" if w["optimizer"] != "adamw" else ""),
         f"{'mem/GPU':>9} {'step s':>8} {'tokens/s':>12} {'MFU':>5} {'TFLOP/s':>8} {'bound':>9}  layout",
     ]
     if not plan["layouts"]:
