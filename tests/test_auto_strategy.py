@@ -439,3 +439,15 @@ def test_simulated_pick_that_fits_carries_its_figures():
 def test_simulate_settings_are_refused_where_they_cannot_apply(overrides, message):
     with pytest.raises(ValueError, match=message):
         resolve_auto(compose_gpt(*overrides, "trainer.devices=2", "trainer.accelerator=cpu"))
+
+
+def test_the_recipe_plans_muon_s_states_when_optimizer_muon_is_chosen():
+    """strategy=auto plans what the optimizer group trains with: Muon's one momentum buffer per matrix element, so
+    a model whose Linear matrices Muon takes (gpt_small) is planned with less state per rank than under AdamW."""
+    from lightning_parallel.recipes.auto import plan_for
+
+    def states(*extra: str) -> float:
+        cfg = compose_gpt("strategy=auto", "trainer.devices=2", "trainer.accelerator=cpu", "model=gpt_small", *extra)
+        return max(plan_for(cfg).estimate.model_state_per_rank)
+
+    assert states("optimizer=muon") < states()

@@ -106,7 +106,11 @@ def plan_for(cfg: DictConfig) -> Any:
         ) from None
     machine = detect_machine(t.devices * t.num_nodes, t.devices, t.accelerator, memory, planning_gpu(t.accelerator))
     batch = max(1, cfg.data.global_batch_size // max(1, t.accumulate_grad_batches))  # samples per forward
-    return choose_layout(spec, machine, batch, precision=cfg.precision.value, seq_len=seq_len, refuses=refuses)
+    group = cfg.get("optimizer")  # the optimizer group: Muon's states planned as Muon's; sgd as the model's own
+    optimizer = "muon" if group is not None and group.get("name") == "muon" else "adamw"
+    return choose_layout(
+        spec, machine, batch, precision=cfg.precision.value, seq_len=seq_len, refuses=refuses, optimizer=optimizer
+    )
 
 
 def planning_gpu(accelerator: str) -> Any:
