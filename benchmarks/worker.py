@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines import ModelParallelGPT, ModelParallelVGG  # noqa: E402
 from host_counts import HostCounts, HostSyncs  # noqa: E402
+from muon_bytes import OptimizerStepBytes  # noqa: E402
 
 from lightning_parallel import Hybrid3DStrategy, ZeroStrategy  # noqa: E402
 from lightning_parallel.callbacks.activation import ActivationMemoryMonitor  # noqa: E402
@@ -50,6 +51,7 @@ from lightning_parallel.recipes.config import register_configs  # noqa: E402
 from lightning_parallel.recipes.gpt import TextData, gpt_config  # noqa: E402
 from lightning_parallel.recipes.metrics import parameter_counts  # noqa: E402
 from lightning_parallel.recipes.model_kinds import kind_of  # noqa: E402
+from lightning_parallel.recipes.optimizers import use_optimizer  # noqa: E402
 from lightning_parallel.recipes.vgg import ImageData, scaled_lr, vgg_config  # noqa: E402
 from lightning_parallel.strategies.base import MeshStrategy  # noqa: E402
 
@@ -175,7 +177,10 @@ def build_model(recipe: str, cfg: Any, lightning_2d: bool, compiled: bool = Fals
         return kind_of(m).build(cfg)
     if recipe == "gpt":
         cls = ModelParallelGPT if lightning_2d else CompiledGPT if compiled else LitGPT
-        return cls(gpt_config(m), lr=m.lr, weight_decay=m.weight_decay, build_in_configure_model=True)
+        model = cls(gpt_config(m), lr=m.lr, weight_decay=m.weight_decay, build_in_configure_model=True)
+        if cfg.optimizer.name != "adamw":  # optimizer=sgd|muon: the recipe's (adamw: the model's own, the same AdamW)
+            use_optimizer(model, cfg)
+        return model
     cls = ModelParallelVGG if lightning_2d else LitVGG
     return cls(
         vgg_config(m), optimizer=m.optimizer, lr=scaled_lr(cfg), momentum=m.momentum, build_in_configure_model=True
@@ -232,7 +237,8 @@ def main() -> None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     register_configs()
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose(f"train_{args.recipe}", overrides=json.loads(args.overrides))
+        overrides = json.loads(args.overrides)
+        cfg = compose(f"train_{args.recipe}", overrides=overrides)
     pl.seed_everything(cfg.seed, verbose=False)
     strategy, degrees = parse_spec(args.strategy, world)
     micro = cfg.data.global_batch_size // degrees["dp"]
@@ -250,6 +256,9 @@ def main() -> None:
     monitor = TrainingMonitor(measure_step=args.steps - 2, timeline_dir=timeline)
     # --syncs: the recipe's step as a user runs it (its callbacks, Lightning's progress bar), the counter first
     syncs = HostSyncs(args.warmup, args.syncs) if args.syncs else None
+    # an optimizer named in the overrides (benchmarks/muon.py): the measured optimizer step's bytes, counted and
+    # by the Muon exchange's formula; its counter nests inside the monitor's, so it comes before it in the list
+    step_bytes = [OptimizerStepBytes(args.steps - 2)] if any(o.startswith("optimizer=") for o in overrides) else []
     sync_cbs = [syncs, *recipe_callbacks(args.out)] if syncs else []
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -264,7 +273,7 @@ def main() -> None:
         num_sanity_val_steps=0,
         limit_val_batches=0,
         # the monitor first: dispatch modes must nest
-        callbacks=[*sync_cbs, monitor, timer, states, activations, phases, *counts_cb],
+        callbacks=[*sync_cbs, *step_bytes, monitor, timer, states, activations, phases, *counts_cb],
         use_distributed_sampler=False,
     )
     fit_start = time.perf_counter()
@@ -308,6 +317,7 @@ def main() -> None:
         "comm_sent_bytes_per_step": monitor.summary.get("comm_sent_bytes_per_step"),
         "pipeline_bubble": monitor.summary.get("pipeline_bubble"),
         # overlap_grad_reduce: buckets, and how many the last step launched during backward ({} otherwise)
+        "optimizer_step": step_bytes[0].result if step_bytes else {},  # benchmarks/muon_bytes.py
         "overlap": trainer.strategy.sharding.overlap_stats() if hasattr(trainer.strategy, "sharding") else {},
     }
     args.out.mkdir(parents=True, exist_ok=True)
