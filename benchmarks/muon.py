@@ -3,12 +3,13 @@ against AdamW at the same layout, in the same run (``python benchmarks/bench.py 
 
 Per layout, AdamW and Muon launches interleave (A, B, A, B, ...). For each: the median step time (their ratio is
 the figure to read on a loaded host), the median time of the optimizer step alone (Lightning's
-``on_before_optimizer_step`` to the batch end, benchmarks/worker.py ``StepPhases``), the bytes each rank sends in one
+``on_before_optimizer_step`` to the batch end), the bytes each rank sends in one
 step (all collectives, parallel/measure/comm_volume.py's convention), the bytes of the optimizer step alone counted
 at the dispatcher with every ``all_to_all_single`` counted exactly (benchmarks/muon_bytes.py), the Muon exchange's
 bytes by its formula from the optimizer's own owner assignment, and the optimizer state bytes per rank counted from
 the optimizer's state tensors after a step. Muon's exchange, counted, is its optimizer step's bytes less AdamW's at
-the same layout (ZeRO-1/2 all-gather the parameters after both).
+the same layout (ZeRO-1/2 all-gather the parameters after both). Each time is also taken as the main thread's
+CPU time (``time.thread_time``), which waits for other ranks and preemption by other processes do not inflate.
 
 Then the GPT recipe (recipes/train_gpt.py) trains 200 steps (its default) with ``optimizer=adamw`` and with
 ``optimizer=muon`` on the same model, data and layout: the validation loss after each.
@@ -49,6 +50,7 @@ LAYOUTS = [  # (label, world, spec); ddp and model_parallel: Lightning's DDP and
     ("dp2 x tp2 ZeRO-3", 4, "hybrid3d:tp=2,zero_stage=3"),
 ]
 KINDS = ("adamw", "muon")
+TIMES = ("step", "step_cpu", "opt_step", "opt_step_cpu")  # wall and main-thread CPU: whole step, optimizer step
 RECIPE = [*MODEL, "strategy=zero3", "trainer.devices=2", "trainer.max_steps=200"]
 
 
@@ -81,32 +83,40 @@ def run_muon(out: Any, repeats: int, steps: int, launch: Callable[..., list], st
         raise RuntimeError(f"the benchmark's model gives Muon no matrix ({MODEL}): the section would measure AdamW")
     rows = []
     for label, world, spec in LAYOUTS:
-        times: dict[str, list[float]] = {k: [] for k in KINDS}
-        step_phase: dict[str, list[float]] = {k: [] for k in KINDS}
+        times: dict[str, dict[str, list[float]]] = {k: {t: [] for t in TIMES} for k in KINDS}
         ranks: dict[str, list[dict[str, Any]]] = {}
         for _ in range(repeats):
             for kind in KINDS:
                 got = launch("gpt", [*MODEL, *BATCH, f"optimizer={kind}"], world, spec, out, steps, tag=kind)
                 ranks.setdefault(kind, got)  # bytes do not depend on the repeat: the first launch's
-                times[kind].append(step_time(got))
-                step_phase[kind].append(max(r["phases_s"].get("step", 0.0) for r in got))
-                print(f"  {label} w{world} {kind}: {times[kind][-1] * 1e3:.0f} ms/step", flush=True)
+                for name, value in _times(got, step_time).items():
+                    times[kind][name].append(value)
+                wall, cpu = times[kind]["step"][-1], times[kind]["step_cpu"][-1]
+                print(f"  {label} w{world} {kind}: {wall * 1e3:.0f} ms/step, {cpu * 1e3:.0f} ms CPU", flush=True)
         row: dict[str, Any] = {"layout": label, "world": world, "strategy": spec}
         for kind in KINDS:
-            row[kind] = _figures(ranks[kind], times[kind], step_phase[kind])
+            row[kind] = _figures(ranks[kind], times[kind])
         row["exchange_counted"] = [m - a for m, a in zip(row["muon"]["step_sent"], row["adamw"]["step_sent"])]
         rows.append(row)
         print(f"  {label} w{world}: exchange counted {row['exchange_counted']}, formula {row['muon']['formula']}")
     return {"split": split, "layouts": rows, "losses": run_recipe_losses(Path(out) / "muon_recipe")}
 
 
-def _figures(ranks: list[dict[str, Any]], times: list[float], step_phase: list[float]) -> dict[str, Any]:
+def _times(ranks: list[dict[str, Any]], step_time: Callable) -> dict[str, float]:
+    """One launch's step and optimizer-step times, wall and CPU: the slowest rank's medians."""
+    return {
+        "step": step_time(ranks),
+        "step_cpu": max(r["median_step_cpu_s"] for r in ranks),
+        "opt_step": max(r["optimizer_step"]["step_wall_s"] for r in ranks),
+        "opt_step_cpu": max(r["optimizer_step"]["step_cpu_s"] for r in ranks),
+    }
+
+
+def _figures(ranks: list[dict[str, Any]], times: dict[str, list[float]]) -> dict[str, Any]:
     by_rank = sorted(ranks, key=lambda r: r["rank"])
     return {
-        "step_s": median(times),
-        "samples": times,
-        "optimizer_step_s": median(step_phase),
-        "step_phase_samples": step_phase,
+        **{f"{name}_s": median(values) for name, values in times.items()},
+        "samples": times,  # per launch, by TIMES
         "sent_per_step": [r["comm_sent_bytes_per_step"] or 0.0 for r in by_rank],
         "step_sent": [r["optimizer_step"]["step_sent_bytes"] for r in by_rank],
         "all_to_all": [r["optimizer_step"]["all_to_all_sent_bytes"] for r in by_rank],
@@ -156,6 +166,10 @@ def _kib(values: list[float]) -> str:
     return " / ".join(f"{v / 1024:.1f}" for v in values)
 
 
+def _pair(adamw: dict[str, Any], muon: dict[str, Any], key: str, digits: int) -> str:
+    return f"{adamw[key] * 1e3:.{digits}f} / {muon[key] * 1e3:.{digits}f}"
+
+
 def _ratios(muon: list[float], adamw: list[float]) -> str:
     pairs = sorted(m / a for m, a in zip(muon, adamw))
     return f"{median(pairs):.2f}x ({pairs[0]:.2f}-{pairs[-1]:.2f}), {len(pairs)} pairs" if pairs else "-"
@@ -177,23 +191,25 @@ def muon_lines(result: dict[str, Any]) -> list[str]:
         "(docs/muon.md, from the optimizer's own owner assignment: benchmarks/muon_bytes.py); the optimizer state "
         f"bytes per rank, counted from the state tensors (Muon keeps one momentum buffer per matrix element, AdamW "
         f"two moments per element: predicted ratio {predicted:.3f} when every rank holds an even share). Step "
-        "times were measured on a loaded 2-core machine (other jobs running): read the ratios of the interleaved "
-        "pairs, not the milliseconds. Opt. step: the optimizer step alone (slowest rank, median).",
+        "times were measured on a loaded 2-core machine (other jobs running, load average far above 2): read the "
+        "ratios of the interleaved pairs (median, min-max), not the milliseconds; the CPU columns (the main "
+        "thread's CPU time, which waits and preemption do not inflate) are the steadier figure. Opt. step: "
+        "Lightning's `on_before_optimizer_step` to the batch end (slowest rank, median over the timed steps).",
         "",
-        "| layout | world | strategy | step ms AdamW / Muon | Muon / AdamW step time | opt. step ms AdamW / Muon | "
-        "sent per step KiB, AdamW | Muon | Muon exchange KiB counted | formula | state KiB, AdamW | Muon | "
-        "state ratio |",
-        "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| layout | world | strategy | step ms AdamW / Muon | Muon / AdamW step time | step CPU ms AdamW / Muon | "
+        "Muon / AdamW step CPU | opt. step CPU ms AdamW / Muon | sent per step KiB, AdamW | Muon | "
+        "Muon exchange KiB counted | formula | state KiB, AdamW | Muon | state ratio |",
+        "|---|---:|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         a, m = r["adamw"], r["muon"]
         state = max(m["state_bytes"]) / max(a["state_bytes"])
         lines.append(
-            f"| {r['layout']} | {r['world']} | `{r['strategy']}` | {a['step_s'] * 1e3:.0f} / {m['step_s'] * 1e3:.0f} "
-            f"| {_ratios(m['samples'], a['samples'])} | {a['optimizer_step_s'] * 1e3:.1f} / "
-            f"{m['optimizer_step_s'] * 1e3:.1f} | {_kib(a['sent_per_step'])} | {_kib(m['sent_per_step'])} | "
-            f"{_kib(r['exchange_counted'])} | {_kib(m['formula'])} | {_kib(a['state_bytes'])} | "
-            f"{_kib(m['state_bytes'])} | {state:.3f} |"
+            f"| {r['layout']} | {r['world']} | `{r['strategy']}` | {_pair(a, m, 'step_s', 0)} | "
+            f"{_ratios(m['samples']['step'], a['samples']['step'])} | {_pair(a, m, 'step_cpu_s', 0)} | "
+            f"{_ratios(m['samples']['step_cpu'], a['samples']['step_cpu'])} | {_pair(a, m, 'opt_step_cpu_s', 1)} | "
+            f"{_kib(a['sent_per_step'])} | {_kib(m['sent_per_step'])} | {_kib(r['exchange_counted'])} | "
+            f"{_kib(m['formula'])} | {_kib(a['state_bytes'])} | {_kib(m['state_bytes'])} | {state:.3f} |"
         )
     lines += ["", *_loss_lines(result["losses"]), ""]
     return lines

@@ -3,7 +3,8 @@ counted at torch's dispatcher, and the same bytes by the formula of parallel/opt
 the optimizer's own parameters and owner assignment (:func:`~lightning_parallel.parallel.optim.muon_exchange.owners`).
 
 Counted: every collective issued between ``on_before_optimizer_step`` and the end of the monitor's measured step
-(the optimizer step alone: the gradients are reduced before it). An ``all_to_all_single`` counts exactly the
+(the optimizer step alone: the gradients are reduced before it). The optimizer step's wall and CPU time (the
+main thread's) are taken on the timed steps before it. An ``all_to_all_single`` counts exactly the
 elements this rank sends to the other ranks (its input splits but its own); the other collectives as
 parallel/measure/comm_volume.py counts them (an even all-gather: exactly what a rank sends).
 
@@ -18,6 +19,8 @@ whole on each of its ``k`` ranks in its own dtype (``full_tensor``): ``|m| (1 - 
 
 from __future__ import annotations
 
+import time
+from statistics import median
 from typing import Any
 
 import lightning.pytorch as pl
@@ -108,17 +111,24 @@ class OptimizerStepBytes(pl.Callback):
     computes the formula: ``result`` after that step. List it before the TrainingMonitor: its counter is entered
     after the monitor's and must be left first."""
 
-    def __init__(self, measure_step: int) -> None:
-        self.measure_step = measure_step
+    def __init__(self, measure_step: int, warmup: int = 2) -> None:
+        self.measure_step, self.warmup = measure_step, warmup
         self.counter: ExactCounter | None = None
         self.result: dict[str, Any] = {}
+        self.times: list[tuple[float, float]] = []  # each timed step's optimizer step: (wall, main thread's CPU) s
+        self._start: tuple[float, float] | None = None
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self.warmup <= trainer.global_step < self.measure_step:
+            self._start = (time.perf_counter(), time.thread_time())
         if trainer.global_step == self.measure_step and self.counter is None and not self.result:
             self.counter = ExactCounter()
             self.counter.__enter__()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self._start is not None:
+            self.times.append((time.perf_counter() - self._start[0], time.thread_time() - self._start[1]))
+            self._start = None
         if self.counter is None:
             return
         counter, self.counter = self.counter, None
@@ -132,6 +142,9 @@ class OptimizerStepBytes(pl.Callback):
             "by_kind": {k: v["sent_bytes"] for k, v in counter.by_kind().items()},
             "formula_bytes": exchange_formula(optimizer),
             "reported": dict(getattr(inner, "exchange", {})),  # MuonAdamW's own record of the step
+            # the optimizer step's medians over the timed steps (before this one)
+            "step_wall_s": median(t[0] for t in self.times) if self.times else None,
+            "step_cpu_s": median(t[1] for t in self.times) if self.times else None,
         }
 
     def on_exception(self, trainer: pl.Trainer, *args: Any) -> None:

@@ -97,16 +97,19 @@ def parse_spec(spec: str, world: int) -> tuple[Any, dict[str, int]]:
 
 
 class StepTimer(pl.Callback):
-    """Wall time of every training batch on this rank (forward, backward, optimizer step)."""
+    """Wall time of every training batch on this rank (forward, backward, optimizer step), and the main thread's CPU
+    time in it (what other processes' load on the host changes least: waits and preemption do not count)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._start = time.perf_counter()
+        self._start, self._cpu = time.perf_counter(), time.thread_time()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.times.append(time.perf_counter() - self._start)
+        self.cpu_times.append(time.thread_time() - self._cpu)
 
 
 class StepPhases(pl.Callback):
@@ -258,7 +261,8 @@ def main() -> None:
     syncs = HostSyncs(args.warmup, args.syncs) if args.syncs else None
     # an optimizer named in the overrides (benchmarks/muon.py): the measured optimizer step's bytes, counted and
     # by the Muon exchange's formula; its counter nests inside the monitor's, so it comes before it in the list
-    step_bytes = [OptimizerStepBytes(args.steps - 2)] if any(o.startswith("optimizer=") for o in overrides) else []
+    named = any(o.startswith("optimizer=") for o in overrides)
+    step_bytes = [OptimizerStepBytes(args.steps - 2, args.warmup)] if named else []
     sync_cbs = [syncs, *recipe_callbacks(args.out)] if syncs else []
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -294,6 +298,7 @@ def main() -> None:
         "warmup": args.warmup,
         # after the warm-up steps (2; more where compiling), before the 2 measured
         "median_step_s": median(timer.times[args.warmup : -2] or timer.times),
+        "median_step_cpu_s": median(timer.cpu_times[args.warmup : -2] or timer.cpu_times),  # the same steps'
         "fit_s": fit_s,  # trainer.fit's wall time: setup, every step, teardown
         "host_counts": counts_cb[0].result if counts_cb else {},
         "host_syncs": syncs.result if syncs else {},
