@@ -12,6 +12,7 @@ benchmarks/results.json.
     python benchmarks/bench.py --only async    # parameter servers, one slowed worker: sync vs stale vs async
     python benchmarks/bench.py --only spatial  # VGG on 128 x 128 images: spatial=2 vs channel tp=2 vs dp=2
     python benchmarks/bench.py --only lora     # HF Llama, LoRA vs full fine-tuning at zero2, zero3, tp=2
+    python benchmarks/bench.py --only muon     # Muon vs AdamW at 11 layouts (world 2, 4); the recipe's loss, 200 steps
     python benchmarks/bench.py --only host_syncs  # host syncs per step, ours beside ddp and FSDP2 (counts, 23 launches)
     python benchmarks/bench.py --only auto     # strategy=auto's pick against every valid layout, 4 models x 2 worlds
     python benchmarks/bench.py --only auto --models gpt_moe_tiny --worlds 2 --auto-repeats 5  # one row, merged
@@ -48,6 +49,7 @@ from host_syncs import run_host_syncs  # noqa: E402
 from hsdp import run_hsdp  # noqa: E402
 from lora import run_lora  # noqa: E402
 from moe import run_moe  # noqa: E402
+from muon import run_muon  # noqa: E402
 from overhead import run_overhead  # noqa: E402
 from pipeline_split import run_pipeline_split  # noqa: E402
 from report import write_report  # noqa: E402
@@ -263,6 +265,7 @@ def run_sections(args: argparse.Namespace) -> dict[str, Any]:
             "LoRA against full fine-tuning",
             lambda: run_lora(args.out, args.repeats, args.steps, launch, step_time),
         ),
+        "muon": ("Muon against AdamW", lambda: run_muon(args.out, args.repeats, args.steps, launch, step_time)),
         "auto": ("strategy=auto against every layout", lambda: run_auto_section(args)),
         "host_syncs": ("host syncs per step", lambda: run_host_syncs(args.out, launch)),
     }
@@ -308,6 +311,7 @@ def main() -> None:
             "spatial",
             "async",
             "lora",
+            "muon",
             "auto",
             "host_syncs",
         ],

@@ -14,6 +14,7 @@ from host_syncs import host_sync_lines
 from hsdp import hsdp_lines
 from lora import lora_lines
 from moe import moe_lines
+from muon import muon_lines
 from overhead import overhead_lines
 from spatial import spatial_lines
 from speed import speed_lines
@@ -300,6 +301,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         lines += spatial_lines(results["spatial"])
     if "lora" in results:
         lines += lora_lines(results["lora"])
+    if "muon" in results:
+        lines += muon_lines(results["muon"])
     if "auto" in results:
         lines += auto_lines(results["auto"])
     if "host_syncs" in results:

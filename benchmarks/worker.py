@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines import ModelParallelGPT, ModelParallelVGG  # noqa: E402
 from host_counts import HostCounts, HostSyncs  # noqa: E402
+from muon_bytes import OptimizerStepBytes  # noqa: E402
 
 from lightning_parallel import Hybrid3DStrategy, ZeroStrategy  # noqa: E402
 from lightning_parallel.callbacks.activation import ActivationMemoryMonitor  # noqa: E402
@@ -50,6 +51,7 @@ from lightning_parallel.recipes.config import register_configs  # noqa: E402
 from lightning_parallel.recipes.gpt import TextData, gpt_config  # noqa: E402
 from lightning_parallel.recipes.metrics import parameter_counts  # noqa: E402
 from lightning_parallel.recipes.model_kinds import kind_of  # noqa: E402
+from lightning_parallel.recipes.optimizers import use_optimizer  # noqa: E402
 from lightning_parallel.recipes.vgg import ImageData, scaled_lr, vgg_config  # noqa: E402
 from lightning_parallel.strategies.base import MeshStrategy  # noqa: E402
 
@@ -95,16 +97,19 @@ def parse_spec(spec: str, world: int) -> tuple[Any, dict[str, int]]:
 
 
 class StepTimer(pl.Callback):
-    """Wall time of every training batch on this rank (forward, backward, optimizer step)."""
+    """Wall time of every training batch on this rank (forward, backward, optimizer step), and the main thread's CPU
+    time in it (what other processes' load on the host changes least: waits and preemption do not count)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._start = time.perf_counter()
+        self._start, self._cpu = time.perf_counter(), time.thread_time()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.times.append(time.perf_counter() - self._start)
+        self.cpu_times.append(time.thread_time() - self._cpu)
 
 
 class StepPhases(pl.Callback):
@@ -175,7 +180,10 @@ def build_model(recipe: str, cfg: Any, lightning_2d: bool, compiled: bool = Fals
         return kind_of(m).build(cfg)
     if recipe == "gpt":
         cls = ModelParallelGPT if lightning_2d else CompiledGPT if compiled else LitGPT
-        return cls(gpt_config(m), lr=m.lr, weight_decay=m.weight_decay, build_in_configure_model=True)
+        model = cls(gpt_config(m), lr=m.lr, weight_decay=m.weight_decay, build_in_configure_model=True)
+        if cfg.optimizer.name != "adamw":  # optimizer=sgd|muon: the recipe's (adamw: the model's own, the same AdamW)
+            use_optimizer(model, cfg)
+        return model
     cls = ModelParallelVGG if lightning_2d else LitVGG
     return cls(
         vgg_config(m), optimizer=m.optimizer, lr=scaled_lr(cfg), momentum=m.momentum, build_in_configure_model=True
@@ -232,7 +240,8 @@ def main() -> None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     register_configs()
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose(f"train_{args.recipe}", overrides=json.loads(args.overrides))
+        overrides = json.loads(args.overrides)
+        cfg = compose(f"train_{args.recipe}", overrides=overrides)
     pl.seed_everything(cfg.seed, verbose=False)
     strategy, degrees = parse_spec(args.strategy, world)
     micro = cfg.data.global_batch_size // degrees["dp"]
@@ -250,6 +259,10 @@ def main() -> None:
     monitor = TrainingMonitor(measure_step=args.steps - 2, timeline_dir=timeline)
     # --syncs: the recipe's step as a user runs it (its callbacks, Lightning's progress bar), the counter first
     syncs = HostSyncs(args.warmup, args.syncs) if args.syncs else None
+    # an optimizer named in the overrides (benchmarks/muon.py): the measured optimizer step's bytes, counted and
+    # by the Muon exchange's formula; its counter nests inside the monitor's, so it comes before it in the list
+    named = any(o.startswith("optimizer=") for o in overrides)
+    step_bytes = [OptimizerStepBytes(args.steps - 2, args.warmup)] if named else []
     sync_cbs = [syncs, *recipe_callbacks(args.out)] if syncs else []
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -264,7 +277,7 @@ def main() -> None:
         num_sanity_val_steps=0,
         limit_val_batches=0,
         # the monitor first: dispatch modes must nest
-        callbacks=[*sync_cbs, monitor, timer, states, activations, phases, *counts_cb],
+        callbacks=[*sync_cbs, *step_bytes, monitor, timer, states, activations, phases, *counts_cb],
         use_distributed_sampler=False,
     )
     fit_start = time.perf_counter()
@@ -285,6 +298,7 @@ def main() -> None:
         "warmup": args.warmup,
         # after the warm-up steps (2; more where compiling), before the 2 measured
         "median_step_s": median(timer.times[args.warmup : -2] or timer.times),
+        "median_step_cpu_s": median(timer.cpu_times[args.warmup : -2] or timer.cpu_times),  # the same steps'
         "fit_s": fit_s,  # trainer.fit's wall time: setup, every step, teardown
         "host_counts": counts_cb[0].result if counts_cb else {},
         "host_syncs": syncs.result if syncs else {},
@@ -308,6 +322,7 @@ def main() -> None:
         "comm_sent_bytes_per_step": monitor.summary.get("comm_sent_bytes_per_step"),
         "pipeline_bubble": monitor.summary.get("pipeline_bubble"),
         # overlap_grad_reduce: buckets, and how many the last step launched during backward ({} otherwise)
+        "optimizer_step": step_bytes[0].result if step_bytes else {},  # benchmarks/muon_bytes.py
         "overlap": trainer.strategy.sharding.overlap_stats() if hasattr(trainer.strategy, "sharding") else {},
     }
     args.out.mkdir(parents=True, exist_ok=True)
