@@ -19,6 +19,7 @@ from lightning_parallel.parallel.optim.muon import NS_COEFFICIENTS, NS_DTYPES, n
 from lightning_parallel.parallel.optim.muon_exchange import (
     FlatMatrices,
     chunk_sizes,
+    ns_cost,
     orthogonalize_all,
     orthogonalize_flat,
     owners,
@@ -46,7 +47,7 @@ def run_case(case: dict, ctx) -> dict:
         want_piece = want[ctx.rank] if ctx.rank < len(want) else whole.new_empty(0)
         worst = max(worst, (piece.float() - want_piece.float()).abs().max().item() if piece.numel() else 0.0)
         assert piece.shape == want_piece.shape or piece.numel() == 0
-    owner = owners([w.numel() for w in wholes], ctx.world)
+    owner = owners([ns_cost(tuple(w.shape)) for w in wholes], ctx.world)
     slices = [[n * w.numel() // w.shape[d] for n in chunk_sizes(w.shape[d], ctx.world)] for w, (_, d) in
               zip(wholes, SHAPES)]  # fmt: skip
     formula = (
