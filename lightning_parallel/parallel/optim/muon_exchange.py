@@ -32,8 +32,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from lightning_parallel.parallel.optim.muon_mesh import exchange_two_axes, two_axes
 from lightning_parallel.parallel.optim.muon_owners import (
     all_to_all,
     chunk_sizes,
@@ -78,12 +80,19 @@ def orthogonalize_all(
     stats = stats if stats is not None else {}
     result: list[Tensor | None] = [None] * len(params)
     exchanged: dict[int, tuple[dist.ProcessGroup, list[tuple[int, int]]]] = {}
+    meshes: dict[tuple, tuple[DeviceMesh, list[tuple[int, int]]]] = {}
     whole: list[int] = []
     for i, (p, update) in enumerate(zip(params, updates)):
         if not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements) or _experts_whole(p):
             whole.append(i)
             continue
         single = _single_shard(p)
+        d = two_axes(p) if single is None else None
+        if d is not None:  # dp x tp (ZeRO-3): owners over both axes (muon_mesh.py)
+            # keyed by the ranks and axes: FSDP2 may give each parameter its own mesh object
+            key = (tuple(p.device_mesh.mesh.flatten().tolist()), p.device_mesh.mesh_dim_names)
+            meshes.setdefault(key, (p.device_mesh, []))[1].append((i, d))
+            continue
         if single is None:
             full = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
             done = orthogonalize(full.full_tensor())
@@ -92,11 +101,19 @@ def orthogonalize_all(
             continue
         group = p.device_mesh.get_group(single[0])
         exchanged.setdefault(id(group), (group, []))[1].append((i, single[1]))
-    # experts split over ep: each rank's own experts (their replicas across dp each orthogonalize them too)
-    shared = [i for i in whole if not isinstance(params[i], DTensor) or not _experts_whole(params[i])]
-    if shared and replica_group is not None and dist.get_world_size(replica_group) > 1:
-        done = replicated_exchange(replica_group, [updates[i] for i in shared], orthogonalize, wire_dtype, stats)
-        for i, d in zip(shared, done):
+    # whole matrices held alike by several ranks: a plain tensor by ZeRO-0's replica_group, a replicated DTensor by
+    # its 1-D mesh (a LoRA factor beside its tp-split partner); each one orthogonalized by one owner there. Experts
+    # split over ep are this rank's own (their replicas across dp each orthogonalize them too).
+    shared: dict[int, tuple[dist.ProcessGroup, list[int]]] = {}
+    for i in whole:
+        p = params[i]
+        group = p.device_mesh.get_group() if isinstance(p, DTensor) and p.device_mesh.ndim == 1 else None
+        group = replica_group if not isinstance(p, DTensor) else None if _experts_whole(p) else group
+        if group is not None and dist.get_world_size(group) > 1:
+            shared.setdefault(id(group), (group, []))[1].append(i)
+    for group, members in shared.values():
+        done = replicated_exchange(group, [updates[i] for i in members], orthogonalize, wire_dtype, stats)
+        for i, d in zip(members, done):
             result[i] = d
     for i in whole:
         if result[i] is None:
@@ -105,6 +122,12 @@ def orthogonalize_all(
     for group, members in exchanged.values():
         pieces = _exchange(group, [params[i] for i, _ in members], [updates[i] for i, _ in members],
                            [d for _, d in members], orthogonalize, wire_dtype, stats)  # fmt: skip
+        for (i, _), piece in zip(members, pieces):
+            result[i] = piece
+    for mesh, members in meshes.values():
+        shapes = [tuple(params[i].shape) for i, _ in members]
+        pieces = exchange_two_axes(mesh, shapes, [d for _, d in members], [updates[i] for i, _ in members],
+                                   orthogonalize, wire_dtype, stats)  # fmt: skip
         for (i, _), piece in zip(members, pieces):
             result[i] = piece
     return result  # type: ignore[return-value]

@@ -52,12 +52,13 @@ def gather_to_owners(
     mine: list[Tensor],
     wire_dtype: torch.dtype,
     stats: dict[str, int],
+    device: torch.device | None = None,
 ) -> dict[int, list[Tensor]]:
     """One ``all_to_all_single``: every rank's flat piece of matrix m (``numels[m][q]`` elements on rank q,
     ``mine[m]`` here) to ``owner[m]``. Returns, for each matrix this rank owns, its pieces in rank order."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     owned = [m for m in range(len(numels)) if owner[m] == rank]
-    empty = torch.empty(0, dtype=wire_dtype, device=mine[0].device if mine else None)
+    empty = torch.empty(0, dtype=wire_dtype, device=mine[0].device if mine else device)
     send = [torch.cat([mine[m].reshape(-1).to(wire_dtype) for m in range(len(numels)) if owner[m] == q] or [empty])
             for q in range(world)]  # fmt: skip
     in_splits = [t.numel() for t in send]

@@ -23,6 +23,7 @@ from lightning_parallel.parallel.optim.muon_exchange import (
     orthogonalize_all,
     orthogonalize_flat,
     owners,
+    replicated_exchange,
 )
 
 PROCESS_GROUP = True
@@ -64,7 +65,19 @@ def run_case(case: dict, ctx) -> dict:
         "formula_bytes": formula,
         "owners": owner,
         "flat": _flat(ctx, orthogonalize, dtype),
+        "replicated": _replicated(wholes, orthogonalize, dtype),
     }
+
+
+def _replicated(wholes, orthogonalize, dtype) -> dict:
+    """ZeRO-0: the same whole matrices on every rank, each orthogonalized by one owner and sent to the others."""
+    stats: dict[str, int] = {}
+    done = replicated_exchange(dist.group.WORLD, wholes, orthogonalize, dtype, stats)
+    worst = max((d.float() - orthogonalize(w).float()).abs().max().item() for d, w in zip(done, wholes))
+    owner = owners([ns_cost(tuple(w.shape)) for w in wholes], dist.get_world_size())
+    owned = sum(w.numel() for m, w in enumerate(wholes) if owner[m] == dist.get_rank())
+    formula = (dist.get_world_size() - 1) * owned * torch.finfo(dtype).bits // 8  # b (W - 1) |owned|
+    return {"worst": worst, **stats, "formula_bytes": formula, "costs": [ns_cost(tuple(w.shape)) for w in wholes]}
 
 
 def _flat(ctx, orthogonalize, dtype) -> dict:
