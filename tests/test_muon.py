@@ -12,7 +12,7 @@ from harness import run_worker
 from torch import nn
 
 from lightning_parallel.models.gpt import GPT, GPTConfig
-from lightning_parallel.parallel.optim.muon import MuonAdamW, split_params
+from lightning_parallel.parallel.optim.muon import MuonAdamW, check_muon_precision, split_params
 from lightning_parallel.parallel.optim.muon_exchange import chunk_sizes, ns_cost, owners
 
 
@@ -112,6 +112,15 @@ def test_bad_input_names_the_setting():
         MuonAdamW([nn.Parameter(torch.ones(3))], ns_dtype=torch.float16)
     with pytest.raises(ValueError, match=r"adjust_lr_fn='rms'"):
         MuonAdamW([nn.Parameter(torch.ones(3))], adjust_lr_fn="rms")
+
+
+def test_fp16_loss_scaling_refused_by_name():
+    """The strategies (Trainer and Fabric) call check_muon_precision on each optimizer they set up."""
+    muon = MuonAdamW.from_module(_net())
+    with pytest.raises(ValueError, match=r"MuonAdamW with precision='16-mixed'.*bf16-mixed"):
+        check_muon_precision(muon, "16-mixed")
+    check_muon_precision(muon, "bf16-mixed")
+    check_muon_precision(torch.optim.AdamW(_net().parameters()), "16-mixed")
 
 
 def test_owners_balance_and_torch_chunk_sizes():

@@ -24,7 +24,10 @@ LAYOUTS = {  # label -> (world, strategy, tp)
     "dp2-tp2-zero3": (4, "hybrid3d:tp=2,zero_stage=3", 2),
     "zero2-w4": (4, "zero2", 1),  # slices of 6,144: mlp.fc (4,096 .. 8,192) is cut between ranks 0 and 1
 }
-REFUSED = {"zero1-tp2": (2, "hybrid3d:tp=2,zero_stage=1", [{**CASES[0], "expect_error": True}])}
+REFUSED = {
+    "zero1-tp2": (2, "hybrid3d:tp=2,zero_stage=1", [{**CASES[0], "expect_error": True}]),
+    "zero3-fp16": (2, "zero3", [{**CASES[0], "precision": "16-mixed", "expect_error": True}]),  # a Trainer user's
+}
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +81,12 @@ def check_exchange(run, label: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("label", list(REFUSED))
-def test_flat_zero_with_tp_refuses_muon_by_name(runs, label):
+def test_bad_settings_refuse_muon_by_name(runs, label):
     for rank in range(2):
         error = runs[label].case("plain", rank).get("error", "")
+        if label == "zero3-fp16":  # refused once the optimizer exists, before the first step
+            assert error.startswith("ValueError") and "MuonAdamW with precision='16-mixed'" in error, error
+            assert "bf16-mixed" in error and "losses" not in runs[label].case("plain", rank)
+            continue
         assert error.startswith("TypeError") and "MuonAdamW under ZeRO-1/2 with tp splits" in error, error
         assert "zero_stage=3" in error

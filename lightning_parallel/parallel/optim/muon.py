@@ -245,4 +245,27 @@ def is_muon(optimizer: Optimizer) -> bool:
     return isinstance(getattr(optimizer, "_optimizer", optimizer), MuonAdamW)
 
 
-__all__ = ["NS_COEFFICIENTS", "MuonAdamW", "adjusted_lr", "is_muon", "newton_schulz", "split_params"]
+def check_muon_precision(optimizer: Optimizer, precision: str) -> None:
+    """Refuse :class:`MuonAdamW` under ``precision="16-mixed"`` (the strategies call this once the optimizer exists,
+    on every rank, before the first step's collectives).
+
+    Raises:
+        ValueError: naming the precision and what works instead.
+    """
+    if is_muon(optimizer) and precision == "16-mixed":
+        raise ValueError(
+            "MuonAdamW with precision='16-mixed': fp16's loss scaling is not supported with Muon here (its parity "
+            "is untested: a skipped step's momentum and the scaled Newton-Schulz input are unchecked). Use "
+            "precision='bf16-mixed' (no loss scaling) or '32-true', or an elementwise optimizer such as AdamW."
+        )
+
+
+__all__ = [
+    "NS_COEFFICIENTS",
+    "MuonAdamW",
+    "adjusted_lr",
+    "check_muon_precision",
+    "is_muon",
+    "newton_schulz",
+    "split_params",
+]
