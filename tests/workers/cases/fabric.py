@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import lightning as L
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel.models import LitGPT, SyntheticTokens
@@ -53,8 +54,11 @@ def run_case(case: dict, ctx) -> dict:
     spec, world, out = ctx.strategy, ctx.world, ctx.out
     steps, accumulate = case.get("steps", 10), case.get("accumulate", 1)
     global_batch = case.get("global_batch", 16)
-    precision = case.get("precision", "32-true")
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=build_strategy(spec, fabric=True), precision=precision)
+    precision, plugins = case.get("precision", "32-true"), None
+    if precision == "16-mixed":  # Fabric would run bf16 on CPU: fp16 autocast asked for explicitly, as cases/gpt.py
+        precision, plugins = None, [MixedPrecision("16-mixed", "cpu")]
+    strategy = build_strategy(spec, fabric=True)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=precision, plugins=plugins)
     fabric.launch()
     pl.seed_everything(case.get("seed", 0), verbose=False)
     if case.get("expect_error"):  # a plain MLP (no tensor-parallel plan): the Trainer's refusal, on every rank
