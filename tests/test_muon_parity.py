@@ -1,8 +1,9 @@
 """MuonAdamW (ns_dtype=float32, fp32, 10 steps, plain and clipped) under the layouts that split its matrices,
 against the same optimizer in one process: losses within 1e-5 relative, parameters within 1e-5 (the recipe GPT,
 tests/workers/cases/gpt.py with optimizer="muon"). ZeRO-3 splits each matrix by Shard(0) over dp, tp by Shard(0)
-or Shard(1); ZeRO-1/2 slice a flat buffer whose ranges cut matrices; each matrix is orthogonalized whole on one owner.
-ZeRO-1/2 with tp refuse Muon by name."""
+or Shard(1); ZeRO-1/2 slice a flat buffer whose ranges cut matrices; ZeRO-0 holds them whole on every rank; dp x tp
+ZeRO-3 splits them on two axes. Each matrix is orthogonalized whole on one owner, the work equal per rank, the bytes
+as docs/muon.md's formulas. ZeRO-1/2 with tp, and fp16 (a Trainer user's precision="16-mixed"), refuse Muon by name."""
 
 from __future__ import annotations
 

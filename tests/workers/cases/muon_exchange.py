@@ -1,6 +1,7 @@
 """Case ``muon_exchange``: Muon's owner exchange (lightning_parallel/parallel/optim/muon_exchange.py) on DTensors
 of a 1-D mesh over the world, split by Shard(0) and Shard(1) with uneven slices, against each whole matrix
-orthogonalized in this process; plus the bytes it sent; and ZeRO-1/2's flat layout, matrices cut across slices.
+orthogonalized in this process; plus the bytes it sent; ZeRO-1/2's flat layout, matrices cut across slices; and
+ZeRO-0's whole matrices on every rank, each orthogonalized by one owner (the work per rank by Newton-Schulz cost).
 
     run.py muon_exchange --opts '{"ns_dtype": "float32"}' --out DIR
 
