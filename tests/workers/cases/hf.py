@@ -134,7 +134,7 @@ def run_case(case: dict, ctx) -> dict:
     # one loss per optimizer step: the mean of its micro-batches' (equal token counts: the global batch's loss)
     losses = [sum(model.losses[i : i + accumulate]) / accumulate for i in range(0, len(model.losses), accumulate)]
     result = {"name": case["name"], "losses": losses, "bytes_read": getattr(model, "weight_bytes_read", 0)}
-    optimizer = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0])
+    optimizer = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0]) if trainer.optimizers else None
     result["muon_exchange"] = dict(getattr(optimizer, "exchange", {}))  # MuonAdamW: the last step's exchange
     result.update(probes[0].result() if probes else {})
     result.update(experts_held(model) if case.get("config") else {})
