@@ -19,9 +19,11 @@ them; an all-gather to every rank (each rank orthogonalizing every matrix) would
 ZeRO-1/2 (:class:`FlatMatrices`, :func:`orthogonalize_flat`): the matrices packed in a flat buffer whose equal slices
 cut them anywhere; each matrix's contiguous segments go to its owner the same way, joined and reshaped there.
 
-A matrix split on several mesh dimensions (ZeRO-3 x tp: ``Shard(0)`` and ``_StridedShard``) is gathered whole on
-every rank of its mesh (``full_tensor``) and orthogonalized there (redundantly); a plain tensor or a replicated
-DTensor is whole already and orthogonalized where it is.
+HSDP (split over the shard group, replicated over the replicas: :func:`exchange_replicas`): owners over replicas x
+shards. dp x tp with ZeRO-3 (split on two mesh dimensions): owners over both (:mod:`.muon_mesh`); any other split on
+several mesh dimensions is gathered whole on every rank of its mesh (``full_tensor``) and orthogonalized there.
+Whole matrices held alike by several ranks (ZeRO-0's plain tensors over its dp group, a DTensor replicated over a
+1-D mesh) get one owner there (:func:`replicated_exchange`); ep's experts are orthogonalized where they live.
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ def _experts_whole(p: DTensor) -> bool:
     return p.ndim == 3 and all(pl.is_replicate() or getattr(pl, "dim", None) == 0 for pl in p.placements)
 
 
+def _replicated_dim(p: DTensor, shard_dim: int) -> int | None:
+    """HSDP's replicate dimension: a 2-D mesh whose other dimension (of more than one rank) replicates ``p``."""
+    mesh = p.device_mesh
+    if mesh.ndim != 2 or not p.placements[1 - shard_dim].is_replicate() or mesh.size(1 - shard_dim) == 1:
+        return None
+    return 1 - shard_dim
+
+
 def _single_shard(p: Tensor) -> tuple[int, int] | None:
     """(mesh dim, tensor dim) when ``p`` is split on exactly one mesh dimension by a plain ``Shard``."""
     split = [(i, pl) for i, pl in enumerate(p.placements) if not pl.is_replicate()]  # type: ignore[attr-defined]
@@ -81,6 +91,7 @@ def orthogonalize_all(
     result: list[Tensor | None] = [None] * len(params)
     exchanged: dict[int, tuple[dist.ProcessGroup, list[tuple[int, int]]]] = {}
     meshes: dict[tuple, tuple[DeviceMesh, list[tuple[int, int]]]] = {}
+    hsdp: dict[tuple, tuple[DeviceMesh, int, list[tuple[int, int]]]] = {}
     whole: list[int] = []
     for i, (p, update) in enumerate(zip(params, updates)):
         if not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements) or _experts_whole(p):
@@ -98,6 +109,10 @@ def orthogonalize_all(
             done = orthogonalize(full.full_tensor())
             count_done(stats, done)
             result[i] = distribute_tensor(done, p.device_mesh, p.placements, src_data_rank=None).to_local()
+            continue
+        if _replicated_dim(p, single[0]) is not None:  # HSDP: owners over the replicas too
+            key = (tuple(p.device_mesh.mesh.flatten().tolist()), p.device_mesh.mesh_dim_names, single[0])
+            hsdp.setdefault(key, (p.device_mesh, single[0], []))[2].append((i, single[1]))
             continue
         group = p.device_mesh.get_group(single[0])
         exchanged.setdefault(id(group), (group, []))[1].append((i, single[1]))
@@ -124,6 +139,11 @@ def orthogonalize_all(
                            [d for _, d in members], orthogonalize, wire_dtype, stats)  # fmt: skip
         for (i, _), piece in zip(members, pieces):
             result[i] = piece
+    for mesh, shard_dim, members in hsdp.values():
+        pieces = exchange_replicas(mesh, shard_dim, [params[i] for i, _ in members], [updates[i] for i, _ in members],
+                                   [d for _, d in members], orthogonalize, wire_dtype, stats)  # fmt: skip
+        for (i, _), piece in zip(members, pieces):
+            result[i] = piece
     for mesh, members in meshes.values():
         shapes = [tuple(params[i].shape) for i, _ in members]
         pieces = exchange_two_axes(mesh, shapes, [d for _, d in members], [updates[i] for i, _ in members],
@@ -143,28 +163,73 @@ def replicated_exchange(
     """Whole matrices held alike by every rank of ``group`` (ZeRO-0): each orthogonalized by its owner alone
     (balanced by ``ns_cost``), whose result one ``all_to_all_single`` sends to every other rank. A rank sends
     ``b (W - 1) |owned|``, about ``b (W - 1) P / W``: as much as one all-gather of the results."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    owner = owners([ns_cost(tuple(u.shape)) for u in updates], world)
+    owner = owners([ns_cost(tuple(u.shape)) for u in updates], dist.get_world_size(group))
     done: list[Tensor | None] = [None] * len(updates)
     for m, update in enumerate(updates):
-        if owner[m] == rank:
-            done[m] = orthogonalize(update).to(wire_dtype)
+        if owner[m] == dist.get_rank(group):
+            done[m] = orthogonalize(update)
             count_done(stats, update)
-    empty = updates[0].new_empty(0, dtype=wire_dtype)
-    mine = torch.cat([d.reshape(-1) for d in done if d is not None] or [empty])
+    return share_from_owners(group, owner, done, [u.shape for u in updates], wire_dtype, stats, updates[0].device)
+
+
+def share_from_owners(
+    group: dist.ProcessGroup,
+    owner: list[int],
+    done: list[Tensor | None],
+    shapes: list[torch.Size],
+    wire_dtype: torch.dtype,
+    stats: dict[str, int],
+    device: torch.device,
+) -> list[Tensor]:
+    """``done[m]`` (set where this rank is ``owner[m]``, of shape ``shapes[m]``) sent by one ``all_to_all_single`` to
+    every other rank of ``group``; returns every result."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    empty = torch.empty(0, dtype=wire_dtype, device=device)
+    mine = torch.cat([d.reshape(-1).to(wire_dtype) for d in done if d is not None] or [empty])
     in_splits = [0 if q == rank else mine.numel() for q in range(world)]
-    out_splits = [0 if q == rank else sum(u.numel() for m, u in enumerate(updates) if owner[m] == q) for q in
+    out_splits = [0 if q == rank else sum(prod(tuple(s)) for m, s in enumerate(shapes) if owner[m] == q) for q in
                   range(world)]  # fmt: skip
-    received = all_to_all(torch.cat([mine] * (world - 1)), in_splits, out_splits, group)
+    received = all_to_all(torch.cat([mine] * (world - 1) or [empty]), in_splits, out_splits, group)
     chunks = received.split(out_splits)
     offsets = [0] * world
-    for m, update in enumerate(updates):
+    result = list(done)
+    for m, shape in enumerate(shapes):
         q = owner[m]
         if q != rank:
-            done[m] = chunks[q][offsets[q] : offsets[q] + update.numel()].view(update.shape)
-            offsets[q] += update.numel()
+            result[m] = chunks[q][offsets[q] : offsets[q] + prod(tuple(shape))].view(shape)
+            offsets[q] += prod(tuple(shape))
     count_sent(stats, sum(in_splits), wire_dtype)
-    return done  # type: ignore[return-value]
+    return result  # type: ignore[return-value]
+
+
+def exchange_replicas(
+    mesh: DeviceMesh,
+    shard_dim: int,
+    params: list[Tensor],
+    updates: list[Tensor],
+    dims: list[int],
+    orthogonalize: Callable[[Tensor], Tensor],
+    wire_dtype: torch.dtype,
+    stats: dict[str, int],
+) -> list[Tensor]:
+    """HSDP: matrices split over the shard group (mesh dim ``shard_dim``), replicated over the other mesh dim. Owners
+    are (replica, shard rank) pairs over all of them: each replica's shard group orthogonalizes its share (the two
+    ``all_to_all_single`` of :func:`owner_exchange`), then one more over the replicas sends each rank's pieces of
+    them to its counterparts. A rank sends ``2 b (S - 1) P / (R S^2) + b (R - 1) P / (R S)``, about."""
+    rep_dim = 1 - shard_dim
+    replicas, shards, replica = mesh.size(rep_dim), mesh.size(shard_dim), mesh.get_local_rank(rep_dim)
+    pair = owners([ns_cost(tuple(p.shape)) for p in params], replicas * shards)
+    mine = [m for m in range(len(params)) if pair[m] // shards == replica]  # the same on my whole shard group
+    done: list[Tensor | None] = [None] * len(params)
+    if mine:
+        pieces = _exchange(mesh.get_group(shard_dim), [params[m] for m in mine], [updates[m] for m in mine],
+                           [dims[m] for m in mine], orthogonalize, wire_dtype, stats,
+                           [pair[m] % shards for m in mine])  # fmt: skip
+        for m, piece in zip(mine, pieces):
+            done[m] = piece
+    shapes = [u.shape for u in updates]
+    owner = [q // shards for q in pair]
+    return share_from_owners(mesh.get_group(rep_dim), owner, done, shapes, wire_dtype, stats, updates[0].device)
 
 
 def _exchange(
@@ -175,8 +240,10 @@ def _exchange(
     orthogonalize: Callable[[Tensor], Tensor],
     wire_dtype: torch.dtype,
     stats: dict[str, int],
+    owner: list[int] | None = None,
 ) -> list[Tensor]:
-    """The DTensor matrices of one group, each split by ``Shard(dims[m])``: slices along that dimension."""
+    """The DTensor matrices of one group, each split by ``Shard(dims[m])``: slices along that dimension (``owner``:
+    given owners, else balanced ones)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     shapes = []  # shapes[m][q]: matrix m's slice on rank q
     for p, d in zip(params, dims):
@@ -192,7 +259,7 @@ def _exchange(
     numels = [[prod(s) for s in per_rank] for per_rank in shapes]
     flat = [u.reshape(-1) for u in updates]
     costs = [ns_cost(tuple(p.shape)) for p in params]
-    done = owner_exchange(group, numels, costs, flat, assemble, cut, orthogonalize, wire_dtype, stats)
+    done = owner_exchange(group, numels, costs, flat, assemble, cut, orthogonalize, wire_dtype, stats, owner)
     return [piece.view(shapes[m][rank]) for m, piece in enumerate(done)]
 
 

@@ -104,11 +104,12 @@ def owner_exchange(
     orthogonalize: Callable[[Tensor], Tensor],
     wire_dtype: torch.dtype,
     stats: dict[str, int],
+    owner: list[int] | None = None,
 ) -> list[Tensor]:
     """Matrices split over ``group`` (``numels[m][q]``: matrix m's elements on rank q; ``mine[m]``: this rank's,
-    flat): each to its owner (balanced by ``costs``), joined by ``assemble``, orthogonalized, cut into the ranks'
-    flat pieces by ``cut``, and back. Returns this rank's flat piece of each result."""
-    owner = owners(costs, dist.get_world_size(group))
+    flat): each to its owner (``owner``, or balanced by ``costs``), joined by ``assemble``, orthogonalized, cut into
+    the ranks' flat pieces by ``cut``, and back. Returns this rank's flat piece of each result."""
+    owner = owner if owner is not None else owners(costs, dist.get_world_size(group))
     gathered = gather_to_owners(group, numels, owner, mine, wire_dtype, stats)
     done = {}
     for m, pieces in gathered.items():
