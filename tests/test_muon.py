@@ -12,8 +12,8 @@ from harness import run_worker
 from torch import nn
 
 from lightning_parallel.models.gpt import GPT, GPTConfig
-from lightning_parallel.parallel.optim.muon import MuonAdamW, split_params
-from lightning_parallel.parallel.optim.muon_exchange import chunk_sizes, owners
+from lightning_parallel.parallel.optim.muon import MuonAdamW, check_muon_precision, split_params
+from lightning_parallel.parallel.optim.muon_exchange import chunk_sizes, ns_cost, owners
 
 
 def _net() -> nn.Module:
@@ -114,8 +114,19 @@ def test_bad_input_names_the_setting():
         MuonAdamW([nn.Parameter(torch.ones(3))], adjust_lr_fn="rms")
 
 
+def test_fp16_loss_scaling_refused_by_name():
+    """The strategies (Trainer and Fabric) call check_muon_precision on each optimizer they set up."""
+    muon = MuonAdamW.from_module(_net())
+    with pytest.raises(ValueError, match=r"MuonAdamW with precision='16-mixed'.*bf16-mixed"):
+        check_muon_precision(muon, "16-mixed")
+    check_muon_precision(muon, "bf16-mixed")
+    check_muon_precision(torch.optim.AdamW(_net().parameters()), "16-mixed")
+
+
 def test_owners_balance_and_torch_chunk_sizes():
     assert owners([10, 40, 30, 20], 2) == [0, 0, 1, 1]  # 40 -> 0, 30 -> 1, 20 -> 1 (30 < 40), 10 -> 0 (40 < 50)
+    assert owners([ns_cost((128, 32)), ns_cost((32, 32)), ns_cost((32, 128)), ns_cost((64, 64))], 2) == [1, 0, 1, 0]
+    assert ns_cost((8, 32, 128)) == 8 * ns_cost((32, 128)) == 8 * 32 * 128 * 32  # a stack: E matrices
     assert chunk_sizes(7, 2) == [4, 3] and chunk_sizes(3, 4) == [1, 1, 1, 0] and chunk_sizes(5, 4) == [2, 2, 1, 0]
 
 
@@ -130,3 +141,15 @@ def test_sharded_matrices_orthogonalized_whole_at_world_2(tmp_path, ns_dtype):
     flat = [r["flat"] for r in ranks]  # ZeRO-1/2: 90 elements in 2 slices of 45, the (6, 4) matrix across the cut
     assert flat[0]["crossing"] == 1 and sum(f["covered"] for f in flat) == 90
     assert max(f["worst"] for f in flat) <= 1e-6 and sum(f["orthogonalized"] for f in flat) == 5
+    assert_balanced([r["ns_cost"] for r in ranks], ranks[0]["costs"] if "costs" in ranks[0] else None)
+    replicated = [r["replicated"] for r in ranks]  # ZeRO-0: whole matrices everywhere, each done by one owner
+    assert max(r["worst"] for r in replicated) <= 1e-6
+    assert sum(r["orthogonalized"] for r in replicated) == 6 and min(r["orthogonalized"] for r in replicated) > 0
+    assert all(r["sent_bytes"] == r["formula_bytes"] > 0 for r in replicated), replicated
+    assert_balanced([r["ns_cost"] for r in replicated], replicated[0]["costs"])
+
+
+def assert_balanced(loads: list[int], costs: list[int] | None) -> None:
+    """Greedy owners, costliest first: no rank's Newton-Schulz cost exceeds another's by more than one matrix's."""
+    assert sum(loads) > 0 and (costs is None or sum(loads) == sum(costs)), (loads, costs)
+    assert max(loads) - min(loads) <= max(costs or loads), loads

@@ -47,6 +47,7 @@ from lightning_parallel.fabric.pipeline import (
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.powersgd import embedding_weights
 from lightning_parallel.parallel.materialize import splits_model
+from lightning_parallel.parallel.optim.muon import check_muon_precision
 from lightning_parallel.parallel.pipeline.runner import Pipeline
 from lightning_parallel.plugins.precision import loss_scaler_like
 from lightning_parallel.strategies.distributed import DistributedMixin
@@ -214,6 +215,7 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         """Re-point ``optimizer`` at the split model's parameters (by name), then let the sharding take it."""
         if self.module is None:
             raise ValueError("set up the model first: fabric.setup(model, optimizer) or fabric.setup_module(model).")
+        check_muon_precision(optimizer, str(getattr(self.precision, "precision", "")))
         repoint(optimizer, self.module, self.runtime.stages, self._names, type(self).__name__)
         if self.sharding.powersgd is not None and not self._optimizers:  # embeddings travel whole
             self.sharding.powersgd.keep_whole(embedding_weights(self.module))

@@ -41,6 +41,7 @@ from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.powersgd import embedding_weights
 from lightning_parallel.parallel.data.sync_batchnorm import convert_sync_batchnorm
 from lightning_parallel.parallel.expert.aux import aux_loss_scale
+from lightning_parallel.parallel.optim.muon import check_muon_precision
 from lightning_parallel.plugins.layer_sync import DataParallelSyncBatchNorm
 from lightning_parallel.plugins.precision import loss_scale_of, to_mesh_precision
 from lightning_parallel.strategies.checkpointing import (
@@ -148,6 +149,7 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
                 tied = self.runtime.applied.tied if self.runtime.applied is not None else None
                 self.sharding.powersgd.keep_whole(embedding_weights(self.model) + (tied.params() if tied else []))
             for optimizer in self.optimizers:
+                check_muon_precision(optimizer, str(getattr(self.precision_plugin, "precision", "")))
                 self.sharding.shard_optimizer(optimizer)
             self._replicas = self._replicas or start_replicas(self, trainer)
         self.setup_precision_plugin()

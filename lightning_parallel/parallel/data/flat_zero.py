@@ -126,7 +126,7 @@ class FlatZero:
             self.optimizer, "flat_layouts"
         ):  # MuonAdamW: each matrix gathered whole from the slices (muon_exchange.py)
             for fg in made:
-                self.optimizer.flat_layouts[id(fg.shard)] = muon_layout(fg)
+                self.optimizer.flat_layouts[id(fg.shard)] = muon_layout(fg, bool(param_group.get("stacked_experts")))
         return made
 
     def _flat_group(self, params: list[nn.Parameter], expert: int) -> FlatGroup:
@@ -324,12 +324,24 @@ class FlatZero:
 _grad = attrgetter("grad")
 
 
-def muon_layout(fg: FlatGroup) -> FlatMatrices:
-    """The matrices of a MuonAdamW group's flat buffer, for its owners to gather whole (each a plain tensor here)."""
+def muon_layout(fg: FlatGroup, stacked: bool = False) -> FlatMatrices:
+    """The matrices of a MuonAdamW group's flat buffer, for its owners to gather whole (each a plain tensor here).
+    ``stacked``: stacks (E, in, out) of expert matrices, each expert its own matrix (under ep, this rank's experts)."""
     split = [p for p in fg.params if isinstance(p, DTensor) and not all(x.is_replicate() for x in p.placements)]
+    if stacked:  # experts split over ep on their first dimension only: the local experts are whole
+        split = [p for p in split if any(getattr(x, "dim", None) != 0 for x in p.placements if not x.is_replicate())]
     if split or fg.host is not None:
         why = "offload steps a host copy of the slice" if fg.host is not None else "tp splits its matrices too"
         raise TypeError(
             f"MuonAdamW under ZeRO-1/2 with {why}: use zero_stage=3, whose matrices each stay one DTensor, or AdamW."
         )
-    return FlatMatrices(fg.group, fg.shard_numel, list(fg.offsets), [p.shape for p in fg.params])
+    if not stacked:
+        return FlatMatrices(fg.group, fg.shard_numel, list(fg.offsets), [p.shape for p in fg.params])
+    offsets, shapes, lr_shapes = [], [], []
+    for p, offset in zip(fg.params, fg.offsets):
+        experts, rows, cols = local(p).shape
+        for e in range(experts):
+            offsets.append(offset + e * rows * cols)
+            shapes.append(torch.Size((rows, cols)))
+            lr_shapes.append(torch.Size((cols, rows)))  # (in, out) stored: the lr by (out, in), as a Linear's
+    return FlatMatrices(fg.group, fg.shard_numel, offsets, shapes, lr_shapes)

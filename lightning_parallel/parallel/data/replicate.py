@@ -30,6 +30,7 @@ from lightning_parallel.parallel.data.overlap import (
 from lightning_parallel.parallel.data.sharding import DataParallelSharding, register_sharding, trainable
 from lightning_parallel.parallel.dtensor import local, placed_like
 from lightning_parallel.parallel.expert.apply import is_expert_param
+from lightning_parallel.parallel.optim.muon import is_muon
 
 
 def local_grads(params: Iterable[Tensor]) -> list[tuple[Tensor, Tensor]]:
@@ -125,6 +126,9 @@ class Replicate(DataParallelSharding):
 
     def shard_optimizer(self, optimizer: Optimizer) -> None:
         super().shard_optimizer(optimizer)
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if is_muon(inner):  # the same whole matrices on every rank here: each orthogonalized by one owner
+            inner.replica_group = self.group
         self._plans.pop(id(optimizer), None)  # a new optimizer (another fit) gets its own buckets
         if not self.overlap_grad_reduce:
             return

@@ -3,8 +3,10 @@
 The split rule (:func:`split_params`): a parameter is stepped by Muon when it is the 2-D ``weight`` of an
 ``nn.Linear`` (a tensor-parallel or ZeRO-3 DTensor counts by its global shape) and that Linear is not the output
 head; the output head is a Linear whose weight is an ``nn.Embedding``'s (tied) or whose ``out_features`` equals an
-Embedding's ``num_embeddings`` (the vocabulary projection). Everything else is stepped by AdamW: embeddings, the
-head, norm weights, biases, any parameter that is not 2-D (a MoE layer's stacked experts among them).
+Embedding's ``num_embeddings`` (the vocabulary projection; on a pipeline stage without the embedding, the size the
+layer standing for it keeps). ``GroupedExperts``' stacked weights (E, in, out) go to Muon too, in a group of their
+own (``stacked_experts``) where each expert's matrix is orthogonalized alone. Everything else is stepped by AdamW:
+embeddings, the head, norm weights, biases, any other parameter that is not 2-D.
 
 The Muon part is ``torch.optim.Muon``'s update (momentum by ``lerp``, Nesterov, a quintic Newton-Schulz
 orthogonalization, decoupled weight decay, ``adjust_lr_fn``), with ``ns_dtype`` the dtype of the Newton-Schulz
@@ -23,6 +25,7 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
 from lightning_parallel.parallel.dtensor import local
+from lightning_parallel.parallel.expert.experts import GroupedExperts
 from lightning_parallel.parallel.optim.muon_exchange import FlatMatrices, orthogonalize_all, orthogonalize_flat
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's)
@@ -45,7 +48,7 @@ def newton_schulz(update: Tensor, coefficients: tuple[float, float, float], step
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
-    """torch.optim.Muon's learning-rate scaling by the (global) matrix shape."""
+    """torch.optim.Muon's learning-rate scaling by the (global) matrix shape (rows: outputs, as a Linear's)."""
     rows, cols = shape[:2]
     if adjust_lr_fn in (None, "original"):
         return lr * math.sqrt(max(1.0, rows / cols))
@@ -54,19 +57,25 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float
     return lr
 
 
-def _head_like(module: nn.Linear, embeddings: list[nn.Embedding]) -> bool:
-    return any(module.weight is e.weight or module.out_features == e.num_embeddings for e in embeddings)
+def _head_like(module: nn.Linear, embeddings: list[nn.Embedding], vocabularies: set[int]) -> bool:
+    return module.out_features in vocabularies or any(module.weight is e.weight for e in embeddings)
 
 
 def split_params(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:
-    """The trainable parameters by the split rule (module docstring): (Muon's matrices, AdamW's with weight decay:
-    the other parameters of 2 or more dimensions, AdamW's without: biases, norms, scalars)."""
+    """The trainable parameters by the split rule (module docstring): (Muon's matrices, and the stacks of expert
+    matrices (E, in, out) of ``GroupedExperts``; AdamW's with weight decay: the other parameters of 2 or more
+    dimensions; AdamW's without: biases, norms, scalars)."""
     embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    # a pipeline stage without the embedding keeps its size on the layer standing for it (pipeline/split.py)
+    vocabularies = {e.num_embeddings for e in embeddings}
+    vocabularies |= {n for m in module.modules() for n in getattr(m, "embedding_sizes", ())}
     matrices = {
         id(m.weight)
         for m in module.modules()
-        if isinstance(m, nn.Linear) and m.weight.ndim == 2 and not _head_like(m, embeddings)
+        if isinstance(m, nn.Linear) and m.weight.ndim == 2 and not _head_like(m, embeddings, vocabularies)
     }
+    matrices |= {id(w) for m in module.modules() if isinstance(m, GroupedExperts) for w in (m.w1, m.w2, m.w3)
+                 if w is not None and w.ndim == 3}  # fmt: skip
     muon, decay, no_decay = [], [], []
     for p in module.parameters():  # each shared parameter once
         if not p.requires_grad:
@@ -81,7 +90,8 @@ class MuonAdamW(Optimizer):
     ``weight_decay`` are the ones it steps with (an AdamW group's default to ``adamw_lr`` and ``adamw_weight_decay``).
 
     Args:
-        params: parameter groups; a group with ``use_muon=True`` holds 2-D matrices only.
+        params: parameter groups; a group with ``use_muon=True`` holds 2-D matrices only, or, with
+            ``stacked_experts=True`` too, 3-D stacks (E, in, out) of expert matrices, each orthogonalized alone.
         lr: Muon's learning rate; weight_decay: Muon's decoupled weight decay; momentum, nesterov, ns_coefficients,
             ns_steps, eps, adjust_lr_fn: as ``torch.optim.Muon``.
         ns_dtype: the Newton-Schulz iteration's dtype (``torch.bfloat16`` or ``torch.float32``, or their names).
@@ -116,9 +126,9 @@ class MuonAdamW(Optimizer):
         if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
             raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}: set it to None, 'original' or 'match_rms_adamw'")
         defaults = dict(
-            use_muon=False, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-            ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, eps=eps, adjust_lr_fn=adjust_lr_fn,
-            ns_dtype=ns_dtype, betas=tuple(adamw_betas), adamw_eps=adamw_eps,
+            use_muon=False, stacked_experts=False, lr=lr, weight_decay=weight_decay, momentum=momentum,
+            nesterov=nesterov, ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, eps=eps,
+            adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, betas=tuple(adamw_betas), adamw_eps=adamw_eps,
         )  # fmt: skip
         # each group's own lr and weight_decay are what it steps with (LR schedulers scale both parts alike): AdamW's
         # groups take adamw_lr and adamw_weight_decay unless they set their own
@@ -128,17 +138,22 @@ class MuonAdamW(Optimizer):
         adamw_defaults = {"lr": adamw_lr, "weight_decay": adamw_weight_decay}
         groups = [g if g.get("use_muon") else {**adamw_defaults, **g} for g in groups]
         super().__init__(groups, defaults)
-        # the last step's Muon exchange on this rank: elements and bytes sent, matrices orthogonalized here
+        # the last step's Muon exchange on this rank: elements and bytes sent, matrices orthogonalized here and their
+        # Newton-Schulz cost (muon_exchange.ns_cost)
         self.exchange: dict[str, int] = {}
+        # ZeRO-0 (set by the sharding): the data-parallel ranks holding the same whole matrices, among which each
+        # matrix gets one owner (None: every rank orthogonalizes its whole matrices itself)
+        self.replica_group = None
         # ZeRO-1/2 (flat_zero.py): a use_muon group's flat slice -> the matrices packed in its buffer
         self.flat_layouts: dict[int, FlatMatrices] = {}
         for group in self.param_groups:
             for p in group["params"] if group["use_muon"] else []:
-                if p.ndim != 2:
+                if p.ndim != (3 if group["stacked_experts"] else 2):
                     raise ValueError(
                         f"MuonAdamW: a use_muon group holds a parameter of shape {tuple(p.shape)}; Muon steps 2-D "
-                        "matrices only: put it in a group with use_muon=False (AdamW), or build the optimizer "
-                        "with MuonAdamW.from_module(module), which applies the split rule."
+                        "matrices only (or, in a group with stacked_experts=True, 3-D stacks of expert matrices): "
+                        "put it in a group with use_muon=False (AdamW), or build the optimizer with "
+                        "MuonAdamW.from_module(module), which applies the split rule."
                     )
 
     @classmethod
@@ -147,7 +162,8 @@ class MuonAdamW(Optimizer):
         AdamW's with ``adamw_weight_decay`` (embeddings, the head) and AdamW's without (biases, norms)."""
         muon, decay, no_decay = split_params(module)
         groups = [
-            {"params": muon, "use_muon": True},
+            {"params": [p for p in muon if p.ndim == 2], "use_muon": True},
+            {"params": [p for p in muon if p.ndim == 3], "use_muon": True, "stacked_experts": True},
             {"params": decay, "use_muon": False},
             {"params": no_decay, "use_muon": False, "weight_decay": 0.0},
         ]
@@ -181,24 +197,29 @@ class MuonAdamW(Optimizer):
 
         ns_dtype = NS_DTYPES.get(group["ns_dtype"], group["ns_dtype"])  # a group may name it or give the dtype
 
-        def orthogonalize(whole: Tensor) -> Tensor:
+        def orthogonalize(whole: Tensor) -> Tensor:  # a matrix, or a stack (E, in, out) of experts, each alone
+            if whole.ndim == 3:
+                return torch.stack([orthogonalize(w) for w in whole]) if len(whole) else whole.to(ns_dtype)
             return newton_schulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"], ns_dtype)
 
         flat = [i for i, p in enumerate(params) if id(p) in self.flat_layouts]
         whole = [i for i in range(len(params)) if id(params[i]) not in self.flat_layouts]
         orthogonal = orthogonalize_all([params[i] for i in whole], [updates[i] for i in whole], orthogonalize,
-                                       ns_dtype, self.exchange)  # fmt: skip
+                                       ns_dtype, self.exchange, self.replica_group)  # fmt: skip
         lr = group["lr"]
         for i, update in zip(whole, orthogonal):
             param = local(params[i])
             param.mul_(1 - lr * group["weight_decay"])
-            param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], params[i].shape))
+            shape = params[i].shape  # a stack (E, in, out): each expert's lr by its (out, in), as a Linear's
+            shape = torch.Size((shape[2], shape[1])) if group["stacked_experts"] else shape
+            param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
         for i in flat:  # ZeRO-1/2: this rank's slice of a flat buffer of matrices
             layout = self.flat_layouts[id(params[i])]
             pieces = orthogonalize_flat(layout, updates[i], orthogonalize, ns_dtype, self.exchange)
             params[i].mul_(1 - lr * group["weight_decay"])
             for m, start, end, piece in pieces:
-                params[i][start:end].add_(piece, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], layout.shapes[m]))
+                alpha = -adjusted_lr(lr, group["adjust_lr_fn"], layout.lr_shape(m))
+                params[i][start:end].add_(piece, alpha=alpha)
 
     def _adamw_step(self, group: dict, params: list[Tensor]) -> None:
         grads, exp_avgs, exp_avg_sqs, steps = [], [], [], []
@@ -224,4 +245,27 @@ def is_muon(optimizer: Optimizer) -> bool:
     return isinstance(getattr(optimizer, "_optimizer", optimizer), MuonAdamW)
 
 
-__all__ = ["NS_COEFFICIENTS", "MuonAdamW", "adjusted_lr", "is_muon", "newton_schulz", "split_params"]
+def check_muon_precision(optimizer: Optimizer, precision: str) -> None:
+    """Refuse :class:`MuonAdamW` under ``precision="16-mixed"`` (the strategies call this once the optimizer exists,
+    on every rank, before the first step's collectives).
+
+    Raises:
+        ValueError: naming the precision and what works instead.
+    """
+    if is_muon(optimizer) and precision == "16-mixed":
+        raise ValueError(
+            "MuonAdamW with precision='16-mixed': fp16's loss scaling is not supported with Muon here (its parity "
+            "is untested: a skipped step's momentum and the scaled Newton-Schulz input are unchecked). Use "
+            "precision='bf16-mixed' (no loss scaling) or '32-true', or an elementwise optimizer such as AdamW."
+        )
+
+
+__all__ = [
+    "NS_COEFFICIENTS",
+    "MuonAdamW",
+    "adjusted_lr",
+    "check_muon_precision",
+    "is_muon",
+    "newton_schulz",
+    "split_params",
+]

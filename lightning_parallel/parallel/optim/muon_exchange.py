@@ -19,9 +19,11 @@ them; an all-gather to every rank (each rank orthogonalizing every matrix) would
 ZeRO-1/2 (:class:`FlatMatrices`, :func:`orthogonalize_flat`): the matrices packed in a flat buffer whose equal slices
 cut them anywhere; each matrix's contiguous segments go to its owner the same way, joined and reshaped there.
 
-A matrix split on several mesh dimensions (ZeRO-3 x tp: ``Shard(0)`` and ``_StridedShard``) is gathered whole on
-every rank of its mesh (``full_tensor``) and orthogonalized there (redundantly); a plain tensor or a replicated
-DTensor is whole already and orthogonalized where it is.
+HSDP (split over the shard group, replicated over the replicas: :func:`exchange_replicas`): owners over replicas x
+shards. dp x tp with ZeRO-3 (split on two mesh dimensions): owners over both (:mod:`.muon_mesh`); any other split on
+several mesh dimensions is gathered whole on every rank of its mesh (``full_tensor``) and orthogonalized there.
+Whole matrices held alike by several ranks (ZeRO-0's plain tensors over its dp group, a DTensor replicated over a
+1-D mesh) get one owner there (:func:`replicated_exchange`); ep's experts are orthogonalized where they live.
 """
 
 from __future__ import annotations
@@ -32,24 +34,33 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from lightning_parallel.parallel.optim.muon_mesh import exchange_two_axes, two_axes
+from lightning_parallel.parallel.optim.muon_owners import (
+    all_to_all,
+    chunk_sizes,
+    count_done,
+    count_sent,
+    ns_cost,
+    owner_exchange,
+    owners,
+    prod,
+)
 
-def chunk_sizes(length: int, world: int) -> list[int]:
-    """The lengths ``torch.chunk`` (and so ``Shard``) gives each of ``world`` ranks along a dimension of ``length``."""
-    step = -(-length // world)
-    return [max(0, min(step, length - rank * step)) for rank in range(world)]
+
+def _experts_whole(p: DTensor) -> bool:
+    """A stack (E, n, m) split on the expert dimension only (ep, or ZeRO-3 on dim 0): each local expert is whole."""
+    return p.ndim == 3 and all(pl.is_replicate() or getattr(pl, "dim", None) == 0 for pl in p.placements)
 
 
-def owners(numels: list[int], world: int) -> list[int]:
-    """Each matrix's owner rank: largest first, each to the least-loaded rank (the lowest on a tie)."""
-    load = [0] * world
-    owner = [0] * len(numels)
-    for index in sorted(range(len(numels)), key=lambda i: -numels[i]):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        owner[index] = rank
-        load[rank] += numels[index]
-    return owner
+def _replicated_dim(p: DTensor, shard_dim: int) -> int | None:
+    """HSDP's replicate dimension: a 2-D mesh whose other dimension (of more than one rank) replicates ``p``."""
+    mesh = p.device_mesh
+    if mesh.ndim != 2 or not p.placements[1 - shard_dim].is_replicate() or mesh.size(1 - shard_dim) == 1:
+        return None
+    return 1 - shard_dim
 
 
 def _single_shard(p: Tensor) -> tuple[int, int] | None:
@@ -66,35 +77,159 @@ def orthogonalize_all(
     orthogonalize: Callable[[Tensor], Tensor],
     wire_dtype: torch.dtype,
     stats: dict[str, int] | None = None,
+    replica_group: dist.ProcessGroup | None = None,
 ) -> list[Tensor]:
-    """``orthogonalize`` applied to each whole matrix; returns each parameter's local piece of the result.
+    """``orthogonalize`` applied to each whole matrix (a 3-D stack: to each of its experts); returns each
+    parameter's local piece of the result.
 
     ``updates``: each parameter's local momentum update. ``stats`` (optional) gets the elements and bytes this rank
-    sent and the matrices it orthogonalized.
+    sent, the matrices it orthogonalized and their cost (``ns_cost``). ``replica_group``: the ranks that hold the
+    same whole matrices (ZeRO-0's data-parallel group): each whole matrix is then orthogonalized by one owner there
+    and sent to the others (:func:`replicated_exchange`), not on every rank.
     """
     stats = stats if stats is not None else {}
     result: list[Tensor | None] = [None] * len(params)
     exchanged: dict[int, tuple[dist.ProcessGroup, list[tuple[int, int]]]] = {}
+    meshes: dict[tuple, tuple[DeviceMesh, list[tuple[int, int]]]] = {}
+    hsdp: dict[tuple, tuple[DeviceMesh, int, list[tuple[int, int]]]] = {}
+    whole: list[int] = []
     for i, (p, update) in enumerate(zip(params, updates)):
-        if not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements):
-            result[i] = orthogonalize(update)
-            stats["orthogonalized"] = stats.get("orthogonalized", 0) + 1
+        if not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements) or _experts_whole(p):
+            whole.append(i)
             continue
         single = _single_shard(p)
+        d = two_axes(p) if single is None else None
+        if d is not None:  # dp x tp (ZeRO-3): owners over both axes (muon_mesh.py)
+            # keyed by the ranks and axes: FSDP2 may give each parameter its own mesh object
+            key = (tuple(p.device_mesh.mesh.flatten().tolist()), p.device_mesh.mesh_dim_names)
+            meshes.setdefault(key, (p.device_mesh, []))[1].append((i, d))
+            continue
         if single is None:
-            whole = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-            done = orthogonalize(whole.full_tensor())
+            full = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            done = orthogonalize(full.full_tensor())
+            count_done(stats, done)
             result[i] = distribute_tensor(done, p.device_mesh, p.placements, src_data_rank=None).to_local()
-            stats["orthogonalized"] = stats.get("orthogonalized", 0) + 1
+            continue
+        if _replicated_dim(p, single[0]) is not None:  # HSDP: owners over the replicas too
+            key = (tuple(p.device_mesh.mesh.flatten().tolist()), p.device_mesh.mesh_dim_names, single[0])
+            hsdp.setdefault(key, (p.device_mesh, single[0], []))[2].append((i, single[1]))
             continue
         group = p.device_mesh.get_group(single[0])
         exchanged.setdefault(id(group), (group, []))[1].append((i, single[1]))
+    # whole matrices held alike by several ranks: a plain tensor by ZeRO-0's replica_group, a replicated DTensor by
+    # its 1-D mesh (a LoRA factor beside its tp-split partner); each one orthogonalized by one owner there. Experts
+    # split over ep are this rank's own (their replicas across dp each orthogonalize them too).
+    shared: dict[int, tuple[dist.ProcessGroup, list[int]]] = {}
+    for i in whole:
+        p = params[i]
+        group = p.device_mesh.get_group() if isinstance(p, DTensor) and p.device_mesh.ndim == 1 else None
+        group = replica_group if not isinstance(p, DTensor) else None if _experts_whole(p) else group
+        if group is not None and dist.get_world_size(group) > 1:
+            shared.setdefault(id(group), (group, []))[1].append(i)
+    for group, members in shared.values():
+        done = replicated_exchange(group, [updates[i] for i in members], orthogonalize, wire_dtype, stats)
+        for i, d in zip(members, done):
+            result[i] = d
+    for i in whole:
+        if result[i] is None:
+            result[i] = orthogonalize(updates[i])
+            count_done(stats, updates[i])
     for group, members in exchanged.values():
         pieces = _exchange(group, [params[i] for i, _ in members], [updates[i] for i, _ in members],
                            [d for _, d in members], orthogonalize, wire_dtype, stats)  # fmt: skip
         for (i, _), piece in zip(members, pieces):
             result[i] = piece
+    for mesh, shard_dim, members in hsdp.values():
+        pieces = exchange_replicas(mesh, shard_dim, [params[i] for i, _ in members], [updates[i] for i, _ in members],
+                                   [d for _, d in members], orthogonalize, wire_dtype, stats)  # fmt: skip
+        for (i, _), piece in zip(members, pieces):
+            result[i] = piece
+    for mesh, members in meshes.values():
+        shapes = [tuple(params[i].shape) for i, _ in members]
+        pieces = exchange_two_axes(mesh, shapes, [d for _, d in members], [updates[i] for i, _ in members],
+                                   orthogonalize, wire_dtype, stats)  # fmt: skip
+        for (i, _), piece in zip(members, pieces):
+            result[i] = piece
     return result  # type: ignore[return-value]
+
+
+def replicated_exchange(
+    group: dist.ProcessGroup,
+    updates: list[Tensor],
+    orthogonalize: Callable[[Tensor], Tensor],
+    wire_dtype: torch.dtype,
+    stats: dict[str, int],
+) -> list[Tensor]:
+    """Whole matrices held alike by every rank of ``group`` (ZeRO-0): each orthogonalized by its owner alone
+    (balanced by ``ns_cost``), whose result one ``all_to_all_single`` sends to every other rank. A rank sends
+    ``b (W - 1) |owned|``, about ``b (W - 1) P / W``: as much as one all-gather of the results."""
+    owner = owners([ns_cost(tuple(u.shape)) for u in updates], dist.get_world_size(group))
+    done: list[Tensor | None] = [None] * len(updates)
+    for m, update in enumerate(updates):
+        if owner[m] == dist.get_rank(group):
+            done[m] = orthogonalize(update)
+            count_done(stats, update)
+    return share_from_owners(group, owner, done, [u.shape for u in updates], wire_dtype, stats, updates[0].device)
+
+
+def share_from_owners(
+    group: dist.ProcessGroup,
+    owner: list[int],
+    done: list[Tensor | None],
+    shapes: list[torch.Size],
+    wire_dtype: torch.dtype,
+    stats: dict[str, int],
+    device: torch.device,
+) -> list[Tensor]:
+    """``done[m]`` (set where this rank is ``owner[m]``, of shape ``shapes[m]``) sent by one ``all_to_all_single`` to
+    every other rank of ``group``; returns every result."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    empty = torch.empty(0, dtype=wire_dtype, device=device)
+    mine = torch.cat([d.reshape(-1).to(wire_dtype) for d in done if d is not None] or [empty])
+    in_splits = [0 if q == rank else mine.numel() for q in range(world)]
+    out_splits = [0 if q == rank else sum(prod(tuple(s)) for m, s in enumerate(shapes) if owner[m] == q) for q in
+                  range(world)]  # fmt: skip
+    received = all_to_all(torch.cat([mine] * (world - 1) or [empty]), in_splits, out_splits, group)
+    chunks = received.split(out_splits)
+    offsets = [0] * world
+    result = list(done)
+    for m, shape in enumerate(shapes):
+        q = owner[m]
+        if q != rank:
+            result[m] = chunks[q][offsets[q] : offsets[q] + prod(tuple(shape))].view(shape)
+            offsets[q] += prod(tuple(shape))
+    count_sent(stats, sum(in_splits), wire_dtype)
+    return result  # type: ignore[return-value]
+
+
+def exchange_replicas(
+    mesh: DeviceMesh,
+    shard_dim: int,
+    params: list[Tensor],
+    updates: list[Tensor],
+    dims: list[int],
+    orthogonalize: Callable[[Tensor], Tensor],
+    wire_dtype: torch.dtype,
+    stats: dict[str, int],
+) -> list[Tensor]:
+    """HSDP: matrices split over the shard group (mesh dim ``shard_dim``), replicated over the other mesh dim. Owners
+    are (replica, shard rank) pairs over all of them: each replica's shard group orthogonalizes its share (the two
+    ``all_to_all_single`` of :func:`owner_exchange`), then one more over the replicas sends each rank's pieces of
+    them to its counterparts. A rank sends ``2 b (S - 1) P / (R S^2) + b (R - 1) P / (R S)``, about."""
+    rep_dim = 1 - shard_dim
+    replicas, shards, replica = mesh.size(rep_dim), mesh.size(shard_dim), mesh.get_local_rank(rep_dim)
+    pair = owners([ns_cost(tuple(p.shape)) for p in params], replicas * shards)
+    mine = [m for m in range(len(params)) if pair[m] // shards == replica]  # the same on my whole shard group
+    done: list[Tensor | None] = [None] * len(params)
+    if mine:
+        pieces = _exchange(mesh.get_group(shard_dim), [params[m] for m in mine], [updates[m] for m in mine],
+                           [dims[m] for m in mine], orthogonalize, wire_dtype, stats,
+                           [pair[m] % shards for m in mine])  # fmt: skip
+        for m, piece in zip(mine, pieces):
+            done[m] = piece
+    shapes = [u.shape for u in updates]
+    owner = [q // shards for q in pair]
+    return share_from_owners(mesh.get_group(rep_dim), owner, done, shapes, wire_dtype, stats, updates[0].device)
 
 
 def _exchange(
@@ -105,8 +240,10 @@ def _exchange(
     orthogonalize: Callable[[Tensor], Tensor],
     wire_dtype: torch.dtype,
     stats: dict[str, int],
+    owner: list[int] | None = None,
 ) -> list[Tensor]:
-    """The DTensor matrices of one group, each split by ``Shard(dims[m])``: slices along that dimension."""
+    """The DTensor matrices of one group, each split by ``Shard(dims[m])``: slices along that dimension (``owner``:
+    given owners, else balanced ones)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     shapes = []  # shapes[m][q]: matrix m's slice on rank q
     for p, d in zip(params, dims):
@@ -119,9 +256,10 @@ def _exchange(
     def cut(m: int, whole: Tensor) -> list[Tensor]:
         return [piece.reshape(-1) for piece in whole.split([s[dims[m]] for s in shapes[m]], dim=dims[m])]
 
-    numels = [[_prod(s) for s in per_rank] for per_rank in shapes]
+    numels = [[prod(s) for s in per_rank] for per_rank in shapes]
     flat = [u.reshape(-1) for u in updates]
-    done = owner_exchange(group, numels, flat, assemble, cut, orthogonalize, wire_dtype, stats)
+    costs = [ns_cost(tuple(p.shape)) for p in params]
+    done = owner_exchange(group, numels, costs, flat, assemble, cut, orthogonalize, wire_dtype, stats, owner)
     return [piece.view(shapes[m][rank]) for m, piece in enumerate(done)]
 
 
@@ -134,10 +272,14 @@ class FlatMatrices:
     shard_numel: int
     offsets: list[int]
     shapes: list[torch.Size]
+    lr_shapes: list[torch.Size] | None = None  # the (out, in) shape each learning rate is adjusted by (default: shapes)
+
+    def lr_shape(self, m: int) -> torch.Size:
+        return self.lr_shapes[m] if self.lr_shapes is not None else self.shapes[m]
 
     def segments(self, m: int, world: int) -> list[tuple[int, int]]:
         """Matrix ``m``'s elements on each rank: (start, end) in the flat buffer (end <= start: none)."""
-        lo, hi = self.offsets[m], self.offsets[m] + _prod(tuple(self.shapes[m]))
+        lo, hi = self.offsets[m], self.offsets[m] + prod(tuple(self.shapes[m]))
         return [(max(lo, q * self.shard_numel), min(hi, (q + 1) * self.shard_numel)) for q in range(world)]
 
 
@@ -164,60 +306,10 @@ def orthogonalize_flat(
     def cut(m: int, whole: Tensor) -> list[Tensor]:
         return list(whole.reshape(-1).split(numels[m]))
 
-    done = owner_exchange(layout.group, numels, mine, assemble, cut, orthogonalize, wire_dtype, stats)
+    costs = [ns_cost(tuple(shape)) for shape in layout.shapes]
+    done = owner_exchange(layout.group, numels, costs, mine, assemble, cut, orthogonalize, wire_dtype, stats)
     here = [seg[rank] for seg in segments]
     return [(m, lo - base, hi - base, piece) for m, ((lo, hi), piece) in enumerate(zip(here, done)) if hi > lo]
 
 
-def owner_exchange(
-    group: dist.ProcessGroup,
-    numels: list[list[int]],
-    mine: list[Tensor],
-    assemble: Callable[[int, list[Tensor]], Tensor],
-    cut: Callable[[int, Tensor], list[Tensor]],
-    orthogonalize: Callable[[Tensor], Tensor],
-    wire_dtype: torch.dtype,
-    stats: dict[str, int],
-) -> list[Tensor]:
-    """Matrices split over ``group`` (``numels[m][q]``: matrix m's elements on rank q; ``mine[m]``: this rank's,
-    flat): each to its owner by one ``all_to_all_single``, joined by ``assemble``, orthogonalized, cut into the
-    ranks' flat pieces by ``cut``, and back by a second one. Returns this rank's flat piece of each result."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    count = len(numels)
-    owner = owners([sum(n) for n in numels], world)
-    owned = [m for m in range(count) if owner[m] == rank]
-    empty = mine[0].new_empty(0, dtype=wire_dtype)
-    send = [torch.cat([mine[m].to(wire_dtype) for m in range(count) if owner[m] == q] or [empty]) for q in range(world)]
-    in_splits = [t.numel() for t in send]
-    out_splits = [sum(numels[m][q] for m in owned) for q in range(world)]
-    received = _all_to_all(torch.cat(send), in_splits, out_splits, group)
-    by_rank = [chunk.split([numels[m][q] for m in owned]) for q, chunk in enumerate(received.split(out_splits))]
-    back: list[list[Tensor]] = [[] for _ in range(world)]
-    for k, m in enumerate(owned):
-        for q, piece in enumerate(cut(m, orthogonalize(assemble(m, [by_rank[q][k] for q in range(world)])))):
-            back[q].append(piece)
-    back_flat = [torch.cat(pieces).to(wire_dtype) if pieces else empty for pieces in back]
-    in_back = [t.numel() for t in back_flat]
-    out_back = [sum(numels[m][rank] for m in range(count) if owner[m] == q) for q in range(world)]
-    returned = _all_to_all(torch.cat(back_flat), in_back, out_back, group)
-    from_owner = [iter(chunk.split([numels[m][rank] for m in range(count) if owner[m] == q]))
-                  for q, chunk in enumerate(returned.split(out_back))]  # fmt: skip
-    result = [next(from_owner[owner[m]]) for m in range(count)]
-    elements = sum(n for q, n in enumerate(in_splits) if q != rank) + sum(n for q, n in enumerate(in_back) if q != rank)
-    stats["sent_elements"] = stats.get("sent_elements", 0) + elements
-    stats["sent_bytes"] = stats.get("sent_bytes", 0) + elements * torch.finfo(wire_dtype).bits // 8
-    stats["orthogonalized"] = stats.get("orthogonalized", 0) + len(owned)
-    return result
-
-
-def _all_to_all(flat: Tensor, in_splits: list[int], out_splits: list[int], group: dist.ProcessGroup) -> Tensor:
-    out = flat.new_empty(sum(out_splits))
-    dist.all_to_all_single(out, flat.contiguous(), out_splits, in_splits, group=group)
-    return out
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+__all__ = ["FlatMatrices", "chunk_sizes", "ns_cost", "orthogonalize_all", "orthogonalize_flat", "owners"]

@@ -35,11 +35,13 @@ def layer_paths(root: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
 
 
 class ElsewhereLayer(nn.Module):
-    """Stands in for a layer that another pipeline stage holds; it has no parameters and cannot run."""
+    """Stands in for a layer that another pipeline stage holds; it has no parameters and cannot run.
+    ``embedding_sizes``: the rows of the embeddings in the layer it stands for (MuonAdamW's split rule tells the
+    vocabulary head on a stage without the embedding by them)."""
 
-    def __init__(self, path: str, stage: int) -> None:
+    def __init__(self, path: str, stage: int, embedding_sizes: tuple[int, ...] = ()) -> None:
         super().__init__()
-        self.path, self.stage = path, stage
+        self.path, self.stage, self.embedding_sizes = path, stage, embedding_sizes
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -123,7 +125,9 @@ def split_model(
             stages[stage] = StageModule([root.get_submodule(paths[i]) for i in layer_range])
         else:
             for i in layer_range:
-                _set_module(root, paths[i], ElsewhereLayer(paths[i], stage))
+                layer = root.get_submodule(paths[i])
+                sizes = tuple(m.num_embeddings for m in layer.modules() if isinstance(m, nn.Embedding))
+                _set_module(root, paths[i], ElsewhereLayer(paths[i], stage, sizes))
 
     kept = dict(root.named_parameters(remove_duplicate=False))
     for names in ties:

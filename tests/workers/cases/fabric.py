@@ -10,7 +10,8 @@ Case keys: name, moe (GPTConfig overrides: moe_experts, ...), steps, accumulate,
 (steps per pass over the data: every pass repeats the same batches), meta (build under
 ``fabric.init_module(empty_init=True)``), load (a checkpoint folder to fill the model and optimizer from first, a
 Fabric or a Trainer one), save (a folder written after the last step), expect_error (set up an MLP the layout
-cannot split; record the error), separately (``fabric.setup_module`` then ``fabric.setup_optimizers``).
+cannot split; record the error), separately (``fabric.setup_module`` then ``fabric.setup_optimizers``), optimizer
+("muon": MuonAdamW, fp32 Newton-Schulz), precision (default "32-true"), refused (record fabric.setup's ValueError).
 Each rank records its micro-batches' local losses (``losses``), their ``fabric.all_reduce`` (``reduced``), and the
 collectives' answers; rank 0 saves the gathered parameters as <name>_params.pt.
 """
@@ -23,10 +24,12 @@ from collections.abc import Iterator
 import lightning as L
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel.models import LitGPT, SyntheticTokens
 from lightning_parallel.parallel.checkpoint.full import full_model_state_dict
+from lightning_parallel.parallel.optim.muon import MuonAdamW
 
 from .common import TINY, build_strategy
 
@@ -51,7 +54,11 @@ def run_case(case: dict, ctx) -> dict:
     spec, world, out = ctx.strategy, ctx.world, ctx.out
     steps, accumulate = case.get("steps", 10), case.get("accumulate", 1)
     global_batch = case.get("global_batch", 16)
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=build_strategy(spec, fabric=True), precision="32-true")
+    precision, plugins = case.get("precision", "32-true"), None
+    if precision == "16-mixed":  # Fabric would run bf16 on CPU: fp16 autocast asked for explicitly, as cases/gpt.py
+        precision, plugins = None, [MixedPrecision("16-mixed", "cpu")]
+    strategy = build_strategy(spec, fabric=True)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=precision, plugins=plugins)
     fabric.launch()
     pl.seed_everything(case.get("seed", 0), verbose=False)
     if case.get("expect_error"):  # a plain MLP (no tensor-parallel plan): the Trainer's refusal, on every rank
@@ -63,12 +70,20 @@ def run_case(case: dict, ctx) -> dict:
     with fabric.init_module(empty_init=bool(case.get("meta")) and spec != "auto"):
         config = dataclasses.replace(TINY, **case["moe"]) if case.get("moe") else TINY  # moe_experts, ...
         model = LitGPT(config=config, lr=1e-3, eps=1e-6)  # eps as cases/models.py's (see there)
+    if case.get("optimizer") == "muon":  # MuonAdamW as cases/models.py's, over the unsplit parameters
+        muon = MuonAdamW.from_module(model, lr=0.02, ns_dtype="float32", adamw_lr=model.lr, adamw_eps=model.eps)
+        model.configure_optimizers = lambda: muon
     if case.get("separately"):  # setup_module, then the optimizer over the split model's parameters
         model = fabric.setup_module(model)
         optimizer = fabric.setup_optimizers(model.configure_optimizers())
     else:  # the optimizer over the unsplit parameters: the strategy re-points it
         optimizer = model.configure_optimizers()
-        model, optimizer = fabric.setup(model, optimizer)
+        try:
+            model, optimizer = fabric.setup(model, optimizer)
+        except ValueError as err:  # case key refused: a refusal of the optimizer's settings expected
+            if not case.get("refused"):
+                raise
+            return {"name": case["name"], "error": f"{type(err).__name__}: {err}"}
     if case.get("load"):
         fabric.load(case["load"], {"model": model, "optimizer": optimizer}, strict=False)
     loader = fabric_loader(fabric, case, steps, accumulate, global_batch)

@@ -3,8 +3,8 @@ the gathered parameters as <name>_params.pt. The single-process reference is the
 
 Case keys: name, steps, global_batch, accumulate, clip, precision, seed, save (checkpoint path after
 fit; weights_only: without optimizer states), resume (ckpt_path for fit), memory (measure model-state bytes
-after the last step), validate,
-optimizer ("adamw" or "lbfgs"), expect_error (record the exception instead of failing), model ("gpt",
+after the last step), validate, optimizer ("adamw", "lbfgs", "sgd", "muon": MuonAdamW with an fp32 Newton-Schulz,
+"muon_bf16": with torch's bf16 one), expect_error (record the exception instead of failing), model ("gpt",
 "top_level", "byo": the README's bring-your-own-model example, or "vgg": BatchNorm), meta (build the GPT or VGG
 in configure_model), deep (6 blocks instead of 2), sync_bn ("trainer": Trainer(sync_batchnorm=True), "plugin":
 Trainer(plugins=[DataParallelSyncBatchNorm()])), inject_inf (the global step whose gradient gets an inf on rank

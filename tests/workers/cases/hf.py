@@ -10,11 +10,14 @@ model; the result then says what each rank holds for the frozen weights, see ``f
 per epoch, default steps), save and save_step (a checkpoint written at the start of the epoch that begins after
 save_step steps, see ``SaveAt``), resume (ckpt_path for fit), config (instead of path: a tiny transformers config,
 ``model_type`` and its fields, the weights drawn after seed 0; the result then says how each rank holds the experts),
-moe_one_group (HF MoE under pp: the old exchange of router sums on one group, ``hf/moe_pipeline.py``'s ``_ONE_GROUP``:
+optimizer ("muon": MuonAdamW, fp32 Newton-Schulz), moe_one_group (HF MoE under pp: the old exchange of router sums
+on one group, ``hf/moe_pipeline.py``'s ``_ONE_GROUP``:
 tests/test_hf_moe_pipeline_order.py shows strict mode failing on it).
 """
 
 from __future__ import annotations
+
+import types
 
 import lightning.pytorch as pl
 import torch
@@ -24,6 +27,7 @@ from torch.utils.data import Dataset
 from lightning_parallel.hf import HFCausalLM, moe_pipeline
 from lightning_parallel.parallel.dtensor import local
 from lightning_parallel.parallel.mesh import TP
+from lightning_parallel.parallel.optim.muon import MuonAdamW
 
 from .common import ShardedData, batch_ranks, build_strategy, make_trainer, save_full_params
 from .lora_memory import LoraMemoryProbe
@@ -109,6 +113,8 @@ def run_case(case: dict, ctx) -> dict:
         peft.update({"base_dtype": case["base_dtype"]} if case.get("base_dtype") else {})
     source = model_source(case)
     model = recording(module_class(case.get("library", "hf")))(source, lr=case.get("lr", 1e-3), eps=1e-6, **peft)
+    if case.get("optimizer") == "muon":  # MuonAdamW in place of the module's AdamW, fp32 Newton-Schulz for parity
+        model.configure_optimizers = types.MethodType(muon_optimizer, model)
     epoch = global_batch * case.get("epoch_steps", steps)
     data = RandomTokens(epoch, case.get("seq_len", 16), model.model.config.vocab_size)
     data.as_tuple = bool(case.get("tuple_batch"))
@@ -128,9 +134,17 @@ def run_case(case: dict, ctx) -> dict:
     # one loss per optimizer step: the mean of its micro-batches' (equal token counts: the global batch's loss)
     losses = [sum(model.losses[i : i + accumulate]) / accumulate for i in range(0, len(model.losses), accumulate)]
     result = {"name": case["name"], "losses": losses, "bytes_read": getattr(model, "weight_bytes_read", 0)}
+    optimizer = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0]) if trainer.optimizers else None
+    result["muon_exchange"] = dict(getattr(optimizer, "exchange", {}))  # MuonAdamW: the last step's exchange
     result.update(probes[0].result() if probes else {})
     result.update(experts_held(model) if case.get("config") else {})
     return {**result, **(frozen_report(model, trainer) if peft else {})}
+
+
+def muon_optimizer(self) -> MuonAdamW:
+    """Muon on the matrices (LoRA: the adapters' A and B), AdamW with the module's settings on the rest."""
+    return MuonAdamW.from_module(self, lr=0.02, ns_dtype="float32", adamw_lr=self.lr, adamw_betas=self.betas,
+                                 adamw_eps=self.eps, adamw_weight_decay=self.weight_decay)  # fmt: skip
 
 
 def model_source(case: dict):

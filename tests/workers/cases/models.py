@@ -130,8 +130,10 @@ class RecordingGPT(RecordLosses, LitGPT):
             return torch.optim.LBFGS(self.parameters())
         if self.optimizer_name == "sgd":  # linear in the gradient: a wrong gradient scale shows at once
             return torch.optim.SGD(self.parameters(), lr=0.5)
-        if self.optimizer_name == "muon":  # Muon on the matrices, AdamW on the rest; fp32 Newton-Schulz for parity
-            return MuonAdamW.from_module(self, lr=0.02, ns_dtype="float32", adamw_lr=self.lr, adamw_eps=self.eps)
+        if self.optimizer_name in ("muon", "muon_bf16"):  # Muon on the matrices, AdamW on the rest; fp32
+            # Newton-Schulz for exact parity, or bf16 (torch's) for the bf16 bar
+            ns_dtype = "bfloat16" if self.optimizer_name == "muon_bf16" else "float32"
+            return MuonAdamW.from_module(self, lr=0.02, ns_dtype=ns_dtype, adamw_lr=self.lr, adamw_eps=self.eps)
         return super().configure_optimizers()
 
 

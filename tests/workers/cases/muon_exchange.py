@@ -1,6 +1,7 @@
 """Case ``muon_exchange``: Muon's owner exchange (lightning_parallel/parallel/optim/muon_exchange.py) on DTensors
 of a 1-D mesh over the world, split by Shard(0) and Shard(1) with uneven slices, against each whole matrix
-orthogonalized in this process; plus the bytes it sent; and ZeRO-1/2's flat layout, matrices cut across slices.
+orthogonalized in this process; plus the bytes it sent; ZeRO-1/2's flat layout, matrices cut across slices; and
+ZeRO-0's whole matrices on every rank, each orthogonalized by one owner (the work per rank by Newton-Schulz cost).
 
     run.py muon_exchange --opts '{"ns_dtype": "float32"}' --out DIR
 
@@ -19,9 +20,11 @@ from lightning_parallel.parallel.optim.muon import NS_COEFFICIENTS, NS_DTYPES, n
 from lightning_parallel.parallel.optim.muon_exchange import (
     FlatMatrices,
     chunk_sizes,
+    ns_cost,
     orthogonalize_all,
     orthogonalize_flat,
     owners,
+    replicated_exchange,
 )
 
 PROCESS_GROUP = True
@@ -46,7 +49,7 @@ def run_case(case: dict, ctx) -> dict:
         want_piece = want[ctx.rank] if ctx.rank < len(want) else whole.new_empty(0)
         worst = max(worst, (piece.float() - want_piece.float()).abs().max().item() if piece.numel() else 0.0)
         assert piece.shape == want_piece.shape or piece.numel() == 0
-    owner = owners([w.numel() for w in wholes], ctx.world)
+    owner = owners([ns_cost(tuple(w.shape)) for w in wholes], ctx.world)
     slices = [[n * w.numel() // w.shape[d] for n in chunk_sizes(w.shape[d], ctx.world)] for w, (_, d) in
               zip(wholes, SHAPES)]  # fmt: skip
     formula = (
@@ -63,7 +66,19 @@ def run_case(case: dict, ctx) -> dict:
         "formula_bytes": formula,
         "owners": owner,
         "flat": _flat(ctx, orthogonalize, dtype),
+        "replicated": _replicated(wholes, orthogonalize, dtype),
     }
+
+
+def _replicated(wholes, orthogonalize, dtype) -> dict:
+    """ZeRO-0: the same whole matrices on every rank, each orthogonalized by one owner and sent to the others."""
+    stats: dict[str, int] = {}
+    done = replicated_exchange(dist.group.WORLD, wholes, orthogonalize, dtype, stats)
+    worst = max((d.float() - orthogonalize(w).float()).abs().max().item() for d, w in zip(done, wholes))
+    owner = owners([ns_cost(tuple(w.shape)) for w in wholes], dist.get_world_size())
+    owned = sum(w.numel() for m, w in enumerate(wholes) if owner[m] == dist.get_rank())
+    formula = (dist.get_world_size() - 1) * owned * torch.finfo(dtype).bits // 8  # b (W - 1) |owned|
+    return {"worst": worst, **stats, "formula_bytes": formula, "costs": [ns_cost(tuple(w.shape)) for w in wholes]}
 
 
 def _flat(ctx, orthogonalize, dtype) -> dict:
