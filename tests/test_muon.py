@@ -74,6 +74,39 @@ def test_split_rule_on_the_recipe_gpt():
     assert [g["lr"] for g in optimizer.param_groups] == [0.02, 3e-3, 3e-3]
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_split_rule_when_widths_equal_the_vocabulary_or_the_positions(tie):
+    """gpt_tiny's shapes: d_model == seq_len (64) and mlp.fc's 4 * d_model == the vocabulary (256). Only the head is
+    AdamW's; every block matrix is Muon's (a rule by out_features alone gave Muon nothing here)."""
+    model = GPT(GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=2, d_model=64, tie_weights=tie))
+    muon, decay, _ = split_params(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert len(muon) == 12 and all(names[id(p)].startswith("blocks.") for p in muon)
+    assert {names[id(p)] for p in decay} == {"embed.wte.weight", "embed.wpe.weight"} | (
+        set() if tie else {"head.lm_head.weight"}
+    )
+
+
+def test_split_rule_head_by_name_or_last_and_stage_stand_in():
+    """A head registered first (LitGPT's order) is told by its name; an unnamed last Linear onto the vocabulary is the
+    head; a stage without the embedding tells it by the size its stand-in keeps; a middle Linear as wide as the
+    vocabulary is a matrix."""
+    from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
+
+    class HeadFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = nn.Linear(16, 64, bias=False)
+            self.wte = nn.Embedding(64, 16)
+            self.fc = nn.Linear(16, 64, bias=False)
+            self.proj = nn.Linear(64, 16, bias=False)
+
+    first = HeadFirst()
+    assert [p for p in split_params(first)[0]] == [first.fc.weight, first.proj.weight]
+    stage = nn.Sequential(ElsewhereLayer("embed", 0, (64, 8)), nn.Linear(16, 64), nn.Linear(64, 16), nn.Linear(16, 64))
+    assert [p for p in split_params(stage)[0]] == [stage[1].weight, stage[2].weight]
+
+
 def test_adamw_part_is_torch_adamw():
     ours, theirs = _net(), _net()
     got = _train(ours, MuonAdamW(ours.parameters(), adamw_lr=1e-2, adamw_weight_decay=0.05))

@@ -2,11 +2,14 @@
 
 The split rule (:func:`split_params`): a parameter is stepped by Muon when it is the 2-D ``weight`` of an
 ``nn.Linear`` (a tensor-parallel or ZeRO-3 DTensor counts by its global shape) and that Linear is not the output
-head; the output head is a Linear whose weight is an ``nn.Embedding``'s (tied) or whose ``out_features`` equals an
-Embedding's ``num_embeddings`` (the vocabulary projection; on a pipeline stage without the embedding, the size the
-layer standing for it keeps). ``GroupedExperts``' stacked weights (E, in, out) go to Muon too, in a group of their
-own (``stacked_experts``) where each expert's matrix is orthogonalized alone. Everything else is stepped by AdamW:
-embeddings, the head, norm weights, biases, any other parameter that is not 2-D.
+head. The output head is a Linear whose weight is an ``nn.Embedding``'s (tied), one named as heads are
+(:data:`HEAD_NAMES`: ``lm_head``, ``output``, ``head``), or the module's last Linear when its ``out_features`` is the
+vocabulary (the largest Embedding's ``num_embeddings``; on a pipeline stage without the embedding, the size the
+layer standing for it keeps). A Linear elsewhere whose width happens to equal the vocabulary or a position
+embedding's rows (an MLP's ``4 * d_model``, ``d_model == seq_len``) is a matrix like any other. ``GroupedExperts``'
+stacked weights (E, in, out) go to Muon too, in a group of their own (``stacked_experts``) where each expert's
+matrix is orthogonalized alone. Everything else is stepped by AdamW: embeddings, the head, norm weights, biases, any
+other parameter that is not 2-D.
 
 The Muon part is ``torch.optim.Muon``'s update (momentum by ``lerp``, Nesterov, a quintic Newton-Schulz
 orthogonalization, decoupled weight decay, ``adjust_lr_fn``), with ``ns_dtype`` the dtype of the Newton-Schulz
@@ -57,22 +60,36 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float
     return lr
 
 
-def _head_like(module: nn.Linear, embeddings: list[nn.Embedding], vocabularies: set[int]) -> bool:
-    return module.out_features in vocabularies or any(module.weight is e.weight for e in embeddings)
+HEAD_NAMES = ("lm_head", "output", "head")  # the output head's usual names (the recipe GPT, HF, LitGPT, torchtitan)
+
+
+def _heads(module: nn.Module) -> set[int]:
+    """The ids of the output heads' weights by the split rule (module docstring)."""
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    # a pipeline stage without the embedding keeps its size on the layer standing for it (pipeline/split.py)
+    sizes = [e.num_embeddings for e in embeddings]
+    sizes += [n for m in module.modules() for n in getattr(m, "embedding_sizes", ())]
+    vocabulary = max(sizes, default=None)
+    linears = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
+    heads = {
+        id(m.weight)
+        for name, m in linears
+        if name.rsplit(".", 1)[-1] in HEAD_NAMES or any(m.weight is e.weight for e in embeddings)
+    }
+    if linears and linears[-1][1].out_features == vocabulary:
+        heads.add(id(linears[-1][1].weight))
+    return heads
 
 
 def split_params(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:
     """The trainable parameters by the split rule (module docstring): (Muon's matrices, and the stacks of expert
     matrices (E, in, out) of ``GroupedExperts``; AdamW's with weight decay: the other parameters of 2 or more
     dimensions; AdamW's without: biases, norms, scalars)."""
-    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
-    # a pipeline stage without the embedding keeps its size on the layer standing for it (pipeline/split.py)
-    vocabularies = {e.num_embeddings for e in embeddings}
-    vocabularies |= {n for m in module.modules() for n in getattr(m, "embedding_sizes", ())}
+    heads = _heads(module)
     matrices = {
         id(m.weight)
         for m in module.modules()
-        if isinstance(m, nn.Linear) and m.weight.ndim == 2 and not _head_like(m, embeddings, vocabularies)
+        if isinstance(m, nn.Linear) and m.weight.ndim == 2 and id(m.weight) not in heads
     }
     matrices |= {id(w) for m in module.modules() if isinstance(m, GroupedExperts) for w in (m.w1, m.w2, m.w3)
                  if w is not None and w.ndim == 3}  # fmt: skip
