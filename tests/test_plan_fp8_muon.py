@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel import plan as plan_cli
-from lightning_parallel.parallel.optim import muon_exchange
+from lightning_parallel.parallel.optim import muon_owners
 from lightning_parallel.parallel.optim.muon import NS_COEFFICIENTS, newton_schulz
 from lightning_parallel.plan import main
 from lightning_parallel.planning.analytic import _Rank, evaluate
@@ -132,13 +132,22 @@ def _exchange_stats(monkeypatch, shapes, world, rank, dtype):
     """What ``owner_exchange`` counts on ``rank`` of ``world`` for matrices split by rows (its collectives faked:
     only the counts are read)."""
     fake = types.SimpleNamespace(get_world_size=lambda group: world, get_rank=lambda group: rank)
-    monkeypatch.setattr(muon_exchange, "dist", fake)
-    monkeypatch.setattr(muon_exchange, "_all_to_all", lambda flat, ins, outs, group: flat.new_zeros(sum(outs)))
-    numels = [[n * cols for n in muon_exchange.chunk_sizes(rows, world)] for rows, cols in shapes]
+    monkeypatch.setattr(muon_owners, "dist", fake)
+    monkeypatch.setattr(muon_owners, "all_to_all", lambda flat, ins, outs, group: flat.new_zeros(sum(outs)))
+    numels = [[n * cols for n in muon_owners.chunk_sizes(rows, world)] for rows, cols in shapes]
+    costs = [muon_owners.ns_cost((rows, cols)) for rows, cols in shapes]
     mine = [torch.zeros(per_rank[rank]) for per_rank in numels]
     stats: dict[str, int] = {}
-    muon_exchange.owner_exchange(
-        None, numels, mine, lambda m, p: torch.cat(p), lambda m, w: list(w.split(numels[m])), lambda u: u, dtype, stats
+    muon_owners.owner_exchange(
+        None,
+        numels,
+        costs,
+        mine,
+        lambda m, p: torch.cat(p).view(shapes[m]),
+        lambda m, w: list(w.reshape(-1).split(numels[m])),
+        lambda u: u,
+        dtype,
+        stats,
     )
     return stats["sent_bytes"]
 
@@ -163,7 +172,8 @@ def test_muon_state_exchange_and_time_by_hand():
 
     adamw, muon = both(Layout(dp=4, zero_stage=0, microbatches=1))
     assert adamw.states - muon.states == 4 * P  # one fp32 buffer a matrix element fewer, on every rank
-    assert muon.counts["muon_exchange_bytes"] == 0 and muon.counts["muon_ns_flops"] == 2 * 58_327_040
+    # whole on each of the 4 dp ranks: each owner's results to the 3 others, b (W-1) P / W
+    assert muon.counts["muon_exchange_bytes"] == 2 * 3 * P / 4 and muon.counts["muon_ns_flops"] == 2 * 58_327_040 / 4
     assert muon.times["muon"] > 0 and muon.step_time > adamw.step_time
     adamw, muon = both(Layout(dp=4, zero_stage=1, microbatches=1))
     assert adamw.states - muon.states == 4 * P / 4  # ZeRO-1 shards the optimizer states over 4
@@ -172,9 +182,9 @@ def test_muon_state_exchange_and_time_by_hand():
     assert muon.counts["muon_ns_flops"] == 2 * 58_327_040 / 4
     _, muon = both(Layout(tp=2, dp=2, zero_stage=0, microbatches=1))  # owners over tp
     assert muon.counts["muon_exchange_bytes"] == 2 * 2 * 1 * P / 4
-    _, muon = both(Layout(tp=2, dp=2, zero_stage=3, microbatches=1))  # gathered whole in fp32 on every rank
-    assert muon.counts["muon_exchange_bytes"] == 4 * P / 2 / 2 + 4 * P / 2
-    assert muon.counts["muon_ns_flops"] == 2 * 58_327_040
+    _, muon = both(Layout(tp=2, dp=2, zero_stage=3, microbatches=1))  # over dp, tp, dp: 2 b P (1/2 + 1/2) / 4
+    assert muon.counts["muon_exchange_bytes"] == 2 * 2 * P * (1 / 2 + 1 / 2) / 4
+    assert muon.counts["muon_ns_flops"] == 2 * 58_327_040 / 4
     refusal = layout_error(shape, Layout(tp=2, dp=2, zero_stage=1), Workload(128, 8, optimizer="muon"), 4, 8)
     assert "optimizer=muon is refused under zero_stage=1 with tp=2" in refusal
 

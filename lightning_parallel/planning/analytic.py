@@ -330,20 +330,31 @@ def _counts(r: _Rank, held: float, m: int) -> dict[str, float]:
 
 
 def _muon(r: _Rank) -> tuple[float, float, float]:
-    """(exposed seconds, bytes sent, Newton-Schulz FLOPs) of the Muon step on the busiest rank (:mod:`.muon`): the
-    owner exchange over the group that splits the matrices (ZeRO 1-3: the dp shard group; tp at ZeRO-0), a full
-    gather on every rank under ZeRO-3 with tp (in the parameters' dtype), nothing for whole matrices."""
+    """(exposed seconds, bytes sent, Newton-Schulz FLOPs) of the Muon step on the busiest rank (:mod:`.muon`), each
+    matrix orthogonalized once on a balanced owner: ZeRO 1-3 over the dp shard group (HSDP: over replicas x shards),
+    ZeRO-3 with tp over dp x tp, tp at ZeRO-0 over the tp group, whole matrices at ZeRO-0 over the dp replicas."""
     x, c = r.x, r.c
-    whole = r.muon * x.tp  # the stage's Muon matrices, whole
+    whole, b = r.muon * x.tp, NS_BYTES  # the stage's Muon matrices, whole; the wire dtype (ns_dtype)
     shard = shard_degree(x.dp, x.cp, x.dp_shard)
-    if x.zero_stage and x.tp > 1:  # split on two mesh dimensions: full_tensor on every rank, orthogonalized there
-        elem, world = element_bytes(r.w.precision), 1
-        sent = elem * whole / shard * (x.tp - 1) / x.tp + elem * whole * (shard - 1) / shard
-        comm = c.gather_time(elem * whole / shard, 1, x.tp) + c.gather_time(elem * whole, x.tp, shard)
-    else:
+    replicas = max(1, x.dp // x.dp_shard) if x.zero_stage and x.dp_shard else 1
+    if x.zero_stage and x.tp > 1:  # dp x tp: over dp, then tp, then back over dp
+        world = shard * x.tp
+        sent = 2 * b * whole * ((shard - 1) / shard + (x.tp - 1) / x.tp) / world
+        comm = 2 * c.gather_time(b * whole / world, x.tp, shard) + 2 * c.gather_time(b * whole / world, 1, x.tp)
+    elif x.zero_stage and replicas > 1:  # HSDP: within the shard group, then the results across the replicas
+        world = replicas * shard
+        sent = exchange_bytes(whole / replicas, shard) + b * (replicas - 1) * whole / world
+        comm = 2 * c.gather_time(b * whole / world, x.tp, shard) + c.gather_time(
+            b * whole / world, x.tp * shard, replicas
+        )
+    elif x.zero_stage or x.tp > 1:  # one group splits every matrix: to the owners and back
         world, stride = (shard, x.tp) if x.zero_stage else (x.tp, 1)
         sent = exchange_bytes(whole, world)
-        comm = 2 * c.gather_time(NS_BYTES * whole / world, stride, world)  # to the owners and back
+        comm = 2 * c.gather_time(b * whole / world, stride, world)
+    else:  # whole on every dp rank: each owner's results sent to the others (as one all-gather)
+        world = shard
+        sent = b * (world - 1) * whole / world if world > 1 else 0.0
+        comm = c.gather_time(b * whole / world, x.tp, world) if world > 1 else 0.0
     flops = ns_flops(r.s, r.dense, r.moe, world)
     return comm + flops / (c.device.peak_flops * c.efficiency("gemm")), sent, flops
 

@@ -10,14 +10,17 @@ exchange and its Newton-Schulz work. Pure Python (the owner rule is the optimize
 - Newton-Schulz (:func:`newton_schulz_flops`): torch's quintic iteration on the matrix turned wide (``m <= n``),
   5 steps of ``A = X X^T`` (2 m^2 n), ``B = b A + c A A`` (2 m^3) and ``X = a X + B X`` (2 m^2 n).
 - Who orthogonalizes what (``parallel/optim/muon_exchange.py``): a matrix split on one group (ZeRO 1-3 over the
-  data-parallel shard group, or tp at ZeRO-0) is gathered to one owner, owners balanced by elements, and sent back
+  data-parallel shard group, or tp at ZeRO-0) is gathered to one owner, owners balanced by Newton-Schulz cost
+  (``ns_cost``), and sent back
   in ``ns_dtype`` (bf16: 2 bytes): one rank of a group of ``W`` sends (:func:`exchange_bytes`)::
 
       b * ( sum_{m not owned} s_m  +  sum_{m owned} (|m| - s_m) )  ~=  2 b (W - 1) P / W**2
 
   and does about 1/W of the iterations (at least the largest matrix's). Whole matrices (ZeRO-0 without tp) are
-  orthogonalized on every rank with no traffic; matrices split on two mesh dimensions (ZeRO-3 with tp) are
-  gathered whole on every rank (``full_tensor``, in the parameters' dtype) and orthogonalized there.
+  orthogonalized on their owner among the dp replicas, whose results go to the others: ``b (W - 1) P / W`` a rank.
+  Matrices split on two mesh dimensions (ZeRO-3 with tp, A x B ranks) go over dp, then tp, then back:
+  ``2 b P ((A - 1) / A + (B - 1) / B) / (A B)`` a rank. HSDP (R replicas of S shards): the shard group's exchange of
+  each replica's share, then its results across the replicas: ``2 b (S - 1) P / (R S^2) + b (R - 1) P / (R S)``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from lightning_parallel.parallel.optim.muon import split_params
-from lightning_parallel.parallel.optim.muon_exchange import chunk_sizes, owners
+from lightning_parallel.parallel.optim.muon_owners import chunk_sizes, ns_cost, owners
 from lightning_parallel.planning.hf_config import ModelShape
 from lightning_parallel.planning.matrices import Matrix, stage_matrices
 
@@ -77,13 +80,14 @@ def exchange_bytes(params: float, world: int, elem: int = NS_BYTES) -> float:
 
 def exchange_sent(shapes: Sequence[tuple[int, int]], world: int, elem: int = NS_BYTES, dim: int = 0) -> list[int]:
     """Bytes each rank sends in the owner exchange of matrices ``shapes`` split by ``Shard(dim)`` over ``world``
-    ranks, exactly: ``torch.chunk``'s slices and :func:`~lightning_parallel.parallel.optim.muon_exchange.owners`,
-    what ``MuonAdamW.exchange["sent_bytes"]`` counts."""
+    ranks, exactly: ``torch.chunk``'s slices and the owners of
+    :func:`~lightning_parallel.parallel.optim.muon_owners.owners` by ``ns_cost``: what
+    ``MuonAdamW.exchange["sent_bytes"]`` counts."""
     slices = []  # slices[m][q]: matrix m's elements on rank q
     for rows, cols in shapes:
         length, other = (rows, cols) if dim == 0 else (cols, rows)
         slices.append([n * other for n in chunk_sizes(length, world)])
-    owner = owners([sum(s) for s in slices], world)
+    owner = owners([ns_cost((rows, cols)) for rows, cols in shapes], world)
     sent = []
     for rank in range(world):
         elements = sum(s[rank] for m, s in enumerate(slices) if owner[m] != rank)
