@@ -134,7 +134,7 @@ def described_layers(model: nn.Module, family: HFFamily) -> list[nn.Module]:
         ValueError: a ``base_model_pp_plan`` that is not (embedding, layers, norm).
     """
     base = model.get_submodule(model.base_model_prefix)
-    embed_name, layers_name, norm_name = pp_names(model.config)
+    embed_name, layers_name, norm_name = pp_names(model.config, family)
     head_names = list(getattr(type(model), "_pp_plan", None) or {"lm_head": None})  # the class: the head's own
     embed, blocks, norm = (base.get_submodule(n) for n in (embed_name, layers_name, norm_name))
     heads = [model.get_submodule(n) for n in head_names]

@@ -322,4 +322,3 @@ class HFCausalLM(CausalLM):
         check_hf_degrees(self.hf_model, dims)
         if dims.pp > 1 and dims.tp > 1 and getattr(self, "_sequence_parallel", False):
             raise ValueError(SP_WITH_PP)
-

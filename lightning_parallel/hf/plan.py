@@ -10,7 +10,7 @@ process group.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
@@ -18,6 +18,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from lightning_parallel.parallel.tensor.plan import sp_with_pp
 from lightning_parallel.parallel.tensor.styles import HiddenStatesInput, ReplicatedWithPartialGrad
+
+if TYPE_CHECKING:
+    from lightning_parallel.hf.families.registry import HFFamily
 
 SP_WITH_PP = sp_with_pp("Hugging Face")  # a stage rebuilds positions from the hidden state it receives
 
@@ -70,18 +73,20 @@ def _parents(plan: Mapping[str, ParallelStyle], style: type) -> list[str]:
 
 
 def described_plan(
-    model: nn.Module, sequence_parallel: bool, base_plan: Mapping[str, str] | None = None
+    model: nn.Module, family: HFFamily, sequence_parallel: bool, base_plan: Mapping[str, str] | None = None
 ) -> dict[str, ParallelStyle]:
-    """The plan of a model that carries ``config.base_model_tp_plan`` (Llama, Mistral, Qwen2 ...).
+    """The plan of a model that carries ``config.base_model_tp_plan`` (Llama, Mistral, Qwen2 ...), or whose family
+    gives it (``family.base_tp_plan``, ``family.base_pp_plan``: in HF's own style names).
 
     Args:
         model: the ``*ForCausalLM`` model.
+        family: its entry.
         sequence_parallel: split norms and the residual stream along the sequence as well.
-        base_plan: the base model's plan to translate (default: ``config.base_model_tp_plan``; a MoE family passes
-            it without its experts).
+        base_plan: the base model's plan to translate (default: the family's or ``config.base_model_tp_plan``; a
+            MoE family passes it without its experts).
     """
     config = model.config
-    base_plan = getattr(config, "base_model_tp_plan", None) if base_plan is None else base_plan
+    base_plan = described_tp_plan(config, family) if base_plan is None else base_plan
     if not base_plan:
         raise ValueError(
             f"{type(model).__name__} has no config.base_model_tp_plan (its family's plan is translated from it): give "
@@ -91,7 +96,7 @@ def described_plan(
     head_plan = dict(getattr(type(model), "_tp_plan", None) or {})  # the class: the head's own entries
     plan = translate_tp_plan(base_plan, head_plan, prefix, sequence_parallel)
     seq: Placement = Shard(1) if sequence_parallel else Replicate()
-    embed, layers, norm = pp_names(config)
+    embed, layers, norm = pp_names(config, family)
     # the embedding split over the vocabulary; its output whole: HF derives positions and the mask from it
     plan[prefix + embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     # no local head counts to fix (transformers 5.24): attention views its projections with -1 heads and repeats
@@ -118,10 +123,16 @@ def _sequence_parallel_entries(model: nn.Module, layers: str, final_norm: str) -
     return entries
 
 
-def pp_names(config: Any) -> tuple[str, str, str]:
-    """(embedding, decoder layers, final norm) from ``config.base_model_pp_plan``, in its order."""
-    pp_plan = getattr(config, "base_model_pp_plan", None) or {}
-    names = list(pp_plan)
+def described_tp_plan(config: Any, family: HFFamily) -> Mapping[str, str] | None:
+    """The base model's plan in HF's style names: the family's ``base_tp_plan``, else ``config.base_model_tp_plan``."""
+    return family.base_tp_plan if family.base_tp_plan is not None else getattr(config, "base_model_tp_plan", None)
+
+
+def pp_names(config: Any, family: HFFamily) -> tuple[str, str, str]:
+    """(embedding, decoder layers, final norm) from the family's ``base_pp_plan``, else ``config.base_model_pp_plan``,
+    in its order."""
+    pp_plan = family.base_pp_plan if family.base_pp_plan is not None else getattr(config, "base_model_pp_plan", None)
+    names = list(pp_plan or {})
     if len(names) != 3:
         raise ValueError(
             f"config.base_model_pp_plan of {type(config).__name__} lists {names}, not (embedding, layers, norm): "

@@ -56,7 +56,8 @@ def hf_tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -
     if sequence_parallel and any(isinstance(m, ElsewhereLayer) for m in model.modules()):
         raise ValueError(SP_WITH_PP)
     hf, prefix = base_of(model)
-    plan = hf_family(hf).tp_plan(hf, sequence_parallel)
+    family = hf_family(hf)
+    plan = family.tp_plan(hf, family, sequence_parallel)
     if has_lora_layers(hf):
         plan = lora_tensor_parallel_plan(hf, plan)
     return {prefix + path: style for path, style in plan.items()}
@@ -82,4 +83,3 @@ def hf_expert_plan(model: nn.Module) -> dict[str, ExpertStyle]:
     """The expert plan of a MoE family's model (``config.base_model_ep_plan``), paths relative to it; empty for a
     family without experts."""
     return hf_expert_parallel_plan(model) if hf_family(model).experts else {}
-

@@ -49,7 +49,7 @@ def check_hf_degrees(model: nn.Module, dims: ParallelDims) -> None:
                 f"cp={dims.cp}: the {family.model_type} family's attention does not take context parallelism here "
                 "(HFFamily.context=False): use cp=1."
             )
-        check_hf_context(model.config, layers, dims.cp)
+        check_hf_context(model.config, layers, dims)
     if dims.ep > 1 and not (family.experts and hf_expert_parallel_plan(model)):
         raise ValueError(
             f"ep={dims.ep} splits the experts of MoE models, and this {model.config.model_type} model has none (no "

@@ -15,7 +15,7 @@ from lightning_parallel.hf.styles import Conv1DColwise, Conv1DRowwise
 from lightning_parallel.parallel.tensor.styles import HiddenStatesInput
 
 
-def gpt2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def gpt2_plan(model: nn.Module, family: HFFamily, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """GPT-2's plan (HF ships none): Megatron's split of the ``Conv1D`` layers, c_attn per q/k/v part."""
     seq: Placement = Shard(1) if sequence_parallel else Replicate()
     block = "transformer.h.*"

@@ -9,16 +9,16 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.hf.experts import resolve_moe_block_entries, tp_plan_without_experts
 from lightning_parallel.hf.families.described import described_family
-from lightning_parallel.hf.families.registry import register_hf_family
-from lightning_parallel.hf.plan import described_plan
+from lightning_parallel.hf.families.registry import HFFamily, register_hf_family
+from lightning_parallel.hf.plan import described_plan, described_tp_plan
 
 
-def moe_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def moe_plan(model: nn.Module, family: HFFamily, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The tensor-parallel plan of a MoE model: :func:`~lightning_parallel.hf.plan.described_plan` of its
     ``base_model_tp_plan`` without the experts, MoE blocks resolved (dense layers' MLPs split as any MLP)."""
-    described = getattr(model.config, "base_model_tp_plan", None)  # None: described_plan names what is missing
+    described = described_tp_plan(model.config, family)  # None: described_plan names what is missing
     base_plan = tp_plan_without_experts(described, model.config) if described else None
-    plan = described_plan(model, sequence_parallel, base_plan=base_plan)
+    plan = described_plan(model, family, sequence_parallel, base_plan=base_plan)
     return resolve_moe_block_entries(model, plan, model.base_model_prefix + ".", sequence_parallel)
 
 

@@ -34,8 +34,8 @@ class HFFamily:
 
     Attributes:
         model_type: ``config.model_type`` (``"llama"``, ``"gpt2"``, ...): the registry's key.
-        tp_plan: ``(model, sequence_parallel) -> {path: ParallelStyle}``, paths relative to the ``*ForCausalLM``
-            model (under tp > 1).
+        tp_plan: ``(model, family, sequence_parallel) -> {path: ParallelStyle}``, paths relative to the
+            ``*ForCausalLM`` model (under tp > 1).
         layers: ``(model, family) -> [modules]``: the pipeline layers in forward order, each able to run on the
             previous one's output alone (hooks installed once; inert under HF's own forward).
         masks: attention type (``config.layer_types``) -> how a pipeline stage rebuilds its mask: a function of
@@ -48,17 +48,24 @@ class HFFamily:
             tables per type).
         context: cp > 1 taken: the attention goes through transformers' ``AttentionInterface``.
         experts: ep > 1 taken: the MoE experts of ``config.base_model_ep_plan`` split over ep.
+        base_tp_plan: the base model's tensor-parallel plan in HF's style names (``"colwise"``, ``"rowwise"``,
+            ``"replicated_with_grad_allreduce"``, ...) where its config gives none or too little (read by
+            ``described_plan``); None: ``config.base_model_tp_plan``.
+        base_pp_plan: (embedding, decoder layers, final norm): their names in the base model where its config gives
+            no ``base_model_pp_plan`` (read by ``described_plan`` and ``described_layers``); None: the config's.
         check: the family's own refusals of the degrees, ``(model, dims) -> None`` raising ValueError; None: none.
     """
 
     model_type: str
-    tp_plan: Callable[[nn.Module, bool], dict[str, ParallelStyle]]
+    tp_plan: Callable[[nn.Module, HFFamily, bool], dict[str, ParallelStyle]]
     layers: Callable[[nn.Module, HFFamily], list[nn.Module]]
     masks: Mapping[str, str | MaskBuilder] = field(default_factory=lambda: dict(DEFAULT_MASKS))
     extras: Mapping[str, Extra] = field(default_factory=dict)
     rotary_per_type: bool = False
     context: bool = True
     experts: bool = False
+    base_tp_plan: Mapping[str, str] | None = None
+    base_pp_plan: tuple[str, str, str] | None = None
     check: Callable[[nn.Module, ParallelDims], None] | None = None
 
     def mask_builder(self, attention_type: str) -> MaskBuilder:
@@ -120,11 +127,12 @@ def hf_family(model: nn.Module | Any) -> HFFamily:
         return HF_FAMILIES[model_type]
     why = "" if isinstance(config, str) else _why_not_described(config)
     how = (
-        f"{why}, so write its pipeline layers and plan in an HFFamily(model_type={model_type!r}, tp_plan=..., "
-        "layers=...) and register_hf_family(it)"
+        f"{why}: give what it lacks in HF's style names, register_hf_family(described_family({model_type!r}, "
+        "base_tp_plan={...}, base_pp_plan=(embedding, layers, norm))), or write its own tp_plan and layers in an "
+        "HFFamily"
         if why
-        else f"if it is built like Llama (its config carries both plans), register_hf_family(described_family("
-        f"{model_type!r})) (lightning_parallel.hf.families), or give it an HFFamily of its own"
+        else f"it is built like Llama (its config carries both plans): register_hf_family(described_family("
+        f"{model_type!r})) (lightning_parallel.hf), once it trains to parity"
     )
     raise ValueError(
         f"Hugging Face model_type {model_type!r} is not a registered family: this package splits "
