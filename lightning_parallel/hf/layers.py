@@ -5,8 +5,9 @@ HF computes positions, rotary embeddings and the causal mask once at the top of 
 to every decoder layer; between pipeline stages only the hidden state travels. So each layer is the HF module
 itself (parameter and state-dict names stay HF's, any layout loads any other) with a forward pre-hook that,
 when the layer is called with the hidden state alone (a pipeline stage's call; HF's own forward always passes
-more), rebuilds those inputs with HF's own code (``create_causal_mask``, the model's rotary module). GPT-2's
-learned positions are a layer of their own: ``wpe`` called on the token embeddings adds its rows to them.
+more), rebuilds those inputs with HF's own code (the family's mask builder per attention type, ``create_causal_mask``
+by default, and the model's rotary module). GPT-2's learned positions are a layer of their own
+(:mod:`lightning_parallel.hf.families.gpt2`).
 
 What HF's forward computes between those modules (the forward extras: Gemma 2/3's final logit softcapping,
 Cohere's ``logit_scale``, Granite's ``embedding_multiplier`` and ``logits_scaling``) is applied by hooks on the

@@ -21,6 +21,7 @@ from lightning_parallel.hf.adapters import PEFT_KEY, BaseIdentity, check_same_ba
 from lightning_parallel.hf.context import hf_attention_heads, hf_context_parallel
 from lightning_parallel.hf.experts import as_loss_like, router_aux_of
 from lightning_parallel.hf.families import (
+    HFFamily,
     check_hf_degrees,
     hf_expert_plan,
     hf_family,
@@ -312,7 +313,7 @@ class HFCausalLM(CausalLM):
         return {prefix + path: style for path, style in hf_expert_plan(self.hf_model).items()}
 
     @property
-    def family(self) -> Any:
+    def family(self) -> HFFamily:
         """The model's :class:`~lightning_parallel.hf.families.HFFamily` (its ``config.model_type``'s entry)."""
         return hf_family(self.hf_model)
 
