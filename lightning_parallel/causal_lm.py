@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.parallel.dtensor import local
 from lightning_parallel.parallel.materialize import SeededInit, fill_meta_tensors
+from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.protocol import strategy_calls_materialize
 
 IGNORE_INDEX = -100  # HF's label for "no loss here" (padding, prompts)
@@ -63,7 +64,7 @@ def _loss_pieces(strategy: Any) -> tuple[dist.ProcessGroup | None, int, int]:
     return None, 1, 1
 
 
-def refuse_adapter_layouts(not_yet: tuple[str, ...], module: str, works: str, **degrees: int) -> None:
+def refuse_adapter_layouts(not_yet: tuple[str, ...], module: str, works: str, dims: ParallelDims) -> None:
     """The layouts adapters on ``module`` (``HFCausalLM(peft_config=...)``, ``LitGPTCausalLM(lora=...)``) cannot
     take yet, refused by the degree's setting name before any process group exists; ``works``: what they run under.
 
@@ -71,9 +72,9 @@ def refuse_adapter_layouts(not_yet: tuple[str, ...], module: str, works: str, **
         ValueError: naming the setting and the fix.
     """
     for name in not_yet:
-        if degrees.get(name, 1) > 1:
+        if getattr(dims, name) > 1:
             raise ValueError(
-                f"{name}={degrees[name]} with {module} is not supported yet: {works} for now; set {name}=1."
+                f"{name}={getattr(dims, name)} with {module} is not supported yet: {works} for now; set {name}=1."
             )
 
 

@@ -219,7 +219,7 @@ def test_litgpt_sliding_window_is_refused():
 
         model = GPT(config)
     with pytest.raises(ValueError, match=r"cp=2 cannot run a LitGPT model with config.sliding_window_size=4"):
-        check_litgpt_degrees(model, pp=1, tp=1, cp=2)
+        check_litgpt_degrees(model, ParallelDims.of(cp=2))
 
 
 @pytest.mark.slow

@@ -11,10 +11,10 @@ import torch
 import transformers  # a test dependency: make install installs the hf extra
 
 from lightning_parallel.hf import check_hf_degrees, hf_pipeline_layers, hf_tensor_parallel_plan
-from lightning_parallel.hf.layers import PIPELINE_EXTRAS
-from lightning_parallel.hf.module import FORWARD_EXTRAS
-from lightning_parallel.hf.styles import ReplicatedWithPartialGrad
+from lightning_parallel.hf.families import FORWARD_EXTRAS, hf_family
+from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.parallel.tensor.plan import check_tp_plan
+from lightning_parallel.parallel.tensor.styles import ReplicatedWithPartialGrad
 
 COMMON = {
     "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -66,7 +66,7 @@ def test_family_pipeline_layers_and_plan(label):
     model = build(*WORKS[label])
     assert_pipeline_layers_compute_forward(model)
     check_tp_plan(model, hf_tensor_parallel_plan(model, sequence_parallel=True), tp=2)
-    check_hf_degrees(model, pp=2, tp=2)
+    check_hf_degrees(model, ParallelDims.of(pp=2, tp=2))
 
 
 def test_qk_norms_per_head_are_replicated_with_partial_gradients():
@@ -84,7 +84,7 @@ def test_a_sliding_window_matters_here():
         assert (windowed(input_ids=ids).logits - full(input_ids=ids).logits).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("label", [label for label in WORKS if WORKS[label][0] in PIPELINE_EXTRAS])
+@pytest.mark.parametrize("label", [label for label in WORKS if hf_family(WORKS[label][0]).extras])
 def test_forward_extras_matter(label):
     """The extras at these sizes change the logits: pipeline layers without them would not match HF's forward."""
     model_type, extra = WORKS[label]
@@ -98,9 +98,9 @@ def test_forward_extras_matter(label):
 def test_forward_extras_of_other_families_are_refused_under_pp():
     """VaultGemma softcaps its logits too, but its forward was not read here: refused by name under pp."""
     model = build("vaultgemma", {"head_dim": 8})
-    check_hf_degrees(model, pp=1, tp=2)  # HF's own forward under tp: accepted
+    check_hf_degrees(model, ParallelDims.of(pp=1, tp=2))  # HF's own forward under tp: accepted
     with pytest.raises(ValueError, match=r"pp=2 cannot split a vaultgemma model whose config.final_logit_softcapping"):
-        check_hf_degrees(model, pp=2, tp=1)
+        check_hf_degrees(model, ParallelDims.of(pp=2, tp=1))
 
 
 def test_a_config_without_a_pipeline_plan_is_named():

@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from lightning_parallel import Hybrid3DStrategy
 from lightning_parallel.hf import HFCausalLM, hf_tensor_parallel_plan
 from lightning_parallel.hf.lora import apply_peft
-from lightning_parallel.hf.styles import LoraParallel
+from lightning_parallel.parallel.tensor.styles import LoraParallel
 from lightning_parallel.strategies.checks import check_model
 
 # every linear layer of the blocks adapted; embeddings, norms and heads stay frozen (and keep their own tp styles)

@@ -16,12 +16,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_parallel.hf import HFCausalLM
 from lightning_parallel.hf.experts import HFExperts, hf_expert_parallel_plan, router_aux_loss
+from lightning_parallel.hf.families import hf_tensor_parallel_plan
 from lightning_parallel.hf.lora import apply_peft
-from lightning_parallel.hf.plan import hf_tensor_parallel_plan
-from lightning_parallel.hf.styles import HiddenStatesInput
 from lightning_parallel.parallel.expert.apply import check_expert_layout
 from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.parallel.tensor.plan import check_tp_plan
+from lightning_parallel.parallel.tensor.styles import HiddenStatesInput
 
 DENSE = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
          "max_position_embeddings": 64, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}  # fmt: skip

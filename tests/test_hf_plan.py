@@ -14,8 +14,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from lightning_parallel import Hybrid3DStrategy
 from lightning_parallel.hf import HFCausalLM, check_hf_degrees, hf_pipeline_layers, hf_tensor_parallel_plan
 from lightning_parallel.hf.plan import translate_tp_plan
-from lightning_parallel.hf.styles import Conv1DColwise, Conv1DRowwise, HiddenStatesInput
+from lightning_parallel.hf.styles import Conv1DColwise, Conv1DRowwise
+from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.parallel.tensor.plan import check_tp_plan
+from lightning_parallel.parallel.tensor.styles import HiddenStatesInput
 from lightning_parallel.strategies.checks import check_model
 
 
@@ -150,7 +152,7 @@ def test_bad_sources(source, error, match):
 )
 def test_bad_degrees(make, pp, tp, match):
     with pytest.raises(ValueError, match=match):
-        check_hf_degrees(make(), pp=pp, tp=tp)
+        check_hf_degrees(make(), ParallelDims.of(pp=pp, tp=tp))
 
 
 def test_bad_degrees_refused_before_launch():

@@ -19,6 +19,7 @@ from lightning_parallel.litgpt import (
 )
 from lightning_parallel.litgpt.module import LITGPT_CONFIG_KEY
 from lightning_parallel.litgpt.plan import GroupedQKVColwise, LocalHeadsAttention, qkv_columns
+from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.parallel.tensor.plan import check_tp_plan
 from lightning_parallel.strategies.checks import check_model
 
@@ -189,12 +190,12 @@ def test_bad_sources(source, kwargs, error, match, tmp_path):
 )
 def test_bad_degrees(make, pp, tp, match):
     with pytest.raises(ValueError, match=match):
-        check_litgpt_degrees(make(), pp=pp, tp=tp)
+        check_litgpt_degrees(make(), ParallelDims.of(pp=pp, tp=tp))
 
 
 def test_supported_degrees_pass():
-    check_litgpt_degrees(llama(scale_embeddings=True, final_logit_softcapping=30.0), pp=1, tp=2)
-    check_litgpt_degrees(neox(), pp=2, tp=4)
+    check_litgpt_degrees(llama(scale_embeddings=True, final_logit_softcapping=30.0), ParallelDims.of(pp=1, tp=2))
+    check_litgpt_degrees(neox(), ParallelDims.of(pp=2, tp=4))
 
 
 def test_bad_degrees_refused_before_launch():

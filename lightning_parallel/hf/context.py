@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_parallel.parallel.mesh import ParallelDims
+
 POSITIONS_ATTR = "_lightning_parallel_cp_positions"  # positions(T, device) of this rank's tokens, set under cp
 # attention keyword arguments that change the attention pattern or scores: ring and Ulysses apply none of them
 UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "sinks")
@@ -107,9 +109,10 @@ def hf_attention_heads(config: Any) -> int:
     return int(getattr(config, "num_attention_heads", None) or config.n_head)
 
 
-def check_hf_context(config: Any, layers: int, cp: int) -> None:
+def check_hf_context(config: Any, layers: int, dims: ParallelDims) -> None:
     """Refuse what context-parallel attention cannot run: sliding windows, attention logit softcapping, attention
     dropout (a ValueError naming the setting and the fix)."""
+    cp = dims.cp
 
     kinds = {attention_type(config, i) for i in range(layers)} - {"full_attention"}
     if kinds:

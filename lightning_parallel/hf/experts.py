@@ -200,20 +200,6 @@ def balance_loss(totals: Tensor, probs: Tensor, experts: int, ranks: int) -> Ten
     return value + (share - share.detach())
 
 
-def check_hf_expert_degrees(model: nn.Module, *, ep: int) -> None:
-    """Refuse, before launch, the layouts HF's MoE models cannot take here yet, each by its setting.
-
-    Raises:
-        ValueError: ep > 1 on a model without ``base_model_ep_plan``.
-    """
-    config = model.config
-    if ep > 1 and not hf_expert_parallel_plan(model):
-        raise ValueError(
-            f"ep={ep} splits the experts of MoE models, and this {config.model_type} model has none (no "
-            "config.base_model_ep_plan): set ep=1."
-        )
-
-
 def moe_block_paths(config: Any) -> list[str]:
     """The MoE blocks' paths in the base model (``layers.*.mlp``): the parents of the ``ep_dispatch_experts``
     modules of ``config.base_model_ep_plan``."""

@@ -5,13 +5,15 @@ HF computes positions, rotary embeddings and the causal mask once at the top of 
 to every decoder layer; between pipeline stages only the hidden state travels. So each layer is the HF module
 itself (parameter and state-dict names stay HF's, any layout loads any other) with a forward pre-hook that,
 when the layer is called with the hidden state alone (a pipeline stage's call; HF's own forward always passes
-more), rebuilds those inputs with HF's own code (``create_causal_mask``, the model's rotary module). GPT-2's
-learned positions are a layer of their own: ``wpe`` called on the token embeddings adds its rows to them.
+more), rebuilds those inputs with HF's own code (the family's mask builder per attention type, ``create_causal_mask``
+by default, and the model's rotary module). GPT-2's learned positions are a layer of their own
+(:mod:`lightning_parallel.hf.families.gpt2`).
 
 What HF's forward computes between those modules (the forward extras: Gemma 2/3's final logit softcapping,
 Cohere's ``logit_scale``, Granite's ``embedding_multiplier`` and ``logits_scaling``) is applied by hooks on the
 embedding and the head, so the stage holding them applies it; under HF's own forward, which applies it itself,
-they do nothing (:class:`_OwnForward`).
+they do nothing (:class:`_OwnForward`). Which model gets which layers, masks and extras is its family's entry
+(:mod:`lightning_parallel.hf.families`).
 
 The microbatch's ``attention_mask`` (padded batches) and ``position_ids`` (packed ones: positions restarting at
 each document, from which ``create_causal_mask`` keeps every token to its own document) reach every stage as
@@ -21,21 +23,22 @@ mask is causal.
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor, nn
 
-from lightning_parallel.hf.context import attention_type, default_positions  # noqa: F401  (attention_type: used here)
-from lightning_parallel.hf.plan import _pp_names, is_gpt2
+from lightning_parallel.hf.context import attention_type, default_positions
+from lightning_parallel.hf.plan import pp_names
 from lightning_parallel.parallel.pipeline.runner import stage_inputs
+
+if TYPE_CHECKING:
+    from lightning_parallel.hf.families.registry import Extra, HFFamily
 
 _HOOKED = "_lightning_parallel_pipeline_hooks"
 
 
-def _positions(hidden: Tensor, model: nn.Module) -> Tensor:
+def positions_of(hidden: Tensor, model: nn.Module) -> Tensor:
     """The microbatch's position ids (B, T) when the step passed them, else what HF's forward would make: 0 .. T-1
     (1, T), or under cp this rank's true positions (B, T)."""
     given = stage_inputs().get("position_ids")
@@ -44,24 +47,19 @@ def _positions(hidden: Tensor, model: nn.Module) -> Tensor:
     return default_positions(model, hidden.shape[0], hidden.shape[1], hidden.device)
 
 
-ATTENTION_TYPES = ("full_attention", "sliding_attention")  # what a stage can rebuild the mask of
-
-
-def _decoder_inputs(model: nn.Module, rotary: nn.Module | None, index: int):
-    """Pre-hook: what the base model's forward would pass decoder layer ``index``, rebuilt from the hidden state."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
+def decoder_inputs(model: nn.Module, rotary: nn.Module | None, index: int, family: HFFamily):
+    """Pre-hook: what the base model's forward would pass decoder layer ``index``, rebuilt from the hidden state:
+    the mask of its attention type by the family's builder, rotary embeddings (per attention type when the family's
+    rotary module takes the type: ``family.rotary_per_type``)."""
     config = model.config
     kind = attention_type(config, index)
-    make_mask = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-    # rotary tables per attention type (Gemma 3) take the type
-    per_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+    per_type = rotary is not None and family.rotary_per_type
 
     def hook(layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if kwargs or len(args) != 1:
             return None  # called by HF's own forward, which passes everything itself
         hidden = args[0]  # (B, T, C)
-        position_ids = _positions(hidden, model)
+        position_ids = positions_of(hidden, model)
         extra: dict[str, Any] = {"position_ids": position_ids}
         padding = stage_inputs().get("attention_mask")  # (B, T) 1 on tokens, 0 on padding; None: none
         padding = padding.to(hidden.device) if padding is not None else None
@@ -69,37 +67,13 @@ def _decoder_inputs(model: nn.Module, rotary: nn.Module | None, index: int):
         # only when the step passed them (packing), not the default 0 .. T-1 (or a cp rank's chunks)
         given = position_ids if stage_inputs().get("position_ids") is not None else None
         # the cache goes by position: transformers 5.24 names it ``cache``, 5.17 ``past_key_values``
-        extra["attention_mask"] = make_mask(config, hidden, padding, None, position_ids=given)
+        extra["attention_mask"] = family.mask_builder(kind)(config, hidden, padding, None, position_ids=given)
         if rotary is not None:
             rope_kwargs = {"layer_type": kind} if per_type else {}
             extra["position_embeddings"] = rotary(hidden, position_ids=position_ids, **rope_kwargs)
         return args, extra
 
     return hook
-
-
-def _softcap(model: nn.Module, logits: Tensor) -> Tensor:
-    cap = model.config.final_logit_softcapping
-    return logits if cap is None else torch.tanh(logits / cap) * cap  # HF's three steps, in its order
-
-
-# the forward extras applied at the pipeline layers, per model type: config field -> (the layer it follows,
-# what the head model's forward (the base model's, for the embedding) does to that layer's output); the forwards
-# were read in transformers 5.24: other families with these fields may apply them otherwise (Falcon-H1 has more
-# multipliers), so they stay refused under pp (check_hf_degrees)
-Extra = tuple[str, Callable[[nn.Module, Tensor], Tensor]]
-_SOFTCAP: dict[str, Extra] = {"final_logit_softcapping": ("head", _softcap)}
-_LOGIT_SCALE: dict[str, Extra] = {"logit_scale": ("head", lambda model, logits: logits * model.logit_scale)}
-PIPELINE_EXTRAS: dict[str, dict[str, Extra]] = {
-    "gemma2": _SOFTCAP,
-    "gemma3_text": _SOFTCAP,
-    "cohere": _LOGIT_SCALE,
-    "cohere2": _LOGIT_SCALE,
-    "granite": {
-        "embedding_multiplier": ("embedding", lambda base, embeds: embeds * base.embedding_multiplier),
-        "logits_scaling": ("head", lambda model, logits: logits / model.config.logits_scaling),
-    },
-}
 
 
 class _OwnForward:
@@ -121,9 +95,10 @@ class _OwnForward:
             module.register_forward_hook(self.leave, always_call=True)
 
 
-def _install_forward_extras(model: nn.Module, base: nn.Module, embed: nn.Module, head: nn.Module) -> None:
-    """Hooks on ``embed`` and ``head`` applying the model's forward extras (PIPELINE_EXTRAS) outside HF's forward."""
-    extras = PIPELINE_EXTRAS.get(model.config.model_type, {})
+def install_forward_extras(
+    model: nn.Module, base: nn.Module, embed: nn.Module, head: nn.Module, extras: Mapping[str, Extra]
+) -> None:
+    """Hooks on ``embed`` and ``head`` applying the family's forward ``extras`` outside HF's forward."""
     if not extras:
         return
     own = _OwnForward()
@@ -138,7 +113,7 @@ def _install_forward_extras(model: nn.Module, base: nn.Module, embed: nn.Module,
         layer.register_forward_hook(hook)
 
 
-def _refuse_extra_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
+def refuse_extra_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if kwargs or len(args) != 1:
         raise TypeError(
             "Under pp > 1 the first layer takes input_ids alone: pass attention_mask and position_ids as keyword "
@@ -146,81 +121,34 @@ def _refuse_extra_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
         )
 
 
-class _AddPositions:
-    """GPT-2's ``wpe`` as a pipeline layer: called on the token embeddings (floating point, not position ids),
-    it returns ``drop(tokens + wpe(positions))``, what GPT2Model computes before its blocks."""
-
-    def __init__(self, drop: nn.Module, model: nn.Module) -> None:
-        self.drop, self.model = drop, model
-        self.tokens: Tensor | None = None
-
-    def before(self, wpe: nn.Module, args: tuple) -> tuple | None:
-        if len(args) != 1 or not torch.is_floating_point(args[0]):
-            return None  # position ids: HF's own forward
-        self.tokens = args[0]  # (B, T, C)
-        return (_positions(args[0], self.model),)
-
-    def after(self, wpe: nn.Module, args: tuple, output: Tensor) -> Tensor | None:
-        if self.tokens is None:
-            return None
-        tokens, self.tokens = self.tokens, None
-        return self.drop(tokens + output)
-
-
-def _hook_once(model: nn.Module, install) -> None:
+def hook_once(model: nn.Module, install) -> None:
     if not getattr(model, _HOOKED, False):
         install()
         setattr(model, _HOOKED, True)
 
 
-def _llama_like_layers(model: nn.Module) -> list[nn.Module]:
+def described_layers(model: nn.Module, family: HFFamily) -> list[nn.Module]:
+    """The pipeline layers of a model that carries ``config.base_model_pp_plan`` (embedding, each decoder layer, final
+    norm) and the head class's ``_pp_plan`` (``lm_head``), hooks installed once.
+
+    Raises:
+        ValueError: a ``base_model_pp_plan`` that is not (embedding, layers, norm).
+    """
     base = model.get_submodule(model.base_model_prefix)
-    embed_name, layers_name, norm_name = _pp_names(model.config)
+    embed_name, layers_name, norm_name = pp_names(model.config, family)
     head_names = list(getattr(type(model), "_pp_plan", None) or {"lm_head": None})  # the class: the head's own
     embed, blocks, norm = (base.get_submodule(n) for n in (embed_name, layers_name, norm_name))
     heads = [model.get_submodule(n) for n in head_names]
 
     def install() -> None:
-        embed.register_forward_pre_hook(_refuse_extra_inputs, with_kwargs=True)
-        _install_forward_extras(model, base, embed, heads[-1])
+        embed.register_forward_pre_hook(refuse_extra_inputs, with_kwargs=True)
+        install_forward_extras(model, base, embed, heads[-1], family.extras)
         rotary = getattr(base, "rotary_emb", None)
         for index, block in enumerate(blocks):
-            block.register_forward_pre_hook(_decoder_inputs(model, rotary, index), with_kwargs=True)
+            block.register_forward_pre_hook(decoder_inputs(model, rotary, index, family), with_kwargs=True)
 
-    _hook_once(model, install)
+    hook_once(model, install)
     return [embed, *blocks, norm, *heads]
-
-
-def _gpt2_layers(model: nn.Module) -> list[nn.Module]:
-    base = model.transformer
-
-    def install() -> None:
-        base.wte.register_forward_pre_hook(_refuse_extra_inputs, with_kwargs=True)
-        positions = _AddPositions(base.drop, model)
-        base.wpe.register_forward_pre_hook(positions.before)
-        base.wpe.register_forward_hook(positions.after)
-        for index, block in enumerate(base.h):
-            block.register_forward_pre_hook(_decoder_inputs(model, None, index), with_kwargs=True)
-
-    _hook_once(model, install)
-    return [base.wte, base.wpe, *base.h, base.ln_f, model.lm_head]
-
-
-def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
-    """A Hugging Face ``*ForCausalLM`` model's layers in forward order, for ``pipeline_layers()``.
-
-    From ``config.base_model_pp_plan`` (embedding, each decoder layer, final norm) and the head class's
-    ``_pp_plan`` (``lm_head``); GPT-2's order is written here (token embedding, position embedding, blocks,
-    final norm, head). Each runs on the previous one's output alone (hooks rebuild positions and the mask);
-    under HF's own forward the hooks do nothing. Idempotent.
-
-    Args:
-        model: the HF model (its modules are returned, so they must be registered in your LightningModule).
-
-    Raises:
-        ValueError: a model without ``base_model_pp_plan`` (and not GPT-2).
-    """
-    return _gpt2_layers(model) if is_gpt2(model) else _llama_like_layers(model)
 
 
 def num_decoder_layers(model: nn.Module) -> int:

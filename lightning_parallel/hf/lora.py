@@ -3,9 +3,9 @@ wrapping, and the tensor-parallel plan of the wrapped model.
 
 The model is wrapped by peft's ``get_peft_model``, so modules, parameter names and ``save_pretrained`` are peft's;
 the base is frozen (``requires_grad=False``) and only the adapters train. Under tp each LoRA layer follows its base
-layer's style (:class:`~lightning_parallel.hf.styles.LoraParallel`): the plan HF describes for the base model is
-translated as usual, and every entry that names a LoRA layer gets the style derived from it. Needs the ``peft``
-extra (``pip install lightning-parallel[peft]``).
+layer's style (:class:`~lightning_parallel.parallel.tensor.styles.LoraParallel`): the plan HF describes for the
+base model is translated as usual, and every entry that names a LoRA layer gets the style derived from it. Needs the
+``peft`` extra (``pip install lightning-parallel[peft]``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_parallel.hf.styles import LoraParallel
+from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.parallel.tensor.plan import path_matches
+from lightning_parallel.parallel.tensor.styles import LoraParallel
 
 SUPPORTED = "LoraConfig (LoRA)"
 # HFCausalLM(base_dtype=...): the dtypes a frozen base may be kept in, by the names a config gives them
@@ -155,19 +156,19 @@ def base_of(model: nn.Module) -> tuple[nn.Module, str]:
     return model, ""
 
 
-def check_peft_degrees(config: Any, **degrees: int) -> None:
+def check_peft_degrees(config: Any, dims: ParallelDims) -> None:
     """Refuse, under tp, the LoRA variants whose extra parameters or random masks the split does not follow, before
     any process group exists (LoRA runs under ZeRO 0-3, HSDP, tp, pp, cp and ep).
 
     Raises:
         ValueError: naming the setting and what works.
     """
-    if degrees.get("tp", 1) > 1:
+    if dims.tp > 1:
         for setting, neutral in (("use_dora", False), ("lora_dropout", 0.0)):
             value = getattr(config, setting, neutral)
             if value and value != neutral:
                 raise ValueError(
-                    f"LoraConfig({setting}={value!r}) with tp={degrees['tp']} is not supported yet: set "
+                    f"LoraConfig({setting}={value!r}) with tp={dims.tp} is not supported yet: set "
                     f"{setting}={neutral!r}, or tp=1 (ZeRO 0-3 take it)."
                 )
 

@@ -2,7 +2,8 @@
 
 The model stays HF's own object (``self.model``: parameter names, ``save_pretrained`` and HF's forward are
 untouched); the parallel protocol methods read HF's own descriptions of it (``base_model_tp_plan``, ``_tp_plan``,
-``base_model_pp_plan``), see :mod:`lightning_parallel.hf.plan` and :mod:`lightning_parallel.hf.layers`.
+``base_model_pp_plan``) through the model's family (:mod:`lightning_parallel.hf.families`: one entry per
+``config.model_type``; an unregistered one is refused when the module is built).
 """
 
 from __future__ import annotations
@@ -17,32 +18,23 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.causal_lm import CausalLM
 from lightning_parallel.hf.adapters import PEFT_KEY, BaseIdentity, check_same_base, save_record
-from lightning_parallel.hf.context import check_hf_context, hf_attention_heads, hf_context_parallel
-from lightning_parallel.hf.experts import as_loss_like, check_hf_expert_degrees, hf_expert_parallel_plan, router_aux_of
-from lightning_parallel.hf.init import hf_init_weights
-from lightning_parallel.hf.layers import (
-    ATTENTION_TYPES,
-    PIPELINE_EXTRAS,
-    attention_type,
+from lightning_parallel.hf.context import hf_attention_heads, hf_context_parallel
+from lightning_parallel.hf.experts import as_loss_like, router_aux_of
+from lightning_parallel.hf.families import (
+    HFFamily,
+    check_hf_degrees,
+    hf_expert_plan,
+    hf_family,
     hf_pipeline_layers,
-    num_decoder_layers,
+    hf_tensor_parallel_plan,
 )
+from lightning_parallel.hf.init import hf_init_weights
 from lightning_parallel.hf.loading import load_local_weights, parameters_on_meta, safetensors_files, tied_aliases
 from lightning_parallel.hf.lora import apply_peft, base_of, cast_frozen_base, check_peft_degrees, resolve_base_dtype
 from lightning_parallel.hf.moe_pipeline import pipeline_router_aux
-from lightning_parallel.hf.plan import SP_WITH_PP, hf_tensor_parallel_plan
+from lightning_parallel.hf.plan import SP_WITH_PP
 from lightning_parallel.parallel.mesh import ParallelDims
 
-# config fields whose effect HF's forward applies between the modules of base_model_pp_plan (final logits
-# softcapping: Gemma 2/3; logit_scale: Cohere; logits_scaling and embedding_multiplier: Granite), with their
-# neutral values: under pp the pipeline layers apply them for the families of layers.PIPELINE_EXTRAS, other
-# families must have the neutral values
-FORWARD_EXTRAS = {
-    "final_logit_softcapping": None,
-    "logit_scale": 1.0,
-    "logits_scaling": 1.0,
-    "embedding_multiplier": 1.0,
-}
 # the checkpoint key of the model's transformers config (``config.to_dict()``): what export-hf rebuilds it from
 HF_CONFIG_KEY = "hf_config"
 
@@ -187,7 +179,7 @@ class HFCausalLM(CausalLM):
         self._weights_folder = Path(model) if lazy is not None else None
         self._tied_aliases = tied_aliases(hf) if lazy is not None else {}
         self.weight_bytes_read = 0
-        hf_pipeline_layers(hf)  # installs the pipeline hooks now: inert under HF's own forward
+        hf_pipeline_layers(hf)  # its family (or its refusal), and the pipeline hooks now: inert under HF's own forward
         self.peft_config = peft_config
         # what adapter checkpoints name the frozen base by (hf/adapters.py), taken before any strategy splits it
         self._base_identity = BaseIdentity(model, hf) if peft_config is not None else None
@@ -318,61 +310,16 @@ class HFCausalLM(CausalLM):
 
     def expert_parallel_plan(self) -> dict[str, Any]:
         prefix = f"model.{base_of(self.model)[1]}"
-        return {prefix + path: style for path, style in hf_expert_parallel_plan(self.hf_model).items()}
+        return {prefix + path: style for path, style in hf_expert_plan(self.hf_model).items()}
+
+    @property
+    def family(self) -> HFFamily:
+        """The model's :class:`~lightning_parallel.hf.families.HFFamily` (its ``config.model_type``'s entry)."""
+        return hf_family(self.hf_model)
 
     def check_parallel_degrees(self, dims: ParallelDims) -> None:
-        pp, tp, cp, ep = dims.pp, dims.tp, dims.cp, dims.ep
         if self.peft_config is not None:
-            check_peft_degrees(self.peft_config, pp=pp, tp=tp, cp=cp, ep=ep)
-        check_hf_degrees(self.hf_model, pp=pp, tp=tp, cp=cp)
-        check_hf_expert_degrees(self.hf_model, ep=ep)
-        if pp > 1 and tp > 1 and getattr(self, "_sequence_parallel", False):
+            check_peft_degrees(self.peft_config, dims)
+        check_hf_degrees(self.hf_model, dims)
+        if dims.pp > 1 and dims.tp > 1 and getattr(self, "_sequence_parallel", False):
             raise ValueError(SP_WITH_PP)
-
-
-def check_hf_degrees(model: nn.Module, *, pp: int, tp: int, cp: int = 1) -> None:
-    """Refuse tp that does not divide the heads, key/value heads or vocabulary, pp beyond the decoder layers, and
-    under cp attention it cannot run (sliding windows, softcapping, attention dropout).
-
-    Raises:
-        ValueError: naming the setting and the fix.
-    """
-    config = model.config
-    heads = getattr(config, "num_attention_heads", None) or config.n_head
-    sizes = {
-        "num_attention_heads": heads,
-        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
-        "vocab_size": config.vocab_size,
-    }
-    for name, size in sizes.items():
-        if tp > 1 and size % tp:
-            divisors = [d for d in range(1, size + 1) if size % d == 0]
-            raise ValueError(
-                f"tp={tp} does not divide the model's {name}={size}: choose tp among {divisors}"
-                + (" (or pad the vocabulary: resize_token_embeddings)." if name == "vocab_size" else ".")
-            )
-    if pp > 1:
-        applied = PIPELINE_EXTRAS.get(config.model_type, {})
-        for name, neutral in FORWARD_EXTRAS.items():
-            value = getattr(config, name, neutral)
-            if value is not None and value != neutral and name not in applied:
-                raise ValueError(
-                    f"pp={pp} cannot split a {config.model_type} model whose config.{name}={value!r}: its forward "
-                    "applies it outside the modules base_model_pp_plan lists, and the pipeline layers apply it for "
-                    f"{', '.join(PIPELINE_EXTRAS)} only. Use pp=1 (tp and ZeRO run HF's own forward), or "
-                    f"{name}={neutral!r} if the model was trained without it."
-                )
-    layers = num_decoder_layers(model)
-    if pp > 1:
-        kinds = {attention_type(config, i) for i in range(layers)} - set(ATTENTION_TYPES)
-        if kinds:
-            raise ValueError(
-                f"pp={pp} cannot rebuild the attention mask of {sorted(kinds)} layers (config.layer_types) at a stage "
-                f"start (it can: {', '.join(ATTENTION_TYPES)}): use pp=1."
-            )
-    if pp > layers:
-        raise ValueError(
-            f"pp={pp} is more pipeline stages than the model's {layers} decoder layers: use pp <= {layers}."
-        )
-    if cp > 1:
-        check_hf_context(config, layers, cp)

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.causal_lm import _loss_pieces
 from lightning_parallel.hf.experts import balance_loss, has_router_aux_loss, router_sums
-from lightning_parallel.hf.layers import hf_pipeline_layers
+from lightning_parallel.hf.families import hf_pipeline_layers
 from lightning_parallel.parallel.expert.aux import backward_scale
 from lightning_parallel.parallel.pipeline.runner import scheduled_chunk, stage_inputs
 from lightning_parallel.parallel.pipeline.split import ElsewhereLayer

@@ -1,27 +1,26 @@
-"""Tensor-parallel plans for Hugging Face causal LMs, as this package's plans: module path -> torch ParallelStyle.
-
-Models that describe themselves (Llama and its relatives) are translated from ``config.base_model_tp_plan``
-and the head class's ``_tp_plan``; GPT-2, which has neither (``Conv1D`` layers, a fused q/k/v projection), has
-its plan written here. Both add what HF's plans leave to the runtime: the vocabulary-parallel embedding, the
-head's logits left split over the vocabulary for the vocabulary-parallel loss, one input all-reduce per
-attention and MLP, and with ``sequence_parallel`` the norms and the residual stream split along the sequence.
-Pure functions of the model's classes and config: no process group.
+"""Tensor-parallel plans of Hugging Face causal LMs that describe themselves (Llama and its relatives), as this
+package's plans: module path -> torch ParallelStyle, translated from ``config.base_model_tp_plan`` and the head class's
+``_tp_plan``. Added: what HF's plans leave to the runtime: the vocabulary-parallel embedding, the head's logits left
+split over the vocabulary for the vocabulary-parallel loss, one input all-reduce per attention and MLP, and with
+``sequence_parallel`` the norms and the residual stream split along the sequence. Which model gets which plan is
+its family's entry (:mod:`lightning_parallel.hf.families`). Pure functions of the model's classes and config: no
+process group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from lightning_parallel.hf.experts import resolve_moe_block_entries, tp_plan_without_experts
-from lightning_parallel.hf.lora import base_of, has_lora_layers, lora_tensor_parallel_plan
-from lightning_parallel.hf.styles import Conv1DColwise, Conv1DRowwise, HiddenStatesInput, ReplicatedWithPartialGrad
-from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
 from lightning_parallel.parallel.tensor.plan import sp_with_pp
+from lightning_parallel.parallel.tensor.styles import HiddenStatesInput, ReplicatedWithPartialGrad
+
+if TYPE_CHECKING:
+    from lightning_parallel.hf.families.registry import HFFamily
 
 SP_WITH_PP = sp_with_pp("Hugging Face")  # a stage rebuilds positions from the hidden state it receives
 
@@ -31,10 +30,6 @@ GATHERED_COLWISE = ("colwise_rep", "colwise_gather_output")
 # sliced locally, no communication; "replicated_with_grad_allreduce" (Qwen3, Gemma 3: per-head q/k norms): whole
 # on every rank, fed this rank's heads, its gradient summed over tp
 TRANSLATED = ("colwise", "rowwise", "rowwise_split_input", "replicated_with_grad_allreduce", *GATHERED_COLWISE)
-
-
-def is_gpt2(model: nn.Module) -> bool:
-    return getattr(getattr(model, "config", None), "model_type", None) == "gpt2"
 
 
 def translate_tp_plan(
@@ -77,20 +72,31 @@ def _parents(plan: Mapping[str, ParallelStyle], style: type) -> list[str]:
     return list(dict.fromkeys(path.rpartition(".")[0] for path, s in plan.items() if isinstance(s, style)))
 
 
-def llama_like_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The plan of a model that carries ``base_model_tp_plan`` (Llama, Mistral, Qwen2 ...)."""
+def described_plan(
+    model: nn.Module, family: HFFamily, sequence_parallel: bool, base_plan: Mapping[str, str] | None = None
+) -> dict[str, ParallelStyle]:
+    """The plan of a model that carries ``config.base_model_tp_plan`` (Llama, Mistral, Qwen2 ...), or whose family
+    gives it (``family.base_tp_plan``, ``family.base_pp_plan``: in HF's own style names).
+
+    Args:
+        model: the ``*ForCausalLM`` model.
+        family: its entry.
+        sequence_parallel: split norms and the residual stream along the sequence as well.
+        base_plan: the base model's plan to translate (default: the family's or ``config.base_model_tp_plan``; a
+            MoE family passes it without its experts).
+    """
     config = model.config
-    base_plan = getattr(config, "base_model_tp_plan", None)
+    base_plan = described_tp_plan(config, family) if base_plan is None else base_plan
     if not base_plan:
         raise ValueError(
-            f"{type(model).__name__} has no config.base_model_tp_plan and no plan written here (supported: Llama-"
-            "style models with one, and GPT-2): give your module a tensor_parallel_plan(), or use tp=1."
+            f"{type(model).__name__} has no config.base_model_tp_plan (its family's plan is translated from it): give "
+            "your module a tensor_parallel_plan(), or use tp=1."
         )
     prefix = model.base_model_prefix + "."
     head_plan = dict(getattr(type(model), "_tp_plan", None) or {})  # the class: the head's own entries
-    plan = translate_tp_plan(tp_plan_without_experts(base_plan, config), head_plan, prefix, sequence_parallel)
+    plan = translate_tp_plan(base_plan, head_plan, prefix, sequence_parallel)
     seq: Placement = Shard(1) if sequence_parallel else Replicate()
-    embed, layers, norm = _pp_names(config)
+    embed, layers, norm = pp_names(config, family)
     # the embedding split over the vocabulary; its output whole: HF derives positions and the mask from it
     plan[prefix + embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     # no local head counts to fix (transformers 5.24): attention views its projections with -1 heads and repeats
@@ -101,7 +107,7 @@ def llama_like_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Para
             plan[parent] = HiddenStatesInput(seq, Replicate())
     if sequence_parallel:
         plan.update(_sequence_parallel_entries(model, prefix + layers, prefix + norm))
-    return resolve_moe_block_entries(model, plan, prefix, sequence_parallel)
+    return plan
 
 
 def _sequence_parallel_entries(model: nn.Module, layers: str, final_norm: str) -> dict[str, ParallelStyle]:
@@ -117,63 +123,19 @@ def _sequence_parallel_entries(model: nn.Module, layers: str, final_norm: str) -
     return entries
 
 
-def gpt2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """GPT-2's plan (HF ships none): Megatron's split of the ``Conv1D`` layers, c_attn per q/k/v part."""
-    seq: Placement = Shard(1) if sequence_parallel else Replicate()
-    block = "transformer.h.*"
-    plan: dict[str, ParallelStyle] = {
-        "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        f"{block}.attn.c_attn": Conv1DColwise(parts=3),
-        f"{block}.attn.c_proj": Conv1DRowwise(output_layout=seq),
-        f"{block}.mlp.c_fc": Conv1DColwise(),
-        f"{block}.mlp.c_proj": Conv1DRowwise(output_layout=seq),
-        # attention splits c_attn's output by split_size (the width of q): this rank's width after the split
-        f"{block}.attn": HiddenStatesInput(seq, Replicate(), set_attrs=("split_size",)),
-        f"{block}.mlp": HiddenStatesInput(seq, Replicate()),
-        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
-    }
-    if sequence_parallel:
-        plan.update(
-            {
-                "transformer.h.0": HiddenStatesInput(Replicate(), Shard(1), use_local_output=True),
-                f"{block}.ln_1": SequenceParallel(),
-                f"{block}.ln_2": SequenceParallel(),
-                "transformer.ln_f": SequenceParallel(),
-            }
-        )
-    return plan
+def described_tp_plan(config: Any, family: HFFamily) -> Mapping[str, str] | None:
+    """The base model's plan in HF's style names: the family's ``base_tp_plan``, else ``config.base_model_tp_plan``."""
+    return family.base_tp_plan if family.base_tp_plan is not None else getattr(config, "base_model_tp_plan", None)
 
 
-def _pp_names(config: Any) -> tuple[str, str, str]:
-    """(embedding, decoder layers, final norm) from ``config.base_model_pp_plan``, in its order."""
-    pp_plan = getattr(config, "base_model_pp_plan", None) or {}
-    names = list(pp_plan)
+def pp_names(config: Any, family: HFFamily) -> tuple[str, str, str]:
+    """(embedding, decoder layers, final norm) from the family's ``base_pp_plan``, else ``config.base_model_pp_plan``,
+    in its order."""
+    pp_plan = family.base_pp_plan if family.base_pp_plan is not None else getattr(config, "base_model_pp_plan", None)
+    names = list(pp_plan or {})
     if len(names) != 3:
         raise ValueError(
             f"config.base_model_pp_plan of {type(config).__name__} lists {names}, not (embedding, layers, norm): "
             "give your module its own pipeline_layers() and tensor_parallel_plan(), or use pp=1 and tp=1."
         )
     return names[0], names[1], names[2]
-
-
-def hf_tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """The tensor-parallel plan of a Hugging Face ``*ForCausalLM`` model, paths relative to it.
-
-    Prefix the paths with where the model sits in your LightningModule (``{"model." + k: v ...}``).
-
-    Args:
-        model: a ``PreTrainedModel`` with a causal-LM head (Llama-style models, GPT-2), or one wrapped by peft's
-            ``get_peft_model`` with LoRA: then each LoRA layer follows its base layer's split
-            (:class:`~lightning_parallel.hf.styles.LoraParallel`) and the paths are the peft model's.
-        sequence_parallel: split norms and the residual stream along the sequence as well.
-
-    Raises:
-        ValueError: a model with no plan, a style this translation does not know, or a LoRA layer it cannot split.
-    """
-    if sequence_parallel and any(isinstance(m, ElsewhereLayer) for m in model.modules()):
-        raise ValueError(SP_WITH_PP)
-    hf, prefix = base_of(model)
-    plan = gpt2_plan(hf, sequence_parallel) if is_gpt2(hf) else llama_like_plan(hf, sequence_parallel)
-    if has_lora_layers(hf):
-        plan = lora_tensor_parallel_plan(hf, plan)
-    return {prefix + path: style for path, style in plan.items()}

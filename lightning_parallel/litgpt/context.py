@@ -16,6 +16,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_parallel.parallel.mesh import ParallelDims
+
 _POSITIONS = "_lightning_parallel_cp_positions"
 
 
@@ -72,7 +74,7 @@ def litgpt_context_parallel(
     return switched
 
 
-def check_litgpt_context(config: Any, cp: int) -> None:
+def check_litgpt_context(config: Any, dims: ParallelDims) -> None:
     """Refuse what context-parallel attention cannot run on a LitGPT model (a ValueError naming the setting)."""
     refused = {
         "latent_attention": config.latent_attention is not None,
@@ -82,6 +84,6 @@ def check_litgpt_context(config: Any, cp: int) -> None:
     for name, on in refused.items():
         if on:
             raise ValueError(
-                f"cp={cp} cannot run a LitGPT model with config.{name}={getattr(config, name)!r}: context-parallel "
-                "attention is plain causal attention over the whole sequence. Use cp=1."
+                f"cp={dims.cp} cannot run a LitGPT model with config.{name}={getattr(config, name)!r}: "
+                "context-parallel attention is plain causal attention over the whole sequence. Use cp=1."
             )

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.causal_lm import refuse_adapter_layouts
+from lightning_parallel.parallel.mesh import ParallelDims
 
 # the settings a LoRA layer reads, and the flags that choose the adapted layers (litgpt.lora.Config's fields)
 TARGETS = ("lora_query", "lora_key", "lora_value", "lora_projection", "lora_mlp", "lora_head")
@@ -88,7 +89,7 @@ def build_lora_gpt(config: Any, weights: Mapping[str, torch.Tensor] | None, seed
     return model
 
 
-def check_lora_degrees(config: Any, **degrees: int) -> None:
+def check_lora_degrees(config: Any, dims: ParallelDims) -> None:
     """Refuse the layouts LoRA on a LitGPT model cannot take yet (cp, ep), and under tp LoRA dropout (each tp
     rank would draw its own mask for the split input), before any process group exists.
 
@@ -96,9 +97,9 @@ def check_lora_degrees(config: Any, **degrees: int) -> None:
         ValueError: naming the setting and what works.
     """
     works = "LitGPT LoRA runs under ZeRO 0-3, tp (with or without sequence_parallel) and pp"
-    refuse_adapter_layouts(NOT_YET, "LitGPTCausalLM(lora=...)", works, **degrees)
-    if degrees.get("tp", 1) > 1 and config.lora_dropout:
+    refuse_adapter_layouts(NOT_YET, "LitGPTCausalLM(lora=...)", works, dims)
+    if dims.tp > 1 and config.lora_dropout:
         raise ValueError(
-            f"lora_dropout={config.lora_dropout} with tp={degrees['tp']} is not supported yet: set lora_dropout=0.0, "
+            f"lora_dropout={config.lora_dropout} with tp={dims.tp} is not supported yet: set lora_dropout=0.0, "
             "or tp=1 (ZeRO 0-3 take it)."
         )

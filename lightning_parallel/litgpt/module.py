@@ -217,11 +217,10 @@ class LitGPTCausalLM(CausalLM):
         return int(self.model.config.n_head)
 
     def check_parallel_degrees(self, dims: ParallelDims) -> None:
-        pp, tp, cp, ep = dims.pp, dims.tp, dims.cp, dims.ep
         if self.has_lora:
-            check_lora_degrees(self.model.config, pp=pp, tp=tp, cp=cp, ep=ep)
-        check_litgpt_degrees(self.model, pp=pp, tp=tp, cp=cp)
-        if pp > 1 and tp > 1 and getattr(self, "_sequence_parallel", False):
+            check_lora_degrees(self.model.config, dims)
+        check_litgpt_degrees(self.model, dims)
+        if dims.pp > 1 and dims.tp > 1 and getattr(self, "_sequence_parallel", False):
             raise ValueError(SP_WITH_PP)
 
 
@@ -235,20 +234,19 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_litgpt_degrees(model: nn.Module, *, pp: int, tp: int, cp: int = 1) -> None:
+def check_litgpt_degrees(model: nn.Module, dims: ParallelDims) -> None:
     """Refuse a tp that does not divide the heads, key/value groups or padded vocabulary, a pp beyond the
     blocks, and what the pipeline layers or the plan cannot express (see :func:`litgpt_pipeline_layers`).
 
     Args:
         model: a litgpt ``GPT``.
-        pp: pipeline stages.
-        tp: tensor-parallel degree.
-        cp: context-parallel degree (attention it cannot run refused: :func:`check_litgpt_context`).
+        dims: the mesh's degrees (``ParallelDims.of(pp=2, tp=2)`` for a check of a few); under cp the attention it
+            cannot run is refused (:func:`check_litgpt_context`).
 
     Raises:
         ValueError: naming the setting and the fix.
     """
-    config = model.config
+    config, pp, tp = model.config, dims.pp, dims.tp
     if tp > 1:
         if config.latent_attention is not None:
             raise ValueError(
@@ -283,5 +281,5 @@ def check_litgpt_degrees(model: nn.Module, *, pp: int, tp: int, cp: int = 1) -> 
                     f"pp={pp} cannot split a LitGPT model with config.{name}={getattr(config, name)!r} (GPT.forward "
                     "applies it outside every layer): use pp=1."
                 )
-    if cp > 1:
-        check_litgpt_context(config, cp)
+    if dims.cp > 1:
+        check_litgpt_context(config, dims)

@@ -11,8 +11,8 @@ head counts (LitGPT views q/k/v with them); the class, the parameters and their 
 
 A ``litgpt.lora.GPT`` (LoRA) gets the same plan: each ``LoRALinear`` follows its base ``linear``'s style
 (:class:`LitLoRAParallel`, torch's ``ColwiseParallel`` / ``RowwiseParallel`` through
-:class:`~lightning_parallel.hf.styles.LoraParallel`), and the fused ``LoRAQKVLinear`` keeps its adapter whole on
-every rank (see :class:`GroupedQKVColwise`). Pure functions of the model: no process group.
+:class:`~lightning_parallel.parallel.tensor.styles.LoraParallel`), and the fused ``LoRAQKVLinear`` keeps its adapter
+whole on every rank (see :class:`GroupedQKVColwise`). Pure functions of the model: no process group.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from lightning_parallel.hf.styles import HiddenStatesInput, LoraParallel, ReplicatedWithPartialGrad
 from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
 from lightning_parallel.parallel.tensor.plan import sp_with_pp
+from lightning_parallel.parallel.tensor.styles import HiddenStatesInput, LoraParallel, ReplicatedWithPartialGrad
 
 SP_WITH_PP = sp_with_pp("LitGPT")  # a stage rebuilds positions from the hidden state it receives
 
@@ -127,8 +127,8 @@ class LocalHeadsAttention(HiddenStatesInput):
 
 class LitLoRAParallel(LoraParallel):
     """LitGPT's ``LoRALinear`` (base ``linear``; ``lora_A`` (r, in) and ``lora_B`` (out, r), the module's own
-    parameters) split as :class:`~lightning_parallel.hf.styles.LoraParallel` splits a peft LoRA layer with the
-    base style ``base_style``: the same placements, one collective for base and adapter. A ``LoRALinear`` with
+    parameters) split as :class:`~lightning_parallel.parallel.tensor.styles.LoraParallel` splits a peft LoRA layer with
+    the base style ``base_style``: the same placements, one collective for base and adapter. A ``LoRALinear`` with
     ``r=0`` (not adapted) holds the base alone, split as ``base_style`` splits it.
 
     Args:

@@ -68,10 +68,10 @@ def recipe_model_refusal(cfg: DictConfig) -> Refusal:
     kind.check(cfg)
     family = _module_checks(kind.meta_module(cfg))
 
-    def check(pp: int, tp: int, cp: int, ep: int, sequence_parallel: bool) -> None:
-        check_sequence(cfg.model.seq_len, cp, setting="strategy.cp")
+    def check(dims: ParallelDims, sequence_parallel: bool) -> None:
+        check_sequence(cfg.model.seq_len, dims.cp, setting="strategy.cp")
         with recipe_names(lora):  # the module's names of the settings, and the recipe's
-            family(pp, tp, cp, ep, sequence_parallel)
+            family(dims, sequence_parallel)
 
     return _cached(check)
 
@@ -90,12 +90,12 @@ def _litgpt_checks(name: str, lora: bool = False) -> Callable[..., None]:
 def _module_checks(module: Any) -> Callable[..., None]:
     """The degrees' checks of ``module`` as :func:`~lightning_parallel.strategies.checks.check_model` runs them."""
 
-    def check(pp: int, tp: int, cp: int, ep: int, sequence_parallel: bool) -> None:
-        if tp > 1:  # the plan notes sequence_parallel, which the module's own check reads
-            tensor_parallel_plan(module, tp, sequence_parallel)
-        check_parallel_degrees(module, ParallelDims.of(pp=pp, tp=tp, cp=cp, ep=ep))
-        if ep > 1:
-            check_expert_layout(module, ep, expert_parallel_plan(module))
+    def check(dims: ParallelDims, sequence_parallel: bool) -> None:
+        if dims.tp > 1:  # the plan notes sequence_parallel, which the module's own check reads
+            tensor_parallel_plan(module, dims.tp, sequence_parallel)
+        check_parallel_degrees(module, dims)
+        if dims.ep > 1:
+            check_expert_layout(module, dims.ep, expert_parallel_plan(module))
 
     return check
 
@@ -105,7 +105,7 @@ def _cached(check: Callable[..., None]) -> Refusal:
     seen: dict[tuple, str] = {}
 
     def refuses(layout: Layout) -> str:
-        key = (layout.pp, layout.tp, layout.cp, layout.ep, layout.sequence_parallel)
+        key = (ParallelDims.of(pp=layout.pp, tp=layout.tp, cp=layout.cp, ep=layout.ep), layout.sequence_parallel)
         if key not in seen:
             try:
                 check(*key)
