@@ -4,7 +4,7 @@ Everything a layout has and does is its ``runtime``'s (:class:`~lightning_parall
 the object the Trainer's :class:`~lightning_parallel.strategies.base.MeshStrategy` holds too): the settings and
 degrees, the mesh and sharding, the checks, the split, the step's reduction, clipping, the batch split, the sharded
 folders (:mod:`.checkpoint`). The Lightning hooks both doors share are
-:class:`~lightning_parallel.strategies.distributed.DistributedMixin`'s (the process group, collectives) and
+:class:`~lightning_parallel.strategies.distributed.DistributedHooks`'s (the process group, collectives) and
 :class:`~lightning_parallel.strategies.model_setup.ModelPlacement`'s (where the model is built). What differs is only
 where Fabric calls in:
 
@@ -49,7 +49,7 @@ from lightning_parallel.parallel.data.powersgd import embedding_weights
 from lightning_parallel.parallel.materialize import splits_model
 from lightning_parallel.parallel.pipeline.runner import Pipeline
 from lightning_parallel.plugins.precision import loss_scaler_like
-from lightning_parallel.strategies.distributed import DistributedMixin
+from lightning_parallel.strategies.distributed import DistributedHooks
 from lightning_parallel.strategies.model_setup import ModelPlacement
 from lightning_parallel.strategies.runtime import MeshRuntime
 
@@ -68,7 +68,7 @@ def check_fabric_config(config: ParallelConfig, owner: str) -> None:
         )
 
 
-class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
+class MeshFabricStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
     """Base of the Fabric strategies that lay the world out on one mesh, as a :class:`ParallelConfig` says.
 
     Args:
@@ -96,8 +96,8 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         prepare_model: Callable[[nn.Module], Any] | None = None,
         **settings: Any,
     ) -> None:
-        timeout = default_pg_timeout if timeout is None else timeout  # Lightning's default: 30 minutes
-        self.runtime = MeshRuntime.create(type(self).__name__, self._name(), config, settings, timeout, rank_zero_warn)
+        name, owner = self._name(), type(self).__name__
+        self.runtime = MeshRuntime.create(owner, name, config, settings, timeout, rank_zero_warn, process_group_backend)
         check_fabric_config(self.config, type(self).__name__)
         self.prepare_model = prepare_model
         super().__init__(
@@ -106,7 +106,6 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
             cluster_environment=cluster_environment,
             precision=precision,
         )
-        self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._pipeline: Pipeline | None = None  # this rank's stages under the schedule (pp > 1)
         self._names: dict[int, str] = {}  # the unsplit model's parameters by id: optimizers are re-pointed by name
