@@ -50,7 +50,7 @@ from lightning_parallel.parallel.materialize import splits_model
 from lightning_parallel.parallel.pipeline.runner import Pipeline
 from lightning_parallel.plugins.precision import loss_scaler_like
 from lightning_parallel.strategies.distributed import DistributedHooks
-from lightning_parallel.strategies.model_setup import ModelPlacement
+from lightning_parallel.strategies.model_setup import ModelPlacement, moves_whole
 from lightning_parallel.strategies.runtime import MeshRuntime
 
 
@@ -181,9 +181,8 @@ class MeshFabricStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
     @override
     def module_to_device(self, module: nn.Module) -> None:
         """Whole onto the device only when every rank holds all of it (else each rank's pieces, once split)."""
-        if splits_model(self.config) or any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-            return
-        module.to(self.root_device)
+        if moves_whole(self.config, module):
+            module.to(self.root_device)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -202,8 +201,6 @@ class MeshFabricStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
         applied = self.runtime.split(module, module, self.root_device, warn=rank_zero_warn, info=rank_zero_info)
         if applied.split is not None:  # pp: pipeline_step runs the stages
             self._pipeline = build_pipeline(self, module, applied.split)
-        if splits_model(self.config):
-            module.to(self.root_device)
         accept_whole_state(module, whole_keys - set(module.state_dict()))  # model.load_state_dict(single-process)
         self.barrier()
         return module

@@ -26,14 +26,12 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
-from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_parallel import _compat
@@ -41,15 +39,13 @@ from lightning_parallel.parallel import strict
 from lightning_parallel.parallel.checkpoint.async_save import AsyncCheckpointer
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.powersgd import embedding_weights
-from lightning_parallel.parallel.data.sync_batchnorm import convert_sync_batchnorm
 from lightning_parallel.parallel.expert.aux import aux_loss_scale
-from lightning_parallel.plugins.layer_sync import DataParallelSyncBatchNorm
 from lightning_parallel.plugins.precision import loss_scale_of, to_mesh_precision
 from lightning_parallel.strategies import checkpointing
 from lightning_parallel.strategies.checkpointing import check_async_save, check_checkpoint_format, unwrap_optimizer
 from lightning_parallel.strategies.distributed import DistributedHooks
 from lightning_parallel.strategies.fault_tolerant_step import fault_tolerant_step, start_replicas
-from lightning_parallel.strategies.model_setup import ModelPlacement
+from lightning_parallel.strategies.model_setup import ModelPlacement, sync_batchnorm_over_batch, sync_metrics_over_batch
 from lightning_parallel.strategies.pipelined_step import pipelined_step
 from lightning_parallel.strategies.runtime import MeshRuntime
 from lightning_parallel.strategies.sharded_checkpoint import CheckpointTarget, finish_async
@@ -137,9 +133,8 @@ class MeshStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
         self.model_to_device()
         if self.runtime.split_model is not self.model:  # validate/test after fit reuse the split model
             self._sync_batchnorm_over_batch()  # before tp, pp and ZeRO-3 wrap the BatchNorms' parameters
-            self._split_model()
-            self.place_split_model()
-            self._sync_metrics_over_batch()
+            self._split_model()  # and placed on the device
+            sync_metrics_over_batch(self.model, self.mesh.group("batch"))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -174,32 +169,9 @@ class MeshStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
         module.example_input_array = None
 
     def _sync_batchnorm_over_batch(self) -> None:
-        """Apply ``Trainer(sync_batchnorm=True)`` or a ``LayerSync`` plugin: BatchNorm statistics over the
-        ``batch`` role (torch's SyncBatchNorm trains only on GPUs and syncs over the whole world, pp and tp
-        ranks included; ours syncs over the data-parallel ranks on any device). Nothing reverts it."""
-        sync = self._layer_sync
-        if sync is None:
-            return
         assert self.model is not None
-        c = self.config
-        if c.pp > 1 and c.microbatches != 1:
-            rank_zero_warn(
-                f"sync_batchnorm with pp={c.pp} and microbatches={c.microbatches}: BatchNorm statistics cover one "
-                "microbatch of every dp rank, not the whole batch. Set microbatches=1 for the whole batch's "
-                "statistics (the pipeline then runs its stages one after another)."
-            )
-        default = type(sync) is TorchSyncBatchNorm
-        if default or (isinstance(sync, DataParallelSyncBatchNorm) and sync.process_group is None):
-            self.model = convert_sync_batchnorm(self.model, self.mesh.group("batch"))
-        else:
-            self.model = sync.apply(self.model)
-
-    def _sync_metrics_over_batch(self) -> None:
-        """torchmetrics sync over the whole world by default; pp and tp ranks would count a batch twice."""
-        assert self.model is not None
-        for module in self.model.modules():
-            if isinstance(module, Metric) and module.process_group is None:
-                module.process_group = self.mesh.group("batch")
+        batch = self.mesh.group("batch")
+        self.model = sync_batchnorm_over_batch(self.model, self._layer_sync, self.config, batch, rank_zero_warn)
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:

@@ -32,6 +32,7 @@ from lightning_parallel.parallel.data.sharding import DataParallelSharding, Stat
 from lightning_parallel.parallel.data.stages import make_sharding
 from lightning_parallel.parallel.failure import FailureBoard, annotate, is_collective_failure, report_now, to_timeout
 from lightning_parallel.parallel.heartbeat import start_watch
+from lightning_parallel.parallel.materialize import splits_model
 from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.parallel.parallelize import Parallelized, parallelize
 from lightning_parallel.parallel.pipeline.split import PipelineSplit
@@ -206,7 +207,9 @@ class MeshRuntime:
         """Split ``model`` in place over the mesh (:func:`parallelize`, the axes in their order); ``module`` offers
         the protocol methods (the LightningModule, or ``model`` itself). Under tp without pp the module's ``loss``
         takes the vocabulary-parallel logits (the one place it is replaced); under pp the door builds its runner
-        over ``applied.split``."""
+        over ``applied.split``. The split model is then on ``device``: each rank's pieces are there already (ZeRO-3
+        offload: parameter shards on the host), and ``.to`` sets what the module reports as its device and moves
+        torchmetrics' states (under offload on an accelerator FSDP2 brings the shards back to pinned host memory)."""
         self.full_param_order = [name for name, _ in model.named_parameters()]
         applied = parallelize(
             model,
@@ -220,6 +223,8 @@ class MeshRuntime:
             rng_state=self.take_init_rng(),  # a meta build replays the draws one process makes
         )
         keep_logits_split(module, applied, self.require_dims().tp)
+        if splits_model(self.config):
+            model.to(device)
         self.applied, self.split_model = applied, model
         return applied
 
