@@ -133,7 +133,7 @@ def test_hybrid3d_warns_that_microbatches_split_the_statistics(monkeypatch):
     strategy._layer_sync = TorchSyncBatchNorm()
     strategy.runtime.mesh = _NoMesh()  # no process group here: the conversion itself is left out
     strategy.model = torch.nn.BatchNorm1d(4)
-    monkeypatch.setattr("lightning_parallel.strategies.base.convert_sync_batchnorm", lambda model, group: model)
+    monkeypatch.setattr("lightning_parallel.strategies.model_setup.convert_sync_batchnorm", lambda model, group: model)
     with pytest.warns(UserWarning, match=r"pp=2 and microbatches=4: BatchNorm statistics cover one microbatch"):
         strategy._sync_batchnorm_over_batch()
 

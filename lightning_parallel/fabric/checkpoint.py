@@ -26,19 +26,9 @@ TRAINER_KEYS = {"pytorch-lightning_version": lightning.__version__, "lr_schedule
 INTERNAL = ("state_dict", "optimizer_states", LOADED_IN_PLACE, FABRIC_KEYS)
 
 
-class CheckpointView:
-    """The strategy as :mod:`~lightning_parallel.strategies.sharded_checkpoint` reads it: these objects as its
-    ``model`` (and ``lightning_module``) and ``optimizers``; everything else the strategy's own."""
-
-    def __init__(self, strategy: Any, model: nn.Module, optimizers: list[Optimizer]) -> None:
-        self._strategy, self.model, self.lightning_module, self.optimizers = strategy, model, model, optimizers
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._strategy, name)
-
-    def async_checkpointer(self, create: bool = True) -> None:
-        """Fabric's saves are written before ``fabric.save`` returns (``async_save`` is the Trainer's for now)."""
-        return None
+def _target(strategy: Any, model: nn.Module, optimizers: list[Optimizer]) -> Any:
+    """``model`` and ``optimizers`` as the sharded folders' save and load take them (Fabric's saves block)."""
+    return strategy.runtime.target(model, model, optimizers, strategy.global_rank, strategy.world_size)
 
 
 def _split_state(strategy: Any, state: dict[str, Any]) -> tuple[str, list[str]]:
@@ -74,7 +64,7 @@ def save(strategy: Any, path: Any, state: dict[str, Any], storage_options: Any, 
         "optimizer_states": [{} for _ in optimizers],  # the states themselves are taken from the optimizers
         FABRIC_KEYS: {"model": model_key, "optimizers": optimizer_keys},
     }
-    strategy.runtime.save(CheckpointView(strategy, model, optimizers), checkpoint, path, optimizers)
+    strategy.runtime.save(_target(strategy, model, optimizers), checkpoint, path)
 
 
 def load_raw(strategy: Any, path: Any, module: nn.Module, strict: bool) -> dict[str, Any]:
@@ -111,7 +101,7 @@ def load(strategy: Any, path: Any, state: Any, strict: bool) -> dict[str, Any]:
     if ordered is not None and set(ordered) == set(optimizer_keys):
         optimizer_keys = list(ordered)  # the optimizers in the order they were saved
     optimizers = [state[k] for k in optimizer_keys]
-    remainder = strategy.runtime.load(CheckpointView(strategy, model, optimizers), path, optimizers)
+    remainder = strategy.runtime.load(_target(strategy, model, optimizers), path)
     for key in INTERNAL:
         remainder.pop(key, None)
     for key, obj in state.items():

@@ -4,7 +4,7 @@ Everything a layout has and does is its ``runtime``'s (:class:`~lightning_parall
 the object the Trainer's :class:`~lightning_parallel.strategies.base.MeshStrategy` holds too): the settings and
 degrees, the mesh and sharding, the checks, the split, the step's reduction, clipping, the batch split, the sharded
 folders (:mod:`.checkpoint`). The Lightning hooks both doors share are
-:class:`~lightning_parallel.strategies.distributed.DistributedMixin`'s (the process group, collectives) and
+:class:`~lightning_parallel.strategies.distributed.DistributedHooks`'s (the process group, collectives) and
 :class:`~lightning_parallel.strategies.model_setup.ModelPlacement`'s (where the model is built). What differs is only
 where Fabric calls in:
 
@@ -50,8 +50,8 @@ from lightning_parallel.parallel.materialize import splits_model
 from lightning_parallel.parallel.optim.muon import check_muon_precision
 from lightning_parallel.parallel.pipeline.runner import Pipeline
 from lightning_parallel.plugins.precision import loss_scaler_like
-from lightning_parallel.strategies.distributed import DistributedMixin
-from lightning_parallel.strategies.model_setup import ModelPlacement
+from lightning_parallel.strategies.distributed import DistributedHooks
+from lightning_parallel.strategies.model_setup import ModelPlacement, moves_whole
 from lightning_parallel.strategies.runtime import MeshRuntime
 
 
@@ -69,7 +69,7 @@ def check_fabric_config(config: ParallelConfig, owner: str) -> None:
         )
 
 
-class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
+class MeshFabricStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
     """Base of the Fabric strategies that lay the world out on one mesh, as a :class:`ParallelConfig` says.
 
     Args:
@@ -97,8 +97,8 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         prepare_model: Callable[[nn.Module], Any] | None = None,
         **settings: Any,
     ) -> None:
-        timeout = default_pg_timeout if timeout is None else timeout  # Lightning's default: 30 minutes
-        self.runtime = MeshRuntime.create(type(self).__name__, self._name(), config, settings, timeout, rank_zero_warn)
+        name, owner = self._name(), type(self).__name__
+        self.runtime = MeshRuntime.create(owner, name, config, settings, timeout, rank_zero_warn, process_group_backend)
         check_fabric_config(self.config, type(self).__name__)
         self.prepare_model = prepare_model
         super().__init__(
@@ -107,7 +107,6 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
             cluster_environment=cluster_environment,
             precision=precision,
         )
-        self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._pipeline: Pipeline | None = None  # this rank's stages under the schedule (pp > 1)
         self._names: dict[int, str] = {}  # the unsplit model's parameters by id: optimizers are re-pointed by name
@@ -183,9 +182,8 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
     @override
     def module_to_device(self, module: nn.Module) -> None:
         """Whole onto the device only when every rank holds all of it (else each rank's pieces, once split)."""
-        if splits_model(self.config) or any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-            return
-        module.to(self.root_device)
+        if moves_whole(self.config, module):
+            module.to(self.root_device)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -204,8 +202,6 @@ class MeshFabricStrategy(ModelPlacement, DistributedMixin, ParallelStrategy):
         applied = self.runtime.split(module, module, self.root_device, warn=rank_zero_warn, info=rank_zero_info)
         if applied.split is not None:  # pp: pipeline_step runs the stages
             self._pipeline = build_pipeline(self, module, applied.split)
-        if splits_model(self.config):
-            module.to(self.root_device)
         accept_whole_state(module, whole_keys - set(module.state_dict()))  # model.load_state_dict(single-process)
         self.barrier()
         return module

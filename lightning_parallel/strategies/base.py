@@ -5,8 +5,9 @@ the object Fabric's :class:`~lightning_parallel.fabric.strategy.MeshFabricStrate
 the mesh and the sharding, the checks, the split (:func:`~lightning_parallel.parallel.parallelize.parallelize`), the
 step's gradient reduction, clipping by the whole model's norm, the batch split, the sharded folders. This class
 turns Lightning's hooks into the runtime's calls, wires a pipelined model's steps to its schedule
-(:mod:`.pipelined_step`), and keeps Lightning's checkpoint hooks in :mod:`.checkpointing`; the process group and the
-collectives are :class:`~lightning_parallel.strategies.distributed.DistributedMixin`'s, shared with Fabric.
+(:mod:`.pipelined_step`), and makes each of Lightning's checkpoint hooks one call into :mod:`.checkpointing`'s
+functions (over the runtime and what this class names: model, module, optimizers, format); the process group and the
+collectives are :class:`~lightning_parallel.strategies.distributed.DistributedHooks`'s, shared with Fabric.
 
 The strategies themselves (:mod:`.hybrid3d`, :mod:`.zero`) are presets over
 :class:`~lightning_parallel.parallel.config.ParallelConfig`. Where the model is built and placed (the meta device
@@ -25,39 +26,33 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
-from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_parallel import _compat
 from lightning_parallel.parallel import strict
+from lightning_parallel.parallel.checkpoint.async_save import AsyncCheckpointer
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.powersgd import embedding_weights
-from lightning_parallel.parallel.data.sync_batchnorm import convert_sync_batchnorm
 from lightning_parallel.parallel.expert.aux import aux_loss_scale
 from lightning_parallel.parallel.optim.muon import check_muon_precision
-from lightning_parallel.plugins.layer_sync import DataParallelSyncBatchNorm
 from lightning_parallel.plugins.precision import loss_scale_of, to_mesh_precision
-from lightning_parallel.strategies.checkpointing import (
-    ShardedCheckpointing,
-    check_async_save,
-    check_checkpoint_format,
-    unwrap_optimizer,
-)
-from lightning_parallel.strategies.distributed import DistributedMixin
+from lightning_parallel.strategies import checkpointing
+from lightning_parallel.strategies.checkpointing import check_async_save, check_checkpoint_format, unwrap_optimizer
+from lightning_parallel.strategies.distributed import DistributedHooks
 from lightning_parallel.strategies.fault_tolerant_step import fault_tolerant_step, start_replicas
-from lightning_parallel.strategies.model_setup import ModelPlacement
+from lightning_parallel.strategies.model_setup import ModelPlacement, sync_batchnorm_over_batch, sync_metrics_over_batch
 from lightning_parallel.strategies.pipelined_step import pipelined_step
 from lightning_parallel.strategies.runtime import MeshRuntime
+from lightning_parallel.strategies.sharded_checkpoint import CheckpointTarget, finish_async
 
 
-class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, ParallelStrategy):
+class MeshStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
     """Base of the strategies that lay the world out on one mesh, as a :class:`ParallelConfig` says.
 
     Args:
@@ -93,8 +88,8 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
     ) -> None:
         check_checkpoint_format(checkpoint_format)
         check_async_save(async_save, checkpoint_format)
-        timeout = default_pg_timeout if timeout is None else timeout  # Lightning's default: 30 minutes
-        self.runtime = MeshRuntime.create(type(self).__name__, self._name(), config, settings, timeout, rank_zero_warn)
+        name, owner = self._name(), type(self).__name__
+        self.runtime = MeshRuntime.create(owner, name, config, settings, timeout, rank_zero_warn, process_group_backend)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -102,11 +97,11 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._process_group_backend = process_group_backend
         self.num_nodes = 1
         self.checkpoint_format, self.async_save = checkpoint_format, async_save
         self._pipelined: Any = None  # PipelinedStep under pp > 1
         self._replicas: Any = None  # fault_tolerance='torchft': this rank's FaultTolerantReplicas
+        self._async_checkpointer: AsyncCheckpointer | None = None  # async_save: the saver, created at the first save
 
     @property
     def replicas(self) -> Any:
@@ -139,9 +134,8 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
         self.model_to_device()
         if self.runtime.split_model is not self.model:  # validate/test after fit reuse the split model
             self._sync_batchnorm_over_batch()  # before tp, pp and ZeRO-3 wrap the BatchNorms' parameters
-            self._split_model()
-            self.place_split_model()
-            self._sync_metrics_over_batch()
+            self._split_model()  # and placed on the device
+            sync_metrics_over_batch(self.model, self.mesh.group("batch"))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -177,32 +171,9 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
         module.example_input_array = None
 
     def _sync_batchnorm_over_batch(self) -> None:
-        """Apply ``Trainer(sync_batchnorm=True)`` or a ``LayerSync`` plugin: BatchNorm statistics over the
-        ``batch`` role (torch's SyncBatchNorm trains only on GPUs and syncs over the whole world, pp and tp
-        ranks included; ours syncs over the data-parallel ranks on any device). Nothing reverts it."""
-        sync = self._layer_sync
-        if sync is None:
-            return
         assert self.model is not None
-        c = self.config
-        if c.pp > 1 and c.microbatches != 1:
-            rank_zero_warn(
-                f"sync_batchnorm with pp={c.pp} and microbatches={c.microbatches}: BatchNorm statistics cover one "
-                "microbatch of every dp rank, not the whole batch. Set microbatches=1 for the whole batch's "
-                "statistics (the pipeline then runs its stages one after another)."
-            )
-        default = type(sync) is TorchSyncBatchNorm
-        if default or (isinstance(sync, DataParallelSyncBatchNorm) and sync.process_group is None):
-            self.model = convert_sync_batchnorm(self.model, self.mesh.group("batch"))
-        else:
-            self.model = sync.apply(self.model)
-
-    def _sync_metrics_over_batch(self) -> None:
-        """torchmetrics sync over the whole world by default; pp and tp ranks would count a batch twice."""
-        assert self.model is not None
-        for module in self.model.modules():
-            if isinstance(module, Metric) and module.process_group is None:
-                module.process_group = self.mesh.group("batch")
+        batch = self.mesh.group("batch")
+        self.model = sync_batchnorm_over_batch(self.model, self._layer_sync, self.config, batch, rank_zero_warn)
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
@@ -308,7 +279,8 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
     @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
-        self._close_checkpointer()  # the save in flight lands first (also after a preemption's)
+        checkpointer, self._async_checkpointer = self._async_checkpointer, None  # the save in flight lands first
+        checkpointing.close_async(checkpointer, self.world_size, self._trainer())
         if self._replicas is not None:
             self._replicas.shutdown()
             self._replicas = None
@@ -323,3 +295,74 @@ class MeshStrategy(ModelPlacement, DistributedMixin, ShardedCheckpointing, Paral
             strict.check("the end of the Trainer run")
         else:  # ended on an error: the ranks may have stopped at different collectives
             strict.discard()
+
+    # ----- checkpoints: one call each into strategies/checkpointing.py -----
+
+    def _trainer(self) -> Any:
+        return _compat.attached_trainer(self.lightning_module) if self.lightning_module is not None else None
+
+    def async_checkpointer(self, create: bool = True) -> AsyncCheckpointer | None:
+        """The asynchronous saver while ``async_save`` and fitting (a save outside fit is written before it
+        returns); None otherwise. ``create=False``: the one there is, if any."""
+        if not create or not checkpointing.saves_async(self.async_save, self._trainer()):
+            return None if create else self._async_checkpointer
+        if self._async_checkpointer is None:
+            self._async_checkpointer = AsyncCheckpointer(self.global_rank, self.world_size, self.runtime.timeout)
+        return self._async_checkpointer
+
+    def finish_checkpoint(self) -> None:
+        """Wait for the asynchronous save in flight (collective); every rank raises alike if it failed."""
+        finish_async(self._async_checkpointer, self.world_size)
+
+    def _target(self, checkpointer: AsyncCheckpointer | None = None) -> CheckpointTarget:
+        assert self.model is not None
+        optimizers = [unwrap_optimizer(o) for o in self.optimizers]
+        rank, world, module = self.global_rank, self.world_size, self.lightning_module
+        return self.runtime.target(self.model, module, optimizers, rank, world, checkpointer)
+
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, Any]:
+        """The whole model's state in the single-process format, on rank 0 (collective; every stage's layers);
+        ``trainable_only``: without the frozen parameters (never gathered)."""
+        assert self.model is not None
+        return checkpointing.full_state_dict(self.runtime, self.model, trainable_only)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return checkpointing.module_state_dict(self.runtime, self.model, self.lightning_module, self.checkpoint_format)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.model is not None
+        return checkpointing.optimizer_state(self.runtime, self.model, optimizer, self.checkpoint_format)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        checkpointing.settle_params(self.runtime)
+        if self.checkpoint_format == "full":
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                "checkpoint_format='sharded' writes with torch's distributed checkpoint: no storage_options."
+            )
+        self.runtime.save(self._target(self.async_checkpointer()), checkpoint, filepath)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if not checkpointing.remove_later(self._async_checkpointer, filepath, self.is_global_zero):
+            super().remove_checkpoint(filepath)  # else kept until the save in flight is complete
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.finish_checkpoint()
+        return checkpointing.load_checkpoint(self.runtime, self._target(), checkpoint_path)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        assert self.model is not None
+        checkpointing.load_model_state(self.runtime, self.model, self.lightning_module, checkpoint, strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        assert self.model is not None
+        checkpointing.load_optimizer_states(self.runtime, self.model, self.optimizers, checkpoint)

@@ -1,9 +1,13 @@
-"""Lightning's checkpoint hooks for the mesh strategies: sharded folders (default) or one gathered file.
+"""What the Trainer's checkpoint hooks do under the mesh strategies: sharded folders (default) or one gathered file.
 
 ``checkpoint_format="sharded"``: every rank writes what it holds under single-process names
 (:mod:`.sharded_checkpoint`), and any layout loads it in place. ``"full"``: one file on rank 0 in the
 single-process format (each pipeline stage contributes its layers and their optimizer states), which plain
 Lightning reads. Both formats load under any layout.
+
+Functions over the :class:`~lightning_parallel.strategies.runtime.MeshRuntime` (the sharding, the split) and what
+the caller names (the model, the LightningModule, the torch optimizers, the format): :class:`MeshStrategy`'s hooks
+are one call each into them.
 """
 
 from __future__ import annotations
@@ -34,10 +38,8 @@ from lightning_parallel.parallel.checkpoint.pipeline import (
     pipeline_local_optimizer_state,
 )
 from lightning_parallel.parallel.checkpoint.selection import unsaved_keys
-from lightning_parallel.parallel.data.sharding import StateView
-from lightning_parallel.strategies import sharded_checkpoint
 from lightning_parallel.strategies.runtime import MeshRuntime
-from lightning_parallel.strategies.sharded_checkpoint import LOADED_IN_PLACE
+from lightning_parallel.strategies.sharded_checkpoint import LOADED_IN_PLACE, CheckpointTarget, finish_async
 
 FORMATS = ("sharded", "full")
 
@@ -67,188 +69,146 @@ def check_async_save(value: Any, checkpoint_format: str) -> None:
         raise ValueError(f"async_save=True: {STAGING_MISSING}. Use async_save=False (saves then block).")
 
 
-class ShardedCheckpointing:
-    """Lightning's checkpoint hooks of :class:`~lightning_parallel.strategies.base.MeshStrategy`, over its
-    ``runtime`` (:class:`~lightning_parallel.strategies.runtime.MeshRuntime`: the sharding, the split, the sharded
-    folders' save and load) and Lightning's ``model``, ``optimizers`` and ``checkpoint_format``; the asynchronous
-    saver is its own."""
+def saves_async(async_save: bool, trainer: Any) -> bool:
+    """Whether a save goes on in a thread: ``async_save`` while fit runs (a save outside fit, which nothing would
+    wait for, is written before it returns)."""
+    running = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+    return async_save and running and trainer.state.fn == TrainerFn.FITTING
 
-    model: nn.Module | None
-    runtime: MeshRuntime
-    checkpoint_format: str
-    async_save: bool = False
-    _async_checkpointer: AsyncCheckpointer | None = None
 
-    def async_checkpointer(self, create: bool = True) -> AsyncCheckpointer | None:
-        """The asynchronous saver while ``async_save`` and fitting (a save outside fit, which nothing would wait
-        for, is written before it returns); None otherwise. ``create=False``: the one there is, if any."""
-        if not create:
-            return self._async_checkpointer
-        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
-        running = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
-        if not (self.async_save and running and trainer.state.fn == TrainerFn.FITTING):
-            return None
-        if self._async_checkpointer is None:
-            rank, world = self.global_rank, self.world_size  # type: ignore[attr-defined]
-            self._async_checkpointer = AsyncCheckpointer(rank, world, self.runtime.timeout)  # type: ignore[attr-defined]
-        return self._async_checkpointer
+def close_async(checkpointer: AsyncCheckpointer | None, world_size: int, trainer: Any) -> None:
+    """Teardown (also after a preemption's save): the save in flight finishes, its thread and buffers go. After a
+    failed run its save's own failure is only warned about: the run's error is the one to see."""
+    if checkpointer is None:
+        return
+    failed = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+    try:
+        finish_async(checkpointer, world_size, alike=False)
+    except (OSError, RuntimeError) as error:
+        if not failed:
+            raise
+        rank_zero_warn(str(error))
+    finally:
+        checkpointer.close()
 
-    def finish_checkpoint(self) -> None:
-        """Wait for the asynchronous save in flight (collective); every rank raises alike if it failed."""
-        sharded_checkpoint.finish_async(self)
 
-    def _close_checkpointer(self) -> None:
-        """Teardown (also after a preemption's save): the save in flight finishes, its thread and buffers go.
-        After a failed run its save's own failure is only warned about: the run's error is the one to see."""
-        checkpointer = self._async_checkpointer
-        if checkpointer is None:
-            return
-        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
-        failed = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-        try:
-            sharded_checkpoint.finish_async(self, alike=False)
-        except (OSError, RuntimeError) as error:
-            if not failed:
-                raise
-            rank_zero_warn(str(error))
-        finally:
-            self._async_checkpointer = None
-            checkpointer.close()
+def remove_later(checkpointer: AsyncCheckpointer | None, path: Any, is_global_zero: bool) -> bool:
+    """A folder the save in flight may still link to is removed once that save is complete (True); else False:
+    the caller removes it now."""
+    if checkpointer is None or not checkpointer.in_flight:
+        return False
+    if is_global_zero:
+        checkpointer.remove_later(storage.local(str(path)))
+    return True
 
-    def _split(self) -> Any:
-        return self.runtime.stages
 
-    def _flat_of(self, optimizer: Any) -> StateView | None:
-        return self.sharding.state_view(unwrap_optimizer(optimizer))  # type: ignore[attr-defined]
+def settle_params(runtime: MeshRuntime) -> None:
+    """overlap_grad_reduce: ZeRO-1/2's parameter gathers still in flight land before the buffers are read or
+    written (before the runtime has its sharding there is nothing to wait for)."""
+    if runtime.sharding is not None:
+        runtime.sharding.settle_params()
 
-    def _unwrapped_optimizers(self) -> list[Optimizer]:
-        return [unwrap_optimizer(o) for o in self.optimizers]  # type: ignore[attr-defined]
 
-    def _settle_params(self) -> None:
-        """overlap_grad_reduce: ZeRO-1/2's parameter gathers still in flight land before the buffers are read or
-        written (before the strategy set up its sharding there is nothing to wait for)."""
-        sharding = self.runtime.sharding
-        if sharding is not None:
-            sharding.settle_params()
+def full_state_dict(runtime: MeshRuntime, model: nn.Module, trainable_only: bool = False) -> dict[str, Any]:
+    """The whole model's state in the single-process format, on rank 0 (collective; every stage's layers);
+    ``trainable_only``: without the frozen parameters (never gathered)."""
+    settle_params(runtime)
+    if runtime.stages is None:
+        return full_model_state_dict(model, trainable_only=trainable_only)
+    state = full_model_state_dict(model, every_rank=True, trainable_only=trainable_only)
+    group = runtime.require_mesh().group("stage")
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, state, group=group)
+    merged: dict[str, Any] = {}
+    for part in everyone:
+        for key, value in part.items():
+            merged.setdefault(key, value)
+    return merged
 
-    def _pp_group(self) -> dist.ProcessGroup:
-        return self.mesh.group("stage")  # type: ignore[attr-defined]
 
-    # ----- saving -----
+def module_state_dict(runtime: MeshRuntime, model: nn.Module, module: Any, checkpoint_format: str) -> dict[str, Any]:
+    """The model's entry of a checkpoint: the shards as they are (sharded: the save writes them in place), else the
+    gathered state (a module that leaves its frozen parameters out of checkpoints: not gathered either)."""
+    settle_params(runtime)
+    if checkpoint_format == "sharded":
+        return model.state_dict()
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    return full_state_dict(runtime, model, trainable_only=bool(frozen) and frozen <= unsaved_keys(module))
 
-    def full_state_dict(self, trainable_only: bool = False) -> dict[str, Any]:
-        """The whole model's state in the single-process format, on rank 0 (collective; every stage's layers);
-        ``trainable_only``: without the frozen parameters (never gathered)."""
-        assert self.model is not None
-        self._settle_params()
-        if self._split() is None:
-            return full_model_state_dict(self.model, trainable_only=trainable_only)
-        state = full_model_state_dict(self.model, every_rank=True, trainable_only=trainable_only)
-        everyone: list[Any] = [None] * dist.get_world_size(self._pp_group())
-        dist.all_gather_object(everyone, state, group=self._pp_group())
-        merged: dict[str, Any] = {}
-        for part in everyone:
-            for key, value in part.items():
-                merged.setdefault(key, value)
-        return merged
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.model is not None
-        self._settle_params()
-        if self.checkpoint_format == "sharded":
-            return self.model.state_dict()  # the shards as they are: save_checkpoint writes them in place
-        # a module that leaves its frozen parameters out of checkpoints (a base under adapters): not gathered either
-        frozen = {name for name, p in self.model.named_parameters() if not p.requires_grad}
-        return self.full_state_dict(trainable_only=bool(frozen) and frozen <= unsaved_keys(self.lightning_module))
+def optimizer_state(runtime: MeshRuntime, model: nn.Module, optimizer: Any, checkpoint_format: str) -> dict[str, Any]:
+    """An optimizer's entry of a checkpoint: empty when sharded (the save reads the optimizer itself), else the
+    single-process state (under pp every stage's, on rank 0)."""
+    if checkpoint_format == "sharded":
+        return {}
+    raw = unwrap_optimizer(optimizer)
+    flat = runtime.require_sharding().state_view(raw)
+    local = flat_full_state_dict(flat) if flat is not None else full_optimizer_state_dict(model, raw)
+    if runtime.stages is None:
+        return local
+    group = runtime.require_mesh().group("stage")
+    return gather_pipeline_optimizer_state(local, local_param_names(runtime, model, raw), runtime.stages, group)
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self.checkpoint_format == "sharded":
-            return {}  # save_checkpoint takes each rank's states from the optimizers themselves
-        assert self.model is not None
-        flat = self._flat_of(optimizer)
-        local = (
-            flat_full_state_dict(flat)
-            if flat is not None
-            else full_optimizer_state_dict(self.model, unwrap_optimizer(optimizer))
+
+def load_checkpoint(runtime: MeshRuntime, target: CheckpointTarget, path: Any) -> dict[str, Any]:
+    """A sharded folder into ``target`` in place (the rest of it returned), or a checkpoint file's dict."""
+    settle_params(runtime)  # loading writes the buffers in place
+    if checkpoint_io.is_sharded_checkpoint(path):
+        return runtime.load(target, path)
+    if storage.isdir(str(path)):
+        raise FileNotFoundError(
+            f"ckpt_path={str(path)!r} is a folder but not a sharded checkpoint (no .metadata and "
+            "meta.pt in it): give the folder a save wrote, or a checkpoint file."
         )
-        if self._split() is None:
-            return local
-        return gather_pipeline_optimizer_state(
-            local, self._local_param_names(optimizer), self._split(), self._pp_group()
-        )
+    return checkpoint_io.load_file(path)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        self._settle_params()
-        if self.checkpoint_format == "full":
-            return super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
-        if storage_options is not None:
-            raise TypeError(
-                "checkpoint_format='sharded' writes with torch's distributed checkpoint: no storage_options."
+
+def load_model_state(
+    runtime: MeshRuntime, model: nn.Module, module: Any, checkpoint: Mapping[str, Any], strict: bool
+) -> None:
+    """A one-file checkpoint's model state into the split ``model`` (this rank's stages under pp); the keys
+    ``module`` leaves out of its saves (a frozen base) kept as they are. Nothing when loaded in place already."""
+    if checkpoint.get(LOADED_IN_PLACE):
+        return
+    skip = unsaved_keys(module)
+    state = {k: v for k, v in checkpoint["state_dict"].items() if k not in skip}
+    if runtime.stages is not None:
+        mine = set(model.state_dict())
+        state = {k: v for k, v in state.items() if k in mine}
+    if skip and strict:
+        missing = sorted(set(model.state_dict()) - skip - set(state))
+        if missing:
+            raise ValueError(
+                f"the checkpoint lacks the trained tensors {missing[:4]}: resume with the model that saved it."
             )
-        self.runtime.save(self, checkpoint, filepath, self._unwrapped_optimizers())
+    load_full_model_state_dict(model, state, strict=strict and not skip)
 
-    # ----- loading -----
 
-    def remove_checkpoint(self, filepath: Any) -> None:
-        checkpointer = self._async_checkpointer
-        if checkpointer is not None and checkpointer.in_flight:  # kept until the save in flight is complete
-            if self.is_global_zero:  # type: ignore[attr-defined]
-                checkpointer.remove_later(storage.local(str(filepath)))
-            return
-        super().remove_checkpoint(filepath)  # type: ignore[misc]
+def load_optimizer_states(
+    runtime: MeshRuntime, model: nn.Module, optimizers: list[Any], checkpoint: Mapping[str, Any]
+) -> None:
+    """A one-file checkpoint's optimizer states into ``optimizers`` (under pp this rank's parameters' only)."""
+    if checkpoint.get(LOADED_IN_PLACE):
+        return
+    raws = [unwrap_optimizer(o) for o in optimizers]
+    states = list(checkpoint["optimizer_states"])
+    if runtime.stages is not None:
+        group = runtime.require_mesh().group("stage")
+        states = [
+            pipeline_local_optimizer_state(full, local_param_names(runtime, model, o), runtime.stages, group)
+            for o, full in zip(raws, states)
+        ]
+    for optimizer, state in zip(raws, states):
+        flat = runtime.require_sharding().state_view(optimizer)
+        if flat is not None:
+            load_flat_full_state_dict(flat, state)
+        else:
+            load_full_optimizer_state_dict(model, optimizer, state)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        self.finish_checkpoint()
-        self._settle_params()  # loading writes the buffers in place
-        if checkpoint_io.is_sharded_checkpoint(checkpoint_path):
-            return self.runtime.load(self, checkpoint_path, self._unwrapped_optimizers())
-        if storage.isdir(str(checkpoint_path)):
-            raise FileNotFoundError(
-                f"ckpt_path={str(checkpoint_path)!r} is a folder but not a sharded checkpoint (no .metadata and "
-                "meta.pt in it): give the folder a save wrote, or a checkpoint file."
-            )
-        return checkpoint_io.load_file(checkpoint_path)
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.model is not None
-        if checkpoint.get(LOADED_IN_PLACE):
-            return
-        skip = unsaved_keys(self.lightning_module)  # left out of the save (a frozen base): kept as it is
-        state = {k: v for k, v in checkpoint["state_dict"].items() if k not in skip}
-        if self._split() is not None:  # this rank's stages only
-            mine = set(self.model.state_dict())
-            state = {k: v for k, v in state.items() if k in mine}
-        if skip and strict:
-            missing = sorted(set(self.model.state_dict()) - skip - set(state))
-            if missing:
-                raise ValueError(
-                    f"the checkpoint lacks the trained tensors {missing[:4]}: resume with the model that saved it."
-                )
-        load_full_model_state_dict(self.model, state, strict=strict and not skip)
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self.model is not None
-        if checkpoint.get(LOADED_IN_PLACE):
-            return
-        optimizers = self.optimizers  # type: ignore[attr-defined]
-        states = list(checkpoint["optimizer_states"])
-        if self._split() is not None:
-            states = [
-                pipeline_local_optimizer_state(full, self._local_param_names(o), self._split(), self._pp_group())
-                for o, full in zip(optimizers, states)
-            ]
-        for optimizer, state in zip(optimizers, states):
-            flat = self._flat_of(optimizer)
-            if flat is not None:
-                load_flat_full_state_dict(flat, state)
-            else:
-                load_full_optimizer_state_dict(self.model, unwrap_optimizer(optimizer), state)
-
-    def _local_param_names(self, optimizer: Any) -> list[list[str]]:
-        """The parameter names of each of ``optimizer``'s groups, as configure_optimizers built them."""
-        assert self.model is not None
-        names: dict[int, str] = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), name)
-        groups = self.sharding.param_groups(unwrap_optimizer(optimizer))  # type: ignore[attr-defined]
-        return [[names[id(p)] for p in group] for group in groups]
+def local_param_names(runtime: MeshRuntime, model: nn.Module, optimizer: Optimizer) -> list[list[str]]:
+    """The parameter names of each of ``optimizer``'s groups, as configure_optimizers built them."""
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return [[names[id(p)] for p in group] for group in runtime.require_sharding().param_groups(optimizer)]

@@ -1,7 +1,11 @@
 """The process-level Lightning hooks both front doors share: launching, the process group (then the runtime's
 mesh and sharding), which device and rank this is, collectives over the world or a role of the mesh, and what happens
-when a rank fails (``parallel/failure.py``). Mixed into :class:`~lightning_parallel.strategies.base.MeshStrategy` and
-:class:`~lightning_parallel.fabric.strategy.MeshFabricStrategy`; its state is their ``runtime``'s and Lightning's."""
+when a rank fails (``parallel/failure.py``). Functions taking what they need (:func:`check_launched_world`,
+:func:`open_process_group`, :func:`set_world_ranks`), and :class:`DistributedHooks`, Lightning's hook methods over
+them, inherited by :class:`~lightning_parallel.strategies.base.MeshStrategy` and
+:class:`~lightning_parallel.fabric.strategy.MeshFabricStrategy`: it keeps no state; what a layout has is the
+``runtime``'s (:class:`~lightning_parallel.strategies.runtime.MeshRuntime`: the degrees, mesh, sharding, the process
+group's backend and timeout, the failure board), the rest Lightning's public attributes."""
 
 from __future__ import annotations
 
@@ -20,15 +24,9 @@ from lightning_parallel import _compat
 from lightning_parallel.parallel import strict
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
-from lightning_parallel.parallel.failure import (
-    FailureBoard,
-    annotate,
-    end_children,
-    is_collective_failure,
-    report_now,
-)
+from lightning_parallel.parallel.failure import end_children
 from lightning_parallel.parallel.fault_tolerance import check_backend, lighthouse_address, sampler_kwargs
-from lightning_parallel.parallel.heartbeat import dump_folder, enable_flight_recorder, start_watch
+from lightning_parallel.parallel.heartbeat import dump_folder, enable_flight_recorder
 from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.parallel.shutdown import release_at_exit
 from lightning_parallel.strategies.launcher import CheckFirstLauncher
@@ -45,12 +43,39 @@ def set_world_ranks(strategy: Any) -> None:
     rank_zero_only.rank = utils_rank_zero_only.rank = strategy.global_rank
 
 
-class DistributedMixin:
-    """The process-level Lightning hooks both front doors share, over ``runtime`` (the strategy's
-    :class:`~lightning_parallel.strategies.runtime.MeshRuntime`, which holds the degrees, mesh, sharding and failure
-    board) and Lightning's own attributes (``parallel_devices``, ``cluster_environment``, ``_launcher``,
-    ``_process_group_backend``): the mesh by role, the degrees, the sampler's arguments, the process group,
-    collectives, failures."""
+def check_launched_world(env: Any, num_nodes: int, num_processes: int) -> None:
+    """Under torchrun or SLURM (``env`` creates the processes): the processes started must be the ones the Trainer
+    was told about (``num_nodes`` times ``num_processes``), before any device is chosen or process group exists."""
+    if env is None or not env.creates_processes_externally:
+        return
+    expected, launched = num_nodes * num_processes, env.world_size()
+    if launched != expected or env.local_rank() >= num_processes:
+        raise ValueError(
+            f"Trainer(devices={num_processes}, num_nodes={num_nodes}) expects {expected} processes, "
+            f"but the launcher started {launched} (this one has LOCAL_RANK={env.local_rank()}): set devices to "
+            "the processes per node (torchrun --nproc-per-node) and num_nodes to the number of nodes."
+        )
+
+
+def open_process_group(runtime: MeshRuntime, env: Any, device: torch.device, precision: str | None) -> None:
+    """The world's process group over ``env`` on ``device`` (the runtime's backend, else the device's default; its
+    timeout), then the runtime's mesh and sharding (once per runtime)."""
+    if runtime.backend is None:
+        runtime.backend = _compat.default_process_group_backend_for_device(device)
+    kwargs: dict[str, Any] = {"timeout": runtime.timeout}
+    if device.type != "cpu":
+        kwargs["device_id"] = device
+    enable_flight_recorder()  # before the first group: a hang's dump shows each rank's last collectives
+    _compat.init_dist_connection(env, runtime.backend, **kwargs)
+    strict.enable_from_env()  # LP_STRICT_COLLECTIVES=1: gloo keeps NCCL's rules (every group, side groups too)
+    release_at_exit()  # the groups go before the interpreter does: a finished run exits 0
+    runtime.start(device, precision)
+
+
+class DistributedHooks:
+    """The process-level Lightning hooks both front doors share, over ``runtime`` and Lightning's public attributes
+    (``parallel_devices``, ``cluster_environment``, ranks): the mesh by role, the degrees, the sampler's arguments,
+    the process group, collectives, failures."""
 
     runtime: MeshRuntime
 
@@ -117,18 +142,11 @@ class DistributedMixin:
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A rank that fails leaves word of it; a rank whose collective failed names the rank that failed
-        first; the process that launched the others (Lightning's launcher) gives them 5 s, then kills them."""
-        failures = self.runtime.failures
-        if failures is not None and isinstance(exception, Exception):
-            if is_collective_failure(exception):
-                annotate(exception, failures.explain(), self.global_rank)
-            else:
-                failures.record(exception)
-            report_now(exception)  # before a launcher's signal can stop this process unheard
-        procs = getattr(self._launcher, "procs", None)
-        if procs and not isinstance(exception, SystemExit):  # SystemExit: a preemption stop, every rank exits
-            end_children(procs, grace_s=min(self.runtime.timeout.total_seconds(), 5.0))
+        """A rank that fails leaves word of it (the runtime's board); the process that launched the others
+        (Lightning's launcher) gives them 5 s, then kills them."""
+        self.runtime.record_failure(exception, self.global_rank)
+        if not isinstance(exception, SystemExit):  # SystemExit: a preemption stop, every rank exits
+            self._end_children(grace_s=min(self.runtime.timeout.total_seconds(), 5.0))
 
     # ----- collectives -----
 
@@ -176,17 +194,7 @@ class DistributedMixin:
             self._launcher = CheckFirstLauncher(self, env, self.num_processes, self.num_nodes, grace_s=grace_s)
 
     def _check_launched_world(self) -> None:
-        """Under torchrun or SLURM: the processes started must be the ones the Trainer was told about."""
-        env = self.cluster_environment
-        if env is None or not env.creates_processes_externally:
-            return
-        expected, launched = self.num_nodes * self.num_processes, env.world_size()
-        if launched != expected or env.local_rank() >= self.num_processes:
-            raise ValueError(
-                f"Trainer(devices={self.num_processes}, num_nodes={self.num_nodes}) expects {expected} processes, "
-                f"but the launcher started {launched} (this one has LOCAL_RANK={env.local_rank()}): set devices to "
-                "the processes per node (torchrun --nproc-per-node) and num_nodes to the number of nodes."
-            )
+        check_launched_world(self.cluster_environment, self.num_nodes, self.num_processes)
 
     @override
     def setup_environment(self) -> None:
@@ -198,22 +206,8 @@ class DistributedMixin:
         reset_seed()
         self.set_world_ranks()
         self.parallel_dims  # noqa: B018  (resolved before the process group: bad degrees fail without one)
-        backend = self._process_group_backend or _compat.default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        runtime = self.runtime
-        kwargs: dict[str, Any] = {"timeout": runtime.timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        enable_flight_recorder()  # before the first group: a hang's dump shows each rank's last collectives
-        _compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
-        strict.enable_from_env()  # LP_STRICT_COLLECTIVES=1: gloo keeps NCCL's rules (every group, side groups too)
-        release_at_exit()  # the groups go before the interpreter does: a finished run exits 0
-        runtime.start(self.root_device, self._precision_name())  # the mesh and the sharding, once per strategy
-        runtime.failures = FailureBoard.for_process_group()
-        # NCCL: a dead peer is named and this rank's collectives fail, not hang; every backend: a hang is named
-        runtime.failure_watch = start_watch(
-            runtime.failures, backend, runtime.timeout, self._trainer_step(), self._dump_folder, self._end_children
-        )
+        open_process_group(self.runtime, self.cluster_environment, self.root_device, self._precision_name())
+        self.runtime.watch_failures(self._trainer_step(), self._dump_folder, self._end_children)
 
     def _trainer_step(self) -> Any:
         """The Trainer's global step, read by the heartbeat's thread (None under Fabric: it counts optimizer steps)."""
@@ -226,14 +220,12 @@ class DistributedMixin:
         trainer = _compat.attached_trainer(module) if module is not None else None
         return dump_folder(trainer.default_root_dir if trainer is not None else None)
 
-    def _end_children(self) -> None:
-        """Before a hung run's process ends: the ranks Lightning's launcher started from it go too."""
-        end_children(getattr(self._launcher, "procs", None) or [], grace_s=0.0)
+    def _end_children(self, grace_s: float = 0.0) -> None:
+        """The ranks Lightning's launcher started from this process end (after ``grace_s``): a failed or hung run."""
+        procs = getattr(self._launcher, "procs", None)  # type: ignore[attr-defined]
+        if procs:
+            end_children(procs, grace_s=grace_s)
 
     def end_failure_watch(self) -> None:
         """This rank's work ended normally (teardown): stop watching, and say so on the board."""
-        watch, self.runtime.failure_watch = self.runtime.failure_watch, None
-        if watch is not None:
-            watch.stop()
-        if self.runtime.failures is not None:
-            self.runtime.failures.mark_done()
+        self.runtime.end_watch()

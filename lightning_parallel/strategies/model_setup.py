@@ -14,17 +14,26 @@ whole copy of the model that it did not build itself:
   draws from the global generator replay from there (``empty_init`` changes nothing: values are always set).
 - Otherwise (ZeRO 0-2 alone, with cp, ep or spatial beside it) every rank holds all the parameters by design:
   Lightning's own placement, the model moved to (or built on) the device whole.
+
+What the model's own modules sync over once it is placed (BatchNorm statistics, torchmetrics) is here too:
+:func:`sync_batchnorm_over_batch`, :func:`sync_metrics_over_batch`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
+from lightning.pytorch.plugins import TorchSyncBatchNorm
+from torch import nn
+from torchmetrics import Metric
 from typing_extensions import override
 
+from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.data.sync_batchnorm import convert_sync_batchnorm
 from lightning_parallel.parallel.materialize import splits_model
+from lightning_parallel.plugins.layer_sync import DataParallelSyncBatchNorm
 
 
 class ModelPlacement:
@@ -62,16 +71,42 @@ class ModelPlacement:
 
     @override
     def model_to_device(self) -> None:
-        """Whole onto the device only when every rank holds all of it (else :meth:`place_split_model`, once split)."""
+        """Whole onto the device only when every rank holds all of it (else the runtime's split places it)."""
         model = self.model  # type: ignore[attr-defined]
         assert model is not None
-        if splits_model(self.runtime.config) or any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-            return  # parallelize() puts each rank's pieces on its device (a meta build: its materialize(device))
-        model.to(self.root_device)  # type: ignore[attr-defined]
+        if moves_whole(self.runtime.config, model):
+            model.to(self.root_device)  # type: ignore[attr-defined]
 
-    def place_split_model(self) -> None:
-        """After the split, everything is on this rank's device already (ZeRO-3 offload: parameter shards on the
-        host); ``.to`` sets what Lightning reports as the module's device and moves torchmetrics' states. Under
-        offload on an accelerator FSDP2 brings the shards back to pinned host memory at once."""
-        if splits_model(self.runtime.config):
-            self.model.to(self.root_device)  # type: ignore[attr-defined]
+
+def moves_whole(config: ParallelConfig, model: nn.Module) -> bool:
+    """Whether ``model`` goes to the device whole before the split: only when every rank holds all of it (else
+    parallelize() puts each rank's pieces on its device; a meta build: its materialize(device))."""
+    return not splits_model(config) and not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def sync_batchnorm_over_batch(
+    model: nn.Module, sync: Any, config: ParallelConfig, batch_group: Any, warn: Callable[[str], Any]
+) -> nn.Module:
+    """``Trainer(sync_batchnorm=True)`` or a ``LayerSync`` plugin (``sync``; None: nothing): BatchNorm statistics
+    over the ``batch`` role's ``batch_group`` (torch's SyncBatchNorm trains only on GPUs and syncs over the whole
+    world, pp and tp ranks included; ours syncs over the data-parallel ranks on any device). Before tp, pp and
+    ZeRO-3 wrap the BatchNorms' parameters; nothing reverts it. Returns the model to use."""
+    if sync is None:
+        return model
+    if config.pp > 1 and config.microbatches != 1:
+        warn(
+            f"sync_batchnorm with pp={config.pp} and microbatches={config.microbatches}: BatchNorm statistics cover "
+            "one microbatch of every dp rank, not the whole batch. Set microbatches=1 for the whole batch's "
+            "statistics (the pipeline then runs its stages one after another)."
+        )
+    default = type(sync) is TorchSyncBatchNorm
+    if default or (isinstance(sync, DataParallelSyncBatchNorm) and sync.process_group is None):
+        return convert_sync_batchnorm(model, batch_group)
+    return sync.apply(model)
+
+
+def sync_metrics_over_batch(model: nn.Module, batch_group: Any) -> None:
+    """torchmetrics sync over the whole world by default; pp and tp ranks would count a batch twice."""
+    for module in model.modules():
+        if isinstance(module, Metric) and module.process_group is None:
+            module.process_group = batch_group

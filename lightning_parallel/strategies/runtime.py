@@ -30,7 +30,9 @@ from lightning_parallel import _compat
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.sharding import DataParallelSharding, StateView
 from lightning_parallel.parallel.data.stages import make_sharding
-from lightning_parallel.parallel.failure import FailureBoard, to_timeout
+from lightning_parallel.parallel.failure import FailureBoard, annotate, is_collective_failure, report_now, to_timeout
+from lightning_parallel.parallel.heartbeat import start_watch
+from lightning_parallel.parallel.materialize import splits_model
 from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.parallel.parallelize import Parallelized, parallelize
 from lightning_parallel.parallel.pipeline.split import PipelineSplit
@@ -42,6 +44,7 @@ from lightning_parallel.strategies import sharded_checkpoint
 from lightning_parallel.strategies.checks import check_model
 
 Log = Callable[[str], Any]
+DEFAULT_TIMEOUT = timedelta(minutes=30)  # Lightning's (and torch's) default bound of a collective
 
 
 def build_config(owner: str, config: ParallelConfig | None, settings: dict[str, Any], warn: Log) -> ParallelConfig:
@@ -69,10 +72,11 @@ class MeshRuntime:
         name: how the user named the strategy (``"hybrid3d"``, ``"zero2"``), for error messages.
     """
 
-    def __init__(self, config: ParallelConfig, timeout: timedelta, name: str) -> None:
+    def __init__(self, config: ParallelConfig, timeout: timedelta, name: str, backend: str | None = None) -> None:
         self.config = config
         self.timeout = timeout
         self.name = name
+        self.backend = backend  # the process group's backend: the user's, else the device's default (at its start)
         self.dims: ParallelDims | None = None  # once the world size is known (degrees)
         self.mesh: ParallelMesh | None = None  # once the process group exists (start)
         self.sharding: DataParallelSharding | None = None
@@ -89,11 +93,19 @@ class MeshRuntime:
 
     @classmethod
     def create(
-        cls, owner: str, name: str, config: ParallelConfig | None, settings: dict[str, Any], timeout: Any, warn: Log
+        cls,
+        owner: str,
+        name: str,
+        config: ParallelConfig | None,
+        settings: dict[str, Any],
+        timeout: Any,
+        warn: Log,
+        backend: str | None = None,
     ) -> MeshRuntime:
         """The runtime of a strategy built with ``config`` and ``settings`` (its keyword arguments); ``timeout``:
-        a ``timedelta`` or seconds."""
-        return cls(build_config(owner, config, settings, warn), to_timeout(timeout), name)
+        a ``timedelta`` or seconds (None: Lightning's default, 30 minutes); ``backend``: the process group's."""
+        timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+        return cls(build_config(owner, config, settings, warn), to_timeout(timeout), name, backend)
 
     # ----- the layout -----
 
@@ -136,6 +148,34 @@ class MeshRuntime:
             raise RuntimeError("The data-parallel sharding exists once the strategy has set up its process group.")
         return self.sharding
 
+    # ----- failures -----
+
+    def watch_failures(self, step: Callable[[], int] | None, dump: Callable[[], Any], end: Callable[[], None]) -> None:
+        """Once the process group exists: its failure board, and the heartbeat's thread (NCCL: a dead peer is named
+        and this rank's collectives fail, not hang; every backend: a hang is named). ``step``: the Trainer's global
+        step (None under Fabric); ``dump``: the folder of a hang's dump; ``end``: ends the ranks this one started."""
+        self.failures = FailureBoard.for_process_group()
+        self.failure_watch = start_watch(self.failures, self.backend, self.timeout, step, dump, end)
+
+    def record_failure(self, exception: BaseException, rank: int) -> None:
+        """A rank that fails leaves word of it on the board; a rank whose collective failed names in ``exception``
+        the rank that failed first. Said at once (before a launcher's signal can stop this process unheard)."""
+        if self.failures is None or not isinstance(exception, Exception):
+            return
+        if is_collective_failure(exception):
+            annotate(exception, self.failures.explain(), rank)
+        else:
+            self.failures.record(exception)
+        report_now(exception)
+
+    def end_watch(self) -> None:
+        """This rank's work ended normally: stop watching, and say so on the board."""
+        watch, self.failure_watch = self.failure_watch, None
+        if watch is not None:
+            watch.stop()
+        if self.failures is not None:
+            self.failures.mark_done()
+
     # ----- the model -----
 
     @contextlib.contextmanager
@@ -167,7 +207,9 @@ class MeshRuntime:
         """Split ``model`` in place over the mesh (:func:`parallelize`, the axes in their order); ``module`` offers
         the protocol methods (the LightningModule, or ``model`` itself). Under tp without pp the module's ``loss``
         takes the vocabulary-parallel logits (the one place it is replaced); under pp the door builds its runner
-        over ``applied.split``."""
+        over ``applied.split``. The split model is then on ``device``: each rank's pieces are there already (ZeRO-3
+        offload: parameter shards on the host), and ``.to`` sets what the module reports as its device and moves
+        torchmetrics' states (under offload on an accelerator FSDP2 brings the shards back to pinned host memory)."""
         self.full_param_order = [name for name, _ in model.named_parameters()]
         applied = parallelize(
             model,
@@ -181,6 +223,8 @@ class MeshRuntime:
             rng_state=self.take_init_rng(),  # a meta build replays the draws one process makes
         )
         keep_logits_split(module, applied, self.require_dims().tp)
+        if splits_model(self.config):
+            model.to(device)
         self.applied, self.split_model = applied, model
         return applied
 
@@ -238,14 +282,29 @@ class MeshRuntime:
         """How the sharding holds each optimizer's state (None: per parameter)."""
         return [self.require_sharding().state_view(o) for o in optimizers]
 
-    def save(self, view: Any, checkpoint: dict[str, Any], path: Any, optimizers: list[Optimizer]) -> None:
-        """A sharded folder at ``path``: every rank writes what it holds under single-process names (collective).
-        ``view``: the door as :mod:`.sharded_checkpoint` reads it (model, optimizers, rank, collectives)."""
-        sharded_checkpoint.save(view, checkpoint, path, self.state_views(optimizers), self.full_param_order)
+    def target(
+        self,
+        model: nn.Module,
+        module: Any,
+        optimizers: list[Optimizer],
+        rank: int,
+        world_size: int,
+        checkpointer: Any = None,
+    ) -> sharded_checkpoint.CheckpointTarget:
+        """What a sharded save or load works on: the door's ``model`` (``module``: the LightningModule, or the model),
+        its torch ``optimizers``, this rank, the sharding; ``checkpointer``: the asynchronous saver, if any."""
+        return sharded_checkpoint.CheckpointTarget(
+            model, module, optimizers, rank, world_size, self.sharding, checkpointer
+        )
 
-    def load(self, view: Any, path: Any, optimizers: list[Optimizer]) -> dict[str, Any]:
-        """A sharded folder's states into the split model and ``optimizers``, in place; the rest of the checkpoint."""
-        return sharded_checkpoint.load(view, path, self.state_views(optimizers))
+    def save(self, target: sharded_checkpoint.CheckpointTarget, checkpoint: dict[str, Any], path: Any) -> None:
+        """A sharded folder at ``path``: every rank writes what it holds under single-process names (collective)."""
+        views = self.state_views(target.optimizers)
+        sharded_checkpoint.save(target, checkpoint, path, views, self.full_param_order)
+
+    def load(self, target: sharded_checkpoint.CheckpointTarget, path: Any) -> dict[str, Any]:
+        """A sharded folder's states into the target's model and optimizers, in place; the rest of the checkpoint."""
+        return sharded_checkpoint.load(target, path, self.state_views(target.optimizers))
 
 
 def keep_logits_split(module: Any, applied: Parallelized, tp: int) -> None:
