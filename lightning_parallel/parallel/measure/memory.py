@@ -19,6 +19,10 @@ def _storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
     total = 0
     for t in tensors:
         t = _local(t)
+        if _is_wrapper(t):  # a tensor subclass (torchao's float8 weight): the storages of the tensors it wraps
+            names, _ = t.__tensor_flatten__()
+            total += _storage_bytes([getattr(t, n) for n in names], seen)
+            continue
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if storage.nbytes() == 0 or key in seen:
@@ -26,6 +30,10 @@ def _storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
         seen.add(key)
         total += storage.nbytes()
     return total
+
+
+def _is_wrapper(t: Tensor) -> bool:
+    return type(t) not in (Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__")
 
 
 def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, int]:
