@@ -69,7 +69,7 @@ def bars(runs, ref: str, name: str) -> tuple[float, float]:
     want, noise = runs[ref], runs[f"{ref}-noise"]
     loss_noise = max(abs(a - b) / abs(b) for a, b in zip(noise.losses(name), want.losses(name)))
     param_noise = param_distance(noise.params(name), want.params(name))
-    print(f"fp8 {ref} {name} one-process noise (samples reversed): loss rel {loss_noise:.1e}, param rms {param_noise:.1e}")
+    print(f"fp8 {ref} {name} noise (samples reversed): loss rel {loss_noise:.1e}, param rms {param_noise:.1e}")
     return NOISE_FACTOR * max(loss_noise, LOSS_RTOL), NOISE_FACTOR * max(param_noise, PARAM_RTOL)
 
 

@@ -123,7 +123,7 @@ def resolve_emulate(settings: Float8Settings, device: torch.device) -> bool:
                 "capability 8.9 or more: leave emulate unset (emulated on the CPU) or run on such a GPU."
             )
         if not _said_emulated:
-            log.warning("precision=fp8 on %s: float8 matrix multiplies are emulated (same numerics, no speed-up)", device)
+            log.warning("precision=fp8 on %s: float8 matmuls emulated (same numerics, no speed-up)", device.type)
             _said_emulated = True
         return True
     if settings.emulate:
@@ -147,6 +147,7 @@ def convert(model: nn.Module, settings: Float8Settings, device: torch.device) ->
     """
     float8 = _need_torchao()
     config = settings.torchao_config(resolve_emulate(settings, device))
+    _host_gathers_as_bytes()
     report: dict[str, str] = {}
     for path, module in model.named_modules():
         if isinstance(module, nn.Linear) and not isinstance(module, float8.float8_linear.Float8Linear):
@@ -156,11 +157,43 @@ def convert(model: nn.Module, settings: Float8Settings, device: torch.device) ->
         return report.get(path) == "float8"
 
     float8.convert_to_float8_training(model, module_filter_fn=keep_out, config=config)
-    for path, module in model.named_modules():
+    for module in model.modules():
         if type(module) is float8.float8_linear.Float8Linear:
             module.__class__ = _mixed_class()
             module.register_state_dict_post_hook(_plain_weights)
     return report
+
+
+_PATCHED: list[bool] = []
+
+
+def _host_gathers_as_bytes() -> None:
+    """gloo refuses float8 collectives ("Invalid scalar type"): torchao's all-gather of a float8 tensor (tp's
+    float8 styles gather fp8 activations and gradients) goes as a uint8 view of the same bytes for tensors on the host,
+    finished at once; device tensors keep torchao's own path (NCCL takes float8). torchao's op table is its own
+    extension point (``float8_ops.FLOAT8_OPS_TABLE``); FSDP2's float8 all-gather packs its inputs into one uint8 buffer
+    already where a unit's dtypes are mixed."""
+    if _PATCHED:
+        return
+    from torchao.float8 import float8_ops
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    ops = [float8_ops.c10d_functional.all_gather_into_tensor.default]
+    ops.append(float8_ops._c10d_functional.all_gather_into_tensor.default)
+    torchao_gather = float8_ops.FLOAT8_OPS_TABLE[ops[0]]
+
+    def gather(aten_op: Any, args: Any, kwargs: Any = None) -> Any:
+        fp8 = args[0]
+        if fp8._data.device.type != "cpu":
+            return torchao_gather(aten_op, args, kwargs)
+        data = fp8._data.contiguous()
+        out = aten_op(data.view(torch.uint8), *args[1:], **(kwargs or {}))
+        out = torch.ops._c10d_functional.wait_tensor(out).view(data.dtype)
+        return Float8TrainingTensor(out, fp8._scale, fp8._orig_dtype, fp8._linear_mm_config, fp8._gemm_input_role)
+
+    for op in ops:
+        float8_ops.FLOAT8_OPS_TABLE[op] = gather
+    _PATCHED.append(True)
 
 
 def plain_tensor(t: Any) -> Any:
@@ -241,7 +274,7 @@ def float8_tp_plan(root: nn.Module, plan: Mapping[str, Any], matches: Callable[[
         if float8_style is None or not hits:
             out[pattern] = style
             continue
-        for path, module in root.named_modules():
+        for path, _ in root.named_modules():
             if matches(path, pattern):
                 out[path] = _same_layouts(float8_style, style) if path in hits else style
     return out

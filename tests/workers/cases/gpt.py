@@ -112,7 +112,8 @@ def run_case(case: dict, ctx) -> dict:
     if precision == "fp8":  # torchao float8 over bf16-mixed (tests/test_fp8*.py); case key fp8: the plugin's settings
         from lightning_parallel.plugins.float8 import Float8Precision
 
-        precision, plugins = None, [Float8Precision(device=accelerator if accelerator == "cpu" else None, **case.get("fp8", {}))]
+        device = accelerator if accelerator == "cpu" else None
+        precision, plugins = None, [Float8Precision(device=device, **case.get("fp8", {}))]
     if case.get("sync_bn") == "plugin":
         plugins.append(DataParallelSyncBatchNorm())
     logger = False
