@@ -208,7 +208,8 @@ def plain_tensor(t: Any) -> Any:
             return t
         return DTensor.from_local(inner, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False)
     inner = getattr(t, "_tensor", None)
-    return inner if type(t).__name__ == "WeightWithDynamicFloat8CastTensor" and inner is not None else t
+    wrapped = type(t).__name__ == "WeightWithDynamicFloat8CastTensor" and inner is not None
+    return inner.detach() if wrapped else t
 
 
 def _plain_weights(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
