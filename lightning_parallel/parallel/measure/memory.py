@@ -36,6 +36,20 @@ def _is_wrapper(t: Tensor) -> bool:
     return type(t) not in (Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__")
 
 
+def _plain(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """``tensors`` with wrapper subclasses (torchao's float8 weights; DTensors read locally) replaced by the tensors
+    they wrap."""
+    out: list[Tensor] = []
+    for t in tensors:
+        t = _local(t)
+        if _is_wrapper(t):
+            names, _ = t.__tensor_flatten__()
+            out += _plain([getattr(t, n) for n in names])
+        else:
+            out.append(t)
+    return out
+
+
 def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, int]:
     """Per-rank bytes of parameters, gradients and optimizer state (after a step, before zero_grad).
 
@@ -96,7 +110,7 @@ class ActivationMemory(TorchDispatchMode):
             return set()
         tensors = [*self.exclude.parameters(), *self.exclude.buffers()]
         tensors += [p.grad for p in self.exclude.parameters() if p.grad is not None]
-        return {_local(t).untyped_storage().data_ptr() for t in tensors}
+        return {_local(t).untyped_storage().data_ptr() for t in _plain(tensors)}
 
     def sample(self) -> int:
         """Bytes of storage created while active and alive now (each storage once); updates ``peak``."""
