@@ -104,3 +104,27 @@ def test_recipe_refuses_fp8_where_it_cannot_run(tmp_path):
         check_precision(cfg(zero2, fsdp_float8_all_gather=True), ZeroStrategy(stage=2))
     with pytest.raises(ValueError, match="precision.value='fp8' is not supported by strategy=ddp"):
         check_precision(cfg({"name": "ddp"}), "ddp")
+
+
+def test_lora_base_layers_convert_frozen_and_adapters_stay_high_precision():
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = get_peft_model(
+        transformers.AutoModelForCausalLM.from_config(config), LoraConfig(r=16, target_modules=["q_proj", "v_proj"])
+    )
+    report = convert(model, Float8Settings(), CPU)
+    base = [p for p in report if p.endswith("q_proj.base_layer")]
+    assert base and report[base[0]] == "float8"
+    assert all(why == "kept by name" for p, why in report.items() if ".lora_" in p)  # r=16 would convert otherwise
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trained and all("lora_" in n for n in trained)  # the frozen float8 base has no gradient

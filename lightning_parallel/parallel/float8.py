@@ -30,9 +30,13 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 RECIPES = ("tensorwise", "rowwise")
-# the last part of a Linear's path that keeps it in high precision: output heads (their logits feed the loss, and
-# vocabularies are rarely multiples of 16), routers and MoE gates (fp32 routing decisions), classifiers
-KEEP_HIGH_PRECISION = ("lm_head", "head", "output", "score", "classifier", "router", "gate", "*.router", "*_router")
+# the last part of a Linear's path (or the whole path) that keeps it in high precision: output heads (their logits
+# feed the loss, and vocabularies are rarely multiples of 16), routers and MoE gates (fp32 routing decisions),
+# classifiers, LoRA's adapters (peft's lora_A / lora_B: small, trained; the frozen base layer beside them converts)
+KEEP_HIGH_PRECISION = (
+    "lm_head", "head", "output", "score", "classifier", "router", "gate", "*.router", "*_router", "*.lora_A.*",
+    "*.lora_B.*",
+)  # fmt: skip
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
 _said_emulated = False
 
