@@ -27,6 +27,7 @@ from parity import LOSS_RTOL, assert_same_losses
 
 CASE = {"name": "fp8", "steps": 10, "precision": "fp8"}
 AG = {**CASE, "name": "fp8_ag", "fp8": {"fsdp_float8_all_gather": True}}
+MOE = {**CASE, "name": "fp8_moe", "moe": {"moe_experts": 4, "moe_top_k": 2}}  # experts: batched weights, kept bf16
 NOISE_FACTOR = 4
 ZERO3_ONE = "hybrid3d:zero_stage=3"
 LAYOUTS = {  # label -> (world, strategy, tp, cases, reference)
@@ -36,8 +37,10 @@ LAYOUTS = {  # label -> (world, strategy, tp, cases, reference)
     "pp2": (2, "hybrid3d:pp=2", 1, [CASE], "auto"),
     "cp2": (2, "hybrid3d:cp=2", 1, [CASE], "auto"),
     "dp2-tp2-zero3": (4, "hybrid3d:tp=2,zero_stage=3", 2, [CASE, AG], "zero3-one"),
+    "zero2-ac": (2, "hybrid3d:zero_stage=2,activation_checkpointing=full", 1, [CASE], "auto"),
+    "ep2": (2, "hybrid3d:ep=2", 1, [MOE], "auto"),
 }
-REFERENCES = {"auto": ("auto", [CASE]), "zero3-one": (ZERO3_ONE, [CASE, AG])}
+REFERENCES = {"auto": ("auto", [CASE, MOE]), "zero3-one": (ZERO3_ONE, [CASE, AG])}
 FAST = "zero3"
 
 
@@ -65,7 +68,12 @@ def fast_runs(tmp_path_factory) -> Batch:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Batch:
-    return batch(tmp_path_factory, list(LAYOUTS), "fp8")
+    return batch(tmp_path_factory, CORE, "fp8")
+
+
+@pytest.fixture(scope="module")
+def more_runs(tmp_path_factory) -> Batch:
+    return batch(tmp_path_factory, ["zero2-ac", "ep2"], "fp8more")
 
 
 def bars(runs, ref: str, name: str, pairs: bool = True) -> tuple[float, float]:
@@ -115,10 +123,21 @@ def test_fp8_parity_fast(fast_runs):
     assert diff <= ptol, f"zero3 fp8_ag: parameters {diff:.1e} apart (rms), bar {ptol:.1e}"
 
 
+CORE = [k for k in LAYOUTS if k not in ("zero2-ac", "ep2")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("label", list(LAYOUTS))
+@pytest.mark.parametrize("label", CORE)
 def test_fp8_parity(runs, label):
     check(runs, label)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", ["zero2-ac", "ep2"])
+def test_fp8_parity_with_activation_checkpointing_and_experts(more_runs, label):
+    """Activation checkpointing recomputes the float8 forward (the same dynamic scales); under ep the MoE experts'
+    grouped multiply stays bf16 (batched weights, not Linear layers) and the router high precision by name."""
+    check(more_runs, label)
 
 
 @pytest.mark.slow
