@@ -106,6 +106,7 @@ def test_recipe_refuses_fp8_where_it_cannot_run(tmp_path):
         check_precision(cfg({"name": "ddp"}), "ddp")
 
 
+@pytest.mark.slow  # transformers and peft imports: seconds
 def test_lora_base_layers_convert_frozen_and_adapters_stay_high_precision():
     import transformers
     from peft import LoraConfig, get_peft_model
