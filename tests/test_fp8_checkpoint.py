@@ -54,3 +54,25 @@ def test_fp8_checkpoint_resumes_in_bf16_and_fp8_at_other_layouts(tmp_path, tmp_p
         got = resumed[label].losses("resume", leaders)
         rel = assert_same_losses(got, want, f"fp8 checkpoint resumed as {label}", BARS[precision])
         print(f"fp8 zero3 checkpoint resumed as {label}: loss rel {rel:.1e} (bar {BARS[precision]})")
+
+
+@pytest.mark.slow
+def test_an_fp8_hf_llama_recipe_checkpoint_exports_ordinary_tensors(tmp_path):
+    """The recipe trains the tiny HF Llama in fp8 under ZeRO-3 with float8 all-gather and saves sharded; export-hf
+    writes a folder of fp32 tensors that transformers loads, with the logits of the checkpoint's model rebuilt in fp32
+    (no float8 anywhere)."""
+    from recipe_runs import GPT, run, run_recipe
+    from safetensors.torch import load_file
+    from test_hf_export import assert_same_logits
+
+    overrides = ["model=hf_llama_tiny", "strategy=zero3", "trainer.devices=2", "precision=fp8"]
+    overrides += ["precision.fsdp_float8_all_gather=true", "checkpoint=periodic", "checkpoint.every_n_steps=4"]
+    got = run_recipe(GPT, tmp_path, "trainer=debug", "trainer.max_steps=4", "sample_tokens=0", *overrides,
+                     f"checkpoint.dir={tmp_path / 'ckpts'}", timeout=600)  # fmt: skip
+    ckpt = tmp_path / "ckpts" / "last.ckpt"
+    assert got["steps"] == 4 and got["layout"]["precision"] == "fp8" and ckpt.is_dir()
+    out = tmp_path / "hf"
+    assert f"wrote {out}" in run(tmp_path, "-m", "lightning_parallel.checkpoint", "export-hf", ckpt, out).stdout
+    tensors = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert tensors and all(t.dtype == torch.float32 for t in tensors.values()), {t.dtype for t in tensors.values()}
+    assert_same_logits(ckpt, out)
