@@ -129,3 +129,18 @@ def test_lora_base_layers_convert_frozen_and_adapters_stay_high_precision():
     loss.backward()
     trained = {n for n, p in model.named_parameters() if p.grad is not None}
     assert trained and all("lora_" in n for n in trained)  # the frozen float8 base has no gradient
+
+
+def test_fabric_plugin_converts_in_setup_and_runs_under_bf16_autocast():
+    import lightning as L
+
+    from lightning_parallel.plugins.float8 import Float8FabricPrecision
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[Float8FabricPrecision()])
+    model = fabric.setup_module(nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16)))
+    assert is_float8_linear(model.module[0]) and is_float8_linear(model.module[2])
+    x = torch.randn(4, 32)
+    y = model(x)  # under the plugin's bf16 autocast (Fabric hands the output back in fp32)
+    assert torch.equal(y, y.bfloat16().float()) and not torch.equal(y, model.module.float()(x))
+    fabric.backward(y.sum())
+    assert model.module[0].weight.grad.dtype == torch.float32
