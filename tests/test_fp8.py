@@ -144,3 +144,22 @@ def test_fabric_plugin_converts_in_setup_and_runs_under_bf16_autocast():
     assert torch.equal(y, y.bfloat16().float()) and not torch.equal(y, model.module.float()(x))
     fabric.backward(y.sum())
     assert model.module[0].weight.grad.dtype == torch.float32
+
+
+def test_a_gpu_below_compute_capability_8_9_is_refused_by_name_unless_emulated(monkeypatch, caplog):
+    from lightning_parallel.parallel import float8
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"NVIDIA A100-SXM4-80GB \(compute capability 8.0\).*emulate=True"):
+        float8.resolve_emulate(Float8Settings(), cuda)
+    assert float8.resolve_emulate(Float8Settings(emulate=True), cuda) is True
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert float8.resolve_emulate(Float8Settings(), cuda) is False  # an H100 / H200: real float8 GEMMs
+    monkeypatch.setattr(float8, "_said_emulated", False)
+    with caplog.at_level("WARNING", logger=float8.__name__):
+        assert float8.resolve_emulate(Float8Settings(), CPU) and float8.resolve_emulate(Float8Settings(), CPU)
+    assert [r.message for r in caplog.records].count(
+        "precision=fp8 on cpu: float8 matmuls emulated (same numerics, no speed-up)"
+    ) == 1  # said once
