@@ -26,6 +26,7 @@ install: install-torch
 	$(PYTHON) -m pip install --quiet -e ".[dev,hf,peft,docs]"
 	$(PYTHON) -m pip install --quiet --no-deps litgpt==$(LITGPT_VERSION) psutil==7.2.2  # see the litgpt extra
 	$(PYTHON) -m pip install --quiet --no-deps $(FT_PACKAGES)  # see the ft extra
+	$(PYTHON) -m pip install --quiet --no-deps torchao==0.18.0  # see the fp8 extra
 ifeq ($(TORCH),cuda)
 	$(PYTHON) -c "import torch; assert torch.version.cuda, 'TORCH=cuda but torch ' + torch.__version__ + ' is a CPU build'"
 else

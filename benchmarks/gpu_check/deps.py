@@ -33,7 +33,9 @@ CARRIED = {
     "antlr4": ("antlr4-python3-runtime", "antlr4-python3-runtime==4.9.3"),  # an sdist on PyPI: built into a wheel
     "litgpt": ("litgpt", "litgpt==0.5.13"),
     "lightning": ("lightning", "lightning>=2.6,<2.7"),
+    "torchao": ("torchao", "torchao==0.18.0"),  # the fp8 section; a cp310-abi3 wheel (its float8 is pure Python)
 }
+BINARY = {"torchao"}  # carried although not pure Python: its float8 training needs none of its compiled kernels
 GATHER_PINS = {"lightning": "lightning==2.6.6"}  # the version downloaded for a range above
 SDISTS = {"antlr4"}
 # import name -> distribution: on the device image already (its package list), checked and reported, not carried
@@ -63,6 +65,7 @@ NEEDS = {
     "mfu_lightning": _BASE,
     "mfu_ours": _BASE,
     "memory": [*_BASE, *_RECIPES],
+    "fp8": [*_BASE, "torchao", "transformers"],
     "litgpt_fsdp": [*_BASE, "litgpt", "psutil", "huggingface_hub", "safetensors", "tokenizers", "tqdm", "transformers"],
 }
 LIMIT_BYTES = 64 * 2**20  # what one device call carries, the working tree included
@@ -169,7 +172,7 @@ def gather(folder: Path) -> dict[str, int]:
     for name in CARRIED:
         if wheel_for(folder, name) is None:
             raise SystemExit(f"gpu-wheels: no wheel for {CARRIED[name][0]} in {folder}")
-        if not wheel_for(folder, name).name.endswith("-none-any.whl"):  # type: ignore[union-attr]
+        if name not in BINARY and not wheel_for(folder, name).name.endswith("-none-any.whl"):  # type: ignore[union-attr]
             raise SystemExit(f"gpu-wheels: {wheel_for(folder, name)} is not pure Python: pin one for cp312 x86_64")
     if sum(sizes.values()) > LIMIT_BYTES:
         raise SystemExit(f"gpu-wheels: {sum(sizes.values())} bytes in {folder}, over the {LIMIT_BYTES} a call carries")

@@ -22,6 +22,7 @@ RUNNERS = {  # section -> module:function(config, limit_s) -> dict
     "mfu_ours": "benchmarks.gpu_check.mfu:run_ours",
     "memory": "benchmarks.gpu_check.memory:run",
     "litgpt_fsdp": "benchmarks.gpu_check.litgpt_fsdp:run",
+    "fp8": "benchmarks.gpu_check.fp8:run",
 }
 
 

@@ -74,12 +74,23 @@ def check_precision(cfg: DictConfig, strategy: Any) -> None:
             return
         choices = typing.get_args(_PRECISION_INPUT_STR)
     else:
-        choices = SUPPORTED_PRECISION
+        choices = SUPPORTED_PRECISION + (("fp8",) if hasattr(strategy, "config") else ())
+    if value == "fp8" and value in choices:
+        check_fp8(cfg, strategy)
     if value not in choices:
         raise ValueError(
             f"precision.value={value!r} is not supported by strategy={cfg.strategy.name}: use precision= one of "
             f"{', '.join(choices)}."
         )
+
+
+def check_fp8(cfg: DictConfig, strategy: Any) -> None:
+    """``precision=fp8``: its keys, and what they cannot do under the layout (before any worker starts)."""
+    from lightning_parallel.parallel.float8 import Float8Settings
+
+    p = cfg.precision
+    settings = Float8Settings(str(p.recipe), bool(p.fsdp_float8_all_gather), emulate=p.emulate)
+    settings.check_layout(tp=strategy.config.tp, zero_stage=strategy.config.zero_stage)
 
 
 def check_checkpoint_settings(cfg: DictConfig) -> None:

@@ -28,6 +28,7 @@ from lightning_parallel.parallel.checkpoint.files import is_sharded_checkpoint
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.failure import to_timeout
 from lightning_parallel.parallel.pipeline.partition import check_stage_count
+from lightning_parallel.plugins.float8 import float8_plugin
 from lightning_parallel.plugins.precision import cpu_fp16_plugin
 from lightning_parallel.recipes.checks import (
     check_checkpoint_settings,
@@ -288,6 +289,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, **kwargs: Any) -> pl.Trainer:
     fp16 = cpu_fp16_plugin(precision, t.accelerator) if isinstance(strategy, MeshStrategy) else None
     if fp16 is not None:  # 16-mixed on CPU: fp16 autocast asked for explicitly (Lightning alone would run bf16)
         precision, plugins = None, [*plugins, fp16]
+    if precision == "fp8":  # torchao float8 over bf16-mixed (plugins/float8.py)
+        precision, plugins = None, [*plugins, float8_plugin(cfg.precision, t.accelerator)]
     return pl.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,

@@ -62,7 +62,10 @@ class StrategyConf(ParallelConfig):
 
 @dataclass
 class PrecisionConf:
-    value: str = "32-true"  # Lightning's precision flag
+    value: str = "32-true"  # Lightning's precision flag, or fp8 (torchao float8 over bf16-mixed: docs/fp8.md)
+    recipe: str = "tensorwise"  # fp8 only: tensorwise | rowwise scaling
+    fsdp_float8_all_gather: bool = False  # fp8 only: ZeRO-3 gathers the converted weights in float8
+    emulate: bool | None = None  # fp8 only: emulated float8 GEMMs (null: on the CPU only)
 
 
 @dataclass

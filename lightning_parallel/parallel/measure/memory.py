@@ -19,6 +19,10 @@ def _storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
     total = 0
     for t in tensors:
         t = _local(t)
+        if _is_wrapper(t):  # a tensor subclass (torchao's float8 weight): the storages of the tensors it wraps
+            names, _ = t.__tensor_flatten__()
+            total += _storage_bytes([getattr(t, n) for n in names], seen)
+            continue
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if storage.nbytes() == 0 or key in seen:
@@ -26,6 +30,24 @@ def _storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
         seen.add(key)
         total += storage.nbytes()
     return total
+
+
+def _is_wrapper(t: Tensor) -> bool:
+    return type(t) not in (Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__")
+
+
+def _plain(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """``tensors`` with wrapper subclasses (torchao's float8 weights; DTensors read locally) replaced by the tensors
+    they wrap."""
+    out: list[Tensor] = []
+    for t in tensors:
+        t = _local(t)
+        if _is_wrapper(t):
+            names, _ = t.__tensor_flatten__()
+            out += _plain([getattr(t, n) for n in names])
+        else:
+            out.append(t)
+    return out
 
 
 def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, int]:
@@ -88,7 +110,7 @@ class ActivationMemory(TorchDispatchMode):
             return set()
         tensors = [*self.exclude.parameters(), *self.exclude.buffers()]
         tensors += [p.grad for p in self.exclude.parameters() if p.grad is not None]
-        return {_local(t).untyped_storage().data_ptr() for t in tensors}
+        return {_local(t).untyped_storage().data_ptr() for t in _plain(tensors)}
 
     def sample(self) -> int:
         """Bytes of storage created while active and alive now (each storage once); updates ``peak``."""

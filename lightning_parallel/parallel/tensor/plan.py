@@ -16,6 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from lightning_parallel.parallel.float8 import float8_tp_plan
+
 
 def sp_with_pp(family: str) -> str:
     """The one refusal of sequence parallelism beside pp, for a ``family`` whose pipeline stages rebuild positions
@@ -82,7 +84,8 @@ def apply_tp(root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelSt
     # a style may make each weight a new nn.Parameter(...), which requires a gradient (torch 2.13's SequenceParallel,
     # the Conv1D styles): a frozen weight (a LoRA base's norm) would start training
     frozen = {name for name, p in root.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    parallelize_module(root, tp_mesh, dict(plan))
+    # layers converted to float8 (precision=fp8) take torchao's float8 tp styles, the same layouts
+    parallelize_module(root, tp_mesh, float8_tp_plan(root, plan, path_matches))
     for name, p in root.named_parameters(remove_duplicate=False):
         if name in frozen:
             p.requires_grad_(False)

@@ -4,7 +4,8 @@ of one steady training step of the tiny GPT under each strategy of ``specs``, co
 ``{spec: {"counts": {"all_reduce@2": n, ...}, "barriers": n, "groups": optimizer param groups}}``.
 
 Cases in a spec: ``hybrid3d:tp=2`` (cases/common.py's build_strategy), then any of these appended: ``+clip``
-gradient clipping, ``+bf16`` precision="bf16-mixed", ``+moe`` the GPT with a MoE block (8 experts, top-2). Each
+gradient clipping, ``+bf16`` precision="bf16-mixed", ``+fp8`` / ``+fp8ag`` torchao float8 (without / with
+float8 all-gather), ``+moe`` the GPT with a MoE block (8 experts, top-2). Each
 result also has ``bytes`` (payload bytes by ``kind:dtype``), the ``router_bytes`` of one MoE router's weight, and the
 dtypes of the local parameters and of the optimizer's states (``param_dtypes``, ``state_dtypes``).
 """
@@ -65,12 +66,18 @@ def count(spec: str, world: int) -> dict:
     data = SyntheticTokens(num_samples=8 * 4, seq_len=config.seq_len, vocab_size=config.vocab_size)
     model = RecordingGPT(config=config, lr=1e-3, eps=1e-6)
     counter = CountStep()
+    precision, plugins = "bf16-mixed" if "bf16" in options else "32-true", None
+    if "fp8" in options or "fp8ag" in options:  # torchao float8 (tests/test_fp8_bytes.py), +fp8ag: float8 all-gather
+        from lightning_parallel.plugins.float8 import Float8Precision
+
+        precision, plugins = None, [Float8Precision(fsdp_float8_all_gather="fp8ag" in options, device="cpu")]
     trainer = make_trainer(
         world,
         strategy,
         max_steps=COUNTED_STEP + 1,
         gradient_clip_val=1.0 if "clip" in options else None,
-        precision="bf16-mixed" if "bf16" in options else "32-true",
+        precision=precision,
+        plugins=plugins,
         callbacks=[counter],
     )
     trainer.fit(model, datamodule=ShardedData(data, micro))

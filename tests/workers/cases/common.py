@@ -4,6 +4,7 @@ the gathered parameters that parity tests compare with one process's."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -58,6 +59,12 @@ def batch_ranks(strategy, world: int) -> int:
     return strategy.config.dims(world).role_size("batch") if isinstance(strategy, MeshStrategy) else world
 
 
+def _flipped(samples: list) -> Any:
+    from torch.utils.data import default_collate
+
+    return default_collate(samples[::-1])
+
+
 class ShardedData(pl.LightningDataModule):
     """Shuffled batches whose union over the dp ranks is the single-process batch, at any world size.
 
@@ -65,9 +72,10 @@ class ShardedData(pl.LightningDataModule):
     single-process reference use the identical permutation.
     """
 
-    def __init__(self, data, micro_batch: int) -> None:
+    def __init__(self, data, micro_batch: int, flip: bool = False) -> None:
         super().__init__()
         self.data, self.micro_batch = data, micro_batch
+        self.flip = flip  # each batch's samples in reverse order: the same math, another summation order
 
     def _loader(self, shuffle: bool) -> DataLoader:
         kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {
@@ -75,7 +83,8 @@ class ShardedData(pl.LightningDataModule):
             "rank": 0,
         }
         sampler = DistributedSampler(self.data, shuffle=shuffle, seed=0, **kwargs)
-        return DataLoader(self.data, batch_size=self.micro_batch, sampler=sampler)
+        collate = _flipped if self.flip else None
+        return DataLoader(self.data, batch_size=self.micro_batch, sampler=sampler, collate_fn=collate)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(shuffle=True)

@@ -11,7 +11,8 @@ Trainer(plugins=[DataParallelSyncBatchNorm()])), inject_inf (the global step who
 inject_rank, default 0, in one element of its first parameter's local gradient: an fp16 overflow seen by one
 rank); with a precision set, the loss scale and a checksum of this rank's parameters are recorded per step.
 
-Also: image_size (VGG: the random images' height and width, default 32), activation_memory (the training batch
+Also: flip_batch (each batch's samples reversed: the same math in another summation order, a noise floor),
+image_size (VGG: the random images' height and width, default 32), activation_memory (the training batch
 whose activation bytes ActivationMemoryMonitor records, 0: first), trace_step (the training batch whose collectives
 strict mode's trace records: the result's ``trace``, rows of op, group_size, dtype, bytes; cases/trace_step.py).
 --accelerator (default cpu): "gpu" under tests/gpu/ (NCCL, one device per rank); every case keeps its meaning.
@@ -89,7 +90,7 @@ def run_case(case: dict, ctx) -> dict:
     micro = global_batch // (accumulate * dp)
     epoch_steps = case.get("epoch_steps", steps)
     model, data = build_model(case, global_batch * epoch_steps)
-    datamodule = ShardedData(data, micro)
+    datamodule = ShardedData(data, micro, flip=bool(case.get("flip_batch")))
     num_params = sum(p.numel() for p in model.parameters())
     probe = MemoryProbe(steps)
     moe_monitor = MoEMonitor()
@@ -108,6 +109,11 @@ def run_case(case: dict, ctx) -> dict:
         # Lightning would run bf16 on CPU: hand it fp16 autocast, asked for explicitly (the reference keeps torch's
         # own GradScaler; a mesh strategy turns the plugin into its own, with its loss scaler)
         precision, plugins = None, [MixedPrecision("16-mixed", "cpu")]
+    if precision == "fp8":  # torchao float8 over bf16-mixed (tests/test_fp8*.py); case key fp8: the plugin's settings
+        from lightning_parallel.plugins.float8 import Float8Precision
+
+        device = accelerator if accelerator == "cpu" else None
+        precision, plugins = None, [Float8Precision(device=device, **case.get("fp8", {}))]
     if case.get("sync_bn") == "plugin":
         plugins.append(DataParallelSyncBatchNorm())
     logger = False

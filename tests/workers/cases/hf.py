@@ -10,7 +10,8 @@ model; the result then says what each rank holds for the frozen weights, see ``f
 per epoch, default steps), save and save_step (a checkpoint written at the start of the epoch that begins after
 save_step steps, see ``SaveAt``), resume (ckpt_path for fit), config (instead of path: a tiny transformers config,
 ``model_type`` and its fields, the weights drawn after seed 0; the result then says how each rank holds the experts),
-optimizer ("muon": MuonAdamW, fp32 Newton-Schulz), moe_one_group (HF MoE under pp: the old exchange of router sums
+optimizer ("muon": MuonAdamW, fp32 Newton-Schulz), precision ("fp8": Float8Precision with the case's ``fp8``
+settings), flip_batch (each batch's samples reversed), moe_one_group (HF MoE under pp: the old exchange of router sums
 on one group, ``hf/moe_pipeline.py``'s ``_ONE_GROUP``:
 tests/test_hf_moe_pipeline_order.py shows strict mode failing on it).
 """
@@ -119,17 +120,24 @@ def run_case(case: dict, ctx) -> dict:
     data = RandomTokens(epoch, case.get("seq_len", 16), model.model.config.vocab_size)
     data.as_tuple = bool(case.get("tuple_batch"))
     probes = [LoraMemoryProbe(steps)] if case.get("memory") else []
+    precision, plugins = case.get("precision", "32-true"), None
+    if precision == "fp8":  # torchao float8 over bf16-mixed (tests/test_fp8_hf_parity.py); fp8: the plugin's settings
+        from lightning_parallel.plugins.float8 import Float8Precision
+
+        precision, plugins = None, [Float8Precision(device="cpu", **case.get("fp8", {}))]
     trainer = make_trainer(
         world,
         strategy_obj,
         max_steps=steps,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=case.get("clip"),
-        precision=case.get("precision", "32-true"),
+        precision=precision,
+        plugins=plugins,
         callbacks=probes + ([SaveAt(case["save"], case["save_step"])] if case.get("save") else []),
     )
     moe_pipeline._ONE_GROUP = bool(case.get("moe_one_group"))
-    trainer.fit(model, datamodule=ShardedData(data, micro), ckpt_path=case.get("resume"))
+    datamodule = ShardedData(data, micro, flip=bool(case.get("flip_batch")))
+    trainer.fit(model, datamodule=datamodule, ckpt_path=case.get("resume"))
     save_full_params(trainer, model, out / f"{case['name']}_params.pt")
     # one loss per optimizer step: the mean of its micro-batches' (equal token counts: the global batch's loss)
     losses = [sum(model.losses[i : i + accumulate]) / accumulate for i in range(0, len(model.losses), accumulate)]
