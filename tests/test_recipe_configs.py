@@ -101,8 +101,6 @@ def test_every_precision_builds_with_every_strategy(strategy, tmp_path):
             continue  # refused before launch (test_bad_input_catalogue: async-recipe-fp16, async-half-weights)
         if strategy == "ddp" and precision == "fp8":
             continue  # refused before launch (tests/test_fp8.py)
-        if strategy == "auto" and precision == "fp8":
-            continue  # the planner's fp8 figures come with planning/'s own change (issue 46, item 5)
         cfg = compose_gpt(f"strategy={strategy}", f"precision={precision}", f"trainer.devices={devices}")
         cfg.trainer.accelerator = "cpu"
         resolve_auto(cfg)
