@@ -232,7 +232,7 @@ def table(kind: str) -> str:
         card = get_device(sim["device"]).memory
         for r in sim["ranks"]:
             t = rank_time(sim, r)
-            sent = sum(c["sent_bytes"] for c in r["collectives"])
+            sent = sum(c["sent_bytes"] * c.get("count", 1) for c in r["collectives"])
             tflops = r["flops_per_step"] / t.total / 1e12
             pub = f" ({row['published_tflops']:.0f})" if row.get("published_tflops") else ""
             lines.append(
