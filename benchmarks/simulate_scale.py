@@ -140,8 +140,9 @@ SCALE = [
 ]  # fmt: skip
 
 
-def run_rows(rows: list[dict[str, Any]], only: str | None, again: bool = False) -> None:
-    """Simulate ``rows`` (those whose label contains ``only``), skipping those stored simulated unless ``again``."""
+def run_rows(rows: list[dict[str, Any]], only: str | None, again: bool = False, first: bool = False) -> None:
+    """Simulate ``rows`` (those whose label contains ``only``), skipping those stored simulated unless ``again``;
+    ``first``: rank 0 of each row only."""
     from lightning_parallel.simulate import simulate
 
     for row in rows:
@@ -160,7 +161,7 @@ def run_rows(rows: list[dict[str, Any]], only: str | None, again: bool = False) 
                 global_batch_size=row.get("global_batch"),
                 precision="bf16-mixed",
                 steps=1,
-                ranks=row.get("ranks"),
+                ranks=row["ranks"][:1] if first else row.get("ranks"),
             )
             report: dict[str, Any] = {"simulation": sim.to_dict()}
         except (ValueError, TypeError) as err:
@@ -263,10 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", choices=["published", "scale"])
     p.add_argument("--only", help="rows whose label contains this")
     p.add_argument("--again", action="store_true", help="simulate rows already stored again")
+    p.add_argument("--first-rank", action="store_true", help="simulate rank 0 of each row only")
     p.add_argument("--table", action="store_true")
     args = p.parse_args(argv)
     if args.run:
-        run_rows(published_rows() if args.run == "published" else SCALE, args.only, args.again)
+        rows = published_rows() if args.run == "published" else SCALE
+        run_rows(rows, args.only, args.again, args.first_rank)
     if args.table:
         print(table("published"), "\n", table("scale"), sep="\n")
     return 0
