@@ -146,6 +146,7 @@ def simulate_rank(
         result.collectives, result.microbatches_run, result.microbatches_agree = ops, reduced, agree
         result.activation_bytes += more  # torch's receive buffers and the batch, for every microbatch of the step
         result.peak_bytes += more
+        result.by_kind["Activation"] = result.by_kind.get("Activation", 0) + more
         return result
 
 
