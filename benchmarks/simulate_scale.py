@@ -71,6 +71,9 @@ def published_rows() -> list[dict[str, Any]]:
         est = complete(run.shape, run.cluster, run.layout, run.workload, run.free)
         x = est.layout
         layout = {f: getattr(x, f) for f in LAYOUT_FIELDS if getattr(x, f) != getattr(Layout(), f)}
+        if run.shape.gated and x.pp > 1 and layout.get("sequence_parallel"):
+            # sequence parallelism under pp is refused for Hugging Face models (SP_WITH_PP): simulated without it
+            layout["sequence_parallel"] = False
         out.append(
             {
                 "kind": "published",
