@@ -71,6 +71,9 @@ def published_rows() -> list[dict[str, Any]]:
         est = complete(run.shape, run.cluster, run.layout, run.workload, run.free)
         x = est.layout
         layout = {f: getattr(x, f) for f in LAYOUT_FIELDS if getattr(x, f) != getattr(Layout(), f)}
+        if run.shape.gated and x.pp > 1 and layout.get("sequence_parallel"):
+            # sequence parallelism under pp is refused for Hugging Face models (SP_WITH_PP): simulated without it
+            layout["sequence_parallel"] = False
         out.append(
             {
                 "kind": "published",
@@ -140,8 +143,9 @@ SCALE = [
 ]  # fmt: skip
 
 
-def run_rows(rows: list[dict[str, Any]], only: str | None, again: bool = False) -> None:
-    """Simulate ``rows`` (those whose label contains ``only``), skipping those stored simulated unless ``again``."""
+def run_rows(rows: list[dict[str, Any]], only: str | None, again: bool = False, first: bool = False) -> None:
+    """Simulate ``rows`` (those whose label contains ``only``), skipping those stored simulated unless ``again``;
+    ``first``: rank 0 of each row only."""
     from lightning_parallel.simulate import simulate
 
     for row in rows:
@@ -160,7 +164,7 @@ def run_rows(rows: list[dict[str, Any]], only: str | None, again: bool = False) 
                 global_batch_size=row.get("global_batch"),
                 precision="bf16-mixed",
                 steps=1,
-                ranks=row.get("ranks"),
+                ranks=row["ranks"][:1] if first else row.get("ranks"),
             )
             report: dict[str, Any] = {"simulation": sim.to_dict()}
         except (ValueError, TypeError) as err:
@@ -232,7 +236,7 @@ def table(kind: str) -> str:
         card = get_device(sim["device"]).memory
         for r in sim["ranks"]:
             t = rank_time(sim, r)
-            sent = sum(c["sent_bytes"] for c in r["collectives"])
+            sent = sum(c["sent_bytes"] * c.get("count", 1) for c in r["collectives"])
             tflops = r["flops_per_step"] / t.total / 1e12
             pub = f" ({row['published_tflops']:.0f})" if row.get("published_tflops") else ""
             lines.append(
@@ -263,10 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", choices=["published", "scale"])
     p.add_argument("--only", help="rows whose label contains this")
     p.add_argument("--again", action="store_true", help="simulate rows already stored again")
+    p.add_argument("--first-rank", action="store_true", help="simulate rank 0 of each row only")
     p.add_argument("--table", action="store_true")
     args = p.parse_args(argv)
     if args.run:
-        run_rows(published_rows() if args.run == "published" else SCALE, args.only, args.again)
+        rows = published_rows() if args.run == "published" else SCALE
+        run_rows(rows, args.only, args.again, args.first_rank)
     if args.table:
         print(table("published"), "\n", table("scale"), sep="\n")
     return 0

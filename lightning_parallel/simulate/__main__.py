@@ -28,6 +28,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layout", default="", help="ParallelConfig settings, e.g. tp=8,pp=4,zero_stage=1")
     p.add_argument("--ranks", help="global ranks to simulate, e.g. 0,7,255 (default: one per distinct position)")
     p.add_argument("--steps", type=int, default=2, help="training steps per rank")
+    p.add_argument(
+        "--full-schedule",
+        action="store_true",
+        help="under pp run every microbatch (default: a 1F1B or interleaved step of more than 2*pp microbatches runs "
+        "2*pp of them and its collectives and FLOPs are extended to the configured count)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p.parse_args(argv)
 
@@ -40,7 +46,7 @@ def format_report(sim: Simulation) -> str:
         f"{'MFU':>6} {'sim s':>6}  position",
     ]
     for r, t in zip(sim.ranks, sim.times):
-        sent = sum(c.sent_bytes for c in r.collectives)
+        sent = sum(c.sent_bytes * c.count for c in r.collectives)
         where = ",".join(f"{a}{i}" for a, i in r.coordinates.items() if sim.config_degree(a) > 1) or "-"
         lines.append(
             f"{r.rank:>6} {_gb(r.model_state_bytes['total']):>10} {_gb(r.activation_bytes):>10} "
@@ -92,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             steps=args.steps,
             lora_rank=args.lora_rank,
             lora_base_dtype=args.lora_base_dtype,
+            full_schedule=args.full_schedule,
         )
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -72,7 +72,7 @@ class Simulation:
 def _rank_dict(r: RankResult, t: StepTime) -> dict[str, Any]:
     sent: dict[str, float] = {}
     for c in r.collectives:
-        sent[c.axes] = sent.get(c.axes, 0.0) + c.sent_bytes
+        sent[c.axes] = sent.get(c.axes, 0.0) + c.sent_bytes * c.count
     return {
         "rank": r.rank,
         "coordinates": r.coordinates,
@@ -87,6 +87,8 @@ def _rank_dict(r: RankResult, t: StepTime) -> dict[str, Any]:
         "step_time": dataclasses.asdict(t),
         "mfu": t.mfu,
         "simulation_seconds": r.seconds,
+        "microbatches_simulated": r.microbatches_run,
+        "microbatches_agree": r.microbatches_agree,
     }
 
 
@@ -246,6 +248,7 @@ def simulate(
     clip: float | None = 1.0,
     lora_rank: int = 0,
     lora_base_dtype: str | None = None,
+    full_schedule: bool = False,
 ) -> Simulation:
     """Simulate ``layout`` of ``model`` on ``gpus`` devices: the real ``parallelize()`` and training steps at the
     full world size, each chosen rank in a fresh child process on torch's fake process group and fake tensors.
@@ -268,6 +271,10 @@ def simulate(
             ``--lora-rank``: peft's adapters on every linear layer but the output head (the recipe's ``peft=lora``),
             Hugging Face models only.
         lora_base_dtype: with ``lora_rank``, the frozen base's dtype (``bfloat16`` or ``float32``; None: as built).
+        full_schedule: under pp, run every microbatch; by default a 1F1B or interleaved step of more than ``2 * pp``
+            microbatches runs ``2 * pp`` of them, of the real size, and its collectives and FLOPs are extended to the
+            configured count (:mod:`~lightning_parallel.simulate.scaling`; activations and peak as measured: the
+            microbatches in flight are already those of the longer step).
     """
     start = time.perf_counter()
     config = parse_config(layout)
@@ -286,7 +293,7 @@ def simulate(
     # (each rank's process is forked from this one and builds its own copy)
     adapters = Adapters(lora_rank, lora_base_dtype)
     first = build_model(model, seq_len, adapters)
-    kw: dict[str, Any] = {"precision": precision, "steps": steps, "clip": clip}
+    kw: dict[str, Any] = {"precision": precision, "steps": steps, "clip": clip, "scale_schedule": not full_schedule}
     results = _simulate_ranks(config, gpus, chosen, (model, adapters), seq_len, batch // batch_ranks, kw)
     bubble = config.schedule.bubble(config.pp, config.microbatches or 1, config.stages_per_rank)
     zero3, hide = config.zero_stage == 3, config.zero_stage == 3 or config.overlap_grad_reduce

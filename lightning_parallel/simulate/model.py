@@ -56,6 +56,8 @@ def fake_materialize(module: nn.Module, fake_mode: Any) -> Iterator[None]:
     def materialize(device: torch.device) -> None:
         with fake_mode:
             allocate(module, device, device)
+        if getattr(module, "_seeded_init", None) is not None:  # CausalLM's values to come: none come on fake storage
+            module._seeded_init = None  # (its forward refuses to run while they are awaited: require_values)
 
     module.materialize = materialize
     try:

@@ -71,18 +71,53 @@ class SimulatedStage(_Stage, StaticVoteStage):
     """The runner's stage, given its shapes, answering torch's warm-up vote; ``forward_start`` (given the stage's
     module) and ``forward_done`` are called around each microbatch's forward (torch's ``MemTracker`` takes a second
     call of a root module for a new step unless its statistics are dropped first; the activations in flight are
-    sampled after)."""
+    sampled after); ``tags`` (:class:`~lightning_parallel.simulate.scaling.MicrobatchTags`, when the step is
+    extended from a shorter one) told each microbatch's forward, backward and sends and receives."""
 
     forward_start: Callable[[nn.Module], None] | None = None
     forward_done: Callable[[], None] | None = None
+    tags: Any = None
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if self.forward_start is not None:
             self.forward_start(self.submod)
-        out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        with _tagged(self.tags, fwd_chunk_id):
+            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         if self.forward_done is not None:
             self.forward_done()
         return out
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with _tagged(self.tags, bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> Any:
+        return _p2p(self.tags, super().get_fwd_recv_ops(fwd_chunk_id), fwd_chunk_id)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> Any:
+        return _p2p(self.tags, super().get_fwd_send_ops(fwd_chunk_id), fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> Any:
+        return _p2p(self.tags, super().get_bwd_recv_ops(bwd_chunk_id), bwd_chunk_id)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> Any:
+        return _p2p(self.tags, super().get_bwd_send_ops(bwd_chunk_id), bwd_chunk_id)
+
+
+@contextlib.contextmanager
+def _tagged(tags: Any, microbatch: int) -> Any:
+    if tags is None:
+        yield
+        return
+    tags.enter(microbatch)
+    try:
+        yield
+    finally:
+        tags.leave()
+
+
+def _p2p(tags: Any, ops: Any, microbatch: int) -> Any:
+    return ops if tags is None else tags.p2p(ops, microbatch)
 
 
 def _metas(tensors: tuple[Any, ...]) -> tuple[Meta, ...]:
@@ -152,18 +187,23 @@ def static_shapes(
 
 class SimulatedPipeline(Pipeline):
     """The runner's :class:`Pipeline` with :class:`SimulatedStage` stages; ``forward_start`` (given a stage's module)
-    and ``forward_done`` are handed to each stage it builds (at the first step)."""
+    and ``forward_done`` (and ``tags``) are handed to each stage it builds (at the first step)."""
 
     forward_start: Callable[[nn.Module], None] | None = None
     forward_done: Callable[[], None] | None = None
+    tags: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, stage_type=self._stage, **kwargs)
 
     def _stage(self, *args: Any, **kwargs: Any) -> SimulatedStage:
         made = SimulatedStage(*args, **kwargs)
-        made.forward_start, made.forward_done = self.forward_start, self.forward_done
+        made.forward_start, made.forward_done, made.tags = self.forward_start, self.forward_done, self.tags
         return made
+
+    def _microbatch_loss(self, output: Any, target: Any) -> Tensor:
+        with _tagged(self.tags, len(self._unscaled)):  # the runner's count of losses so far: this microbatch
+            return super()._microbatch_loss(output, target)
 
 
 def simulated_pipeline(

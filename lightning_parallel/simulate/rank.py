@@ -9,6 +9,7 @@ and stepped inside it, so every tensor a rank would hold has a shape, a dtype an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -34,6 +35,12 @@ from lightning_parallel.simulate.pipeline import (
     settle_tied,
     simulated_pipeline,
     static_shapes,
+)
+from lightning_parallel.simulate.scaling import (
+    MicrobatchTags,
+    held_per_microbatch,
+    reduced_microbatches,
+    scale_step,
 )
 from lightning_parallel.simulate.trace import Collective, TraceRecorder
 from lightning_parallel.simulate.world import SimulatedWorld, rank_coordinates
@@ -61,6 +68,10 @@ class RankResult:
         seconds: wall time of the simulation of this rank.
         stages: the pipeline stages it holds (empty without pp).
         first_stage: what ranks of later stages learn from it, when it holds the first pipeline stage.
+        microbatches_run: under pp, the microbatches the rank ran when its step was extended from a shorter one
+            (:mod:`~lightning_parallel.simulate.scaling`: ``collectives`` then lists each distinct op once with its
+            ``count``, ``flops`` the extended step's); None when it ran the configured count.
+        microbatches_agree: with ``microbatches_run``, whether every middle microbatch issued the same ops.
     """
 
     rank: int
@@ -75,6 +86,8 @@ class RankResult:
     seconds: float = 0.0
     stages: list[int] = field(default_factory=list)
     first_stage: FirstStage | None = None
+    microbatches_run: int | None = None
+    microbatches_agree: bool = True
 
 
 def state_bytes(module: nn.Module, optimizer: Optimizer) -> dict[str, int]:
@@ -109,16 +122,32 @@ def simulate_rank(
     steps: int = 2,
     clip: float | None = 1.0,
     first_stage: FirstStage | None = None,
+    scale_schedule: bool = True,
 ) -> RankResult:
     """Split ``model`` as ``config`` says on ``world``'s rank and run ``steps`` training steps of ``samples``
     samples (this rank's share of the global batch) on fake tensors; under pp, ``first_stage`` is what a rank of the
-    first stage passes on (:func:`first_stage_of`), needed unless this rank holds the first stage."""
+    first stage passes on (:func:`first_stage_of`), needed unless this rank holds the first stage. With
+    ``scale_schedule``, a 1F1B or interleaved step of more than ``2 * pp`` microbatches runs ``2 * pp`` of them (of
+    the real size) and its collectives and FLOPs are extended to the configured count
+    (:mod:`~lightning_parallel.simulate.scaling`)."""
     with warnings.catch_warnings():
         # ZeRO-1/2's flat buffers compare storage addresses, which fake tensors warn about (and do not have)
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         # under pp, torch's note for each tp plan entry of a layer another stage holds (a real run's too)
         warnings.filterwarnings("ignore", message="Parallelize plan key .* could not be resolved")
-        return _simulate_rank(world, config, model, samples, precision, steps, clip, first_stage)
+        reduced = reduced_microbatches(config) if scale_schedule else None
+        if reduced is None:
+            return _simulate_rank(world, config, model, samples, precision, steps, clip, first_stage)
+        assert config.microbatches is not None
+        short = dataclasses.replace(config, microbatches=reduced)
+        per = samples // config.microbatches
+        result = _simulate_rank(world, short, model, per * reduced, precision, steps, clip, first_stage, True)
+        ops, result.flops, more, agree = scale_step(*result.collectives, config.microbatches, reduced)
+        result.collectives, result.microbatches_run, result.microbatches_agree = ops, reduced, agree
+        result.activation_bytes += more  # torch's receive buffers and the batch, for every microbatch of the step
+        result.peak_bytes += more
+        result.by_kind["Activation"] = result.by_kind.get("Activation", 0) + more
+        return result
 
 
 def first_stage_of(
@@ -144,13 +173,17 @@ def _simulate_rank(
     steps: int,
     clip: float | None,
     first_stage: FirstStage | None,
+    tagged: bool = False,
 ) -> RankResult:
+    """The rank's steps; with ``tagged``, ``collectives`` is (the last step's ops, their microbatches, the FLOPs
+    by microbatch, the bytes held per microbatch) for :func:`~lightning_parallel.simulate.scaling.scale_step`."""
     start = time.perf_counter()
     module, parallel, fake = _split(world, config, model, precision)
     with fake, _routing(world):
         optimizer = _optimizer(module)
         world.sharding.shard_optimizer(optimizer)
         tracker, recorder, activations = mem_tracker(), TraceRecorder(), [0]
+        tags = MicrobatchTags(recorder) if tagged else None
 
         def sample() -> None:  # at the end of the forward (of each microbatch's under pp), before backward
             now = _snapshot(tracker, "current")
@@ -160,20 +193,30 @@ def _simulate_rank(
         if parallel.split is not None:
             pipeline, first_stage = _pipeline(world, config, parallel, module, model, samples, precision, first_stage)
             pipeline.forward_start, pipeline.forward_done = lambda stage: _forget(tracker, stage), sample
+            pipeline.tags = tags
         tracker.track_external(module, optimizer)
         with tracker:
             for step in range(steps):
                 recorder.step = step
                 tracker.reset_mod_stats()  # module stats per step; the peak stays
                 counted = LocalFlopCounter()
+                if tags is not None:
+                    tags.begin_step(counted)
                 batch = model.make_batch(samples)
                 with recorder, counted:
                     _train_step(world, parallel, module, optimizer, batch, precision, clip, sample, pipeline)
+                if tags is not None:
+                    tags.end_step()
                 flops = counted.flops  # the last step's
                 states = state_bytes(module, optimizer)  # after the step, before zero_grad (metrics.json's moment)
                 optimizer.zero_grad(set_to_none=True)
         peak = _snapshot(tracker, "peak")
     trace = recorder.collectives(world.groups())
+    last: Any = [c for c in trace if c.step == steps - 1]
+    if tags is not None:
+        assert pipeline is not None
+        held = held_per_microbatch([s for ss in pipeline._stages.values() for s in ss], batch, config.microbatches)
+        last = (last, [t for c, t in zip(trace, recorder.tags) if c.step == steps - 1], tags.flops, held)
     return RankResult(
         rank=world.rank,
         coordinates=rank_coordinates(world.dims, world.rank),
@@ -182,7 +225,7 @@ def _simulate_rank(
         by_kind={k: v for k, v in peak.items() if k != "Total"},
         activation_bytes=max(activations),
         flops=flops,
-        collectives=[c for c in trace if c.step == steps - 1],
+        collectives=last,
         trace=trace,
         seconds=time.perf_counter() - start,
         stages=sorted(parallel.split.stages) if parallel.split is not None else [],

@@ -79,7 +79,7 @@ def step_time(
     comm: dict[str, float] = {}
     critical = reduce = gathers = 0.0
     for c in ops:
-        seconds = collective_seconds(c, cluster)
+        seconds = collective_seconds(c, cluster) * c.count
         comm[c.axes] = comm.get(c.axes, 0.0) + seconds
         if not is_data_parallel(c):
             critical += seconds

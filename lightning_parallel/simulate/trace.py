@@ -37,6 +37,8 @@ class Collective:
         step: the training step it belongs to (0 first).
         peer: a send's destination or a receive's source (global rank; None for collectives, and for the
             point-to-point ops strict mode issues off the dispatcher).
+        count: how many times the step issues it (1; more in a pipeline step extended from a shorter one:
+            :mod:`~lightning_parallel.simulate.scaling`).
     """
 
     op: str
@@ -50,6 +52,7 @@ class Collective:
     stride: int
     step: int
     peer: int | None = None
+    count: int = 1
 
     def key(self) -> tuple[Any, ...]:
         """What the ranks of its group must agree on: operation, shape and dtype (in order)."""
@@ -69,6 +72,9 @@ class TraceRecorder(CommCounter):
         self.shapes: list[tuple[int, ...]] = []
         self.steps: list[int] = []
         self.peers: list[int | None] = []  # a send's or receive's peer, its rank in the op's group
+        self.tags: list[int | None] = []  # the pipeline microbatch each op belongs to (None: once a step)
+        self.tagger: Any = None  # simulate/scaling.py's MicrobatchTags, when the step is extended
+        self.p2p_tags: dict[int, int] = {}  # id of a tensor the schedule sends or receives -> its microbatch
         self.step = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -80,13 +86,21 @@ class TraceRecorder(CommCounter):
             self.steps.append(self.step)
             p2p = self.events[-1].kind in ("send", "recv") and len(args) > 2 and isinstance(args[2], int)
             self.peers.append(args[2] if p2p else None)
+            self.tags.append(self._tag(first))
         return out
+
+    def _tag(self, first: Tensor | None) -> int | None:
+        if self.tagger is None:
+            return None
+        carried = self.p2p_tags.pop(id(first), None) if first is not None else None
+        return carried if carried is not None else self.tagger.current
 
     def _strict_p2p(self, entry: Any) -> None:  # strict mode's send / recv, noted in issue order
         super()._strict_p2p(entry)
         self.shapes.append(tuple(entry.shapes[0]) if entry.shapes else ())
         self.steps.append(self.step)
         self.peers.append(None)
+        self.tags.append(self._tag(None))
 
     def collectives(self, groups: dict[str, GroupInfo]) -> list[Collective]:
         """The ops so far, their groups named by ``groups`` (:meth:`SimulatedWorld.groups`)."""
