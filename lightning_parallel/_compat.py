@@ -86,6 +86,21 @@ class _NoHook:
 _NO_HOOK = _NoHook()
 
 
+# ----- torchao (the fp8 extra) -----
+# torchao 0.18's float8 training tensor dispatches each op through its table ``float8_ops.FLOAT8_OPS_TABLE`` (op ->
+# handler(aten_op, args, kwargs)); its all-gather entries are where a float8 collective goes (parallel/float8.py
+# sends them as uint8 on the host, where gloo refuses float8). Imported when asked for: torchao is optional.
+
+
+def float8_gather_ops() -> tuple[dict, list[Any]]:
+    """torchao's float8 op table and its all-gather ops (functional collectives, both namespaces)."""
+    from torchao.float8 import float8_ops
+
+    ops = [float8_ops.c10d_functional.all_gather_into_tensor.default]
+    ops.append(float8_ops._c10d_functional.all_gather_into_tensor.default)
+    return float8_ops.FLOAT8_OPS_TABLE, ops
+
+
 # Even collectives into / out of one flat tensor (public API). torch 2.13 names them ``all_gather_single`` and
 # ``reduce_scatter_single`` (the old names warn: deprecated); torch 2.11 has only ``all_gather_into_tensor`` and
 # ``reduce_scatter_tensor``, with the same arguments. Looked up at each call, so whatever wraps torch's own (a

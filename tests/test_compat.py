@@ -42,6 +42,8 @@ def test_private_apis_resolve():
         assert type(torch.empty(2)).__name__ == "FakeTensor" and _compat.is_fake_tensor(torch.empty(2))
     assert not _compat.is_fake_tensor(torch.empty(2))
     assert callable(_compat.mem_tracker().get_tracker_snapshot) and callable(_compat.resolve_group)
+    table, ops = _compat.float8_gather_ops()  # torchao's float8 all-gather entries (parallel/float8.py)
+    assert all(callable(table[op]) for op in ops)
     from torch.distributed._tools.mem_tracker import MemTracker  # the frozen parameters' hooks are skipped there
 
     assert callable(MemTracker._track_module_params_and_buffers)

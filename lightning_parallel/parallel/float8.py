@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+import lightning_parallel._compat as _compat
+
 log = logging.getLogger(__name__)
 
 RECIPES = ("tensorwise", "rowwise")
@@ -179,12 +181,10 @@ def _host_gathers_as_bytes() -> None:
     already where a unit's dtypes are mixed."""
     if _PATCHED:
         return
-    from torchao.float8 import float8_ops
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
-    ops = [float8_ops.c10d_functional.all_gather_into_tensor.default]
-    ops.append(float8_ops._c10d_functional.all_gather_into_tensor.default)
-    torchao_gather = float8_ops.FLOAT8_OPS_TABLE[ops[0]]
+    table, ops = _compat.float8_gather_ops()
+    torchao_gather = table[ops[0]]
 
     def gather(aten_op: Any, args: Any, kwargs: Any = None) -> Any:
         fp8 = args[0]
@@ -196,7 +196,7 @@ def _host_gathers_as_bytes() -> None:
         return Float8TrainingTensor(out, fp8._scale, fp8._orig_dtype, fp8._linear_mm_config, fp8._gemm_input_role)
 
     for op in ops:
-        float8_ops.FLOAT8_OPS_TABLE[op] = gather
+        table[op] = gather
     _PATCHED.append(True)
 
 
