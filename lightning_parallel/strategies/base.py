@@ -355,7 +355,7 @@ class MeshStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         self.finish_checkpoint()
-        return checkpointing.load_checkpoint(self.runtime, self._target(), checkpoint_path)
+        return checkpointing.load_checkpoint(self.runtime, self._target, checkpoint_path)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -12,7 +12,7 @@ are one call each into them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -150,11 +150,12 @@ def optimizer_state(runtime: MeshRuntime, model: nn.Module, optimizer: Any, chec
     return gather_pipeline_optimizer_state(local, local_param_names(runtime, model, raw), runtime.stages, group)
 
 
-def load_checkpoint(runtime: MeshRuntime, target: CheckpointTarget, path: Any) -> dict[str, Any]:
-    """A sharded folder into ``target`` in place (the rest of it returned), or a checkpoint file's dict."""
+def load_checkpoint(runtime: MeshRuntime, target: Callable[[], CheckpointTarget], path: Any) -> dict[str, Any]:
+    """A sharded folder into ``target()`` in place (the rest of it returned), or a checkpoint file's dict. The
+    target is asked for only for a sharded folder: a bad path is refused before anything needs a model."""
     settle_params(runtime)  # loading writes the buffers in place
     if checkpoint_io.is_sharded_checkpoint(path):
-        return runtime.load(target, path)
+        return runtime.load(target(), path)
     if storage.isdir(str(path)):
         raise FileNotFoundError(
             f"ckpt_path={str(path)!r} is a folder but not a sharded checkpoint (no .metadata and "
