@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import lightning_parallel  # noqa: F401  (registers the strategy names)
 from lightning_parallel import AsyncPSStrategy, Hybrid3DStrategy, MoE, ZeroStrategy
 from lightning_parallel import checkpoint as checkpoint_cli
-from lightning_parallel.models import GPTConfig, LitGPT, LitVGG, VGGConfig
+from lightning_parallel.models import GPTConfig, GPTModule, LitVGG, VGGConfig
 from lightning_parallel.recipes import gpt, vgg
 from lightning_parallel.recipes.config import register_configs
 
@@ -357,8 +357,8 @@ def checked(model_fn: Callable[[], pl.LightningModule], devices: int, **kwargs) 
     return lambda ctx: raised(lambda: trainer(Hybrid3DStrategy(**kwargs), devices).strategy.check_model(model_fn()))
 
 
-def gpt_model(**sizes) -> LitGPT:
-    return LitGPT(GPTConfig(**{"vocab_size": 64, "seq_len": 16, "n_layer": 2, "n_head": 4, "d_model": 32, **sizes}))
+def gpt_model(**sizes) -> GPTModule:
+    return GPTModule(GPTConfig(**{"vocab_size": 64, "seq_len": 16, "n_layer": 2, "n_head": 4, "d_model": 32, **sizes}))
 
 
 MODEL_CASES = [
@@ -415,20 +415,20 @@ MODEL_CASES = [
     Case("tp-gpt-heads", checked(lambda: gpt_model(n_head=6, d_model=48), 4, tp=4), "tp=4 does not divide", "among"),
     Case(
         "pp-more-stages-than-layers",
-        checked(lambda: LitGPT(GPTConfig(n_layer=1), build_in_configure_model=True), 4, pp=4),
+        checked(lambda: GPTModule(GPTConfig(n_layer=1), build_in_configure_model=True), 4, pp=4),
         "needs 4 pipeline stages but the model has only 3 pipeline layers",
         "lower pp",
     ),
     Case("meta-layer-without-reset", checked(MetaBuilt, 2, pp=2), "Scale is built on the meta", "a reset_parameters()"),
     Case(
         "ep-without-moe",
-        checked(lambda: LitGPT(GPTConfig(), build_in_configure_model=True), 2, ep=2),
+        checked(lambda: GPTModule(GPTConfig(), build_in_configure_model=True), 2, ep=2),
         "ep=2 splits the experts of MoE layers",
         "or set ep=1",
     ),
     Case(
         "ep-not-dividing-experts",
-        checked(lambda: LitGPT(GPTConfig(moe_experts=6), build_in_configure_model=True), 4, dp=4, ep=4),
+        checked(lambda: GPTModule(GPTConfig(moe_experts=6), build_in_configure_model=True), 4, dp=4, ep=4),
         "ep=4 does not divide the 6 experts of model.blocks.1.mlp",
         "divisors of 6",
     ),
@@ -470,7 +470,7 @@ RECIPE_CASES = [
     Case("gpt-wrong-type", G("strategy.tp=two"), "strategy.tp=two", "could not be converted to Integer"),
     Case("gpt-unknown-strategy-option", G("strategy=fsdp9"), "'strategy/fsdp9'", "Available options in 'strategy'"),
     Case("gpt-unknown-strategy-name", G("strategy.name=fsdp9"), "strategy='fsdp9' is unknown", "use ddp, zero1"),
-    Case("gpt-unknown-precision-option", G("precision=fp8"), "'precision/fp8'", "Available options in 'precision'"),
+    Case("gpt-unknown-precision-option", G("precision=fp4"), "'precision/fp4'", "Available options in 'precision'"),
     Case(
         "gpt-precision-not-for-zero",
         G("strategy=zero2", "trainer.devices=2", "precision.value=16-true"),
