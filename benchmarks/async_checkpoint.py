@@ -49,7 +49,7 @@ def _worker(mode: str, folder: Path, out: Path) -> None:
     from hydra import compose, initialize_config_dir
 
     from lightning_parallel import ZeroStrategy
-    from lightning_parallel.models import LitGPT, SyntheticTokens
+    from lightning_parallel.models import GPTModule, SyntheticTokens
     from lightning_parallel.recipes.config import register_configs
     from lightning_parallel.recipes.gpt import gpt_config
 
@@ -77,7 +77,7 @@ def _worker(mode: str, folder: Path, out: Path) -> None:
         cfg = compose("train_gpt", overrides=["model=gpt_small"])
     pl.seed_everything(0, verbose=False)
     config, world = gpt_config(cfg.model), int(os.environ["WORLD_SIZE"])
-    model = LitGPT(config, lr=cfg.model.lr, build_in_configure_model=True)
+    model = GPTModule(config, lr=cfg.model.lr, build_in_configure_model=True)
     data = SyntheticTokens(num_samples=8 * STEPS, seq_len=config.seq_len, vocab_size=config.vocab_size)
     loader = torch.utils.data.DataLoader(data, batch_size=8 // world)
     timer = TimedSaves()

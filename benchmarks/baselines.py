@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from lightning_parallel.models import LitGPT, LitVGG
+from lightning_parallel.models import GPTModule, LitVGG
 from lightning_parallel.parallel.tensor.plan import apply_tp
 
 
@@ -47,7 +47,7 @@ class _VocabParallelLoss:
             loss.backward(*args, **kwargs)
 
 
-class ModelParallelGPT(_VocabParallelLoss, LitGPT):
+class ModelParallelGPT(_VocabParallelLoss, GPTModule):
     """LitGPT for ``ModelParallelStrategy``."""
 
     def configure_model(self) -> None:

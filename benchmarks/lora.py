@@ -15,7 +15,7 @@ from collections.abc import Callable
 from statistics import median
 from typing import Any
 
-from lightning_parallel.parallel.data.stages import zero_stage
+from lightning_parallel.parallel.data.stages import stage_sharding
 from lightning_parallel.planning.adapters import adapter_model_state_bytes
 
 # a Llama of about 2.5M parameters (grouped-query attention), byte-level vocabulary, 128-token sequences
@@ -64,7 +64,7 @@ def _figures(ranks: list[dict[str, Any]], times: list[float], kind: str, stage: 
     counts = ranks[0]["param_counts"]
     trainable, frozen = counts["trainable"], counts["frozen"]
     if kind == "full":
-        formula = zero_stage(stage).state_bytes_exact(trainable, dp) / tp
+        formula = stage_sharding(stage).state_bytes_exact(trainable, dp) / tp
     else:
         formula = adapter_model_state_bytes(frozen, trainable, zero_stage=stage, dp=dp, tp=tp, pp=1,
                                             base_bytes_per_param=4)  # fmt: skip

@@ -58,7 +58,7 @@ def split_counts() -> dict[str, int]:
     """The model's parameters by the split rule: Muon's matrices (count, elements), AdamW's elements."""
     from hydra import compose, initialize_config_dir
 
-    from lightning_parallel.models.gpt import GPT
+    from lightning_parallel.models.gpt import RecipeGPT
     from lightning_parallel.parallel.optim.muon import split_params
     from lightning_parallel.recipes.config import register_configs
     from lightning_parallel.recipes.gpt_model import gpt_config
@@ -67,7 +67,7 @@ def split_counts() -> dict[str, int]:
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train_gpt", overrides=MODEL)
     with torch.device("meta"):
-        model = GPT(gpt_config(cfg.model))
+        model = RecipeGPT(gpt_config(cfg.model))
     muon, decay, no_decay = split_params(model)
     return {
         "muon_matrices": len(muon),

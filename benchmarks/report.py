@@ -19,7 +19,7 @@ from overhead import overhead_lines
 from spatial import spatial_lines
 from speed import speed_lines
 
-from lightning_parallel.parallel.data.stages import zero_stage
+from lightning_parallel.parallel.data.stages import stage_sharding
 
 FINDINGS = Path(__file__).resolve().parent / "findings.md"
 # the ZeRO stage whose formula a strategy's model states follow (Lightning's FSDP2 path shards like stage 3)
@@ -100,7 +100,7 @@ def memory_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         stage = STAGE[r["strategy"].split(":")[0]]
         ranks = r["ranks"]
         worst = max(ranks, key=lambda x: x["model_state_bytes"]["total"])
-        formula = zero_stage(stage).state_bytes_exact(worst["num_params"], r["world"])
+        formula = stage_sharding(stage).state_bytes_exact(worst["num_params"], r["world"])
         out.append({**r, "stage": stage, "measured": worst["model_state_bytes"], "formula": formula})
     return out
 

@@ -38,7 +38,7 @@ from lightning_parallel.callbacks.moe import MoEAuxLossScale, MoEMonitor  # noqa
 from lightning_parallel.callbacks.monitor import TrainingMonitor  # noqa: E402
 from lightning_parallel.callbacks.preemption import Preemption  # noqa: E402
 from lightning_parallel.callbacks.resume import ExactResume  # noqa: E402
-from lightning_parallel.models import LitGPT, LitVGG  # noqa: E402
+from lightning_parallel.models import GPTModule, LitVGG  # noqa: E402
 from lightning_parallel.models.gpt import GPT  # noqa: E402
 from lightning_parallel.models.vgg import VGG  # noqa: E402
 from lightning_parallel.parallel.dtensor import local  # noqa: E402
@@ -165,7 +165,7 @@ class ModelStates(pl.Callback):
         self.bytes = model_state_bytes(trainer.strategy.model, opts)
 
 
-class CompiledGPT(LitGPT):
+class CompiledGPT(GPTModule):
     """LitGPT whose pipeline layers run their forward through ``torch.compile``, as ``compile=True`` does under
     our strategies (the same function): the compiled baseline for Lightning's ``ddp``."""
 
@@ -179,7 +179,7 @@ def build_model(recipe: str, cfg: Any, lightning_2d: bool, compiled: bool = Fals
     if recipe == "gpt" and kind_of(m).name != "gpt":  # model=hf*, with peft=lora its adapters: as the recipe's workers
         return kind_of(m).build(cfg)
     if recipe == "gpt":
-        cls = ModelParallelGPT if lightning_2d else CompiledGPT if compiled else LitGPT
+        cls = ModelParallelGPT if lightning_2d else CompiledGPT if compiled else GPTModule
         model = cls(gpt_config(m), lr=m.lr, weight_decay=m.weight_decay, build_in_configure_model=True)
         if cfg.optimizer.name != "adamw":  # optimizer=sgd|muon: the recipe's (adamw: the model's own, the same AdamW)
             use_optimizer(model, cfg)

@@ -21,7 +21,7 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from lightning_parallel import Hybrid3DFabricStrategy  # importing the package registers the Fabric names
-from lightning_parallel.models import GPTConfig, LitGPT, SyntheticTokens
+from lightning_parallel.models import GPTConfig, GPTModule, SyntheticTokens
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
     fabric.seed_everything(0)
     config = GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=128)
     with fabric.init_module(empty_init=True):
-        model = LitGPT(config, lr=3e-3)
+        model = GPTModule(config, lr=3e-3)
     optimizer = model.configure_optimizers()
     model, optimizer = fabric.setup(model, optimizer)
     state = {"model": model, "optimizer": optimizer, "step": 0}

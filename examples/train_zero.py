@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import lightning_parallel  # noqa: F401  (registers zero1, zero2, zero3, zero3_offload)
-from lightning_parallel.models import GPTConfig, LitGPT, SyntheticTokens
+from lightning_parallel.models import GPTConfig, GPTModule, SyntheticTokens
 from lightning_parallel.plugins.precision import cpu_fp16_plugin
 
 
@@ -34,7 +34,7 @@ def main() -> None:
     pl.seed_everything(0)
     torch.set_num_threads(max(1, torch.get_num_threads() // args.devices))
     config = GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=128)
-    model = LitGPT(config, lr=3e-3)
+    model = GPTModule(config, lr=3e-3)
     train = SyntheticTokens(num_samples=4096, seq_len=config.seq_len, vocab_size=config.vocab_size, seed=0)
     val = SyntheticTokens(num_samples=256, seq_len=config.seq_len, vocab_size=config.vocab_size, split=1)
     per_rank = args.global_batch // args.devices

@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_parallel import ActivationCheckpointing, ActivationMemoryMonitor, Hybrid3DStrategy, ZeroStrategy
-from lightning_parallel.models import GPTConfig, LitGPT, SyntheticTokens
-from lightning_parallel.models.gpt import GPT
+from lightning_parallel.models import GPTConfig, GPTModule, SyntheticTokens
+from lightning_parallel.models.gpt import RecipeGPT
 from lightning_parallel.models.vgg import VGG, VGGConfig
 from lightning_parallel.parallel.activation_checkpoint import (
     apply_activation_checkpointing,
@@ -40,7 +40,7 @@ def build(kind: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     if kind.startswith("gpt"):
         dropout = 0.1 if kind == "gpt_dropout" else 0.0
-        model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=8, d_model=32, dropout=dropout))
+        model = RecipeGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=8, d_model=32, dropout=dropout))
         return model, (torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g))
     model = VGG(VGGConfig(name="vgg11", width=8))
     return model, (torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g))
@@ -121,7 +121,7 @@ def test_names_state_dict_and_copies_unchanged():
 
 
 def test_which_layers():
-    lit = LitGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=8, d_model=32))
+    lit = GPTModule(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=8, d_model=32))
     assert checkpoint_layers(lit) == lit.model.layers()  # pipeline_layers()
     assert checkpoint_layers(lit.model) == list(lit.model.blocks)  # no protocol: the repeated blocks
     vgg, _ = build("vgg")
@@ -152,10 +152,10 @@ def test_unknown_mode(make):
         make()
 
 
-def fit_tiny_gpt(mode: str) -> tuple[list[float], int | None, LitGPT]:
+def fit_tiny_gpt(mode: str) -> tuple[list[float], int | None, GPTModule]:
     """Three steps in this process under Lightning's own "auto" strategy, with the callbacks."""
     pl.seed_everything(0, verbose=False)
-    model = LitGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=8, d_model=32))
+    model = GPTModule(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=8, d_model=32))
     losses: list[float] = []
     model.on_train_batch_end = lambda outputs, *_: losses.append(float(outputs["loss"]))
     monitor = ActivationMemoryMonitor()

@@ -18,7 +18,7 @@ import torch
 from harness import run_worker
 
 from lightning_parallel.checkpoint import consolidate, consolidated, main
-from lightning_parallel.models.gpt import GPT, GPTConfig
+from lightning_parallel.models.gpt import GPTConfig, RecipeGPT
 from lightning_parallel.models.vgg import VGG, VGGConfig
 from lightning_parallel.parallel.checkpoint import files as checkpoint_io
 
@@ -104,12 +104,12 @@ def shapes(module: torch.nn.Module) -> dict[str, tuple]:
 
 def test_another_model_is_named_with_a_few_names_and_shapes():
     tiny = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=8, d_model=32)
-    here = shapes(GPT(tiny))
-    assert checkpoint_io.model_mismatch("ck", here, shapes(GPT(tiny)), strict=True) is None
-    wider = shapes(GPT(GPTConfig(**{**vars(tiny), "d_model": 64})))
+    here = shapes(RecipeGPT(tiny))
+    assert checkpoint_io.model_mismatch("ck", here, shapes(RecipeGPT(tiny)), strict=True) is None
+    wider = shapes(RecipeGPT(GPTConfig(**{**vars(tiny), "d_model": 64})))
     wide = checkpoint_io.model_mismatch("ck", here, wider, strict=True)
     assert "different shapes: " in wide and "blocks.0.attn.k.weight (64, 64) saved, (32, 32) here" in wide
-    deep = checkpoint_io.model_mismatch("ck", here, shapes(GPT(GPTConfig(**{**vars(tiny), "n_layer": 6}))), True)
+    deep = checkpoint_io.model_mismatch("ck", here, shapes(RecipeGPT(GPTConfig(**{**vars(tiny), "n_layer": 6}))), True)
     assert "not in this model: blocks.2." in deep and "and " in deep and "different shapes" not in deep
     vgg = checkpoint_io.model_mismatch("ck", here, shapes(VGG(VGGConfig(name="vgg11", width=8))), True)
     assert "missing from the checkpoint: blocks.0." in vgg and "not in this model: " in vgg
@@ -117,7 +117,7 @@ def test_another_model_is_named_with_a_few_names_and_shapes():
     # strict_loading=False: other names are the user's business, other shapes never load
     assert checkpoint_io.model_mismatch("ck", here, {}, strict=False) is None
     assert "different shapes" in checkpoint_io.model_mismatch(
-        "ck", here, shapes(GPT(GPTConfig(**{**vars(tiny), "d_model": 64}))), False
+        "ck", here, shapes(RecipeGPT(GPTConfig(**{**vars(tiny), "d_model": 64}))), False
     )
 
 

@@ -13,7 +13,7 @@ from harness import run_worker
 from torch import nn
 
 from lightning_parallel.models import GPTConfig
-from lightning_parallel.models.gpt import GPT
+from lightning_parallel.models.gpt import RecipeGPT
 from lightning_parallel.parallel.data.fsdp import fsdp_units, precision_policy, router_units
 from lightning_parallel.plugins.precision import param_dtype_for, param_dtype_of
 
@@ -54,9 +54,9 @@ def test_moe_router_is_gathered_in_fp32_and_the_rest_in_bf16(counted):
 
 def test_router_units_are_found_by_name_beside_the_experts():
     config = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=4, d_model=32, moe_experts=4, moe_top_k=2)
-    model = GPT(config)
+    model = RecipeGPT(config)
     assert router_units(model) == ["blocks.1.mlp.router", "blocks.3.mlp.router"]
-    assert router_units(GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))) == []
+    assert router_units(RecipeGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))) == []
 
     class Block(nn.Module):  # transformers' MoE blocks: ``gate`` beside ``experts``; a dense MLP's gate is no router
         def __init__(self) -> None:

@@ -54,13 +54,13 @@ def test_compiled_layers_under_tp_and_pp(tmp_path_factory, label):
 
 # ----- the measurement callbacks leave compilation alone (this process, Lightning's own strategy) -----
 def _fit_compiled_tiny_gpt(callbacks: list) -> int:
-    """Four steps of a tiny LitGPT with its layers compiled (as ``compile=True`` compiles them); the graphs made."""
+    """Four steps of a tiny GPTModule with its layers compiled (as ``compile=True`` compiles them); the graphs made."""
     import lightning.pytorch as pl
     import torch
     from torch._dynamo.utils import counters
     from torch.utils.data import DataLoader
 
-    from lightning_parallel.models import LitGPT
+    from lightning_parallel.models import GPTModule
     from lightning_parallel.models.gpt import GPTConfig
     from lightning_parallel.models.synthetic import SyntheticTokens
     from lightning_parallel.parallel.parallelize import compile_layers
@@ -68,7 +68,7 @@ def _fit_compiled_tiny_gpt(callbacks: list) -> int:
     torch._dynamo.reset()
     counters.clear()
     pl.seed_everything(0, verbose=False)
-    model = LitGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))
+    model = GPTModule(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))
     assert compile_layers(model)
     trainer = pl.Trainer(
         accelerator="cpu",

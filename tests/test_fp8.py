@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from lightning_parallel.models import GPT, GPTConfig
+from lightning_parallel.models import GPTConfig, RecipeGPT
 from lightning_parallel.parallel.float8 import Float8Settings, convert, float8_tp_plan, is_float8_linear
 from lightning_parallel.parallel.tensor.plan import path_matches
 from lightning_parallel.plugins.float8 import Float8Precision
@@ -31,7 +31,7 @@ def test_settings_refuse_bad_combinations():
 
 
 def test_gpt_converts_its_blocks_and_keeps_the_head_in_high_precision(caplog):
-    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))
+    model = RecipeGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))
     report = convert(model, Float8Settings(), CPU)
     assert report["head.lm_head"] == "kept by name"
     assert {p for p, why in report.items() if why == "float8"} == {
@@ -66,7 +66,7 @@ def test_forward_backward_under_bf16_autocast_on_cpu():
 
 
 def test_tp_plan_takes_float8_styles_on_converted_layers_only():
-    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))
+    model = RecipeGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))
     convert(model, Float8Settings(), CPU)
     plan = {
         "blocks.*.attn.q": ColwiseParallel(),
@@ -77,7 +77,7 @@ def test_tp_plan_takes_float8_styles_on_converted_layers_only():
     assert type(got["blocks.0.attn.q"]).__name__ == "Float8ColwiseParallel"
     assert type(got["blocks.1.mlp.proj"]).__name__ == "Float8RowwiseParallel"
     assert type(got["head.lm_head"]) is ColwiseParallel
-    plain = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))
+    plain = RecipeGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))
     assert float8_tp_plan(plain, plan, path_matches) == plan
 
 

@@ -17,7 +17,7 @@ import torch
 from harness import run_worker
 from workers.cases.common import TINY
 
-from lightning_parallel.models.gpt import GPT
+from lightning_parallel.models.gpt import RecipeGPT
 from lightning_parallel.parallel.float8 import Float8Settings, convert, converted_weights
 
 SPECS = ["zero3+bf16", "zero3+fp8", "zero3+fp8ag"]
@@ -34,7 +34,7 @@ def test_float8_all_gather_bytes_follow_the_formula(tmp_path_factory):
     ranks = run_worker("collectives", 2, ["--opts", json.dumps({"specs": SPECS})], out, timeout=300)
     counted = ranks[0]
     bf16, fp8, fp8_ag = (gathered(counted[s]["bytes"]) for s in SPECS)
-    model = GPT(TINY)
+    model = RecipeGPT(TINY)
     convert(model, Float8Settings(), torch.device("cpu"))
     params = dict(model.named_parameters())
     converted = sum(params[name].numel() for name in converted_weights(model))

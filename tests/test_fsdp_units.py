@@ -9,7 +9,7 @@ import sys
 from harness import REPO, free_port
 from torch import nn
 
-from lightning_parallel.models import LitGPT
+from lightning_parallel.models import GPTModule
 from lightning_parallel.parallel.data.fsdp import fsdp_units
 
 sys.path.insert(0, str(REPO / "examples"))
@@ -17,7 +17,7 @@ from byo_model import MLPClassifier  # noqa: E402
 
 
 def test_gpt_units_are_blocks_then_the_model():
-    assert fsdp_units(LitGPT()) == [f"model.blocks.{i}" for i in range(4)] + ["model"]
+    assert fsdp_units(GPTModule()) == [f"model.blocks.{i}" for i in range(4)] + ["model"]
 
 
 class TiedAtTop(nn.Module):
@@ -45,7 +45,7 @@ def test_parameters_directly_on_the_root_make_the_root_a_unit():
 
 
 def test_every_parameter_belongs_to_exactly_one_unit():
-    model = LitGPT()
+    model = GPTModule()
     units = fsdp_units(model)
     owners: dict[int, list[str]] = {}
     for unit in units:

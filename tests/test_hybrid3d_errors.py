@@ -10,7 +10,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 
 import lightning_parallel  # noqa: F401
 from lightning_parallel import Hybrid3DStrategy
-from lightning_parallel.models import GPTConfig, LitGPT
+from lightning_parallel.models import GPTConfig, GPTModule
 
 
 @pytest.fixture(autouse=True)
@@ -38,13 +38,13 @@ def no_worker_may_start(monkeypatch):
 
 
 def test_tp_must_divide_the_heads():
-    model = LitGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=6, d_model=48))
+    model = GPTModule(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=6, d_model=48))
     with pytest.raises(ValueError, match=r"tp=4 does not divide .*=(6|48)"):
         trainer(4, tp=4).fit(model)
 
 
 def test_tp_must_divide_the_vocabulary():
-    model = LitGPT(GPTConfig(vocab_size=66, seq_len=16, n_layer=2, n_head=4, d_model=32))
+    model = GPTModule(GPTConfig(vocab_size=66, seq_len=16, n_layer=2, n_head=4, d_model=32))
     with pytest.raises(ValueError, match=r"tp=4 does not divide GPTConfig.vocab_size=66: choose tp among its divisors"):
         trainer(4, tp=4).fit(model)
 
@@ -66,7 +66,7 @@ def test_pipeline_needs_the_protocol():
 
 
 def test_more_stages_than_layers():
-    model = LitGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))  # 4 pipeline layers
+    model = GPTModule(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))  # 4 pipeline layers
     with pytest.raises(ValueError, match=r"needs 8 pipeline stages but the model has only 4 pipeline layers"):
         trainer(4, pp=4, pp_schedule="interleaved_1f1b").fit(model)
     with pytest.raises(ValueError, match=r"needs 8 pipeline stages but the model has only 4 pipeline layers"):

@@ -22,7 +22,7 @@ from harness import run_worker
 from parity import assert_same_losses, assert_same_params
 from torch import nn
 
-from lightning_parallel.models.gpt import GPT, GPTConfig
+from lightning_parallel.models.gpt import GPTConfig, RecipeGPT
 from lightning_parallel.parallel.materialize import fill_meta_tensors
 from lightning_parallel.protocol import reset_units
 
@@ -72,7 +72,7 @@ def test_no_rank_holds_a_whole_copy(memory):
 
 def _single_process_gpt() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)  # the worker's seed_everything(0)
-    return {f"model.{k}": v for k, v in GPT(GPTConfig(**SMALL)).state_dict().items()}
+    return {f"model.{k}": v for k, v in RecipeGPT(GPTConfig(**SMALL)).state_dict().items()}
 
 
 def _single_process_mlp() -> dict[str, torch.Tensor]:
@@ -169,7 +169,7 @@ def test_gpt_units_are_its_layers():
         def __init__(self) -> None:
             super().__init__()
             with torch.device("meta"):
-                self.model = GPT(GPTConfig(**SMALL))
+                self.model = RecipeGPT(GPTConfig(**SMALL))
 
         def pipeline_layers(self):
             return self.model.layers()

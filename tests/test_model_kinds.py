@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from lightning_parallel import Hybrid3DStrategy
-from lightning_parallel.models import GPTConfig, LitGPT
+from lightning_parallel.models import GPTConfig, GPTModule
 from lightning_parallel.recipes import common, gpt, vgg
 from lightning_parallel.recipes.config import GPTModelConf, register_configs
 from lightning_parallel.recipes.gpt_model import build_gpt_module, check_gpt_model
@@ -101,8 +101,8 @@ def test_the_strategy_check_runs_once_before_launch_and_not_in_the_workers(monke
     seen = []
     monkeypatch.setattr(common, "check_model", lambda module, config, dims: seen.append((type(module), dims.tp)))
     gpt.check_config(compose_recipe("train_gpt", "strategy=hybrid3d", "strategy.tp=2", "trainer.devices=2"))
-    assert seen == [(LitGPT, 2)]  # the module the workers train, checked against the job's degrees
-    module = LitGPT(GPTConfig(n_head=3, d_model=48), build_in_configure_model=True)  # tp=2 cannot split 3 heads
+    assert seen == [(GPTModule, 2)]  # the module the workers train, checked against the job's degrees
+    module = GPTModule(GPTConfig(n_head=3, d_model=48), build_in_configure_model=True)  # tp=2 cannot split 3 heads
     strategy = Hybrid3DStrategy(tp=2)
     checked_before_launch(module, strategy.config)  # what a recipe's worker says of its module
     check_model(module, strategy.config, strategy.config.dims(2))  # nothing to repeat

@@ -11,7 +11,7 @@ import torch
 from harness import run_worker
 from torch import nn
 
-from lightning_parallel.models.gpt import GPT, GPTConfig
+from lightning_parallel.models.gpt import GPTConfig, RecipeGPT
 from lightning_parallel.parallel.optim.muon import MuonAdamW, check_muon_precision, split_params
 from lightning_parallel.parallel.optim.muon_exchange import chunk_sizes, ns_cost, owners
 
@@ -58,7 +58,7 @@ def test_float32_newton_schulz_moves_little_from_bfloat16():
 
 
 def test_split_rule_on_the_recipe_gpt():
-    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32, tie_weights=False))
+    model = RecipeGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32, tie_weights=False))
     muon, decay, no_decay = split_params(model)
     names = {id(p): n for n, p in model.named_parameters()}
     assert {names[id(p)] for p in muon} == {
@@ -78,7 +78,7 @@ def test_split_rule_on_the_recipe_gpt():
 def test_split_rule_when_widths_equal_the_vocabulary_or_the_positions(tie):
     """gpt_tiny's shapes: d_model == seq_len (64) and mlp.fc's 4 * d_model == the vocabulary (256). Only the head is
     AdamW's; every block matrix is Muon's (a rule by out_features alone gave Muon nothing here)."""
-    model = GPT(GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=2, d_model=64, tie_weights=tie))
+    model = RecipeGPT(GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=2, d_model=64, tie_weights=tie))
     muon, decay, _ = split_params(model)
     names = {id(p): n for n, p in model.named_parameters()}
     assert len(muon) == 12 and all(names[id(p)].startswith("blocks.") for p in muon)

@@ -11,7 +11,7 @@ import pytest
 from conftest import Batch
 from harness import REPO
 
-from lightning_parallel.parallel.data.stages import zero_stage
+from lightning_parallel.parallel.data.stages import stage_sharding
 from lightning_parallel.parallel.pipeline.partition import uniform_partition
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES
 from lightning_parallel.plan import gpt_spec, load_model_config, make_plan, parse_args, parse_bytes, vgg_spec
@@ -36,13 +36,13 @@ def paper_bytes(stage: int, p: int, n: int) -> int:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("dp", [1, 2, 4, 8])
 def test_model_state_bytes_is_the_zero_formula_for_fp32_adam(stage, dp):
-    assert zero_stage(stage).state_bytes_exact(1000, dp, elem=4, optimizer_states=2) == paper_bytes(stage, 1000, dp)
+    assert stage_sharding(stage).state_bytes_exact(1000, dp, elem=4, optimizer_states=2) == paper_bytes(stage, 1000, dp)
 
 
 def test_model_state_bytes_bf16_and_sgd():
     # bf16-true: 2 bytes each for param, grad and one momentum buffer; ZeRO-2 shards grad and momentum
-    assert zero_stage(2).state_bytes_exact(100, 4, elem=2, optimizer_states=1) == 2 * 100 + (2 * 100 + 2 * 100) // 4
-    assert zero_stage(3).state_bytes_exact(100, 4, elem=4, optimizer_states=0) == 8 * 100 // 4
+    assert stage_sharding(2).state_bytes_exact(100, 4, elem=2, optimizer_states=1) == 2 * 100 + (2 * 100 + 2 * 100) // 4
+    assert stage_sharding(3).state_bytes_exact(100, 4, elem=4, optimizer_states=0) == 8 * 100 // 4
 
 
 def test_bubble_and_microbatches_in_flight():
@@ -62,15 +62,15 @@ def test_bubble_and_microbatches_in_flight():
 
 def test_communication_formulas():
     assert all_reduce_bytes(100.0, 4) == pytest.approx(150.0)
-    comm = {stage: zero_stage(stage).comm_bytes(4000, 4) for stage in range(4)}
+    comm = {stage: stage_sharding(stage).comm_bytes(4000, 4) for stage in range(4)}
     assert comm[2] == pytest.approx(2 * 4000 * 3 / 4)
     assert comm[0] == comm[2]
     assert comm[3] == pytest.approx(1.5 * 2 * 4000 * 3 / 4)
     assert comm[1] == comm[3]  # all-reduce, then all-gather
-    assert zero_stage(1).comm_bytes(4000, 1) == 0.0
+    assert stage_sharding(1).comm_bytes(4000, 1) == 0.0
     # bf16-mixed: ZeRO-3 gathers bf16 (half the gradients' element) twice and reduce-scatters fp32: (2 r + 1) g (w-1)/w
-    assert zero_stage(3).comm_bytes(4000, 4, 0.5) == pytest.approx(2 * 4000 * 3 / 4)
-    assert zero_stage(2).comm_bytes(4000, 4, 0.5) == comm[2]  # ZeRO 0-2 gather nothing in another dtype
+    assert stage_sharding(3).comm_bytes(4000, 4, 0.5) == pytest.approx(2 * 4000 * 3 / 4)
+    assert stage_sharding(2).comm_bytes(4000, 4, 0.5) == comm[2]  # ZeRO 0-2 gather nothing in another dtype
     costs = _toy_costs()
     traffic = {
         p: estimate_layout(costs, [range(4)], [0], (1, 2, 1), 3, Settings(global_batch=16, precision=p)).comm["dp"]
@@ -149,7 +149,7 @@ def test_moe_layouts_split_expert_states_over_ep_and_count_the_all_to_all():
     for ep in (1, 2, 4):
         for zero in range(4):
             got = rows[(1, 4, 1, ep, zero)].expert_state_per_rank[0]
-            assert got == zero_stage(zero).state_bytes_exact(3 * per_layer // ep, 4 // ep, 4, 2)
+            assert got == stage_sharding(zero).state_bytes_exact(3 * per_layer // ep, 4 // ep, 4, 2)
     rows_per_rank = 32 // 4 * 64 * 2  # samples per dp rank x tokens x top-2
     want = 4 * 3 * rows_per_rank * 64 * 4 * (2 - 1) / 2  # 4 all-to-alls per layer, 3 layers, fp32 rows of d=64
     assert rows[(1, 4, 1, 2, 0)].comm["ep"] == pytest.approx(want)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from conftest import Batch
 
-from lightning_parallel.parallel.data.stages import zero_stage
+from lightning_parallel.parallel.data.stages import stage_sharding
 from lightning_parallel.parallel.pipeline.partition import uniform_partition
 from lightning_parallel.plan import gpt_spec, load_model_config
 from lightning_parallel.planning.analytic import evaluate
@@ -127,7 +127,7 @@ def test_cp_hsdp_and_sequence_parallel_by_hand():
     hsdp = estimate_layout(costs, [range(2)], [0], (1, 4, 1), 3, s, dp_shard=2)
     assert hsdp.model_state_per_rank == [16 * 2000 // 2]
     # a reduce-scatter and gathers inside the replica of the 8000 bytes, the 4000-byte shard all-reduced over 2
-    assert hsdp.comm["dp"] == pytest.approx(zero_stage(3).comm_bytes(8000, 2) + all_reduce_bytes(4000, 2))
+    assert hsdp.comm["dp"] == pytest.approx(stage_sharding(3).comm_bytes(8000, 2) + all_reduce_bytes(4000, 2))
     cp = estimate_layout(costs, [range(2)], [0], (1, 4, 1), 3, s, cp=2)
     assert cp.model_state_per_rank == [16 * 2000 // 8] and cp.activation_per_rank == [2 * 100 * 2]
     # sequence parallelism: the norm inputs split over tp=2; not counted again under checkpointing

@@ -18,11 +18,11 @@ from parity import assert_same_losses, assert_same_params
 
 import lightning_parallel  # noqa: F401
 from lightning_parallel import Hybrid3DStrategy
-from lightning_parallel.models import GPTConfig, LitGPT
-from lightning_parallel.models.gpt import GPT
+from lightning_parallel.models import GPTConfig, GPTModule
+from lightning_parallel.models.gpt import RecipeGPT
 from lightning_parallel.models.lit_vgg import LitVGG
 from lightning_parallel.models.vgg import VGGConfig
-from lightning_parallel.parallel.data.stages import zero_stage
+from lightning_parallel.parallel.data.stages import stage_sharding
 from lightning_parallel.parallel.pipeline.partition import uniform_partition
 from lightning_parallel.parallel.pipeline.profile import profile_layers, profiled_partition
 
@@ -65,9 +65,9 @@ def test_profiling_leaves_model_and_random_state_alone():
         assert torch.equal(value, before[key]), f"profiling changed {key}"
     assert all(p.grad is None for p in module.parameters())
     with torch.device("meta"):
-        meta_gpt = GPT(TINY)
-    gpt = GPT(TINY)
-    example = LitGPT(config=TINY).example_input_array
+        meta_gpt = RecipeGPT(TINY)
+    gpt = RecipeGPT(TINY)
+    example = GPTModule(config=TINY).example_input_array
     on_meta = profile_layers(meta_gpt.layers(), example, warmup=0, repeats=1)
     on_cpu = profile_layers(gpt.layers(), example, warmup=0, repeats=1)
     assert all(p.is_meta for p in meta_gpt.parameters())
@@ -80,8 +80,8 @@ def test_memory_budget_constrains_the_profiled_split():
     """With a budget, the split is the fastest among those whose stages fit (brute force over the cuts, bytes
     recomputed from the profile: 4x parameter bytes plus activations times in-flight microbatches); a budget
     below the least any split needs fails naming the setting and that least."""
-    gpt = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=8, d_model=32))
-    profile = profile_layers(gpt.layers(), LitGPT(config=TINY).example_input_array, warmup=0, repeats=1)
+    gpt = RecipeGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=8, d_model=32))
+    profile = profile_layers(gpt.layers(), GPTModule(config=TINY).example_input_array, warmup=0, repeats=1)
     in_flight, n = [8, 1], len(gpt.layers())  # the first stage holds 8 microbatches' activations
 
     def held(stage: int, layers: range) -> int:
@@ -106,10 +106,10 @@ def test_memory_budget_constrains_the_profiled_split():
 
 def test_state_bytes_follow_zero_and_tp():
     p = 100
-    assert zero_stage(0).state_bytes(p, dp=1) == 4 * p  # parameters, gradients, two optimizer states
-    assert zero_stage(1).state_bytes(p, dp=2) == 3 * p
-    assert zero_stage(2).state_bytes(p, dp=2) == 2.5 * p
-    assert zero_stage(3).state_bytes(p, dp=4) / 2 == p / 2  # tp=2 halves what a rank holds
+    assert stage_sharding(0).state_bytes(p, dp=1) == 4 * p  # parameters, gradients, two optimizer states
+    assert stage_sharding(1).state_bytes(p, dp=2) == 3 * p
+    assert stage_sharding(2).state_bytes(p, dp=2) == 2.5 * p
+    assert stage_sharding(3).state_bytes(p, dp=4) / 2 == p / 2  # tp=2 halves what a rank holds
 
 
 def test_memory_budget_setting_is_checked():
@@ -124,12 +124,12 @@ def test_a_model_without_example_input_fails_before_launch(monkeypatch):
         raise AssertionError("Lightning's launcher started worker processes before the model was checked")
 
     monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", refuse)
-    model = LitGPT(config=TINY)
+    model = GPTModule(config=TINY)
     model.example_input_array = None
     trainer = pl.Trainer(
         strategy=Hybrid3DStrategy(pp=2, pp_balance="profile"), accelerator="cpu", devices=2, logger=False
     )
-    with pytest.raises(TypeError, match=r"LitGPT.example_input_array has none: set self.example_input_array"):
+    with pytest.raises(TypeError, match=r"GPTModule.example_input_array has none: set self.example_input_array"):
         trainer.fit(model)
     assert not dist.is_initialized()
 

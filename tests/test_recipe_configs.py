@@ -147,10 +147,10 @@ def test_bad_settings_name_the_key_and_the_fix():
 
 
 def test_model_warmup_raises_the_learning_rate_linearly():
-    from lightning_parallel.models import LitGPT
+    from lightning_parallel.models import GPTModule
 
     cfg = compose_gpt("model=gpt_tiny", "model.warmup_steps=4", "model.lr=1.0")
-    model = LitGPT(GPTConfig(n_layer=1), lr=cfg.model.lr, warmup_steps=cfg.model.warmup_steps)
+    model = GPTModule(GPTConfig(n_layer=1), lr=cfg.model.lr, warmup_steps=cfg.model.warmup_steps)
     conf = model.configure_optimizers()
     optimizer, scheduler = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
     seen = []

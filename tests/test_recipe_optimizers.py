@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_recipe_configs import compose_gpt
 
-from lightning_parallel.models import GPTConfig, LitGPT
+from lightning_parallel.models import GPTConfig, GPTModule
 from lightning_parallel.parallel.optim.muon import MuonAdamW
 from lightning_parallel.recipes.gpt import check_config
 from lightning_parallel.recipes.optimizers import build_optimizer, use_optimizer
@@ -15,9 +15,9 @@ from lightning_parallel.recipes.optimizers import build_optimizer, use_optimizer
 TINY = ["model=gpt_tiny", "trainer.devices=1"]
 
 
-def _model(**kwargs) -> LitGPT:
+def _model(**kwargs) -> GPTModule:
     torch.manual_seed(0)
-    return LitGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32), **kwargs)
+    return GPTModule(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32), **kwargs)
 
 
 def test_adamw_default_is_the_models_own_optimizer():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import Batch
 
-from lightning_parallel.parallel.data.stages import zero_stage
+from lightning_parallel.parallel.data.stages import stage_sharding
 
 WORLD = 4
 TOLERANCE = 0.05
@@ -24,7 +24,7 @@ def test_model_state_bytes_match_zero_formulas(memory_runs):
         for rank in range(WORLD):
             result = run.case("mem", rank)
             measured, P = result["memory"]["total"], result["num_params"]
-            expected = zero_stage(stage).state_bytes_exact(P, WORLD)
+            expected = stage_sharding(stage).state_bytes_exact(P, WORLD)
             rows.append((stage, rank, result["memory"], expected))
             assert abs(measured - expected) <= TOLERANCE * expected, (
                 f"zero{stage} rank {rank}: {measured} bytes of model states, formula says {expected}"

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_parallel.models.gpt import GPT, GPTConfig
+from lightning_parallel.models.gpt import GPTConfig, RecipeGPT
 from lightning_parallel.parallel.float8 import Float8Settings, convert
 from lightning_parallel.parallel.measure.flops import LocalFlopCounter, peak_flops
 
@@ -53,7 +53,7 @@ class LogitsOnly(nn.Module):
 
 def build(name: str, shape: dict[str, int]) -> nn.Module:
     if name.startswith("gpt"):
-        return GPT(GPTConfig(**shape))
+        return RecipeGPT(GPTConfig(**shape))
     import transformers
 
     return LogitsOnly(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**shape)))

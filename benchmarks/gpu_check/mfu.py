@@ -21,15 +21,15 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
-from lightning_parallel.models import LitGPT
-from lightning_parallel.models.gpt import GPT
+from lightning_parallel.models import GPTModule
+from lightning_parallel.models.gpt import RecipeGPT
 from lightning_parallel.parallel.measure.flops import peak_flops
 
 from .section import log
 from .workload import Clock, Workload, flops_per_step
 
 
-class FusedAdamGPT(LitGPT):
+class FusedAdamGPT(GPTModule):
     """LitGPT with the plain loop's optimizer: AdamW, fused, the same two parameter groups."""
 
     def configure_optimizers(self) -> Any:
@@ -48,7 +48,7 @@ def adamw(params: Any, lr: float = 6e-4, weight_decay: float = 0.1) -> torch.opt
 def run_plain(config: dict[str, Any]) -> dict[str, Any]:
     work = Workload.from_config(config)
     torch.manual_seed(0)
-    model = GPT(work.gpt_config).to(work.device)
+    model = RecipeGPT(work.gpt_config).to(work.device)
     step_model = torch.compile(model) if work.compile else model
     optimizer = adamw(model.parameters())
     idx, targets = (t.pin_memory() if work.device == "cuda" else t for t in work.batch())

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import yaml
 
-from lightning_parallel.models.gpt import GPT, GPTConfig
+from lightning_parallel.models.gpt import GPTConfig, RecipeGPT
 from lightning_parallel.parallel.measure.flops import LocalFlopCounter
 
 GPT2_VOCAB = 50304
@@ -67,7 +67,7 @@ def flops_per_step(work: Workload) -> dict[str, float]:
     """Forward and backward FLOPs of one step, counted by the repository's counter on the meta device (shapes only),
     and the 6 N T + 12 L T^2 d rule of thumb beside it (N parameters without the position embedding)."""
     with torch.device("meta"):
-        model = GPT(work.gpt_config)
+        model = RecipeGPT(work.gpt_config)
     idx, targets = (t.to("meta") for t in work.batch())
     with LocalFlopCounter() as counter:
         logits = model(idx)

@@ -209,7 +209,7 @@ class Head(nn.Module):
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
 
-class GPT(nn.Module):
+class RecipeGPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg

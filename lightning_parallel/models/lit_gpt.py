@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_parallel.models.gpt import GPT, GPTConfig, gpt_tp_plan
+from lightning_parallel.models.gpt import GPTConfig, RecipeGPT, gpt_tp_plan
 from lightning_parallel.parallel.mesh import ParallelDims
 
 EXAMPLE_MICROBATCH = 4  # samples in example_input_array
 
 
-class LitGPT(pl.LightningModule):
+class GPTModule(pl.LightningModule):
     """Next-token prediction with AdamW; weight decay on matrices only (two param groups).
 
     Args:
@@ -46,7 +46,7 @@ class LitGPT(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.config = config or GPTConfig()
-        self.model: GPT | None = None if build_in_configure_model else GPT(self.config)
+        self.model: RecipeGPT | None = None if build_in_configure_model else RecipeGPT(self.config)
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.warmup_steps = warmup_steps
         # Lightning's sample input, one microbatch of token ids: pp_balance="profile" times each pipeline
@@ -58,7 +58,7 @@ class LitGPT(pl.LightningModule):
 
     def configure_model(self) -> None:
         if self.model is None:  # the strategy's context decides the device (meta under pipelining)
-            self.model = GPT(self.config)
+            self.model = RecipeGPT(self.config)
 
     def forward(self, idx: Tensor) -> Tensor:
         assert self.model is not None, "the GPT is built in configure_model: run it through a Trainer"
@@ -112,7 +112,7 @@ class LitGPT(pl.LightningModule):
 
     def check_parallel_degrees(self, dims: ParallelDims) -> None:
         """Refuse degrees this model cannot split into, before any process group exists."""
-        GPT.check_tensor_parallel_config(self.config, dims.tp)
+        RecipeGPT.check_tensor_parallel_config(self.config, dims.tp)
         cp = dims.cp
         if cp > 1 and self.config.dropout:
             raise ValueError(

@@ -46,7 +46,7 @@ from lightning_parallel.parallel.activation_checkpoint import apply_activation_c
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.context.apply import ContextParallel, apply_context_parallel
 from lightning_parallel.parallel.data.sharding import DataParallelSharding
-from lightning_parallel.parallel.data.stages import zero_stage as sharding_of
+from lightning_parallel.parallel.data.stages import stage_sharding as sharding_of
 from lightning_parallel.parallel.expert.apply import apply_expert_parallel, require_moe_layers
 from lightning_parallel.parallel.expert.moe import MoE
 from lightning_parallel.parallel.materialize import fill_meta_tensors, move_real, set_aside, splits_parameters

@@ -16,7 +16,7 @@ import re
 
 from torch import nn
 
-from lightning_parallel.parallel.data.stages import zero_stage as zero_stage_of
+from lightning_parallel.parallel.data.stages import stage_sharding as zero_stage_of
 
 ADAPTER_BYTES_PER_PARAM = 4  # fp32: adapters and their gradients and optimizer states stay fp32 under a bf16 base
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from lightning_parallel.parallel.data.stages import zero_stage as zero_stage_of
+from lightning_parallel.parallel.data.stages import stage_sharding as zero_stage_of
 from lightning_parallel.parallel.pipeline.schedules import schedule_spec
 from lightning_parallel.planning.adapters import adapter_model_state_bytes
 from lightning_parallel.planning.cluster import Cluster, Device

@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_parallel.parallel.data.stages import zero_stage as zero_stage_of
+from lightning_parallel.parallel.data.stages import stage_sharding as zero_stage_of
 from lightning_parallel.parallel.pipeline.schedules import schedule_spec
 from lightning_parallel.planning.adapters import adapter_comm_bytes, adapter_model_state_bytes
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from lightning_parallel.models import GPTConfig, LitGPT
+from lightning_parallel.models import GPTConfig, GPTModule
 from lightning_parallel.recipes.config import GPTModelConf
 
 MOE_KEYS = (
@@ -68,9 +68,9 @@ def check_gpt_layout(cfg: DictConfig, dims: Any) -> None:
         )
 
 
-def build_gpt_module(cfg: DictConfig) -> LitGPT:
+def build_gpt_module(cfg: DictConfig) -> GPTModule:
     """The LitGPT a worker trains; its GPT is built in ``configure_model`` (on meta when the layout splits it)."""
     m = cfg.model
-    return LitGPT(
+    return GPTModule(
         gpt_config(m), lr=m.lr, weight_decay=m.weight_decay, warmup_steps=m.warmup_steps, build_in_configure_model=True
     )

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from lightning_parallel.models.gpt import GPT, GPTConfig, gpt_tp_plan
+from lightning_parallel.models.gpt import GPTConfig, RecipeGPT, gpt_tp_plan
 from lightning_parallel.models.vgg import VGG, VGGConfig, vgg_tp_plan
 from lightning_parallel.planning.estimate import OPTIMIZER_STATES
 from lightning_parallel.planning.profile import ModelSpec
@@ -40,7 +40,7 @@ def gpt_spec(m: DictConfig, lora_rank: int = 0) -> ModelSpec:
     moe = {key: m[key] for key in MOE_KEYS}
     config = GPTConfig(m.vocab_size, m.seq_len, m.n_layer, m.n_head, m.d_model, m.mlp_ratio, m.dropout, **moe)
     with torch.device("meta"):
-        model = GPT(config)
+        model = RecipeGPT(config)
 
     def loss(logits: torch.Tensor, batch: int) -> torch.Tensor:  # LitGPT.loss
         targets = torch.zeros(logits.shape[:-1], dtype=torch.long)
@@ -52,7 +52,7 @@ def gpt_spec(m: DictConfig, lora_rank: int = 0) -> ModelSpec:
         plan=gpt_tp_plan("", False, config.moe_blocks, config.n_layer),
         make_input=lambda b: torch.zeros(b, config.seq_len, dtype=torch.long),
         loss=loss,
-        check_tp=lambda tp: GPT.check_tensor_parallel_config(config, tp),
+        check_tp=lambda tp: RecipeGPT.check_tensor_parallel_config(config, tp),
         optimizer_states=OPTIMIZER_STATES["adamw"],
         num_experts=config.moe_experts,
         lora_rank=lora_rank,

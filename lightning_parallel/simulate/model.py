@@ -187,10 +187,10 @@ def _recipe(name: str, seq_len: int | None) -> SimulatedModel | None:
 def _recipe_gpt(config: Any, seq_len: int | None, name: str) -> SimulatedModel:
     """The recipe's LitGPT of a ``GPTConfig`` (``seq_len`` replacing its own), its GPT built on meta as the
     strategies build it (``configure_model`` under their meta-device context)."""
-    from lightning_parallel.models import LitGPT
+    from lightning_parallel.models import GPTModule
 
     config = dataclasses.replace(config, seq_len=seq_len or config.seq_len)
-    module = LitGPT(config, build_in_configure_model=True)
+    module = GPTModule(config, build_in_configure_model=True)
     with torch.device("meta"):
         module.configure_model()
     return SimulatedModel(module, name, config.seq_len, token_batch(config.vocab_size, config.seq_len))

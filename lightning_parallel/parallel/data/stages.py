@@ -25,7 +25,7 @@ OFFLOAD_STAGES = tuple(stage for stage, cls in ZERO_STAGES.items() if cls.suppor
 
 class PlannedStage(int):
     """A registered variant as the planners carry it: its ZeRO stage's number wherever a number decides (message
-    counts, ZeRO-3's gathers, ``zero_stage`` in a config), its name where :func:`zero_stage` looks up the formulas
+    counts, ZeRO-3's gathers, ``zero_stage`` in a config), its name where :func:`stage_sharding` looks up the formulas
     (the class attributes ``sharded`` and ``comm_factor``)."""
 
     sharding: str
@@ -49,7 +49,7 @@ def planned_stages() -> list[int]:
     return [*ZERO_STAGES, *named]
 
 
-def zero_stage(stage: int) -> type[DataParallelSharding]:
+def stage_sharding(stage: int) -> type[DataParallelSharding]:
     """The sharding class of a (validated) stage number, or of a :class:`PlannedStage` (the variant it names)."""
     name = getattr(stage, "sharding", None)
     return SHARDINGS[name] if name is not None else ZERO_STAGES[stage]

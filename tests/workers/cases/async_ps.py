@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel import AsyncPSStrategy
-from lightning_parallel.models import GPTConfig, LitGPT, SyntheticTokens
+from lightning_parallel.models import GPTConfig, GPTModule, SyntheticTokens
 
 TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
 
@@ -58,7 +58,7 @@ def setup() -> None:
         faulthandler.dump_traceback_later(float(os.environ["APS_DEBUG"]), exit=True)
 
 
-class Recording(LitGPT):
+class Recording(GPTModule):
     def __init__(self, kill_rank: int, kill_step: int, config: GPTConfig = TINY, **kwargs) -> None:
         super().__init__(config, **kwargs)
         self.kill_rank, self.kill_step = kill_rank, kill_step
@@ -94,7 +94,7 @@ class WallBudget(pl.Callback):
 
 
 @torch.no_grad()
-def val_loss(model: LitGPT, data) -> float:
+def val_loss(model: GPTModule, data) -> float:
     """The mean loss over the whole validation set with the model's current (final) parameters."""
     model.eval()
     x = torch.stack([data[i][0] for i in range(len(data))])

@@ -27,7 +27,7 @@ import torch
 from lightning.fabric.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_parallel.models import LitGPT, SyntheticTokens
+from lightning_parallel.models import GPTModule, SyntheticTokens
 from lightning_parallel.parallel.checkpoint.full import full_model_state_dict
 from lightning_parallel.parallel.optim.muon import MuonAdamW
 
@@ -69,7 +69,7 @@ def run_case(case: dict, ctx) -> dict:
         raise AssertionError("fabric.setup accepted a model the layout cannot split")
     with fabric.init_module(empty_init=bool(case.get("meta")) and spec != "auto"):
         config = dataclasses.replace(TINY, **case["moe"]) if case.get("moe") else TINY  # moe_experts, ...
-        model = LitGPT(config=config, lr=1e-3, eps=1e-6)  # eps as cases/models.py's (see there)
+        model = GPTModule(config=config, lr=1e-3, eps=1e-6)  # eps as cases/models.py's (see there)
     if case.get("optimizer") == "muon":  # MuonAdamW as cases/models.py's, over the unsplit parameters
         muon = MuonAdamW.from_module(model, lr=0.02, ns_dtype="float32", adamw_lr=model.lr, adamw_eps=model.eps)
         model.configure_optimizers = lambda: muon

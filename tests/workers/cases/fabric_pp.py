@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.precision import MixedPrecision
 
-from lightning_parallel.models import LitGPT
+from lightning_parallel.models import GPTModule
 from lightning_parallel.parallel.checkpoint.full import full_model_state_dict
 
 from .common import TINY, build_strategy
@@ -57,7 +57,7 @@ def run_case(case: dict, ctx) -> dict:
     fabric.launch()
     pl.seed_everything(0, verbose=False)
     with fabric.init_module(empty_init=bool(case.get("meta")) and spec != "auto"):
-        model = LitGPT(config=TINY, lr=1e-3, eps=1e-6)  # eps as cases/models.py's (see there)
+        model = GPTModule(config=TINY, lr=1e-3, eps=1e-6)  # eps as cases/models.py's (see there)
     optimizer = model.configure_optimizers()
     model, optimizer = fabric.setup(model, optimizer)
     if case.get("load"):

@@ -32,8 +32,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_parallel._compat import TorchDispatchMode, tree_leaves
-from lightning_parallel.models import GPTConfig, LitGPT
-from lightning_parallel.models.gpt import GPT
+from lightning_parallel.models import GPTConfig, GPTModule
+from lightning_parallel.models.gpt import RecipeGPT
 from lightning_parallel.parallel.dtensor import local
 
 from .common import build_strategy
@@ -158,7 +158,7 @@ def _model(case: dict, build_here: bool) -> pl.LightningModule:
         return config_only(case)
     if case.get("model") == "plain":
         return PlainMLP(build_in_configure_model=not build_here)
-    return LitGPT(GPTConfig(**case.get("gpt", {})), build_in_configure_model=not build_here)
+    return GPTModule(GPTConfig(**case.get("gpt", {})), build_in_configure_model=not build_here)
 
 
 def _layer_bytes(module: pl.LightningModule) -> int:
@@ -176,7 +176,7 @@ def run_case(case: dict, ctx) -> dict:
         layer_bytes = _layer_bytes(whole)
     else:
         with torch.device("meta"):  # no draws from the global generator
-            whole = PlainMLP.build() if case.get("model") == "plain" else GPT(config)
+            whole = PlainMLP.build() if case.get("model") == "plain" else RecipeGPT(config)
     model_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
     del whole
     build = case.get("build", "configure")

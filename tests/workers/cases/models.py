@@ -13,7 +13,7 @@ import torch
 import torchmetrics
 from torch.utils.data import TensorDataset
 
-from lightning_parallel.models import LitGPT, SyntheticTokens
+from lightning_parallel.models import GPTModule, SyntheticTokens
 from lightning_parallel.models.gpt import gpt_tp_plan
 from lightning_parallel.models.lit_vgg import LitVGG
 from lightning_parallel.models.vgg import VGGConfig
@@ -110,8 +110,8 @@ def random_images(num_samples: int, size: int = 32) -> TensorDataset:
     )
 
 
-class RecordingGPT(RecordLosses, LitGPT):
-    """LitGPT recording its losses; optionally returns an optimizer we cannot shard."""
+class RecordingGPT(RecordLosses, GPTModule):
+    """GPTModule recording its losses; optionally returns an optimizer we cannot shard."""
 
     def __init__(self, optimizer: str = "adamw", **kwargs) -> None:
         super().__init__(**kwargs)

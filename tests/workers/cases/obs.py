@@ -14,7 +14,7 @@ from dataclasses import asdict
 import lightning.pytorch as pl
 
 from lightning_parallel.callbacks.monitor import TrainingMonitor
-from lightning_parallel.models import LitGPT, SyntheticTokens
+from lightning_parallel.models import GPTModule, SyntheticTokens
 
 from .common import TINY, ShardedData, batch_ranks, build_strategy, make_trainer
 
@@ -28,7 +28,7 @@ def run_case(case: dict, ctx) -> dict:
     strategy = build_strategy(case["strategy"])
     dp = batch_ranks(strategy, world)
     data = SyntheticTokens(num_samples=GLOBAL_BATCH * steps, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
-    model = LitGPT(config=TINY, lr=1e-3)
+    model = GPTModule(config=TINY, lr=1e-3)
     timeline_dir = out / case["name"] if case.get("timeline") else None
     monitor = TrainingMonitor(log_every_n_steps=1, measure_step=1, timeline_dir=timeline_dir)
     trainer = make_trainer(world, strategy, max_steps=steps, callbacks=[monitor])
@@ -37,7 +37,7 @@ def run_case(case: dict, ctx) -> dict:
     local_param_bytes = sum(p.numel() * p.element_size() for p in local)
     result = {
         "name": case["name"],
-        "num_params": sum(p.numel() for p in LitGPT(config=TINY).parameters()),
+        "num_params": sum(p.numel() for p in GPTModule(config=TINY).parameters()),
         "local_param_bytes": local_param_bytes,  # this rank's (tensor-parallel shards, pipeline stages) at rest
         "micro_batch": GLOBAL_BATCH // dp,
         "summary": monitor.summary,

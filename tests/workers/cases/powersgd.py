@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_parallel.parallel.data.stages import zero_stage
+from lightning_parallel.parallel.data.stages import stage_sharding
 from lightning_parallel.parallel.measure.comm_volume import CommCounter
 
 PROCESS_GROUP = True
@@ -53,7 +53,7 @@ def fresh(sgd: bool) -> tuple[Net, torch.optim.Optimizer]:
 
 
 def train(mesh: DeviceMesh, stage: int, compression: str, rank_: int, compress_all: bool, steps: int) -> dict:
-    sharding = zero_stage(stage)(mesh, grad_compression=compression, powersgd_rank=rank_, setting=f"zero{stage}")
+    sharding = stage_sharding(stage)(mesh, grad_compression=compression, powersgd_rank=rank_, setting=f"zero{stage}")
     if sharding.powersgd is not None:
         sharding.powersgd.compress_all = compress_all
     net, optimizer = fresh(sgd=compress_all)

@@ -46,10 +46,10 @@ def run_case(case: dict, ctx) -> dict:
 
 
 def _gpt(fabric: L.Fabric, case: dict) -> tuple:
-    from lightning_parallel.models import GPTConfig, LitGPT
+    from lightning_parallel.models import GPTConfig, GPTModule
 
     with fabric.init_module(empty_init=True):
-        model = LitGPT(config=GPTConfig(**case["gpt"]) if "gpt" in case else TINY)
+        model = GPTModule(config=GPTConfig(**case["gpt"]) if "gpt" in case else TINY)
     return model, model.config.vocab_size, model.config.seq_len
 
 
