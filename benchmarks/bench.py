@@ -12,7 +12,7 @@ benchmarks/results.json.
     python benchmarks/bench.py --only async    # parameter servers, one slowed worker: sync vs stale vs async
     python benchmarks/bench.py --only spatial  # VGG on 128 x 128 images: spatial=2 vs channel tp=2 vs dp=2
     python benchmarks/bench.py --only lora     # HF Llama, LoRA vs full fine-tuning at zero2, zero3, tp=2
-    python benchmarks/bench.py --only muon     # Muon vs AdamW at 11 layouts (world 2, 4); the recipe's loss, 200 steps
+    python benchmarks/bench.py --only muon     # Muon vs AdamW at 12 layouts (world 2, 4); the recipe's loss, 200 steps
     python benchmarks/bench.py --only host_syncs  # host syncs per step, ours beside ddp and FSDP2 (counts, 23 launches)
     python benchmarks/bench.py --only auto     # strategy=auto's pick against every valid layout, 4 models x 2 worlds
     python benchmarks/bench.py --only auto --models gpt_moe_tiny --worlds 2 --auto-repeats 5  # one row, merged
