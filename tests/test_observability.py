@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_worker
-from recipe_runs import RecipeGPT, run_recipe
+from recipe_runs import GPT, run_recipe
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 from workers.cases.common import TINY
@@ -240,14 +240,14 @@ def test_recipe_counts_the_backward_flops_of_its_measured_step(tmp_path):
     under dispatch modes, which torch pops from the top of one stack: they must nest. Before, the activation
     monitor left first at the start of backward and popped the FLOP counter: the step counted its forward only."""
     overrides = ["trainer=debug", "trainer.max_steps=3", "sample_tokens=0", "trainer.devices=1"]
-    metrics = run_recipe(RecipeGPT, tmp_path, *overrides, "strategy=hybrid3d")
+    metrics = run_recipe(GPT, tmp_path, *overrides, "strategy=hybrid3d")
     assert metrics["flops_per_step"] == pytest.approx(3 * _recipe_forward_flops(overrides), rel=1e-6)
 
 
 def test_recipe_metrics_json_has_the_observability_fields(tmp_path):
     overrides = ["trainer=debug", "trainer.max_steps=4", "sample_tokens=0", "trainer.devices=2"]
     overrides += ["strategy=hybrid3d", "strategy.pp=2", "observability.timeline=true"]
-    metrics = run_recipe(RecipeGPT, tmp_path, *overrides)
+    metrics = run_recipe(GPT, tmp_path, *overrides)
     assert metrics["mfu"] is None  # CPU: no known peak
     # counted over both pp ranks: forward and backward of the whole model on the global batch, 3x the forward
     assert metrics["flops_per_step"] == pytest.approx(3 * _recipe_forward_flops(overrides), rel=1e-6)

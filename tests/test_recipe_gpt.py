@@ -6,7 +6,7 @@ import csv
 import json
 
 import pytest
-from recipe_runs import RecipeGPT, assert_fails_before_workers, default_run_metrics, run
+from recipe_runs import GPT, assert_fails_before_workers, default_run_metrics, run
 from recipe_runs import run_recipe as _run_recipe
 from test_recipe_configs import compose_gpt
 
@@ -14,7 +14,7 @@ SHORT = ["trainer=debug", "trainer.max_steps=6", "sample_tokens=8"]
 
 
 def run_recipe(cwd, *overrides: str, timeout: int = 300) -> dict:
-    return _run_recipe(RecipeGPT, cwd, *overrides, timeout=timeout)
+    return _run_recipe(GPT, cwd, *overrides, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_sweep_jobs_run_with_their_own_world_size(sweep_name, tmp_path):
     sweep = tmp_path / "sweep"
     sweep_args = ["-m", *SHORT, "trainer.max_steps=2", "strategy=hybrid3d", f"trainer.devices={devices}"]
     sweep_args.append(f"strategy.pp={pp}")
-    run(tmp_path, RecipeGPT, *sweep_args, f"hydra.sweep.dir={sweep}", timeout=600)
+    run(tmp_path, GPT, *sweep_args, f"hydra.sweep.dir={sweep}", timeout=600)
     jobs = [json.loads((sweep / str(job) / "metrics.json").read_text()) for job in range(len(want))]
     seen = [
         (m["layout"]["world_size"], len(m["peak_memory_bytes"]), m["layout"]["pp"], m["layout"]["dp"]) for m in jobs
@@ -173,13 +173,13 @@ def test_sweep_jobs_run_with_their_own_world_size(sweep_name, tmp_path):
     ids=["tp-heads", "degrees-world", "unknown-strategy", "unknown-strategy-name"],
 )
 def test_bad_override_fails_before_any_worker_starts(tmp_path, overrides, message):
-    assert_fails_before_workers(RecipeGPT, tmp_path, *overrides, "trainer=debug", message=message)
+    assert_fails_before_workers(GPT, tmp_path, *overrides, "trainer=debug", message=message)
 
 
 def test_runs_under_torchrun(single, tmp_path):
     """`torchrun --nproc-per-node 2 recipes/train_gpt.py ...`: the recipe uses torchrun's processes."""
     run_dir = tmp_path / "run"
-    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", RecipeGPT, *SHORT]
+    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", GPT, *SHORT]
     run(tmp_path, *torchrun, "strategy=zero2", "trainer.devices=2", f"hydra.run.dir={run_dir}")
     got = json.loads((run_dir / "metrics.json").read_text())
     assert got["layout"]["world_size"] == 2
@@ -189,7 +189,7 @@ def test_runs_under_torchrun(single, tmp_path):
 @pytest.mark.slow  # 200 steps; test_single_process_run_writes_its_metrics runs the same path shortened
 def test_the_readme_default_command_runs_as_written(tmp_path):
     """`make train` runs `python recipes/train_gpt.py`: 200 steps on the default corpus, about a minute."""
-    result = run(tmp_path, RecipeGPT, timeout=600)
+    result = run(tmp_path, GPT, timeout=600)
     got = default_run_metrics(tmp_path)
     assert got["steps"] == 200 and got["final_val_loss"] < 3.0  # from 5.5, a uniform guess over 256 bytes
     assert "--- sample ---" in result.stdout
@@ -210,6 +210,4 @@ def test_ckpt_path_last_starts_fresh_then_resumes(tmp_path):
 
 @pytest.mark.slow  # the same check runs in-process in test_bad_input_catalogue (ckpt-last-without-dir)
 def test_ckpt_path_last_needs_a_checkpoint_dir(tmp_path):
-    assert_fails_before_workers(
-        RecipeGPT, tmp_path, "ckpt_path=last", "trainer=debug", message="looks in checkpoint.dir"
-    )
+    assert_fails_before_workers(GPT, tmp_path, "ckpt_path=last", "trainer=debug", message="looks in checkpoint.dir")
