@@ -65,6 +65,8 @@ def check_dpo_config(cfg: DictConfig) -> None:
             f"recipes/dpo.py trains Hugging Face models (model=hf*, e.g. model=hf model.path=FOLDER), not "
             f"model.kind={kind.name}: LitGPT models are not taken yet."
         )
+    if cfg.data.kind != "preference":
+        raise ValueError(f"recipes/dpo.py reads data=preference (pairs), not data={cfg.data.kind}: set data=preference.")
     _refuse_optimizer(cfg.get("optimizer"))
     dpo_settings(cfg)
     assets = Path(cfg.assets).expanduser().resolve()
