@@ -66,7 +66,8 @@ def check_dpo_config(cfg: DictConfig) -> None:
             f"model.kind={kind.name}: LitGPT models are not taken yet."
         )
     if cfg.data.kind != "preference":
-        raise ValueError(f"recipes/dpo.py reads data=preference (pairs), not data={cfg.data.kind}: set data=preference.")
+        kind = cfg.data.kind
+        raise ValueError(f"recipes/dpo.py reads data=preference (pairs), not data={kind}: set data=preference.")
     _refuse_optimizer(cfg.get("optimizer"))
     dpo_settings(cfg)
     assets = Path(cfg.assets).expanduser().resolve()
