@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel.hf import HFCausalLM
 from lightning_parallel.preference.data import PreferencePairs, PreferenceSettings, build_preference_cache
-from lightning_parallel.preference.module import DPOSettings, as_dpo, pair_rows
+from lightning_parallel.preference.module import DPOSettings, as_dpo
 from lightning_parallel.preference.reference import COPY_NAME
 from lightning_parallel.text import load_tokenizer
 
@@ -38,6 +38,9 @@ SLOW = {
     "zero3 full": (2, "zero3", 1),
     "zero3 full precomputed": (2, "zero3", 1),
     "tp2 lora": (2, "hybrid3d:tp=2", 2),
+    "pp2 lora": (2, "hybrid3d:pp=2", 1),
+    "pp2 full precomputed": (2, "hybrid3d:pp=2", 1),
+    "pp2 x tp2 lora": (4, "hybrid3d:pp=2,tp=2", 2),
     "dp2 x tp2 zero3 lora": (4, "hybrid3d:tp=2,zero_stage=3", 2),
     "dp2 x tp2 zero3 full": (4, "hybrid3d:tp=2,zero_stage=3", 2),
 }
@@ -111,9 +114,7 @@ def plain_training(setup: dict, lora: bool, reference: str) -> tuple[list[float]
     optimizer = model.configure_optimizers()
     losses = []
     for batch in global_batches(setup):
-        ids, labels, inputs, _ = pair_rows(batch)
-        ref = model.reference_logps(ids, labels, inputs)
-        loss = model.loss(model(ids, **inputs), (labels, ref))
+        loss = model.pair_scores(batch)[0]
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -140,7 +141,7 @@ def references(dpo_setup) -> References:
 def check(runs: Batch, label: str, spec: tuple, references: References) -> None:
     world, _, tp = spec
     want_losses, want_params = references["lora" in label, reference_of(label)]
-    dp = world // tp
+    dp = world // tp // (2 if "pp=2" in spec[1] else 1)
     run = runs[label]
     loss_rel = assert_same_losses(run.losses("train", [d * tp for d in range(dp)]), want_losses, label)
     param_abs = assert_same_params(run.params("train"), want_params, label)

@@ -35,7 +35,7 @@ def test_default_preference_set_is_made_once(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (["strategy=hybrid3d", "strategy.pp=2", "trainer.devices=2"], r"the reference \(adapters\) is not built under"),
+        (["strategy=hybrid3d", "strategy.pp=2", "trainer.devices=2", "peft=none"], "reference copy is not split"),
         (["dpo.loss=hinge"], "dpo.loss='hinge' is unknown"),
         (["dpo.label_smoothing=0.2"], "used by dpo.loss=robust only"),
         (["model=litgpt_chat_tiny"], "LitGPT models are not taken yet"),
@@ -86,6 +86,8 @@ def test_reference_copy_and_precomputed_memory(tmp_path):
     precomputed reference holds 8 bytes a pair."""
     steps = ["trainer.max_steps=4", "trainer.val_check_interval=4", "sample_prompts=[]"]
     zero3 = ["strategy=zero3", "trainer.devices=2", "peft=none", *steps]
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
     copy = run_recipe(DPO, tmp_path / "a", *zero3, f"assets={tmp_path / 'dpo'}", timeout=900)["dpo"]
     cfg = compose_dpo(f"assets={tmp_path / 'dpo'}", "peft=none")
     from lightning_parallel.recipes.finetune_generate import build_finetune_module, materialized

@@ -12,10 +12,17 @@ the mean over its pairs is its share of the global mean: the data-parallel avera
 give the mean over the global batch's pairs, however many answer tokens each micro-batch holds (log-probabilities
 are sums, never token means). The logged rewards, margin and accuracy are means over the piece's pairs averaged over
 the ranks (``sync_dist``): global means for the same reason.
+
+Under pp the labels and the reference's log-probabilities travel as one tensor the schedule splits into microbatches
+of whole pairs (``strategy.microbatches`` must divide a rank's pairs); the loss and the metrics are computed on the
+last stage (the metrics' sums reduced over the stages); the reference (adapters off, or the model as it starts for a
+precomputation) is a forward-only pipeline run whose last stage keeps the log-probabilities. A frozen reference copy
+is not split into stages (refused before launch: :func:`.reference.choose_reference`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +44,7 @@ from lightning_parallel.preference.loss import (
 from lightning_parallel.preference.reference import (
     COPY_NAME,
     REFERENCES,
+    adapters_off,
     fill_from,
     frozen_copy,
     has_meta,
@@ -75,6 +83,26 @@ def pair_rows(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tenso
     return ids, labels, inputs, (ref.flatten().float() if ref is not None else None)
 
 
+def _packed(labels: Tensor, ref: Tensor) -> Tensor:
+    """(labels (2B, T), reference log-probabilities (2B,)) as one float64 tensor (2B, T + 1): what a pipeline
+    schedule splits into microbatches (ids below 2**53 stay exact)."""
+    return torch.cat([labels.double(), ref.double().reshape(-1, 1).to(labels.device)], dim=1)
+
+
+def _unpacked(target: Tensor) -> tuple[Tensor, Tensor]:
+    return target[:, :-1].long(), target[:, -1].float()
+
+
+def _check_microbatches(pairs: int, microbatches: int) -> None:
+    """Under pp each pipeline microbatch must hold whole pairs (its chosen and rejected rows meet in its loss)."""
+    if pairs % microbatches:
+        raise ValueError(
+            f"strategy.microbatches={microbatches} does not divide the {pairs} pairs of a rank's micro-batch: each "
+            "pipeline microbatch holds whole pairs; make data.global_batch_size / (dp x accumulate_grad_batches) a "
+            f"multiple of {microbatches}."
+        )
+
+
 def _logps(logits: Tensor, labels: Tensor) -> Tensor:
     """Summed answer log-probabilities; logits split over the vocabulary (tp) inside ``loss_parallel``."""
     if isinstance(logits, DTensor):
@@ -87,23 +115,32 @@ class PreferenceTuning:
     """The DPO steps, mixed in before the module's own class by :func:`as_dpo`."""
 
     dpo: DPOSettings
+    _stash: Tensor | None = None  # a pipelined reference forward's log-probabilities, on the last stage
+    _sums: dict = {}  # the step's metric sums by microbatch (one entry outside pp)
+    scoring: bool = False  # True: validation_step returns (loss, *METRICS) and logs nothing
 
     # ----- the reference -----
 
     @torch.no_grad()
     def reference_logps(self, ids: Tensor, labels: Tensor, inputs: dict[str, Tensor]) -> Tensor:
-        """The reference's summed answer log-probabilities of the (2B, T) rows, without gradient."""
+        """The reference's summed answer log-probabilities of the (2B, T) rows, without gradient. Under pp (the
+        forward returns the pipeline's input) a forward-only pipeline run computes them on the last stage (zeros
+        elsewhere: only the last stage's loss reads them)."""
         kind = self.dpo.reference
-        if kind == "adapters":
-            with self.model.disable_adapter():  # peft: the frozen base alone
-                logits = self(ids, **inputs)
-        elif kind == "copy":
-            logits = getattr(self, COPY_NAME)(input_ids=ids, **inputs, use_cache=False).logits
-        elif kind == "policy":  # a precomputation before training: the policy as it starts
-            logits = self(ids, **inputs)
-        else:
+        if kind == "copy":
+            return _logps(getattr(self, COPY_NAME)(input_ids=ids, **inputs, use_cache=False).logits, labels)
+        if kind not in ("adapters", "policy"):  # policy: a precomputation before training, the model as it starts
             raise RuntimeError("dpo.precompute_reference=true: the batch carries reference_logps (none here)")
-        return _logps(logits, labels).detach()
+        with adapters_off(self.model) if kind == "adapters" else contextlib.nullcontext():  # the base alone
+            output = self(ids, **inputs)
+            if isinstance(output, Tensor):
+                return _logps(output, labels).detach()
+            self._stash = torch.zeros(ids.shape[0], device=ids.device)
+            try:
+                self.loss(output, _packed(labels, self._stash))  # the last stage's loss stashes them
+            finally:
+                stash, self._stash = self._stash, None
+        return stash
 
     def materialize(self, device: torch.device | str = "cpu") -> None:
         """The policy's weights as the module gives them (its folder, its seeded init), the reference copy's then
@@ -126,27 +163,53 @@ class PreferenceTuning:
 
     # ----- the steps -----
 
-    def loss(self, logits: Tensor, target: tuple[Tensor, Tensor]) -> Tensor:
+    def loss(self, logits: Tensor, target: Tensor | tuple[Tensor, Tensor]) -> Tensor:
         """The mean DPO loss over this piece's pairs. ``target``: (labels (2B, T), the reference's log-probabilities
-        (2B,)); under tp the strategy runs it in ``loss_parallel`` with logits split over the vocabulary."""
-        labels, ref = target
-        logps, tokens = sequence_logps(logits, labels), answer_tokens(labels)
+        (2B,)), or both in one float64 tensor (2B, T + 1) under pp (the schedule splits one tensor into its
+        microbatches, each a whole number of pairs); under tp the strategy runs it in ``loss_parallel`` with logits
+        split over the vocabulary. Each call's rewards, margin and accuracy are summed into the step's."""
+        labels, ref = _unpacked(target) if isinstance(target, Tensor) else target
+        logps = sequence_logps(logits, labels)  # under tp the caller runs this inside loss_parallel
+        if self._stash is not None:  # a forward-only pipeline run for the reference (reference_logps)
+            self._stash = logps.detach()
+            return logps.sum() * 0.0
+        tokens = answer_tokens(labels)
         (c, r), (rc, rr), (tc, tr) = split_pairs(logps), split_pairs(ref.to(logps)), split_pairs(tokens)
         d = self.dpo
         pairs = pair_losses(
             c, r, rc, rr, beta=d.beta, loss=d.loss, label_smoothing=d.label_smoothing, chosen_tokens=tc,
             rejected_tokens=tr,
         )  # fmt: skip
-        self._pair_metrics = metric_sums(pairs) / len(c)
+        # keyed by the target's storage: a pipeline's shape inference may run a microbatch's loss twice
+        key = (target.data_ptr(), target.storage_offset()) if isinstance(target, Tensor) else 0
+        self._sums[key] = (metric_sums(pairs).detach(), len(c))
         return pairs.losses.mean()
 
-    def _dpo_step(self, batch: dict[str, Tensor], stage: str) -> Tensor:
+    def pair_scores(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """(the mean loss over the batch's pairs, its rewards chosen / rejected, margin and accuracy means (4,)) on
+        every rank; under pp the last stage's sums reduced over the stages."""
         ids, labels, inputs, ref = pair_rows(batch)
         if ref is None:
             ref = self.reference_logps(ids, labels, inputs)
-        loss = self.loss(self(ids, **inputs), (labels, ref))
+        output = self(ids, **inputs)
+        self._sums = {}
+        pipelined = not isinstance(output, Tensor)
+        if pipelined and torch.is_grad_enabled():
+            _check_microbatches(ids.shape[0] // 2, self.trainer.strategy.config.microbatches)
+        loss = self.loss(output, _packed(labels, ref) if pipelined else (labels, ref))
+        sums = torch.zeros(len(METRICS) + 1, dtype=torch.float32, device=loss.device)
+        for values, pairs in self._sums.values():
+            sums += torch.cat([values.float(), values.new_tensor([pairs]).float()])
+        if pipelined:
+            dist.all_reduce(sums, group=self.trainer.strategy.mesh.group("stage"))  # the last stage's alone
+        return loss, sums[:-1] / sums[-1].clamp(min=1)
+
+    def _dpo_step(self, batch: dict[str, Tensor], stage: str) -> Tensor:
+        loss, metrics = self.pair_scores(batch)
+        if self.scoring:  # a pass outside the loops (the strategy routes it as a step): the values, unlogged
+            return torch.cat([loss.detach().reshape(1).float(), metrics])
         self.log(f"{stage}_loss", loss, prog_bar=stage != "test", sync_dist=True)
-        for name, value in zip(METRICS, self._pair_metrics.detach()):
+        for name, value in zip(METRICS, metrics):
             self.log(f"{stage}_{name}", value, sync_dist=True)
         return loss
 

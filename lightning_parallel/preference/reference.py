@@ -35,16 +35,33 @@ def choose_reference(lora: bool, precompute: bool, pp: int = 1) -> str:
         ValueError: a reference that cannot be built here, and why.
     """
     if precompute:
-        kind = "precomputed"
-    else:
-        kind = "adapters" if lora else "copy"
+        return "precomputed"
+    if lora:
+        return "adapters"
     if pp > 1:
         raise ValueError(
-            f"dpo with strategy.pp={pp}: the reference ({kind}) is not built under pipeline parallelism yet (the "
-            "pair's reference log-probabilities would have to reach the last stage with its microbatch): use pp=1 "
-            "(ZeRO 0-3, tp and dp x tp take it)."
+            f"dpo with peft=none and strategy.pp={pp}: the frozen reference copy is not split into pipeline stages "
+            "(it would need a pipeline of its own): set dpo.precompute_reference=true (one pass before training), "
+            "use peft=lora (the base with adapters off is the reference), or pp=1."
         )
-    return kind
+    return "copy"
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """peft's ``disable_adapter()`` for the LoRA layers this rank holds: the base alone in the block. peft's own
+    context refuses a model without any adapter layer, which a pipeline stage may be (a last stage holding the head
+    alone); this one switches off those there are."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from lightning_parallel.parallel.devices import collective_device
 from lightning_parallel.preference.loss import METRICS, check_loss_settings
-from lightning_parallel.preference.module import DPOSettings, as_dpo, pair_rows
+from lightning_parallel.preference.module import DPOSettings, as_dpo
 from lightning_parallel.preference.reference import COPY_NAME, choose_reference
 from lightning_parallel.recipes.dpo_data import (
     PrecomputeReference,
@@ -97,14 +97,15 @@ class HeldOutScores(pl.Callback):
         was_training = module.training
         module.eval()
         sums, batches = torch.zeros(1 + len(METRICS), dtype=torch.float64), 0
-        for batch in trainer.datamodule.val_dataloader():
-            batch = {k: v.to(module.device) for k, v in batch.items()}
-            ids, labels, inputs, ref = pair_rows(batch)
-            if ref is None:
-                ref = module.reference_logps(ids, labels, inputs)
-            loss = module.loss(module(ids, **inputs), (labels, ref))
-            sums += torch.cat([loss.detach().reshape(1), module._pair_metrics.detach()]).double().cpu()
-            batches += 1
+        module.scoring = True
+        try:
+            for index, batch in enumerate(trainer.datamodule.val_dataloader()):
+                # through the strategy, as a validation step (a sharded root gathers its parameters first)
+                values = trainer.strategy.validation_step(trainer.strategy.batch_to_device(batch), index)
+                sums += values.double().cpu()
+                batches += 1
+        finally:
+            module.scoring = False
         module.train(was_training)
         totals = torch.cat([sums, torch.tensor([float(batches)], dtype=torch.float64)])
         group = batch_group(trainer.strategy)
