@@ -7,7 +7,6 @@ kind and its memory per rank.
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from pathlib import Path
@@ -144,7 +143,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     asked = tokenizer is not None and prompts and tokens > 0
     before_answers = None
     if asked and trainer.global_rank == 0:
-        untrained = materialized(copy.deepcopy(model))
+        # built again from the same seed: the same weights (a deep copy of a model waiting for its seeded init would
+        # lose the modules' names it initializes by)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            untrained = materialized(build_finetune_module(cfg))
         before_answers = answer(untrained.model, tokenizer, prompts, tokens, cfg.temperature, cfg.seed)
     start = time.perf_counter()
     trainer.fit(model, datamodule=data, ckpt_path=resume_path(cfg))
