@@ -216,7 +216,9 @@ LAYERS = {
     "_compat": 0,
     "protocol": 0,
     "parallel": 1,
-    **dict.fromkeys(("causal_lm", "models", "hf", "litgpt", "text", "planning", "plugins", "callbacks"), 2),
+    **dict.fromkeys(
+        ("causal_lm", "models", "hf", "litgpt", "text", "preference", "planning", "plugins", "callbacks"), 2
+    ),
     "strategies": 3,
     "fabric": 4,
     **dict.fromkeys(("", "checkpoint", "plan", "recipes", "simulate"), 5),

@@ -32,7 +32,7 @@ NO_RUN = {  # why a snippet cannot run on this machine: it is then only parsed
 }
 MARK = re.compile(r"<!-- docs: no-run (\S+) -->")
 SMOKE = {"trainer.max_steps": "4", "trainer.val_check_interval": "2", "trainer.limit_val_batches": "1"}
-RECIPE = re.compile(r"\brecipes/(train_gpt|train_vgg|finetune)\.py\b")
+RECIPE = re.compile(r"\brecipes/(train_gpt|train_vgg|finetune|dpo)\.py\b")
 LINKED = ("recipes", "conf", "examples", "benchmarks", "data")  # what the snippets' relative paths reach
 
 

@@ -18,6 +18,7 @@ from lightning_parallel.plugins.float8 import Float8Precision, float8_plugin
 from lightning_parallel.recipes.auto import resolve_auto
 from lightning_parallel.recipes.common import build_strategy, build_trainer, micro_batch_size
 from lightning_parallel.recipes.config import register_configs
+from lightning_parallel.recipes.dpo_config import register_dpo_configs
 from lightning_parallel.recipes.finetune_assets import make_default_assets
 from lightning_parallel.recipes.model_kinds import kind_of
 from lightning_parallel.recipes.vgg import scaled_lr
@@ -26,6 +27,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ["strategy", "precision", "model", "data", "trainer", "checkpoint", "peft", "optimizer"]
 
 register_configs()
+register_dpo_configs()
 
 
 def options(group: str) -> list[str]:
@@ -36,6 +38,8 @@ def recipe_of(group: str, option: str) -> str:
     """The recipe an option belongs to: model/ and data/ options extend one recipe's schema (the fine-tuning
     recipe's: its default model folder, the tokenized data)."""
     text = (CONF / group / f"{option}.yaml").read_text()
+    if "preference_schema" in text:
+        return "dpo"
     if "${assets}" in text or "tokenized_schema" in text:
         return "finetune"
     return "train_vgg" if "vgg_schema" in text or "images_schema" in text else "train_gpt"
@@ -50,7 +54,7 @@ def finetune_assets() -> Path:
 
 
 def compose_recipe(recipe: str, *overrides: str):
-    if recipe == "finetune" and not any(o.startswith("assets=") for o in overrides):
+    if recipe in ("finetune", "dpo") and not any(o.startswith("assets=") for o in overrides):
         overrides = (f"assets={finetune_assets()}", *overrides)
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name=recipe, overrides=list(overrides))
@@ -118,13 +122,15 @@ def test_every_experiment_composes(experiment):
     pl.Trainer(accelerator="cpu", devices=cfg.trainer.devices, strategy=build_strategy(cfg.strategy), logger=False)
 
 
-@pytest.mark.parametrize("recipe", ["train_gpt", "train_vgg", "finetune"])
+@pytest.mark.parametrize("recipe", ["train_gpt", "train_vgg", "finetune", "dpo"])
 def test_each_recipe_composes_with_its_defaults(recipe):
     cfg = compose_recipe(recipe)
     build_model(cfg)
     assert cfg.trainer.devices == 1 and cfg.strategy.name == "ddp"
     if recipe == "finetune":  # a tiny Llama with a tokenizer, data=sft, LoRA
         assert cfg.data.kind == "sft" and cfg.peft.method == "lora" and cfg.model.path.startswith(cfg.assets)
+    if recipe == "dpo":  # the same tiny Llama, preference pairs, LoRA (the reference: adapters off)
+        assert cfg.data.kind == "preference" and cfg.peft.method == "lora" and cfg.dpo.beta == 0.1
 
 
 def test_a_model_of_the_other_recipe_is_refused_while_composing():

@@ -99,13 +99,16 @@ def answer(
     return [decode_new(tokenizer, ids, 0) for ids in new]
 
 
-def trained_copy(trainer: pl.Trainer, module: Any, cfg: DictConfig) -> Any:
-    """On rank 0, a single-process copy of ``module`` holding the trained weights (None on the other ranks).
+def trained_copy(trainer: pl.Trainer, module: Any, cfg: DictConfig, drop: str | None = None) -> Any:
+    """On rank 0, a single-process copy of ``module`` holding the trained weights (None on the other ranks), the
+    state keys under ``drop`` (a submodule the built model lacks: DPO's reference copy) left out.
     Collective under the mesh strategies: every stage's and shard's parameters are gathered to rank 0."""
     strategy = trainer.strategy
     state = strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else module.state_dict()
     if trainer.global_rank != 0:
         return None
+    if drop is not None:
+        state = {k: v for k, v in state.items() if not k.startswith(drop + ".")}
     with torch.random.fork_rng(devices=[]):  # its fresh weights are overwritten
         fresh = build_finetune_module(cfg)
     materialized(fresh)

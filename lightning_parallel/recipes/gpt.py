@@ -39,10 +39,11 @@ from lightning_parallel.strategies.checks import as_built
 from lightning_parallel.strategies.pipelined_step import PipelineInput
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig, check_data: Any = None) -> None:
     """Everything that can be refused before a worker starts: the settings of the recipe's own keys (the model
-    family's, peft's, the run's, the data's), then the strategy's one check of the model it will split, built on
-    the meta device (:func:`~lightning_parallel.recipes.common.check_strategy_model`)."""
+    family's, peft's, the run's, the data's: ``check_data(cfg)``, by default :func:`check_text_data`), then the
+    strategy's one check of the model it will split, built on the meta device
+    (:func:`~lightning_parallel.recipes.common.check_strategy_model`)."""
     kind = resolve_model_kind(cfg, recipe="text")
     check_peft_settings(cfg)
     check_optimizer(cfg)
@@ -63,7 +64,7 @@ def check_config(cfg: DictConfig) -> None:
             "trainer.sync_batchnorm=true: the GPT has no BatchNorm to sync, nor have the Hugging Face and LitGPT "
             "models (LayerNorm and RMSNorm need none)."
         )
-    check_text_data(cfg)
+    (check_data or check_text_data)(cfg)
 
 
 def check_text_data(cfg: DictConfig) -> None:

@@ -1,0 +1,4 @@
+"""Preference tuning (DPO, Rafailov et al. 2023) of the package's causal LMs: the losses as TRL computes them
+(loss.py, pure torch), preference pairs from local files tokenized once into a token cache (data.py), the reference
+model's log-probabilities (reference.py: adapters off, a frozen copy sharded like the policy, or precomputed) and the
+LightningModule glue (module.py)."""
