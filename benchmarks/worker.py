@@ -39,7 +39,7 @@ from lightning_parallel.callbacks.monitor import TrainingMonitor  # noqa: E402
 from lightning_parallel.callbacks.preemption import Preemption  # noqa: E402
 from lightning_parallel.callbacks.resume import ExactResume  # noqa: E402
 from lightning_parallel.models import GPTModule, LitVGG  # noqa: E402
-from lightning_parallel.models.gpt import GPT  # noqa: E402
+from lightning_parallel.models.gpt import RecipeGPT  # noqa: E402
 from lightning_parallel.models.vgg import VGG  # noqa: E402
 from lightning_parallel.parallel.dtensor import local  # noqa: E402
 from lightning_parallel.parallel.expert.moe import moe_layers  # noqa: E402
@@ -200,7 +200,7 @@ def expert_param_bytes(module: torch.nn.Module) -> int:
 def num_params(recipe: str, cfg: Any) -> int:
     """Parameters of the whole model (a tied weight once), built on the meta device."""
     with torch.device("meta"):
-        model = GPT(gpt_config(cfg.model)) if recipe == "gpt" else VGG(vgg_config(cfg.model))
+        model = RecipeGPT(gpt_config(cfg.model)) if recipe == "gpt" else VGG(vgg_config(cfg.model))
     return sum(p.numel() for p in model.parameters())
 
 
