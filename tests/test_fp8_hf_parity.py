@@ -54,7 +54,7 @@ def runs(tmp_path_factory) -> Batch:
 def test_fp8_hf_llama_parity(runs, label):
     world, spec, tp, cases, ref = LAYOUTS[label]
     dp = world // tp // (2 if "pp=2" in spec else 1)
-    leaders = [d * tp for d in range(dp)]  # one rank per dp index (tp ranks see the same batch; pp: the first stage)
+    leaders = [d * tp for d in range(dp)]  # one rank per tp group (its ranks see the same batch); pp: the first stage
     for case in cases:
         name = case["name"]
         rtol, ptol = bars(runs, ref, name, pairs=False)  # the hf worker records one loss per step
