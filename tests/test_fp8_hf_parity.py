@@ -1,5 +1,7 @@
 """precision=fp8 on a Hugging Face Llama (a tiny config built here; HFCausalLM, tests/workers/cases/hf.py) under
-zero2, zero3 (with and without float8 all-gather) and tp=2, against the same converted model in one process, with
+zero2, zero3 (with and without float8 all-gather), tp=2 (with and without sequence parallelism), pp=2, cp=2 and
+dp=2 x tp=2 ZeRO-3 (with and without float8 all-gather; the layouts spelled as tests/test_hf_parity.py spells them),
+against the same converted model in one process, with
 the bars of tests/test_fp8_parity.py (4 x the larger one-process noise: samples reversed, the batch in two
 quantized halves). The conversion and the float8 tp styles are the generic ones: nothing HF-specific."""
 
@@ -18,6 +20,10 @@ LAYOUTS = {  # label -> (world, strategy, tp, cases, reference)
     "zero2": (2, "zero2", 1, [CASE], "auto"),
     "zero3": (2, "zero3", 1, [CASE, AG], "zero3-one"),
     "tp2": (2, "hybrid3d:tp=2", 2, [CASE], "auto"),
+    "tp2-sp": (2, "hybrid3d:tp=2,sequence_parallel=1", 2, [CASE], "auto"),
+    "pp2": (2, "hybrid3d:pp=2", 1, [CASE], "auto"),
+    "cp2": (2, "hybrid3d:cp=2", 1, [CASE], "auto"),
+    "dp2-tp2-zero3": (4, "hybrid3d:tp=2,zero_stage=3", 2, [CASE, AG], "zero3-one"),
 }
 REFERENCES = {"auto": ("auto", [CASE]), "zero3-one": ("hybrid3d:zero_stage=3", [CASE, AG])}
 
@@ -46,8 +52,9 @@ def runs(tmp_path_factory) -> Batch:
 @pytest.mark.slow
 @pytest.mark.parametrize("label", list(LAYOUTS))
 def test_fp8_hf_llama_parity(runs, label):
-    world, _, tp, cases, ref = LAYOUTS[label]
-    leaders = list(range(0, world, tp))
+    world, spec, tp, cases, ref = LAYOUTS[label]
+    dp = world // tp // (2 if "pp=2" in spec else 1)
+    leaders = [d * tp for d in range(dp)]  # one rank per tp group (its ranks see the same batch); pp: the first stage
     for case in cases:
         name = case["name"]
         rtol, ptol = bars(runs, ref, name, pairs=False)  # the hf worker records one loss per step
