@@ -6,7 +6,7 @@ one raises "No backend type associated with device type cpu". On CPU the groups 
 Values that live on the host (FLOP counts, a check before training, the norm of gradients offloaded to the host) are
 reduced through :func:`host_all_reduce`, which moves them to the device the group's backend serves and back: one
 small copy each way, at measuring steps, setup, or per clipped step under offload. Everything else is on the
-device already. ARCHITECTURE.md (GPU) says why the groups are not ``cuda:nccl,cpu:gloo``.
+device already. ARCHITECTURE.md ("On GPUs") says why the groups are not ``cuda:nccl,cpu:gloo``.
 """
 
 from __future__ import annotations

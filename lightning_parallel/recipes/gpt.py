@@ -1,6 +1,7 @@
-"""The GPT recipe's ``train(cfg, run_dir)``, what recipes/train_gpt.py runs in each worker process: a
-LitGPT on byte-level text, trained with the strategy, precision and checkpointing the config picks; it
-writes ``metrics.json`` (the fields docs/recipes.md lists) and prints a generated sample.
+"""The GPT recipe's ``train(cfg, run_dir)``, what recipes/train_gpt.py runs in each worker process: the
+module of ``model.kind``'s family (the recipe GPT's ``GPTModule`` by default) on text, trained with the strategy,
+precision and checkpointing the config picks; it writes ``metrics.json`` (the fields docs/recipes.md lists) and
+prints a generated sample.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def generate(
 ) -> bytes:
     """A sampled continuation of ``prompt`` (``temperature`` 0: greedy), runnable under every layout
     (collective under pp and tp). Every rank draws the same bytes: the logits are whole on every rank and
-    the generator is seeded alike. Only byte ids are drawn; ``seq_len`` 0: the LitGPT's own."""
+    the generator is seeded alike. Only byte ids are drawn; ``seq_len`` 0: the model's own."""
     seq_len = seq_len or model.config.seq_len
     idx = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
     generator = torch.Generator().manual_seed(seed)

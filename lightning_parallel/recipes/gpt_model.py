@@ -1,5 +1,5 @@
 """The recipe GPT (``model=gpt_*``, ``model.kind=gpt``): its config from the settings, the checks of its own keys,
-and the LitGPT module each worker trains (built in ``configure_model``)."""
+and the ``GPTModule`` each worker trains (built in ``configure_model``)."""
 
 from __future__ import annotations
 

@@ -9,12 +9,14 @@ job with ``trainer.devices`` tasks per node), the processes exist already and th
 
 When a worker fails, torch elastic stops the others and raises ``ChildFailedError``; its "first observed
 failure" is the first the agent happened to see, often a rank whose collective failed because of the real
-one. The workers write the first failure into the run directory (``parallel/failure.py``), and the error
-raised here names that rank. With ``max_restarts=N`` (a recipe key, N > 0) the failed job starts its workers again,
-at most N times, from the newest checkpoint in ``checkpoint.dir`` (``ckpt_path=last``): a fresh launch each time (new
-rendezvous, new store), so restarted gloo workers never read the dead ones' addresses. A SIGTERM (preemption) makes
-the workers save ``last`` and stop (``lightning_parallel.callbacks.preemption``); the job then ends with status 0 and
-a line that says what to resume; it is never restarted.
+one. The workers write the first failure into the run directory (``FailureBoard`` in
+lightning_parallel/parallel/failure.py), and the error raised here names that rank.
+
+With ``max_restarts=N`` (a recipe key, N > 0) the failed job starts its workers again, at most N times, from the
+newest checkpoint in ``checkpoint.dir`` (``ckpt_path=last``): a fresh launch each time (new rendezvous, new store),
+so restarted gloo workers never read the dead ones' addresses. A SIGTERM (preemption) makes the workers save
+``last`` and stop (``lightning_parallel.callbacks.preemption``); the job then ends with status 0 and a line that
+says what to resume; it is never restarted.
 """
 
 from __future__ import annotations

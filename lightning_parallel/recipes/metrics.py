@@ -124,7 +124,7 @@ def _monitor_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_pe
     """TrainingMonitor's measurements (collective): the steady rates over the uninstrumented steps after the first,
     validation left out (the whole fit's when there were too few steps), MFU (None off the GPUs it knows), and per
     rank: model-state bytes and the bytes each op kind moved in the measured step (conventions:
-    parallel/comm_volume.py)."""
+    parallel/measure/comm_volume.py)."""
     monitor = next((c for c in trainer.callbacks if isinstance(c, TrainingMonitor)), None)
     summary = monitor.summary if monitor is not None else {}
     steady = monitor.steady_rates() if monitor is not None else {}

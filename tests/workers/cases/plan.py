@@ -4,7 +4,7 @@ memory; several run one after another in one launch through ``--runs-file`` (con
     run.py plan --opts '{"recipe": "gpt" | "vgg", "overrides": [override, ...]}' --out DIR
 
 Composes conf/train_<recipe>.yaml with the overrides and runs the recipe's own ``train(cfg, run_dir)``, with one
-extra callback: the model-state bytes of this rank after the last optimizer step (parallel/memory.py's
+extra callback: the model-state bytes of this rank after the last optimizer step (parallel/measure/memory.py's
 ``model_state_bytes``, the quantity the recipes' metrics.json reports as ``model_state_bytes`` where it has it).
 Its result: that, the run's ``activation_memory_bytes`` of this rank, and the layout.
 """
