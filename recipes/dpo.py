@@ -15,8 +15,8 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from lightning_parallel.recipes.config import register_configs
 from lightning_parallel.recipes.dpo_config import register_dpo_configs
+from lightning_parallel.recipes.model_kinds import register_configs  # the model families found too
 
 register_configs()
 register_dpo_configs()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from lightning_parallel.recipes.config import register_configs
+from lightning_parallel.recipes.model_kinds import register_configs  # the model families found too
 
 register_configs()
 

@@ -108,3 +108,37 @@ def test_the_strategy_check_runs_once_before_launch_and_not_in_the_workers(monke
     check_model(module, strategy.config, strategy.config.dims(2))  # nothing to repeat
     with pytest.raises(ValueError, match=r"tp=2 does not divide GPTConfig.n_head=3"):
         check_model(module, Hybrid3DStrategy(tp=2, sequence_parallel=True).config, strategy.config.dims(2))
+
+
+def test_a_family_in_its_own_recipes_module_is_found_with_no_line_elsewhere(tmp_path, monkeypatch):
+    """recipes/<name>_model.py registers its family on import; model_kinds imports every such module (the newcomer
+    task: a model file, this module and a YAML), and register_configs stores its schema before Hydra composes."""
+    import sys
+
+    from hydra.core.config_store import ConfigStore
+
+    from lightning_parallel import recipes
+    from lightning_parallel.recipes.model_kinds import discover_model_kinds
+    from lightning_parallel.recipes.model_kinds import register_configs as register_with_families
+
+    (tmp_path / "probe_test_model.py").write_text(
+        "from lightning_parallel.recipes.gpt_model import build_gpt_module, check_gpt_model\n"
+        "from lightning_parallel.recipes.model_kinds import ModelKind, register_model_kind\n"
+        "from test_model_kinds import WideGPTConf\n\n"
+        "PROBE = register_model_kind(\n"
+        "    ModelKind('probe_test', 'text', build=build_gpt_module, check=check_gpt_model, schema=WideGPTConf)\n"
+        ")\n"
+    )
+    monkeypatch.setattr(recipes, "__path__", [*recipes.__path__, str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "lightning_parallel.recipes.probe_test_model", raising=False)
+    try:
+        assert "probe_test" not in MODEL_KINDS
+        discover_model_kinds()
+        assert model_kind("probe_test").name == "probe_test"
+        ConfigStore.instance().repo["model"].pop("probe_test_schema.yaml", None)
+        register_with_families()
+        assert "probe_test_schema.yaml" in ConfigStore.instance().repo["model"]
+    finally:
+        MODEL_KINDS.pop("probe_test", None)
+        ConfigStore.instance().repo["model"].pop("probe_test_schema.yaml", None)
+        sys.modules.pop("lightning_parallel.recipes.probe_test_model", None)

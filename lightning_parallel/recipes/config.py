@@ -305,3 +305,6 @@ def register_configs() -> None:
     cs.store(name="gpt_recipe_schema", node=GPTRecipeConf)
     cs.store(name="vgg_recipe_schema", node=VGGRecipeConf)
     cs.store(name="finetune_recipe_schema", node=FinetuneRecipeConf)
+    from lightning_parallel.strategies.presets import store_strategy_presets
+
+    store_strategy_presets(cs)  # strategy=<preset> for each row of the presets table

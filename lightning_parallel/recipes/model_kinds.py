@@ -12,11 +12,17 @@ A family of your own (docs/recipes.md)::
 
 and ``model.kind=mlp`` in a YAML extending ``mlp_schema``. The recipe's workers are new processes: name the entry
 by its import path (``model.kind=my_package.models.MY_KIND``) unless their entry module imports yours.
+
+A family inside this package registers itself in its own module ``lightning_parallel/recipes/<name>_model.py``
+(its schema, checks, build and ``register_model_kind(...)``): importing this module imports every such module
+(:func:`discover_model_kinds`), so the recipe scripts (through :func:`register_configs`, before Hydra composes
+``conf/model/<name>*.yaml``) and their workers find it with no line here.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +30,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, open_dict
 
-from lightning_parallel.recipes import gpt_model, hf, litgpt, vgg_model
+from lightning_parallel import recipes
+from lightning_parallel.recipes import config, gpt_model, hf, litgpt, vgg_model
 from lightning_parallel.recipes.config import GPTModelConf, HFModelConf, LitGPTModelConf, VGGModelConf
 from lightning_parallel.recipes.specs import gpt_spec, vgg_spec
 from lightning_parallel.strategies.checks import as_built
@@ -107,11 +114,30 @@ def register_model_kind(kind: ModelKind) -> ModelKind:
     if known is not None and known is not kind:
         raise ValueError(f"model.kind={kind.name!r} is registered already: register yours under another name.")
     MODEL_KINDS[kind.name] = kind
+    _store_schema(kind)
+    return kind
+
+
+def _store_schema(kind: ModelKind) -> None:
     if kind.schema is not None:
         from hydra.core.config_store import ConfigStore
 
         ConfigStore.instance().store(group="model", name=f"{kind.name}_schema", node=kind.schema)
-    return kind
+
+
+def register_configs() -> None:
+    """What a recipe script calls before Hydra composes: the recipes' schemas (``recipes/config.py``) and every
+    registered family's model schema (``model/<kind>_schema``), this package's ``recipes/*_model.py`` included."""
+    config.register_configs()
+    for kind in MODEL_KINDS.values():
+        _store_schema(kind)
+
+
+def discover_model_kinds() -> None:
+    """Import each ``lightning_parallel/recipes/<name>_model.py``: a family in the package registers itself there."""
+    for module in pkgutil.iter_modules(recipes.__path__):
+        if module.name.endswith("_model"):
+            importlib.import_module(f"{recipes.__name__}.{module.name}")
 
 
 def _names() -> str:
@@ -261,3 +287,5 @@ LITGPT = register_model_kind(
         plan=_litgpt_shape,
     )
 )
+
+discover_model_kinds()  # the package's own families in their own modules (recipes/<name>_model.py)

@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.strategies.base import MeshStrategy
+from lightning_parallel.strategies.presets import presets_of
 
 
 class Hybrid3DPreset:
@@ -20,8 +21,10 @@ class Hybrid3DPreset:
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """The name in a registry (the Trainer's or Fabric's: the same ``register``)."""
+        """The names in a registry (the Trainer's or Fabric's: the same ``register``): hybrid3d and its presets."""
         strategy_registry.register("hybrid3d", cls, description="data x pipeline x tensor parallelism", override=True)
+        for name, preset in presets_of("hybrid3d").items():
+            strategy_registry.register(name, cls, preset.description, override=True, **preset.init_params())
 
 
 class Hybrid3DStrategy(Hybrid3DPreset, MeshStrategy):

@@ -7,6 +7,7 @@ from typing import Any
 from lightning_parallel.parallel.config import ParallelConfig, check_flag
 from lightning_parallel.parallel.data.stages import OFFLOAD_STAGES, ZERO_STAGES, check_zero_settings
 from lightning_parallel.strategies.base import MeshStrategy
+from lightning_parallel.strategies.presets import presets_of
 
 # the ParallelConfig settings a ZeRO strategy takes; the others (pp, tp, ...) need hybrid3d
 ZERO_SETTINGS = (
@@ -96,6 +97,8 @@ class ZeroPreset:
             else:
                 description = f"ZeRO stage {stage}: {ZERO_STAGES[stage].summary}"
                 strategy_registry.register(name, cls, description=description, override=True, stage=stage)
+        for name, preset in presets_of("zero").items():
+            strategy_registry.register(name, cls, preset.description, override=True, **preset.init_params())
 
 
 class ZeroStrategy(ZeroPreset, MeshStrategy):
