@@ -12,8 +12,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_parallel"
 MAP = ROOT / "ARCHITECTURE.md"
-# a path as the docs write it: not preceded by a path character (``../docs/x.md`` is a relative link, not this)
-REPO_PATH = re.compile(r"(?<![\w./-])((?:lightning_parallel/[\w./-]*?\.py|docs/[\w./-]*?\.md))(?![\w/-])")
+# a path as the docs write it: not preceded by a path character (``../docs/x.md`` is a relative link, not this) nor
+# by a branch name (``newcomer-axis:lightning_parallel/parallel/scan.py``, git's notation: a file on a kept branch)
+REPO_PATH = re.compile(r"(?<![\w./:-])((?:lightning_parallel/[\w./-]*?\.py|docs/[\w./-]*?\.md))(?![\w/-])")
 BACKTICKED = re.compile(r"`([\w./-]+(?:\.py|/))`")
 
 
