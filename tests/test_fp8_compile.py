@@ -22,7 +22,7 @@ REFERENCES = {"auto": ("auto", [CASE])}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Batch:
-    runs = batch(tmp_path_factory, LAYOUTS, "fp8compile", REFERENCES)
+    runs = batch(tmp_path_factory, LAYOUTS, "fp8compile", REFERENCES, slow_start=300)  # inductor: minutes
     runs.runs["exact"] = (1, "hybrid3d:compile=1", [EXACT])  # inductor with emulate_precision_casts
     runs.runs["eager"] = (1, "hybrid3d", [EXACT])  # the same strategy, eager (the setting reaches no compiler)
     return runs

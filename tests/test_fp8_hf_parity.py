@@ -27,21 +27,22 @@ LAYOUTS = {  # label -> (world, strategy, tp, cases, reference)
 REFERENCES = {"auto": ("auto", [CASE]), "zero3-one": ("hybrid3d:zero_stage=3", [CASE, AG])}
 
 
-def tiny_llama(folder) -> str:
-    """A two-layer Llama written to ``folder`` (save_pretrained, weights drawn after seed 0)."""
+def llama_runs(tmp_path_factory, layouts: dict, references: dict, tag: str) -> Batch:
+    """The ``layouts`` and their references (tests/test_fp8_parity.py's ``batch``) on a two-layer Llama written to a
+    folder of its own (save_pretrained, weights drawn after seed 0)."""
+    folder = tmp_path_factory.mktemp(f"{tag}_llama")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    return str(folder)
+    return batch(tmp_path_factory, layouts, tag, references, worker="hf", path=str(folder))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Batch:
-    path = tiny_llama(tmp_path_factory.mktemp("fp8_llama"))
-    return batch(tmp_path_factory, LAYOUTS, "fp8hf", REFERENCES, worker="hf", path=path)
+    return llama_runs(tmp_path_factory, LAYOUTS, REFERENCES, "fp8hf")
 
 
 @pytest.mark.slow

@@ -6,10 +6,18 @@ bars (4 x the larger one-process perturbation). All slow: world-4 and five world
 
 from __future__ import annotations
 
-import pytest
-from conftest import Batch
-from test_fp8_parity import AG, CASE, ZERO3_ONE, batch, check
+import json
 
+import pytest
+import torch
+from conftest import Batch
+from harness import run_worker
+from test_fp8_bytes import GATHERS, gathered
+from test_fp8_parity import AG, CASE, ZERO3_ONE, batch, check
+from workers.cases.common import TINY
+
+from lightning_parallel.models.gpt import RecipeGPT
+from lightning_parallel.parallel.float8 import Float8Settings, convert, converted_weights
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES
 
 HSDP = {  # label -> (world, strategy, tp, cases, reference)
@@ -45,3 +53,19 @@ def test_fp8_pipeline_schedule_parity(pipeline_runs, label):
     """Each schedule runs the converted layers' forward and backward per micro-batch (zero-bubble schedules split
     the backward into input and weight gradients: torchao's float8 backward through both halves)."""
     check(pipeline_runs, label, PIPELINE)
+
+
+@pytest.mark.slow
+def test_fp8_hsdp_float8_all_gather_bytes(tmp_path_factory):
+    """Under HSDP the units gather within a pair (the shard axis, 2 ranks, as ZeRO-3 at world 2): the float8
+    all-gather saves one byte per converted weight element per gather (tests/test_fp8_bytes.py's formula)."""
+    hsdp = "hybrid3d:dp_shard=2,zero_stage=3"
+    specs = [f"{hsdp}+bf16", f"{hsdp}+fp8ag"]
+    out = tmp_path_factory.mktemp("fp8_hsdp_bytes")
+    counted = run_worker("collectives", 4, ["--opts", json.dumps({"specs": specs})], out, timeout=600)[0]
+    bf16, fp8_ag = (gathered(counted[s]["bytes"]) for s in specs)
+    model = RecipeGPT(TINY)
+    convert(model, Float8Settings(), torch.device("cpu"))
+    numel = sum(model.get_parameter(name).numel() for name in converted_weights(model))
+    print(f"hsdp 2x2, one step, all-gather bytes: bf16-mixed {bf16}, fp8 + float8 all-gather {fp8_ag} ({numel} fp8)")
+    assert fp8_ag == bf16 - GATHERS * numel * (2 - 1)

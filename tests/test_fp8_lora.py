@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from conftest import Batch
 from test_fp8_hf_parity import CASE as HF_CASE
-from test_fp8_hf_parity import tiny_llama
-from test_fp8_parity import batch, check
+from test_fp8_hf_parity import llama_runs
+from test_fp8_parity import check
 from test_hf_lora import LORA
 
 CASE = {**HF_CASE, "name": "fp8_lora", "lora": LORA["llama"]}
@@ -24,8 +24,7 @@ REFERENCES = {"auto": ("auto", [CASE]), "zero3-one": ("hybrid3d:zero_stage=3", [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Batch:
-    path = tiny_llama(tmp_path_factory.mktemp("fp8_lora_llama"))
-    return batch(tmp_path_factory, LAYOUTS, "fp8lora", REFERENCES, worker="hf", path=path)
+    return llama_runs(tmp_path_factory, LAYOUTS, REFERENCES, "fp8lora")
 
 
 @pytest.mark.slow

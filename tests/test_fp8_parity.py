@@ -49,10 +49,19 @@ FAST = "zero3"
 FAST_NOISE = (5.6e-5, 2.1e-4)
 
 
-def batch(tmp_path_factory, layouts: dict, tag: str, references: dict = REFERENCES, worker: str = "gpt", **more) -> Batch:
+def batch(
+    tmp_path_factory,
+    layouts: dict,
+    tag: str,
+    references: dict = REFERENCES,
+    worker: str = "gpt",
+    slow_start: float = 0,
+    **more,
+) -> Batch:
     """The ``layouts`` (label -> (world, strategy, tp, cases, reference)) and their one-process references, each
     with its two perturbations (``-noise``: samples reversed; ``-split``: the batch in two accumulated halves);
-    ``more``: keys added to every case (the hf worker's model folder)."""
+    ``more``: keys added to every case (the hf worker's model folder); ``slow_start``: seconds more per run
+    (compiling)."""
 
     def cases(cases: list[dict], **keys) -> list[dict]:
         return [{**c, **more, **keys} for c in cases]
@@ -63,7 +72,7 @@ def batch(tmp_path_factory, layouts: dict, tag: str, references: dict = REFERENC
         table[ref] = (1, spec, cases(ref_cases))
         table[f"{ref}-noise"] = (1, spec, cases(ref_cases, flip_batch=True))
         table[f"{ref}-split"] = (1, spec, cases(ref_cases, accumulate=2))
-    return Batch(tmp_path_factory, table, tag=tag, worker=worker)
+    return Batch(tmp_path_factory, table, tag=tag, worker=worker, seconds_per_run=slow_start)
 
 
 @pytest.fixture(scope="module")

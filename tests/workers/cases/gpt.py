@@ -116,7 +116,9 @@ def run_case(case: dict, ctx) -> dict:
 
         device = accelerator if accelerator == "cpu" else None
         precision, plugins = None, [Float8Precision(device=device, **case.get("fp8", {}))]
-    if case.get("emulate_precision_casts"):  # inductor keeps eager's low-precision roundings (tests/test_fp8_compile.py)
+    if case.get(
+        "emulate_precision_casts"
+    ):  # inductor keeps eager's low-precision roundings (tests/test_fp8_compile.py)
         import torch._inductor.config
         from torch._dynamo.utils import counters
 

@@ -11,8 +11,8 @@ per epoch, default steps), save and save_step (a checkpoint written at the start
 save_step steps, see ``SaveAt``), resume (ckpt_path for fit), config (instead of path: a tiny transformers config,
 ``model_type`` and its fields, the weights drawn after seed 0; the result then says how each rank holds the experts),
 optimizer ("muon": MuonAdamW, fp32 Newton-Schulz), precision ("fp8": Float8Precision with the case's ``fp8``
-settings; the result's ``fp8_report`` is the plugin's report), flip_batch (each batch's samples reversed), moe_one_group (HF MoE under pp: the old exchange of router sums
-on one group, ``hf/moe_pipeline.py``'s ``_ONE_GROUP``:
+settings; the result's ``fp8_report`` is the plugin's report), flip_batch (each batch's samples reversed),
+moe_one_group (HF MoE under pp: the old exchange of router sums on one group, ``hf/moe_pipeline.py``'s ``_ONE_GROUP``:
 tests/test_hf_moe_pipeline_order.py shows strict mode failing on it).
 """
 
