@@ -1,9 +1,9 @@
 """precision=fp8 with ``compile=True`` (each layer through torch.compile, inductor on the CPU: g++ here) on the recipe
 GPT: compiled in one process and under zero2 at world 2, against the eager one-process reference with the bars of
-tests/test_fp8_parity.py. Inductor compiles torchao's emulated float8 layers into one graph each, but by default it
-elides the round trips through bf16 that eager makes between fused operations (the weight's cast to bf16 before its
-float8 cast): elements land on neighbouring float8 values, so compiled training is another perturbation, not the same
-numbers; with inductor's ``emulate_precision_casts`` the compiled layers give eager's numbers."""
+tests/test_fp8_parity.py. Inductor compiles torchao's emulated float8 layers, but by default it elides the round
+trips through bf16 that eager makes between fused operations (before the float8 casts among them): elements land on
+neighbouring float8 values, so compiled training is another perturbation, not the same numbers; with inductor's
+``emulate_precision_casts`` the compiled layers train as eager ones (fp32's bars)."""
 
 from __future__ import annotations
 

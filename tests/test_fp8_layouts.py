@@ -50,8 +50,8 @@ def test_fp8_hsdp_parity(hsdp_runs, label):
 @pytest.mark.slow
 @pytest.mark.parametrize("label", list(PIPELINE))
 def test_fp8_pipeline_schedule_parity(pipeline_runs, label):
-    """Each schedule runs the converted layers' forward and backward per micro-batch (zero-bubble schedules split
-    the backward into input and weight gradients: torchao's float8 backward through both halves)."""
+    """Each schedule runs the converted layers' forward and backward per micro-batch (the zero-bubble schedules
+    split the backward into input and weight gradients)."""
     check(pipeline_runs, label, PIPELINE)
 
 
