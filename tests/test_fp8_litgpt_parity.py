@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import Batch
-from parity import assert_same_losses
-from test_fp8_parity import bars, param_distance
+from test_fp8_parity import batch, check
 
 litgpt_config = pytest.importorskip("litgpt.config")  # make install installs the litgpt extra
 from litgpt.model import GPT  # noqa: E402
@@ -43,29 +42,10 @@ def runs(tmp_path_factory) -> Batch:
     folder = tmp_path_factory.mktemp("fp8_litgpt")
     save_config(config, folder)
     torch.save(GPT(config).state_dict(), folder / "lit_model.pth")
-
-    def cases(cases: list[dict], **more) -> list[dict]:
-        return [{**c, "path": str(folder), **more} for c in cases]
-
-    table = {label: (world, spec, cases(c)) for label, (world, spec, _, c, _) in LAYOUTS.items()}
-    for ref, (spec, c) in REFERENCES.items():
-        table[ref] = (1, spec, cases(c))
-        table[f"{ref}-noise"] = (1, spec, cases(c, flip_batch=True))
-        table[f"{ref}-split"] = (1, spec, cases(c, accumulate=2))
-    return Batch(tmp_path_factory, table, tag="fp8litgpt", worker="hf")
+    return batch(tmp_path_factory, LAYOUTS, "fp8litgpt", REFERENCES, worker="hf", path=str(folder))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("label", list(LAYOUTS))
 def test_fp8_litgpt_parity(runs, label):
-    world, _, tp, cases, ref = LAYOUTS[label]
-    leaders = list(range(0, world, tp))
-    for case in cases:
-        name = case["name"]
-        rtol, ptol = bars(runs, ref, name, pairs=False)  # the hf worker records one loss per step
-        got, want = runs[label], runs[ref]
-        rel = assert_same_losses(got.losses(name, leaders), want.losses(name), f"litgpt {label} {name}", rtol)
-        diff = param_distance(got.params(name), want.params(name))
-        print(f"fp8 litgpt {label} {name}: loss rel {rel:.1e} (bar {rtol:.1e}), param rms {diff:.1e} (bar {ptol:.1e})")
-        assert diff <= ptol, f"litgpt {label} {name}: parameters {diff:.1e} apart (rms), bar {ptol:.1e}"
-    assert got.case(name)["losses"]  # trained
+    check(runs, label, LAYOUTS, "litgpt", pairs=False)  # the hf worker records one loss per step

@@ -49,14 +49,30 @@ FAST = "zero3"
 FAST_NOISE = (5.6e-5, 2.1e-4)
 
 
-def batch(tmp_path_factory, labels: list[str], tag: str) -> Batch:
-    table = {label: (LAYOUTS[label][0], LAYOUTS[label][1], LAYOUTS[label][3]) for label in labels}
-    for ref in {LAYOUTS[label][4] for label in labels}:
-        spec, cases = REFERENCES[ref]
-        table[ref] = (1, spec, cases)
-        table[f"{ref}-noise"] = (1, spec, [{**c, "flip_batch": True} for c in cases])
-        table[f"{ref}-split"] = (1, spec, [{**c, "accumulate": 2} for c in cases])
-    return Batch(tmp_path_factory, table, tag=tag)
+def batch(
+    tmp_path_factory,
+    layouts: dict,
+    tag: str,
+    references: dict = REFERENCES,
+    worker: str = "gpt",
+    slow_start: float = 0,
+    **more,
+) -> Batch:
+    """The ``layouts`` (label -> (world, strategy, tp, cases, reference)) and their one-process references, each
+    with its two perturbations (``-noise``: samples reversed; ``-split``: the batch in two accumulated halves);
+    ``more``: keys added to every case (the hf worker's model folder); ``slow_start``: seconds more per run
+    (compiling)."""
+
+    def cases(cases: list[dict], **keys) -> list[dict]:
+        return [{**c, **more, **keys} for c in cases]
+
+    table = {label: (world, spec, cases(c)) for label, (world, spec, _, c, _) in layouts.items()}
+    for ref in {layout[4] for layout in layouts.values()}:
+        spec, ref_cases = references[ref]
+        table[ref] = (1, spec, cases(ref_cases))
+        table[f"{ref}-noise"] = (1, spec, cases(ref_cases, flip_batch=True))
+        table[f"{ref}-split"] = (1, spec, cases(ref_cases, accumulate=2))
+    return Batch(tmp_path_factory, table, tag=tag, worker=worker, seconds_per_run=slow_start)
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +84,12 @@ def fast_runs(tmp_path_factory) -> Batch:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Batch:
-    return batch(tmp_path_factory, CORE, "fp8")
+    return batch(tmp_path_factory, {k: LAYOUTS[k] for k in CORE}, "fp8")
 
 
 @pytest.fixture(scope="module")
 def more_runs(tmp_path_factory) -> Batch:
-    return batch(tmp_path_factory, ["zero2-ac", "ep2"], "fp8more")
+    return batch(tmp_path_factory, {k: LAYOUTS[k] for k in ("zero2-ac", "ep2")}, "fp8more")
 
 
 def bars(runs, ref: str, name: str, pairs: bool = True) -> tuple[float, float]:
@@ -102,16 +118,23 @@ def param_distance(got: dict, want: dict) -> float:
     return max((got[k].float() - want[k].float()).pow(2).mean().sqrt().item() for k in want)
 
 
-def check(runs, label: str) -> None:
-    world, _, tp, cases, ref = LAYOUTS[label]
-    leaders = list(range(0, world, tp))
+def check(
+    runs, label: str, layouts: dict = LAYOUTS, what: str = "", leaders: list[int] | None = None, pairs: bool = True
+) -> None:
+    """Each case of ``label`` against its reference, within :func:`bars`; ``what`` names the model in messages;
+    ``leaders``: the ranks whose losses average to the step's loss (default: one per tp group); ``pairs``: as
+    :func:`bars` (the gpt worker records a loss per micro-batch, the hf worker one per step)."""
+    world, _, tp, cases, ref = layouts[label]
+    leaders = list(range(0, world, tp)) if leaders is None else leaders
+    tag = f"{what} {label}".strip()
     for case in cases:
         name = case["name"]
-        rtol, ptol = bars(runs, ref, name)
-        rel = assert_same_losses(runs[label].losses(name, leaders), runs[ref].losses(name), f"{label} {name}", rtol)
+        rtol, ptol = bars(runs, ref, name, pairs)
+        rel = assert_same_losses(runs[label].losses(name, leaders), runs[ref].losses(name), f"{tag} {name}", rtol)
         diff = param_distance(runs[label].params(name), runs[ref].params(name))
-        print(f"fp8 {label} {name}: loss rel {rel:.1e} (bar {rtol:.1e}), param rms {diff:.1e} (bar {ptol:.1e})")
-        assert diff <= ptol, f"{label} {name}: parameters {diff:.1e} apart (rms), bar {ptol:.1e}"
+        print(f"fp8 {tag} {name}: loss rel {rel:.1e} (bar {rtol:.1e}), param rms {diff:.1e} (bar {ptol:.1e})")
+        assert diff <= ptol, f"{tag} {name}: parameters {diff:.1e} apart (rms), bar {ptol:.1e}"
+        assert runs[label].case(name)["losses"]  # trained
 
 
 def test_fp8_parity_fast(fast_runs):

@@ -35,7 +35,30 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class Float8Precision(MeshMixedPrecision):
+class _Float8Converts:
+    """What both plugins share: the settings, the ``bf16-mixed`` autocast under them, and the conversion when the
+    strategy takes the model (``convert_module``, before pp, tp or ZeRO split it)."""
+
+    device: str
+
+    def __init__(
+        self,
+        recipe: str = "tensorwise",
+        fsdp_float8_all_gather: bool = False,
+        keep: tuple[str, ...] = KEEP_HIGH_PRECISION,
+        emulate: bool | None = None,
+        device: str | None = None,
+    ) -> None:
+        self.settings = Float8Settings(recipe, fsdp_float8_all_gather, tuple(keep), emulate)
+        super().__init__("bf16-mixed", device or _default_device())  # type: ignore[call-arg]  (the precision base)
+        self.report: dict[str, str] = {}  # Linear path -> "float8" or why it stayed in high precision
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        self.report.update(convert(module, self.settings, torch.device(self.device)))
+        return module
+
+
+class Float8Precision(_Float8Converts, MeshMixedPrecision):
     """FP8 training for ``Trainer``: the Linear layers in float8 (torchao), the rest under ``bf16-mixed``.
 
     Args:
@@ -46,23 +69,6 @@ class Float8Precision(MeshMixedPrecision):
         device: the autocast device type (default: ``"cuda"`` when a GPU is there, else ``"cpu"``).
     """
 
-    def __init__(
-        self,
-        recipe: str = "tensorwise",
-        fsdp_float8_all_gather: bool = False,
-        keep: tuple[str, ...] = KEEP_HIGH_PRECISION,
-        emulate: bool | None = None,
-        device: str | None = None,
-    ) -> None:
-        self.settings = Float8Settings(recipe, fsdp_float8_all_gather, tuple(keep), emulate)
-        super().__init__("bf16-mixed", device or _default_device())
-        self.report: dict[str, str] = {}  # Linear path -> "float8" or why it stayed in high precision
-
-    @override
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        self.report.update(convert(module, self.settings, torch.device(self.device)))
-        return module
-
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self.clip_fn is None:  # Lightning's own strategies: its clipping
@@ -70,26 +76,9 @@ class Float8Precision(MeshMixedPrecision):
         return super().clip_grad_by_norm(optimizer, clip_val)
 
 
-class Float8FabricPrecision(FabricMixedPrecision):
+class Float8FabricPrecision(_Float8Converts, FabricMixedPrecision):
     """FP8 training for ``Fabric`` (the same settings as :class:`Float8Precision`): ``fabric.setup(model)`` converts
     the model's Linear layers before the strategy splits it."""
-
-    def __init__(
-        self,
-        recipe: str = "tensorwise",
-        fsdp_float8_all_gather: bool = False,
-        keep: tuple[str, ...] = KEEP_HIGH_PRECISION,
-        emulate: bool | None = None,
-        device: str | None = None,
-    ) -> None:
-        self.settings = Float8Settings(recipe, fsdp_float8_all_gather, tuple(keep), emulate)
-        super().__init__("bf16-mixed", device or _default_device())
-        self.report: dict[str, str] = {}
-
-    @override
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        self.report.update(convert(module, self.settings, torch.device(self.device)))
-        return module
 
 
 def float8_plugin(settings: Any, accelerator: str) -> Float8Precision:

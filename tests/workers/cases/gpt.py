@@ -12,6 +12,8 @@ inject_rank, default 0, in one element of its first parameter's local gradient: 
 rank); with a precision set, the loss scale and a checksum of this rank's parameters are recorded per step.
 
 Also: flip_batch (each batch's samples reversed: the same math in another summation order, a noise floor),
+emulate_precision_casts (inductor's setting of that name on for the rest of the launch, compiled graphs and their count
+reset: compiled layers round to bf16 where eager does),
 image_size (VGG: the random images' height and width, default 32), activation_memory (the training batch
 whose activation bytes ActivationMemoryMonitor records, 0: first), trace_step (the training batch whose collectives
 strict mode's trace records: the result's ``trace``, rows of op, group_size, dtype, bytes; cases/trace_step.py).
@@ -114,6 +116,15 @@ def run_case(case: dict, ctx) -> dict:
 
         device = accelerator if accelerator == "cpu" else None
         precision, plugins = None, [Float8Precision(device=device, **case.get("fp8", {}))]
+    if case.get(
+        "emulate_precision_casts"
+    ):  # inductor keeps eager's low-precision roundings (tests/test_fp8_compile.py)
+        import torch._inductor.config
+        from torch._dynamo.utils import counters
+
+        torch._inductor.config.emulate_precision_casts = True
+        torch._dynamo.reset()  # no graph compiled before the setting is reused; compiled_graphs counts this run's
+        counters.clear()
     if case.get("sync_bn") == "plugin":
         plugins.append(DataParallelSyncBatchNorm())
     logger = False

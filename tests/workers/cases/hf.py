@@ -11,8 +11,8 @@ per epoch, default steps), save and save_step (a checkpoint written at the start
 save_step steps, see ``SaveAt``), resume (ckpt_path for fit), config (instead of path: a tiny transformers config,
 ``model_type`` and its fields, the weights drawn after seed 0; the result then says how each rank holds the experts),
 optimizer ("muon": MuonAdamW, fp32 Newton-Schulz), precision ("fp8": Float8Precision with the case's ``fp8``
-settings), flip_batch (each batch's samples reversed), moe_one_group (HF MoE under pp: the old exchange of router sums
-on one group, ``hf/moe_pipeline.py``'s ``_ONE_GROUP``:
+settings; the result's ``fp8_report`` is the plugin's report), flip_batch (each batch's samples reversed),
+moe_one_group (HF MoE under pp: the old exchange of router sums on one group, ``hf/moe_pipeline.py``'s ``_ONE_GROUP``:
 tests/test_hf_moe_pipeline_order.py shows strict mode failing on it).
 """
 
@@ -144,6 +144,7 @@ def run_case(case: dict, ctx) -> dict:
     result = {"name": case["name"], "losses": losses, "bytes_read": getattr(model, "weight_bytes_read", 0)}
     optimizer = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0]) if trainer.optimizers else None
     result["muon_exchange"] = dict(getattr(optimizer, "exchange", {}))  # MuonAdamW: the last step's exchange
+    result["fp8_report"] = dict(getattr(trainer.precision_plugin, "report", {}))  # fp8: Linear path -> float8 or why
     result.update(probes[0].result() if probes else {})
     result.update(experts_held(model) if case.get("config") else {})
     return {**result, **(frozen_report(model, trainer) if peft else {})}
