@@ -31,6 +31,9 @@ LAYOUTS = {  # label -> (world, strategy, model, tp)
     # world 4: four data-parallel ranks, the experts split over ep=2 inside them, ZeRO-3
     "mixtral dp4 ep2 zero3": (4, "hybrid3d:ep=2,zero_stage=3", "mixtral", 1),
 }
+# pp=2 x ep=2 (dp=2 inside each stage) with 2 pipeline microbatches, the model without HF's load-balancing loss
+# (under pp each microbatch is a batch of that loss: another loss than one process's), against its own reference
+PIPELINE = {"mixtral pp2 ep2 noaux": (4, "hybrid3d:pp=2,ep=2,microbatches=2", "mixtral", 1)}
 
 
 def case(model: str, **more) -> list[dict]:
@@ -47,6 +50,7 @@ def runs(tmp_path_factory) -> Batch:
     two quantized halves. HF's load-balancing loss is a product of batch means, so two accumulated halves change
     the loss itself: for the MoE models the halves' noise is measured on the model without it (``-noaux``)."""
     table = {label: (world, spec, case(model)) for label, (world, spec, model, _) in LAYOUTS.items()}
+    table.update({label: (w, spec, case(m, config=without_aux(m))) for label, (w, spec, m, _) in PIPELINE.items()})
     for model in MODELS:
         table[f"{model}-one"] = (1, "auto", case(model))
         table[f"{model}-one-noise"] = (1, "auto", case(model, flip_batch=True))
@@ -87,3 +91,17 @@ def test_fp8_hf_family_parity(runs, label):
     if "ep2" in label:  # the experts were split: each rank holds E/ep of each layer's
         held = got.case(model)["experts_held"]
         assert held and all("ep" in axes for _, axes in held.values()), held
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(PIPELINE))
+def test_fp8_hf_moe_pipeline_parity(runs, label):
+    world, _, model, _ = PIPELINE[label]
+    rtol, ptol = family_bars(runs, model)
+    got, want = runs[label], runs[f"{model}-noaux"]
+    rel = assert_same_losses(got.losses(model, [0, 1]), want.losses(model), f"fp8 {label}", rtol)
+    diff = param_distance(got.params(model), want.params(model))
+    print(f"fp8 {label}: loss rel {rel:.1e} (bar {rtol:.1e}), param rms {diff:.1e} (bar {ptol:.1e})")
+    assert diff <= ptol, f"fp8 {label}: parameters {diff:.1e} apart (rms), bar {ptol:.1e}"
+    held = [axes for rank in range(world) for _, axes in got.case(model, rank)["experts_held"].values()]
+    assert held and all("ep" in axes for axes in held), held

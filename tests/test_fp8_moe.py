@@ -207,3 +207,12 @@ def test_the_planner_counts_the_experts_in_fp8_only_where_they_run_in_fp8():
         assert est.counts["fp8_flop_share"] == fp8_flop_share(shape, 128, device)
     # an expert width that is no multiple of 16 keeps the experts in bf16 on the H100 too
     assert converted_kinds(from_hf_config({**fields, "intermediate_size": 120}), h100) == {"attention"}
+
+
+def test_hf_experts_it_does_not_handle_keep_hf_forward():
+    """Experts with biases or transposed weights (GPT-OSS's layout) keep HF's forward, and the report says so."""
+    experts = build("mixtral").model.layers[0].mlp.experts
+    experts.has_bias = True
+    cls = type(experts)
+    assert float8_experts._convert_one(experts, BF16, "test").startswith("HF's own forward (has_bias)")
+    assert type(experts) is cls
