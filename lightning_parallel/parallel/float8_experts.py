@@ -38,7 +38,7 @@ from lightning_parallel.parallel.dtensor import local
 log = logging.getLogger(__name__)
 
 FLOAT8, BF16 = "float8", "bf16"
-GROUPED_CAPABILITY = (9, 0)  # torch._scaled_grouped_mm: Hopper (sm90) and Blackwell
+GROUPED_CAPABILITY = (9, 0)  # torch._scaled_grouped_mm: Hopper (sm90) onwards (not run on a GPU here)
 ALIGN = 16  # the float8 grouped GEMM's rows per group, and both weight dimensions, in multiples of 16
 _said: list[tuple[str, str]] = []
 
