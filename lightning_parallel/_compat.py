@@ -101,6 +101,14 @@ def float8_gather_ops() -> tuple[dict, list[Any]]:
     return float8_ops.FLOAT8_OPS_TABLE, ops
 
 
+def float8_grouped_mm() -> Any:
+    """torchao 0.18's rowwise float8 grouped GEMM, ``_to_fp8_rowwise_then_scaled_grouped_mm(A, B_t, offs, out_dtype,
+    float8_dtype, pad_token_groups_for_grouped_mm)`` (prototype, CUDA only: parallel/float8_experts.py)."""
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    return _to_fp8_rowwise_then_scaled_grouped_mm
+
+
 # Even collectives into / out of one flat tensor (public API). torch 2.13 names them ``all_gather_single`` and
 # ``reduce_scatter_single`` (the old names warn: deprecated); torch 2.11 has only ``all_gather_into_tensor`` and
 # ``reduce_scatter_tensor``, with the same arguments. Looked up at each call, so whatever wraps torch's own (a

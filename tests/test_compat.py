@@ -5,6 +5,7 @@ Lightning, no module past the size the house style allows."""
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import re
 from pathlib import Path
@@ -44,6 +45,10 @@ def test_private_apis_resolve():
     assert callable(_compat.mem_tracker().get_tracker_snapshot) and callable(_compat.resolve_group)
     table, ops = _compat.float8_gather_ops()  # torchao's float8 all-gather entries (parallel/float8.py)
     assert all(callable(table[op]) for op in ops)
+    grouped = inspect.signature(_compat.float8_grouped_mm())  # the experts' float8 grouped GEMM (float8_experts.py)
+    assert (
+        list(grouped.parameters)[:3] == ["A", "B_t", "offs"] and "pad_token_groups_for_grouped_mm" in grouped.parameters
+    )
     from torch.distributed._tools.mem_tracker import MemTracker  # the frozen parameters' hooks are skipped there
 
     assert callable(MemTracker._track_module_params_and_buffers)

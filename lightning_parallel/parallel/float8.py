@@ -149,10 +149,12 @@ def convert(model: nn.Module, settings: Float8Settings, device: torch.device) ->
     """Swap ``model``'s Linear layers for torchao's ``Float8Linear`` in place (before any parallelism splits it).
 
     Returns:
-        path -> ``"float8"`` or the reason it stayed in high precision, for every Linear layer.
+        path -> ``"float8"`` or the reason it stayed in high precision, for every Linear layer; and for every MoE
+        experts module how its grouped multiply runs (:mod:`.float8_experts`).
     """
     float8 = _need_torchao()
-    config = settings.torchao_config(resolve_emulate(settings, device))
+    emulate = resolve_emulate(settings, device)
+    config = settings.torchao_config(emulate)
     _host_gathers_as_bytes()
     report: dict[str, str] = {}
     for path, module in model.named_modules():
@@ -167,7 +169,9 @@ def convert(model: nn.Module, settings: Float8Settings, device: torch.device) ->
         if type(module) is float8.float8_linear.Float8Linear:
             module.__class__ = _mixed_class()
             module.register_state_dict_post_hook(_plain_weights)
-    return report
+    from lightning_parallel.parallel.float8_experts import convert_experts  # experts: stacked weights, no Linear
+
+    return {**report, **convert_experts(model, device, emulate)}
 
 
 _PATCHED: list[bool] = []

@@ -325,6 +325,7 @@ class SeededInit:
     """
 
     def __init__(self, model: nn.Module, init: Callable[[nn.Module], None], seed: int | None = None) -> None:
+        self.model = model
         self.paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
         self.modules = list(model.modules())  # kept alive (a pipeline split drops other stages'): ids stay theirs
         self.init, self.seed = init, torch.initial_seed() if seed is None else seed
@@ -343,6 +344,11 @@ class SeededInit:
 
     @torch.no_grad()
     def __call__(self, module: nn.Module) -> None:
+        if id(module) not in self.paths:  # swapped in since (fp8's Float8Linear): the module now at its path
+            for path, m in self.model.named_modules(remove_duplicate=False):
+                if id(m) not in self.paths:
+                    self.paths[id(m)] = path
+                    self.modules.append(m)
         if id(module) not in self.paths:
             module.reset_parameters()
             return

@@ -98,7 +98,7 @@ class _Rank:
         self.b = work.global_batch // x.dp // microbatches(x, work)
         self.tokens = self.b * work.seq_len / x.cp  # T: tokens through the rank per microbatch
         self.r = x.tp if x.sequence_parallel else 1  # what divides the replicated (h-wide) activations
-        self.fp8 = converted_kinds(shape) if work.precision == FP8 else frozenset()  # the kinds run in fp8
+        self.fp8 = converted_kinds(shape, cluster.device) if work.precision == FP8 else frozenset()  # run in fp8
         self.dense, self.moe = _stage_layers(shape, x)
         # Muon's matrix elements and the fp8-converted weights' (elements, tensors) on this rank (its tp shard)
         self.muon = muon_params(shape, self.dense, self.moe) / x.tp if work.optimizer == "muon" else 0.0
@@ -160,8 +160,9 @@ class _Rank:
         if moe:
             local = s.experts / self.x.ep
             per_expert = T * s.top_k * self.x.ep / s.experts  # tokens each local expert gets (uniform routing)
-            time += self.gemm(per_expert, s.hidden, width * s.moe_ffn / t, local)
-            time += self.gemm(per_expert, s.moe_ffn / t, s.hidden, local) + self.gemm(T, s.hidden, s.experts)
+            time += self.gemm(per_expert, s.hidden, width * s.moe_ffn / t, local, kind="expert")
+            time += self.gemm(per_expert, s.moe_ffn / t, s.hidden, local, kind="expert")
+            time += self.gemm(T, s.hidden, s.experts)  # the router
         ffn = s.shared_ffn if moe else s.ffn
         time += self.gemm(T, s.hidden, width * ffn / t, kind="mlp") + self.gemm(T, ffn / t, s.hidden, kind="mlp")
         hbm = self.c.device.hbm_bandwidth
@@ -172,7 +173,7 @@ class _Rank:
         """HBM bytes of one layer's forward casts to fp8: each converted linear's input read for its amax, read
         again and written in 1 byte (:data:`.fp8.CAST_BYTES` an element; the backward's casts of the output
         gradients and the transposes follow as twice it, as its matmuls do)."""
-        inputs = sum(m.cols / (self.x.tp if m.name in ROW_PARALLEL else 1)
+        inputs = sum(m.cols / (self.x.tp if m.name in ROW_PARALLEL else 1) * (self.s.top_k if m.kind == "expert" else 1)
                      for m in layer_matrices(self.s, moe) if m.kind in self.fp8 and m.numel)  # fmt: skip
         return CAST_BYTES * self.tokens * inputs
 
@@ -318,7 +319,7 @@ def _dp_time(r: _Rank, params: tuple[float, float], compute: float, m: int, unit
 def _counts(r: _Rank, held: float, m: int) -> dict[str, float]:
     """The FLOP share in fp8 and the bytes ZeRO-3's all-gathers send per step (:attr:`AnalyticEstimate.counts`)."""
     x, w = r.x, r.w
-    counts = {"fp8_flop_share": fp8_flop_share(r.s, w.seq_len) if r.fp8 else 0.0, "zero3_gather_bytes": 0.0}
+    counts = {"fp8_flop_share": fp8_flop_share(r.s, w.seq_len, r.c.device) if r.fp8 else 0.0, "zero3_gather_bytes": 0.0}
     shard = shard_degree(x.dp, x.cp, x.dp_shard)
     if x.zero_stage == 3 and shard > 1:
         payload = gather_payload(held, r.fp8_held, w.fsdp_float8_all_gather) if r.fp8 else r.a * held
@@ -364,7 +365,7 @@ def mixed_peak(shape: ModelShape, device: Device, work: Workload) -> float:
     at the peaks, ``1 / (f / fp8_peak + (1 - f) / bf16_peak)`` for the fp8 share ``f``."""
     if work.precision != FP8:
         return device.peak_flops
-    share = fp8_flop_share(shape, work.seq_len)
+    share = fp8_flop_share(shape, work.seq_len, device)
     return 1.0 / (share / device.fp8_flops + (1 - share) / device.peak_flops)
 
 

@@ -4,12 +4,14 @@ What ``precision="fp8"`` changes in a plan:
 
 - Which matmuls run in fp8: the linears torchao converts, the attention projections and the dense (and
   shared-expert) MLP linears whose both dimensions are multiples of 16 (:func:`converted`). Kept in bf16 by name:
-  the embeddings, the output head, the routers and the routed experts (their grouped multiply is bf16 here), and
-  the attention core (softmax(QK^T)V is no linear). A converted linear's three matmuls (forward, input gradient,
-  weight gradient) run at the device's fp8 peak (:attr:`.cluster.Device.fp8_flops`) times the same large-GEMM
-  efficiency as bf16's; the rest at the bf16 peak. The casts to fp8 are memory traffic: each converted linear's
-  input read for its amax, read again and written in 1 byte (:data:`CAST_BYTES`), the backward's casts (output
-  gradients, transposes) twice that, at HBM bandwidth.
+  the embeddings, the output head, the routers, and the attention core (softmax(QK^T)V is no linear). The routed
+  experts' grouped multiply runs in fp8 where the runtime gives it torchao's float8 grouped GEMM (CUDA compute
+  capability 9.0 and up: :data:`FP8_GROUPED_DEVICES`, ``parallel/float8_experts.py``) and their dimensions are
+  multiples of 16, in bf16 elsewhere (:func:`experts_in_fp8`); their weights are never gathered in fp8. A converted
+  linear's three matmuls (forward, input gradient, weight gradient) run at the device's fp8 peak
+  (:attr:`.cluster.Device.fp8_flops`) times the same large-GEMM efficiency as bf16's; the rest at the bf16 peak.
+  The casts to fp8 are memory traffic: each converted linear's input read for its amax, read again and written in
+  1 byte (:data:`CAST_BYTES`), the backward's casts (output gradients, transposes) twice that, at HBM bandwidth.
 - The share of the FLOPs that run in fp8 (:func:`fp8_flop_share`): the converted linears' FLOPs over the FLOPs
   MFU counts (6 N per token and causal attention, the head included).
 - ZeRO-3 with ``fsdp_float8_all_gather``: the converted linears' weights are all-gathered as 1-byte fp8 elements,
@@ -27,20 +29,33 @@ from lightning_parallel.planning.matrices import Matrix, stage_matrices
 
 FP8 = "fp8"
 FP8_MULTIPLE = 16  # torch._scaled_mm needs both dimensions of each operand divisible by 16
-CONVERTED_KINDS = ("attention", "mlp")
+CONVERTED_KINDS = ("attention", "mlp")  # the Float8Linear layers (their weights gathered in fp8 with float8 all-gather)
+# devices whose routed experts multiply in fp8 (torchao's float8 grouped GEMM: CUDA, compute capability 9.0 and up)
+FP8_GROUPED_DEVICES = frozenset({"h100", "h200"})
 AMAX_BYTES = 4  # one fp32 amax per converted weight, all-reduced before each fp8 all-gather
 CAST_BYTES = 5  # HBM bytes per element of a converted linear's input, forward: amax read (2), cast read (2), write (1)
 
 
 def converted(m: Matrix) -> bool:
     """Whether torchao's float8 conversion takes this linear (as the FP8 module filter does)."""
-    return m.kind in CONVERTED_KINDS and m.rows % FP8_MULTIPLE == 0 and m.cols % FP8_MULTIPLE == 0
+    return m.kind in CONVERTED_KINDS and _fits(m)
 
 
-def converted_kinds(shape: ModelShape) -> frozenset[str]:
-    """The kinds (``attention``, ``mlp``) whose every linear is converted: their matmuls run in fp8."""
+def experts_in_fp8(device: Device | None) -> bool:
+    """Whether the routed experts' grouped multiply runs in fp8 on ``device`` (None: unknown, bf16)."""
+    return device is not None and device.name in FP8_GROUPED_DEVICES
+
+
+def converted_kinds(shape: ModelShape, device: Device | None = None) -> frozenset[str]:
+    """The kinds (``attention``, ``mlp``; ``expert`` where :func:`experts_in_fp8` on ``device``) whose every matmul
+    runs in fp8 (both dimensions multiples of 16)."""
     every = stage_matrices(shape, 1, 1)
-    return frozenset(k for k in CONVERTED_KINDS if all(converted(m) for m, _ in every if m.kind == k and m.numel))
+    kinds = CONVERTED_KINDS + (("expert",) if experts_in_fp8(device) else ())
+    return frozenset(k for k in kinds if all(_fits(m) for m, _ in every if m.kind == k and m.numel))
+
+
+def _fits(m: Matrix) -> bool:
+    return m.rows % FP8_MULTIPLE == 0 and m.cols % FP8_MULTIPLE == 0
 
 
 def converted_params(shape: ModelShape, dense: int, moe: int) -> tuple[int, int]:
@@ -49,12 +64,14 @@ def converted_params(shape: ModelShape, dense: int, moe: int) -> tuple[int, int]
     return sum(m.numel * n for m, n in held), sum(n for _, n in held)
 
 
-def fp8_flop_share(shape: ModelShape, seq_len: int) -> float:
+def fp8_flop_share(shape: ModelShape, seq_len: int, device: Device | None = None) -> float:
     """The fraction of the FLOPs MFU counts (per token: 2 x the active parameters, the head's included, and causal
-    attention) that the converted linears do: the same for forward and backward."""
-    kinds = converted_kinds(shape)
-    fp8 = sum(2 * m.numel * n for m, n in stage_matrices(shape, shape.dense_layers_count(), shape.moe_layers)
-              if m.kind in kinds)  # fmt: skip
+    attention) that run in fp8 on ``device`` (:func:`converted_kinds`; a token's routed experts: top-k of them):
+    the same for forward and backward."""
+    kinds = converted_kinds(shape, device)
+    every = stage_matrices(shape, shape.dense_layers_count(), shape.moe_layers)
+    fp8 = sum(2 * m.rows * m.cols * (shape.top_k if m.kind == "expert" else m.count) * n
+              for m, n in every if m.kind in kinds)  # fmt: skip
     attention = seq_len * shape.heads * (shape.qk_head_dim + shape.v_head_dim) * shape.layers  # causal: half
     return fp8 / (2 * shape.active_params() + attention)
 

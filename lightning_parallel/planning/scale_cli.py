@@ -96,7 +96,7 @@ def make_scale_plan(
     check_fp8_device(device, work.precision)
     plan: dict[str, Any] = {"model": shape.name or args.model, "shape": asdict(shape), "params": shape.num_params()}
     plan.update(active_params=shape.active_params(), cluster=asdict(cluster), workload=asdict(work))
-    plan["fp8_flop_share"] = fp8_flop_share(shape, seq) if work.precision == FP8 else 0.0
+    plan["fp8_flop_share"] = fp8_flop_share(shape, seq, device) if work.precision == FP8 else 0.0
     if args.layout is not None:
         error = layout_error(shape, args.layout, work, cluster.gpus, cluster.gpus_per_node)
         error = error or (refuses(args.layout) if refuses else "")
