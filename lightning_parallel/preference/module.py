@@ -160,6 +160,15 @@ class PreferenceTuning:
             plan |= {f"{COPY_NAME}.{k[len(prefix) :]}": v for k, v in plan.items() if k.startswith(prefix)}
         return plan
 
+    def expert_parallel_plan(self) -> dict[str, Any]:
+        """The policy's expert plan (a MoE's; none for a model without one), and the same styles for the reference
+        copy's experts (split over ep as the policy's)."""
+        own = getattr(super(), "expert_parallel_plan", None)
+        plan = dict(own()) if own is not None else {}
+        if COPY_NAME in self._modules:
+            plan |= {f"{COPY_NAME}.{k[len('model.') :]}": v for k, v in plan.items() if k.startswith("model.")}
+        return plan
+
     def configure_optimizers(self) -> Any:
         return super().configure_optimizers()  # requires_grad only: the reference copy is frozen
 
