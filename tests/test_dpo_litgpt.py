@@ -9,16 +9,18 @@ base model's log-probabilities, conversations read with LitGPT's prompt style.""
 from __future__ import annotations
 
 import pytest
+import test_dpo_parity
 import torch
 from conftest import Batch
 from parity import assert_same_losses, assert_same_params
 from test_dpo_parity import BETA, GLOBAL_BATCH, LR, SEQ_LEN, STEPS, global_batches, reference_of
-from test_dpo_parity import dpo_setup  # noqa: F401  (the module fixture, shared)
 
 from lightning_parallel.preference.data import PreferencePairs
 from lightning_parallel.preference.loss import sequence_logps
 from lightning_parallel.preference.module import DPOSettings, as_dpo
 from lightning_parallel.preference.reference import COPY_NAME, adapters_off
+
+dpo_setup = test_dpo_parity.dpo_setup  # the pairs, their cache and tokenizer (a module fixture)
 
 litgpt = pytest.importorskip("litgpt")
 
@@ -190,3 +192,38 @@ def test_pairs_without_attention_mask_hold_the_same_rows(dpo_setup):
     positions = torch.arange(mask.shape[-1])
     assert torch.equal(mask.bool(), positions < last)  # padding only after the sequence
     assert not (answers & ~mask.bool()).any()
+
+
+def test_the_recipe_takes_litgpt(tmp_path, monkeypatch):
+    """``recipes/dpo.py model=litgpt_chat_tiny``: the parent builds the cache of the default (conversational) pairs
+    with LitGPT's tokenizer, the prompt written in the folder's prompt style; the rows carry no attention mask."""
+    from test_dpo_recipe import compose_dpo
+
+    from lightning_parallel.recipes.dpo import check_dpo_config
+    from lightning_parallel.recipes.dpo_data import preference_splits
+    from lightning_parallel.recipes.finetune_data import tokenizer_of
+
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_dpo(f"assets={tmp_path / 'dpo'}", "model=litgpt_chat_tiny")
+    check_dpo_config(cfg)
+    item = preference_splits(cfg)[0][0]
+    assert "attention_mask" not in item
+    start = int((item["labels"][0] != -100).nonzero()[0])  # the first answer token
+    tokenizer = tokenizer_of(cfg)
+    assert tokenizer.is_litgpt
+    assert tokenizer.decode(item["input_ids"][0, :start].tolist()).startswith("Instruct: ")  # phi-2's style
+
+
+@pytest.mark.slow
+def test_the_recipe_learns_the_preferences_with_litgpt(tmp_path):
+    """``python recipes/dpo.py model=litgpt_chat_tiny``: LitGPT's LoRA, held-out accuracy from 0 to above 0.8."""
+    import json
+
+    from recipe_runs import ROOT, run
+
+    run(tmp_path, ROOT / "recipes" / "dpo.py", "model=litgpt_chat_tiny", timeout=1200)
+    (metrics_file,) = (tmp_path / "outputs").glob("*/*/metrics.json")
+    dpo = json.loads(metrics_file.read_text())["dpo"]
+    assert dpo["before"]["accuracy"] == 0.0 and dpo["before"]["margin"] == 0.0
+    assert dpo["after"]["accuracy"] > 0.8 and dpo["after"]["margin"] > 1.0, dpo
+    assert dpo["reference"] == "adapters" and dpo["reference_bytes_per_rank"] == [0]

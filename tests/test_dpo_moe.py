@@ -11,15 +11,17 @@ computes none."""
 from __future__ import annotations
 
 import pytest
+import test_dpo_parity
 import torch
 from conftest import Batch
 from parity import assert_same_losses, assert_same_params
 from test_dpo_parity import BETA, GLOBAL_BATCH, SEQ_LEN, STEPS, global_batches, reference_of
-from test_dpo_parity import dpo_setup  # noqa: F401  (the module fixture, shared)
 
 from lightning_parallel.preference.data import PreferencePairs
 from lightning_parallel.preference.module import DPOSettings, as_dpo
 from lightning_parallel.preference.reference import COPY_NAME
+
+dpo_setup = test_dpo_parity.dpo_setup  # the pairs, their cache and tokenizer (a module fixture)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -107,6 +109,8 @@ def test_dpo_moe_parity(label, slow_runs, dpo_setup):
     run = slow_runs[label]
     loss_rel = assert_same_losses(run.losses("train"), want_losses, label)
     param_abs = assert_same_params(run.params("train"), want_params, label)
+    if reference_of(label) == "copy":  # the frozen copy's experts split over ep as the policy's
+        assert all(run.case("train", r)["copy_expert_params"] > 0 for r in range(world)), label
     print(f"{label}: max loss rel diff {loss_rel:.1e}, max param abs diff {param_abs:.1e}")
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 
+from lightning_parallel.parallel.expert.apply import is_expert_param
 from lightning_parallel.preference.data import PreferencePairs
 from lightning_parallel.preference.module import DPOSettings, as_dpo
 from lightning_parallel.preference.reference import COPY_NAME
@@ -61,9 +62,11 @@ def run_case(case: dict, ctx) -> dict:
     callbacks = [Precompute(data, micro)] if case["reference"] == "precomputed" else []
     trainer = make_trainer(world, strategy_obj, max_steps=case["steps"], callbacks=callbacks)
     trainer.fit(model, datamodule=ShardedData(data, micro))
+    copy = getattr(model, COPY_NAME, None)  # its experts split over ep as the policy's (a MoE's)
+    split = sum(is_expert_param(p) for p in copy.parameters()) if copy is not None else 0
     path = out / f"{case['name']}_params.pt"
     save_full_params(trainer, model, path)
     if trainer.global_rank == 0:
         state = torch.load(path, weights_only=True)
         torch.save({k: v for k, v in state.items() if not k.startswith(COPY_NAME + ".")}, path)
-    return {"name": case["name"], "losses": losses}
+    return {"name": case["name"], "losses": losses, "copy_expert_params": split}
