@@ -221,7 +221,7 @@ def test_the_recipe_learns_the_preferences_with_litgpt(tmp_path):
 
     from recipe_runs import ROOT, run
 
-    run(tmp_path, ROOT / "recipes" / "dpo.py", "model=litgpt_chat_tiny", timeout=1200)
+    run(tmp_path, ROOT / "recipes" / "dpo.py", "model=litgpt_chat_tiny", timeout=1800)
     (metrics_file,) = (tmp_path / "outputs").glob("*/*/metrics.json")
     dpo = json.loads(metrics_file.read_text())["dpo"]
     assert dpo["before"]["accuracy"] == 0.0 and dpo["before"]["margin"] == 0.0

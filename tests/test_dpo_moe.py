@@ -148,3 +148,15 @@ def _recording(method, model, calls: list):
         return method(*args, **kwargs)
 
     return recorded
+
+
+@pytest.mark.slow
+def test_the_load_balancing_loss_changes_the_training(dpo_setup):
+    """The parity runs test the load-balancing loss's gradient too: without it (coefficient 0) the one-process
+    training of the LoRA case ends elsewhere, by more than the 1e-5 bar."""
+    cache = dpo_setup["cache"]
+    case = case_of("mixtral ep2 lora", cache, vocab_of(cache))
+    with_aux = plain_training(case, dpo_setup, 1)[1]
+    case["config"] = {**case["config"], "router_aux_loss_coef": 0.0}
+    without = plain_training(case, dpo_setup, 1)[1]
+    assert max((with_aux[k] - without[k]).abs().max().item() for k in with_aux) > 1e-4

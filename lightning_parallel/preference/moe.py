@@ -5,7 +5,8 @@ TRL (``trl/trainer/dpo_trainer.py``, trl 1.16.0):
 
 - lines 895-905: the auxiliary loss is on when the model's config has ``output_router_logits`` (whatever its value)
   and the coefficient is not 0; the coefficient is the config's ``router_aux_loss_coef`` (``DPOConfig`` may override
-  it: this package has no such setting; change the config's);
+  it, 0 turning it off: here set the config's ``router_aux_loss_coef`` to 0 for that, since
+  ``output_router_logits=False`` alone is overridden as TRL overrides it);
 - lines 1292-1295: the policy's forward asks for the router logits (``output_router_logits=True``);
 - lines 1321-1323: the reference's forward does not (its auxiliary loss would be thrown away);
 - lines 1530-1532: ``loss = loss + router_aux_loss_coef * outputs.aux_loss``, the DPO loss (the mean over the
