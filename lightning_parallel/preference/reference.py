@@ -5,7 +5,8 @@
 - ``copy`` (without): a frozen copy of the model, a submodule of the LightningModule (``reference_model``), so every
   layout splits it as it splits the policy: its tensor-parallel plan (and a MoE's expert plan) is the policy's under
   the copy's names, ZeRO-3 makes its blocks units of their own (sharded over the same ranks), ZeRO 0-2 keep it whole
-  (it has no gradient and no optimizer state); its values are the policy's initial ones, copied shard by shard once the model is split;
+  (it has no gradient and no optimizer state); its values are the policy's initial ones, copied shard by shard once
+  the model is split;
 - ``precomputed`` (``dpo.precompute_reference=true``): the summed answer log-probabilities of every pair by the model
   as it starts, computed in one pass before training (each data-parallel rank its share, gathered) and kept with the
   pairs: 8 bytes a pair.
