@@ -183,7 +183,7 @@ def test_single_turn_conversations_in_litgpt_prompt_style():
         single_turn_text(prompt + prompt, chosen, rejected)
 
 
-def test_pairs_without_attention_mask_hold_the_same_rows(dpo_setup):
+def test_pairs_are_padded_after_their_answers(dpo_setup):
     """LitGPT reads the pairs without attention mask: padded on the right, after every answer token."""
     batch = global_batches(dpo_setup)[0]
     mask = batch["attention_mask"]
