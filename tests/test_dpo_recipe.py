@@ -38,7 +38,6 @@ def test_default_preference_set_is_made_once(tmp_path):
         (["strategy=hybrid3d", "strategy.pp=2", "trainer.devices=2", "peft=none"], "reference copy is not split"),
         (["dpo.loss=hinge"], "dpo.loss='hinge' is unknown"),
         (["dpo.label_smoothing=0.2"], "used by dpo.loss=robust only"),
-        (["model=litgpt_chat_tiny"], "LitGPT models are not taken yet"),
         (["data=sft"], "reads data=preference"),
     ],
 )

@@ -7,7 +7,9 @@ Formats (TRL's ``DPOTrainer._prepare_dataset``, trl 1.16 lines 1036-1140):
 - explicit prompt, conversations: ``prompt`` a list of messages, ``chosen`` / ``rejected`` the assistant's turns;
   rendered with the tokenizer's chat template (the prompt with the generation prompt);
 - implicit prompt, conversations: ``chosen`` / ``rejected`` whole conversations whose messages before the last are
-  the prompt (TRL's ``extract_prompt``): they must agree, else the pair is refused.
+  the prompt (TRL's ``extract_prompt``): they must agree, else the pair is refused;
+- with LitGPT's tokenizer (a prompt style, no chat template): single-turn conversations read as text, the prompt
+  written in the prompt style (:func:`.litgpt.single_turn_text`).
 
 An answer starts where the tokenized prompt and the tokenized prompt + answer diverge (TRL's
 ``common_prefix_length``). A pair is cut to ``seq_len`` tokens per side from the start (TRL's ``keep_start``): the
@@ -36,6 +38,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from lightning_parallel.preference.litgpt import single_turn_text
 from lightning_parallel.text.cache import token_dtype
 from lightning_parallel.text.files import data_files, file_format, files_digest, load_rows
 from lightning_parallel.text.tokenizer import TextTokenizer
@@ -118,6 +121,9 @@ def tokenize_pair(tokenizer: TextTokenizer, prompt: Any, chosen: Any, rejected: 
             "data=preference: a row mixes text and conversations in prompt / chosen / rejected: give all three as "
             "text, or all three as lists of {'role', 'content'} messages."
         )
+    if kinds == {True} and not tokenizer.has_chat_template and tokenizer.prompt_style is not None:
+        prompt, chosen, rejected = single_turn_text(prompt, chosen, rejected)  # LitGPT's: text in its prompt style
+        kinds = {False}
     if kinds == {True}:
         if not tokenizer.has_chat_template:
             raise ValueError(

@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from lightning_parallel.preference.litgpt import copy_logits, has_adapters
 from lightning_parallel.preference.loss import (
     METRICS,
     answer_tokens,
@@ -41,6 +42,7 @@ from lightning_parallel.preference.loss import (
     sequence_logps,
     split_pairs,
 )
+from lightning_parallel.preference.moe import enable_router_aux, router_logits_off, with_router_aux
 from lightning_parallel.preference.reference import (
     COPY_NAME,
     REFERENCES,
@@ -128,7 +130,7 @@ class PreferenceTuning:
         elsewhere: only the last stage's loss reads them)."""
         kind = self.dpo.reference
         if kind == "copy":
-            return _logps(getattr(self, COPY_NAME)(input_ids=ids, **inputs, use_cache=False).logits, labels)
+            return _logps(copy_logits(getattr(self, COPY_NAME), ids, inputs), labels)
         if kind not in ("adapters", "policy"):  # policy: a precomputation before training, the model as it starts
             raise RuntimeError("dpo.precompute_reference=true: the batch carries reference_logps (none here)")
         with adapters_off(self.model) if kind == "adapters" else contextlib.nullcontext():  # the base alone
@@ -158,6 +160,15 @@ class PreferenceTuning:
             plan |= {f"{COPY_NAME}.{k[len(prefix) :]}": v for k, v in plan.items() if k.startswith(prefix)}
         return plan
 
+    def expert_parallel_plan(self) -> dict[str, Any]:
+        """The policy's expert plan (a MoE's; none for a model without one), and the same styles for the reference
+        copy's experts (split over ep as the policy's)."""
+        own = getattr(super(), "expert_parallel_plan", None)
+        plan = dict(own()) if own is not None else {}
+        if COPY_NAME in self._modules:
+            plan |= {f"{COPY_NAME}.{k[len('model.') :]}": v for k, v in plan.items() if k.startswith("model.")}
+        return plan
+
     def configure_optimizers(self) -> Any:
         return super().configure_optimizers()  # requires_grad only: the reference copy is frozen
 
@@ -183,14 +194,15 @@ class PreferenceTuning:
         # keyed by the target's storage: a pipeline's shape inference may run a microbatch's loss twice
         key = (target.data_ptr(), target.storage_offset()) if isinstance(target, Tensor) else 0
         self._sums[key] = (metric_sums(pairs).detach(), len(c))
-        return pairs.losses.mean()
+        return with_router_aux(self, pairs.losses.mean())  # a MoE's load-balancing loss, as TRL (.moe)
 
     def pair_scores(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """(the mean loss over the batch's pairs, its rewards chosen / rejected, margin and accuracy means (4,)) on
         every rank; under pp the last stage's sums reduced over the stages."""
         ids, labels, inputs, ref = pair_rows(batch)
         if ref is None:
-            ref = self.reference_logps(ids, labels, inputs)
+            with router_logits_off(self):
+                ref = self.reference_logps(ids, labels, inputs)
         output = self(ids, **inputs)
         self._sums = {}
         pipelined = not isinstance(output, Tensor)
@@ -244,7 +256,8 @@ class PreferenceTuning:
                 keys = [k for k in items[0] if k != "reference_logps"]
                 batch = {k: torch.stack([it[k] for it in items]).to(self.device) for k in keys}
                 ids, labels, inputs, _ = pair_rows(batch)
-                out.append(self.reference_logps(ids, labels, inputs).view(-1, 2))
+                with router_logits_off(self):
+                    out.append(self.reference_logps(ids, labels, inputs).view(-1, 2))
         finally:
             self.dpo = kind
             self.train(was_training)
@@ -258,7 +271,7 @@ class PreferenceTuning:
 
 def _live(module: Any) -> str:
     """The reference a precomputation runs: the base (adapters off) under LoRA, else the policy as it starts."""
-    return "adapters" if getattr(module, "peft_config", None) is not None else "policy"
+    return "adapters" if has_adapters(module) else "policy"
 
 
 _CLASSES: dict[type, type] = {}
@@ -281,7 +294,7 @@ def as_dpo(module: Any, settings: DPOSettings) -> Any:
     Raises:
         ValueError: ``adapters`` without adapters on the module, ``copy`` with them (the reason given).
     """
-    lora = getattr(module, "peft_config", None) is not None
+    lora = has_adapters(module)
     if settings.reference == "adapters" and not lora:
         raise ValueError(
             "dpo reference 'adapters' needs LoRA adapters on the model (peft=lora): without them the policy has no "
@@ -291,6 +304,7 @@ def as_dpo(module: Any, settings: DPOSettings) -> Any:
         raise ValueError("dpo reference 'copy' with LoRA: the base with adapters off is the reference (no copy).")
     module.__class__ = dpo_class(type(module))
     module.dpo = settings
+    enable_router_aux(module)  # a MoE's load-balancing loss as TRL adds it (.moe)
     if settings.reference == "copy":
         setattr(module, COPY_NAME, frozen_copy(module.model))
     return module

@@ -1,11 +1,12 @@
 """The reference model of DPO, three ways (``dpo.reference``), and what each holds in memory:
 
-- ``adapters`` (with LoRA): the policy's own base with its adapters switched off (peft's ``disable_adapter()``): no
-  second copy, nothing more in memory;
+- ``adapters`` (with LoRA): the policy's own base with its adapters switched off (peft's ``disable_adapter()``;
+  LitGPT's LoRA layers with their rank set to 0, :mod:`.litgpt`): no second copy, nothing more in memory;
 - ``copy`` (without): a frozen copy of the model, a submodule of the LightningModule (``reference_model``), so every
-  layout splits it as it splits the policy: its tensor-parallel plan is the policy's under the copy's names, ZeRO-3
-  makes its blocks units of their own (sharded over the same ranks), ZeRO 0-2 keep it whole (it has no gradient and
-  no optimizer state); its values are the policy's initial ones, copied shard by shard once the model is split;
+  layout splits it as it splits the policy: its tensor-parallel plan (and a MoE's expert plan) is the policy's under
+  the copy's names, ZeRO-3 makes its blocks units of their own (sharded over the same ranks), ZeRO 0-2 keep it whole
+  (it has no gradient and no optimizer state); its values are the policy's initial ones, copied shard by shard once
+  the model is split;
 - ``precomputed`` (``dpo.precompute_reference=true``): the summed answer log-probabilities of every pair by the model
   as it starts, computed in one pass before training (each data-parallel rank its share, gathered) and kept with the
   pairs: 8 bytes a pair.
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.parallel.dtensor import local
 from lightning_parallel.parallel.materialize import allocate
+from lightning_parallel.preference.litgpt import is_litgpt, litgpt_adapters_off
 
 REFERENCES = ("adapters", "copy", "precomputed")
 COPY_NAME = "reference_model"
@@ -51,7 +53,11 @@ def choose_reference(lora: bool, precompute: bool, pp: int = 1) -> str:
 def adapters_off(model: nn.Module) -> Iterator[None]:
     """peft's ``disable_adapter()`` for the LoRA layers this rank holds: the base alone in the block. peft's own
     context refuses a model without any adapter layer, which a pipeline stage may be (a last stage holding the head
-    alone); this one switches off those there are."""
+    alone); this one switches off those there are. LitGPT's LoRA: :func:`.litgpt.litgpt_adapters_off`."""
+    if is_litgpt(model):
+        with litgpt_adapters_off(model):
+            yield
+        return
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]

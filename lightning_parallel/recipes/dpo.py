@@ -53,16 +53,17 @@ def check_dpo_config(cfg: DictConfig) -> None:
     the preference data's (which build the token cache), before any worker starts.
 
     Raises:
-        ValueError: a model other than ``model=hf*``; bad ``dpo.*``; what the fine-tune recipe refuses.
+        ValueError: a model other than ``model=hf*`` or ``model=litgpt*``; bad ``dpo.*``; what the fine-tune recipe
+            refuses.
     """
     from lightning_parallel.recipes.gpt import check_config
     from lightning_parallel.recipes.model_kinds import resolve_model_kind
 
     kind = resolve_model_kind(cfg, recipe="text")
-    if kind.name != "hf":
+    if kind.name not in ("hf", "litgpt"):
         raise ValueError(
-            f"recipes/dpo.py trains Hugging Face models (model=hf*, e.g. model=hf model.path=FOLDER), not "
-            f"model.kind={kind.name}: LitGPT models are not taken yet."
+            f"recipes/dpo.py trains Hugging Face and LitGPT models (model=hf*, model=litgpt*, e.g. model=hf "
+            f"model.path=FOLDER), not model.kind={kind.name}."
         )
     if cfg.data.kind != "preference":
         kind = cfg.data.kind
