@@ -127,6 +127,7 @@ def check(runs: Batch, label: str, spec: tuple, setup: dict, folder: str) -> Non
     print(f"{label}: max loss rel diff {loss_rel:.1e}, max param abs diff {param_abs:.1e}")
 
 
+@pytest.mark.slow  # 25 s at world 2: the fast tier has the HF zero2 case (tests/test_dpo_parity.py)
 @pytest.mark.parametrize("label", list(FAST))
 def test_dpo_litgpt_parity(label, fast_runs, dpo_setup, litgpt_folder):
     check(fast_runs, label, FAST[label], dpo_setup, litgpt_folder)
