@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from lightning_parallel.preference.context import cp_rows, summed_over
 from lightning_parallel.preference.loss import (
     METRICS,
     answer_tokens,
@@ -76,7 +77,10 @@ class DPOSettings:
 
 def pair_rows(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor], Tensor | None]:
     """(ids, labels, other inputs, reference log-probabilities or None), each (2B, ...) with the pairs' rows side by
-    side (chosen, rejected, chosen, ...)."""
+    side (chosen, rejected, chosen, ...); a batch flattened already (:func:`.context.cp_rows`) as it is."""
+    if batch["input_ids"].dim() == 2:  # under cp: rows, shifted labels, no mask
+        ref = batch.get("reference_logps")
+        return batch["input_ids"], batch["labels"], {}, (ref.float() if ref is not None else None)
     ids, labels = batch["input_ids"].flatten(0, 1), batch["labels"].flatten(0, 1)
     inputs = {"attention_mask": batch["attention_mask"].flatten(0, 1)} if "attention_mask" in batch else {}
     ref = batch.get("reference_logps")
@@ -103,12 +107,12 @@ def _check_microbatches(pairs: int, microbatches: int) -> None:
         )
 
 
-def _logps(logits: Tensor, labels: Tensor) -> Tensor:
+def _logps(logits: Tensor, labels: Tensor, shifted: bool = False) -> Tensor:
     """Summed answer log-probabilities; logits split over the vocabulary (tp) inside ``loss_parallel``."""
     if isinstance(logits, DTensor):
         with loss_parallel():
-            return sequence_logps(logits, labels)
-    return sequence_logps(logits, labels)
+            return sequence_logps(logits, labels, shifted)
+    return sequence_logps(logits, labels, shifted)
 
 
 class PreferenceTuning:
@@ -126,15 +130,16 @@ class PreferenceTuning:
         """The reference's summed answer log-probabilities of the (2B, T) rows, without gradient. Under pp (the
         forward returns the pipeline's input) a forward-only pipeline run computes them on the last stage (zeros
         elsewhere: only the last stage's loss reads them)."""
-        kind = self.dpo.reference
+        kind, group = self.dpo.reference, self._cp_group()
         if kind == "copy":
-            return _logps(getattr(self, COPY_NAME)(input_ids=ids, **inputs, use_cache=False).logits, labels)
+            logits = getattr(self, COPY_NAME)(input_ids=ids, **inputs, use_cache=False).logits
+            return self._over_cp(_logps(logits, labels, group is not None), group)
         if kind not in ("adapters", "policy"):  # policy: a precomputation before training, the model as it starts
             raise RuntimeError("dpo.precompute_reference=true: the batch carries reference_logps (none here)")
         with adapters_off(self.model) if kind == "adapters" else contextlib.nullcontext():  # the base alone
             output = self(ids, **inputs)
             if isinstance(output, Tensor):
-                return _logps(output, labels).detach()
+                return self._over_cp(_logps(output, labels, group is not None), group).detach()
             self._stash = torch.zeros(ids.shape[0], device=ids.device)
             try:
                 self.loss(output, _packed(labels, self._stash))  # the last stage's loss stashes them
@@ -161,6 +166,35 @@ class PreferenceTuning:
     def configure_optimizers(self) -> Any:
         return super().configure_optimizers()  # requires_grad only: the reference copy is frozen
 
+    # ----- context parallelism (:mod:`.context`) -----
+
+    def context_parallel(self, attention: Any, positions: Any) -> list[str]:
+        """The policy's attention and positions switched to the cp group's, and the reference copy's too."""
+        switched = super().context_parallel(attention, positions)
+        ref = self._modules.get(COPY_NAME)
+        if ref is None:
+            return switched
+        policy, self._modules["model"] = self._modules["model"], ref
+        try:
+            copied = super().context_parallel(attention, positions)
+        finally:
+            self._modules["model"] = policy
+        return switched + [COPY_NAME + path.removeprefix("model") for path in copied]
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Under cp, before the strategy splits the sequences: the pairs as rows with shifted labels."""
+        if self._cp_group() is None:
+            return super().on_after_batch_transfer(batch, dataloader_idx)
+        return cp_rows(batch)
+
+    def _cp_group(self) -> Any:
+        """The cp group when the strategy splits each sequence over it, else None."""
+        return self.trainer.strategy.mesh.group("context") if self._splits_sequences() else None
+
+    @staticmethod
+    def _over_cp(values: Tensor, group: Any) -> Tensor:
+        return values if group is None else summed_over(values, group)
+
     # ----- the steps -----
 
     def loss(self, logits: Tensor, target: Tensor | tuple[Tensor, Tensor]) -> Tensor:
@@ -169,11 +203,14 @@ class PreferenceTuning:
         microbatches, each a whole number of pairs); under tp the strategy runs it in ``loss_parallel`` with logits
         split over the vocabulary. Each call's rewards, margin and accuracy are summed into the step's."""
         labels, ref = _unpacked(target) if isinstance(target, Tensor) else target
-        logps = sequence_logps(logits, labels)  # under tp the caller runs this inside loss_parallel
+        group = self._cp_group()  # under cp: this rank's pieces of the sequences, their sums added over cp
+        logps = sequence_logps(logits, labels, group is not None)  # under tp the caller runs this in loss_parallel
+        tokens = answer_tokens(labels, group is not None)
+        if group is not None:
+            logps, tokens = self._over_cp(torch.stack([logps, tokens.to(logps)]), group).unbind(0)
         if self._stash is not None:  # a forward-only pipeline run for the reference (reference_logps)
             self._stash = logps.detach()
             return logps.sum() * 0.0
-        tokens = answer_tokens(labels)
         (c, r), (rc, rr), (tc, tr) = split_pairs(logps), split_pairs(ref.to(logps)), split_pairs(tokens)
         d = self.dpo
         pairs = pair_losses(
