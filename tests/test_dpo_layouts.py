@@ -1,0 +1,70 @@
+"""DPO under more layouts against one process (the setup, the runs and the single-process references of
+tests/test_dpo_parity.py): context parallelism (each pair's sequences split over cp ranks, the answer
+log-probabilities summed over them), HSDP (dp_shard), and pp under every schedule of the pipeline's table
+(lightning_parallel/parallel/pipeline/schedules.py), with the LoRA base or a frozen reference copy split into stages
+like the policy. fp32, 10 steps, micro-batches holding different numbers of answer tokens; losses within 1e-5
+relative, parameters within 1e-5."""
+
+from __future__ import annotations
+
+import pytest
+from parity import assert_same_losses, assert_same_params
+from test_dpo_parity import References, launch, reference_of
+from test_dpo_parity import dpo_setup as dpo_setup  # noqa: F401  (fixtures)
+from test_dpo_parity import references as references  # noqa: F401
+
+from lightning_parallel.parallel.pipeline.schedules import SCHEDULES
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+
+def _pp(schedule: str, extra: str = "") -> str:
+    virtual = ",pp_virtual_stages=2" if SCHEDULES[schedule].fixed_stages is None else ""
+    return f"hybrid3d:pp=2,pp_schedule={schedule}{virtual}{extra}"
+
+
+# label -> (world, strategy, the global ranks whose losses average to the global batch's: one per dp rank)
+FAST = {"cp2 lora": (2, "hybrid3d:cp=2", [0, 1])}
+SLOW = {
+    "cp2 full": (2, "hybrid3d:cp=2", [0, 1]),
+    "cp2 x dp2 zero2 lora": (4, "hybrid3d:cp=2,zero_stage=2", [0, 1, 2, 3]),
+    "hsdp dp4 dp_shard2 lora": (4, "hybrid3d:dp_shard=2,zero_stage=3", [0, 1, 2, 3]),
+    "hsdp dp4 dp_shard2 full": (4, "hybrid3d:dp_shard=2,zero_stage=3", [0, 1, 2, 3]),
+    **{f"pp2 {name} lora": (2, _pp(name), [0]) for name in SCHEDULES},
+}
+
+
+@pytest.fixture(scope="module")
+def fast_runs(tmp_path_factory, dpo_setup):  # noqa: F811
+    return launch(tmp_path_factory, dpo_setup, {k: v[:2] + (1,) for k, v in FAST.items()}, "dpo_layouts")
+
+
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory, dpo_setup):  # noqa: F811
+    return launch(tmp_path_factory, dpo_setup, {k: v[:2] + (1,) for k, v in SLOW.items()}, "dpo_layouts_slow")
+
+
+def check(runs, label: str, spec: tuple, references: References) -> None:  # noqa: F811
+    _, _, loss_ranks = spec
+    want_losses, want_params = references["lora" in label, reference_of(label)]
+    run = runs[label]
+    loss_rel = assert_same_losses(run.losses("train", loss_ranks), want_losses, label)
+    param_abs = assert_same_params(run.params("train"), want_params, label)
+    print(f"{label}: max loss rel diff {loss_rel:.1e}, max param abs diff {param_abs:.1e}")
+
+
+def test_every_schedule_is_covered():
+    """A schedule added to the pipeline's table gets its DPO parity run here."""
+    assert {k.split()[1] for k in SLOW if k.startswith("pp2 ")} == set(SCHEDULES)
+
+
+@pytest.mark.parametrize("label", list(FAST))
+def test_dpo_layout_parity(label, fast_runs, references):  # noqa: F811
+    check(fast_runs, label, FAST[label], references)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(SLOW))
+def test_dpo_layout_parity_wider(label, slow_runs, references):  # noqa: F811
+    check(slow_runs, label, SLOW[label], references)
