@@ -33,6 +33,11 @@ SLOW = {
     "hsdp dp4 dp_shard2 full": (4, "hybrid3d:dp_shard=2,zero_stage=3", [0, 1, 2, 3]),
     **{f"pp2 {name} lora": (2, _pp(name), [0]) for name in SCHEDULES},
 }
+# the frozen reference copy split into stages like the policy
+COPY = {
+    "pp2 full copy": (2, "hybrid3d:pp=2", [0]),
+    "pp2 x tp2 full copy": (4, "hybrid3d:pp=2,tp=2", [0]),
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +48,11 @@ def fast_runs(tmp_path_factory, dpo_setup):  # noqa: F811
 @pytest.fixture(scope="module")
 def slow_runs(tmp_path_factory, dpo_setup):  # noqa: F811
     return launch(tmp_path_factory, dpo_setup, {k: v[:2] + (1,) for k, v in SLOW.items()}, "dpo_layouts_slow")
+
+
+@pytest.fixture(scope="module")
+def copy_runs(tmp_path_factory, dpo_setup):  # noqa: F811
+    return launch(tmp_path_factory, dpo_setup, {k: v[:2] + (1,) for k, v in COPY.items()}, "dpo_layouts_copy")
 
 
 def check(runs, label: str, spec: tuple, references: References) -> None:  # noqa: F811
@@ -68,3 +78,17 @@ def test_dpo_layout_parity(label, fast_runs, references):  # noqa: F811
 @pytest.mark.parametrize("label", list(SLOW))
 def test_dpo_layout_parity_wider(label, slow_runs, references):  # noqa: F811
     check(slow_runs, label, SLOW[label], references)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(COPY))
+def test_dpo_reference_copy_under_pp(label, copy_runs, references):  # noqa: F811
+    check(copy_runs, label, COPY[label], references)
+
+
+@pytest.mark.slow
+def test_each_stage_holds_its_part_of_the_copy(copy_runs, references):  # noqa: F811
+    """At pp=2 each rank holds the copy's layers of its own stage: the ranks' bytes add up to one whole copy."""
+    whole = sum(v.numel() * v.element_size() for v in references[False, "copy"][1].values())
+    held = [copy_runs["pp2 full copy"].case("train", r)["copy_bytes"] for r in (0, 1)]
+    assert sum(held) == whole and max(held) < whole, (held, whole)

@@ -15,14 +15,15 @@ the ranks (``sync_dist``): global means for the same reason.
 
 Under pp the labels and the reference's log-probabilities travel as one tensor the schedule splits into microbatches
 of whole pairs (``strategy.microbatches`` must divide a rank's pairs); the loss and the metrics are computed on the
-last stage (the metrics' sums reduced over the stages); the reference (adapters off, or the model as it starts for a
-precomputation) is a forward-only pipeline run whose last stage keeps the log-probabilities. A frozen reference copy
-is not split into stages (refused before launch: :func:`.reference.choose_reference`).
+last stage (the metrics' sums reduced over the stages); the reference (adapters off, the model as it starts for a
+precomputation, or the frozen copy's stages, :func:`.reference.copy_pipeline`) is a forward-only pipeline run whose
+last stage keeps the log-probabilities.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,10 +47,12 @@ from lightning_parallel.preference.reference import (
     COPY_NAME,
     REFERENCES,
     adapters_off,
+    copy_pipeline,
     fill_from,
     frozen_copy,
     has_meta,
     hidden,
+    split_like,
 )
 
 
@@ -131,27 +134,47 @@ class PreferenceTuning:
         forward returns the pipeline's input) a forward-only pipeline run computes them on the last stage (zeros
         elsewhere: only the last stage's loss reads them)."""
         kind, group = self.dpo.reference, self._cp_group()
-        if kind == "copy":
+        if kind == "copy" and _pipelined(self) is None:
             logits = getattr(self, COPY_NAME)(input_ids=ids, **inputs, use_cache=False).logits
             return self._over_cp(_logps(logits, labels, group is not None), group)
-        if kind not in ("adapters", "policy"):  # policy: a precomputation before training, the model as it starts
+        if kind not in ("adapters", "policy", "copy"):  # policy: a precomputation, the model as it starts
             raise RuntimeError("dpo.precompute_reference=true: the batch carries reference_logps (none here)")
-        with adapters_off(self.model) if kind == "adapters" else contextlib.nullcontext():  # the base alone
+        with adapters_off(self.model) if kind == "adapters" else contextlib.nullcontext():  # the base alone (pp: copy)
             output = self(ids, **inputs)
             if isinstance(output, Tensor):
                 return self._over_cp(_logps(output, labels, group is not None), group).detach()
             self._stash = torch.zeros(ids.shape[0], device=ids.device)
             try:
-                self.loss(output, _packed(labels, self._stash))  # the last stage's loss stashes them
+                if kind == "copy":  # the copy's stages walked in order; their last stage's loss stashes them
+                    self._copy_walk(output, _packed(labels, self._stash))
+                else:
+                    self.loss(output, _packed(labels, self._stash))  # the last stage's loss stashes them
             finally:
                 stash, self._stash = self._stash, None
         return stash
 
+    def _copy_walk(self, output: Any, target: Tensor) -> None:
+        """Under pp: the reference copy's stages run forward on ``output``'s inputs (:func:`.reference.copy_pipeline`,
+        made once), in the loss context the policy's schedule runs in (``loss_parallel`` under tp)."""
+        step = _pipelined(self)
+        if step not in _COPY_PIPELINES:  # kept by the step (no process group on the module: it is copied, pickled)
+            _COPY_PIPELINES[step] = copy_pipeline(getattr(self, COPY_NAME), self.model, step.pipeline)
+            policy, self._modules["model"] = self._modules["model"], getattr(self, COPY_NAME)
+            try:
+                self.pipeline_layers()  # the copy's layers get the hooks the policy's have (positions, mask)
+            finally:
+                self._modules["model"] = policy
+        with step.context():
+            _COPY_PIPELINES[step].eval_loss(output._args, output._kwargs, target)
+
     def materialize(self, device: torch.device | str = "cpu") -> None:
         """The policy's weights as the module gives them (its folder, its seeded init), the reference copy's then
-        copied from them, shard by shard (the copy is split as the policy is)."""
+        copied from them, shard by shard (the copy is split as the policy is: under pp, its layers of this rank's
+        stages alone)."""
         with hidden(self, COPY_NAME) as ref:
             super().materialize(device)
+        if ref is not None:
+            split_like(ref, self.model)
         if ref is not None and has_meta(ref) and not has_meta(self.model):
             fill_from(ref, self.model, torch.device(device))
 
@@ -291,6 +314,16 @@ class PreferenceTuning:
         gathered = [torch.empty_like(local_logps) for _ in range(ranks)]
         dist.all_gather(gathered, local_logps, group=group)
         return torch.cat(gathered)[:n].cpu()
+
+
+_COPY_PIPELINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pipelined step -> the copy's pipeline
+
+
+def _pipelined(module: Any) -> Any:
+    """The strategy's pipelined step driving ``module`` under pp (its ``forward`` is the step's capture), else
+    None."""
+    step = getattr(module.forward, "__self__", None)
+    return step if step is not module and hasattr(step, "pipeline") else None
 
 
 def _live(module: Any) -> str:
