@@ -39,6 +39,7 @@ SLOW = {
 COPY = {
     "pp2 full copy": (2, "hybrid3d:pp=2", [0]),
     "pp2 x tp2 full copy": (4, "hybrid3d:pp=2,tp=2", [0]),
+    "pp2 x dp2 zero3 full copy": (4, "hybrid3d:pp=2,zero_stage=3", [0, 1]),
 }
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_parallel.parallel.dtensor import local
 from lightning_parallel.parallel.materialize import allocate
@@ -95,15 +96,28 @@ def hidden(module: nn.Module, name: str) -> Iterator[nn.Module | None]:
 
 @torch.no_grad()
 def fill_from(reference: nn.Module, policy: nn.Module, device: torch.device) -> None:
-    """The reference's storage (split as the policy's: same plan, same units) given the policy's values, each rank's
-    own pieces copied one to one."""
+    """The reference's storage given the policy's values: each rank's own pieces copied one to one where the copy is
+    split as the policy is (same plan, same units); where it is not (under pp the copy's stages are no ZeRO-3 units)
+    the policy's tensor gathered whole, then this rank's piece of the copy's placements taken from it (every rank of
+    the policy's groups runs the same gathers, in the same order)."""
     allocate(reference, device, device)
     theirs = dict(policy.named_parameters()) | dict(policy.named_buffers())
     for name, tensor in [*reference.named_parameters(), *reference.named_buffers()]:
         source = theirs.get(name)
         if source is None:
             raise RuntimeError(f"the reference copy's {name} has no counterpart in the policy")
-        local(tensor).copy_(local(source))
+        local(tensor).copy_(_piece_for(tensor, source))
+
+
+def _piece_for(target: Tensor, source: Tensor) -> Tensor:
+    """This rank's piece of ``source``'s values laid out as ``target`` is."""
+    if not isinstance(source, DTensor) or _same_layout(target, source):
+        return local(source)
+    whole = source.full_tensor()
+    if not isinstance(target, DTensor):
+        return whole
+    # the same whole tensor on every rank: each cuts its own piece, nothing sent
+    return distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local()
 
 
 def split_like(reference: nn.Module, policy: nn.Module) -> None:
@@ -129,6 +143,14 @@ def copy_pipeline(reference: nn.Module, policy: nn.Module, pipeline: Pipeline) -
     }
     split = PipelineSplit(stages, policy_split.num_stages, list(policy_split.stage_ranks), [])
     return Pipeline(split, pipeline.spec.name, pipeline.microbatches, pipeline.group, pipeline.device, pipeline.loss_fn)
+
+
+def _same_layout(target: Tensor, source: DTensor) -> bool:
+    return (
+        isinstance(target, DTensor)
+        and target.device_mesh == source.device_mesh
+        and tuple(target.placements) == tuple(source.placements)
+    )
 
 
 def parameter_bytes(module: nn.Module | None) -> int:
