@@ -18,6 +18,9 @@ of whole pairs (``strategy.microbatches`` must divide a rank's pairs); the loss 
 last stage (the metrics' sums reduced over the stages); the reference (adapters off, the model as it starts for a
 precomputation, or the frozen copy's stages, :func:`.reference.copy_pipeline`) is a forward-only pipeline run whose
 last stage keeps the log-probabilities.
+
+Under cp the pairs become rows with shifted labels before the strategy splits the sequences, and each rank's answer
+log-probability sums are added over the cp group (:mod:`.context`).
 """
 
 from __future__ import annotations
