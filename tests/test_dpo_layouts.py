@@ -95,3 +95,34 @@ def test_each_stage_holds_its_part_of_the_copy(copy_runs, references):  # noqa: 
     whole = sum(v.numel() * v.element_size() for v in references[False, "copy"][1].values())
     held = [copy_runs["pp2 full copy"].case("train", r)["copy_bytes"] for r in (0, 1)]
     assert sum(held) == whole and max(held) < whole, (held, whole)
+
+
+def test_cp_rows_keep_every_answer_token_and_the_pairs_whole():
+    """The layout cp splits: rows (chosen, rejected, ...) with each position's target, the reference (2B,) left out
+    of the split (one dimension), no mask; the answer log-probabilities summed over the cp ranks' chunks of those
+    rows equal the unsplit pairs' (every target kept, the one crossing a chunk boundary too)."""
+    import torch
+
+    from lightning_parallel.parallel.context.split import shard_sequence
+    from lightning_parallel.preference.context import cp_rows
+    from lightning_parallel.preference.loss import sequence_logps
+    from lightning_parallel.preference.module import pair_rows
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 11, (2, 2, 8))
+    labels = ids.clone()
+    labels[..., :3] = -100  # the prompt
+    labels[1, 1, 6:] = -100  # padding
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+    batch["reference_logps"] = torch.randn(2, 2)
+    rows = cp_rows(batch)
+    assert set(rows) == {"input_ids", "labels", "reference_logps"} and rows["reference_logps"].dim() == 1
+    flat_ids, flat_labels, _, ref = pair_rows(batch)
+    assert torch.equal(rows["input_ids"], flat_ids) and torch.equal(rows["reference_logps"], ref)
+    logits = torch.randn(4, 8, 11)
+    cp = 2
+    pieces = [
+        sequence_logps(shard_sequence(logits, cp, r), shard_sequence(rows["labels"], cp, r), shifted=True)
+        for r in range(cp)
+    ]
+    torch.testing.assert_close(sum(pieces), sequence_logps(logits, flat_labels), rtol=1e-6, atol=1e-6)
