@@ -30,6 +30,8 @@ def _pp(schedule: str, extra: str = "") -> str:
 FAST = {"cp2 full": (2, "hybrid3d:cp=2", [0, 1])}
 SLOW = {
     "cp2 lora": (2, "hybrid3d:cp=2", [0, 1]),
+    "cp2 lora precomputed": (2, "hybrid3d:cp=2", [0, 1]),
+    "cp2 full precomputed": (2, "hybrid3d:cp=2", [0, 1]),
     "cp2 x dp2 zero2 lora": (4, "hybrid3d:cp=2,zero_stage=2", [0, 1, 2, 3]),
     "hsdp dp4 dp_shard2 lora": (4, "hybrid3d:dp_shard=2,zero_stage=3", [0, 1, 2, 3]),
     "hsdp dp4 dp_shard2 full": (4, "hybrid3d:dp_shard=2,zero_stage=3", [0, 1, 2, 3]),

@@ -35,10 +35,6 @@ def test_default_preference_set_is_made_once(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (
-            ["strategy=hybrid3d", "strategy.cp=2", "trainer.devices=2", "dpo.precompute_reference=true"],
-            "context-parallel attention takes no padding mask",
-        ),
         (["dpo.loss=hinge"], "dpo.loss='hinge' is unknown"),
         (["dpo.label_smoothing=0.2"], "used by dpo.loss=robust only"),
         (["model=litgpt_chat_tiny"], "LitGPT models are not taken yet"),

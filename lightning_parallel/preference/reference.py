@@ -35,19 +35,8 @@ REFERENCES = ("adapters", "copy", "precomputed")
 COPY_NAME = "reference_model"
 
 
-def choose_reference(lora: bool, precompute: bool, cp: int = 1) -> str:
-    """The reference's kind for these settings: precomputed when asked, else the LoRA base, else a frozen copy.
-
-    Raises:
-        ValueError: a reference that cannot be built here, and why.
-    """
-    if precompute and cp > 1:
-        raise ValueError(
-            f"dpo.precompute_reference=true with strategy.cp={cp}: the precomputation runs whole padded sequences "
-            "before training, outside the steps that split them over the cp ranks, and context-parallel attention "
-            "takes no padding mask: set dpo.precompute_reference=false (the LoRA base or the frozen copy, both "
-            "split over cp), or cp=1."
-        )
+def choose_reference(lora: bool, precompute: bool) -> str:
+    """The reference's kind for these settings: precomputed when asked, else the LoRA base, else a frozen copy."""
     if precompute:
         return "precomputed"
     return "adapters" if lora else "copy"

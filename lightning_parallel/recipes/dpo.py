@@ -42,7 +42,7 @@ def dpo_settings(cfg: DictConfig) -> DPOSettings:
     """
     d = cfg.dpo
     check_loss_settings(d.loss, d.beta, d.label_smoothing)
-    reference = choose_reference(wants_lora(cfg), d.precompute_reference, cp=int(cfg.strategy.get("cp") or 1))
+    reference = choose_reference(wants_lora(cfg), d.precompute_reference)
     return DPOSettings(beta=d.beta, loss=d.loss, label_smoothing=d.label_smoothing, reference=reference)
 
 
