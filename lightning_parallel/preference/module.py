@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from lightning_parallel.parallel.context.apply import whole_sequence
+from lightning_parallel.parallel.context.apply import CONTEXT_ATTR
 from lightning_parallel.preference.context import cp_rows, summed_over
 from lightning_parallel.preference.loss import (
     METRICS,
@@ -215,21 +215,8 @@ class PreferenceTuning:
         return cp_rows(batch)
 
     def _cp_group(self) -> Any:
-        """The cp group when the strategy splits each sequence over it (and no whole-sequence pass runs), else
-        None."""
-        if self.__dict__.get("_whole") or not self._splits_sequences():
-            return None
-        return self.trainer.strategy.mesh.group("context")
-
-    @contextlib.contextmanager
-    def _whole_sequences(self) -> Any:
-        """Under cp, for a pass outside the steps: each rank runs the whole sequences it is given, as one process."""
-        self._whole = True
-        try:
-            with whole_sequence(self):
-                yield
-        finally:
-            self._whole = False
+        """The cp group when the strategy splits each sequence over it, else None."""
+        return self.trainer.strategy.mesh.group("context") if self._splits_sequences() else None
 
     @staticmethod
     def _over_cp(values: Tensor, group: Any) -> Tensor:
@@ -315,17 +302,17 @@ class PreferenceTuning:
         was_training = self.training
         self.eval()
         out = []
-        whole = self._cp_group() is not None  # under cp: whole sequences on every cp rank (the same forwards)
+        # under cp the cp ranks (reading the same pairs) split each batch's sequences as the steps do: the same numbers
+        context = getattr(self, CONTEXT_ATTR, None) if self._cp_group() is not None else None
         try:
-            with self._whole_sequences() if whole else contextlib.nullcontext():
-                for start in range(0, per_rank, micro_batch):
-                    items = [dataset[i] for i in mine[start : start + micro_batch]]
-                    keys = [k for k in items[0] if k != "reference_logps"]
-                    batch = {k: torch.stack([it[k] for it in items]).to(self.device) for k in keys}
-                    ids, labels, inputs, _ = pair_rows(batch)
-                    # right-padded rows: the mask changes no answer's log-probability (cp attention takes none)
-                    inputs = {} if whole else inputs
-                    out.append(self.reference_logps(ids, labels, inputs).view(-1, 2))
+            for start in range(0, per_rank, micro_batch):
+                items = [dataset[i] for i in mine[start : start + micro_batch]]
+                keys = [k for k in items[0] if k != "reference_logps"]
+                batch = {k: torch.stack([it[k] for it in items]).to(self.device) for k in keys}
+                if context is not None:
+                    batch = context.shard_batch(cp_rows(batch))
+                ids, labels, inputs, _ = pair_rows(batch)
+                out.append(self.reference_logps(ids, labels, inputs).view(-1, 2))
         finally:
             self.dpo = kind
             self.train(was_training)
