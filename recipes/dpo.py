@@ -24,12 +24,10 @@ register_dpo_configs()
 
 @hydra.main(config_path="../conf", config_name="dpo", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    import lightning_parallel  # noqa: F401  (registers the strategy names)
-    from lightning_parallel.recipes.dpo import check_dpo_config
-    from lightning_parallel.recipes.sweep import run_job
+    from lightning_parallel.recipes.sweep import run_recipe
 
     # bad settings and data fail in check_dpo_config, before any worker starts
-    run_job(cfg, check_dpo_config, entry="lightning_parallel.recipes.dpo.train")
+    run_recipe(cfg, "lightning_parallel.recipes.dpo", "check_dpo_config")
 
 
 if __name__ == "__main__":

@@ -22,13 +22,11 @@ register_configs()
 
 @hydra.main(config_path="../conf", config_name="finetune", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    import lightning_parallel  # noqa: F401  (registers the strategy names)
-    from lightning_parallel.recipes.finetune import check_finetune_config
-    from lightning_parallel.recipes.sweep import run_job
+    from lightning_parallel.recipes.sweep import run_recipe
 
     # bad settings and data fail in check_finetune_config, before any worker starts (in a -m sweep: the job is
     # recorded as failed and the sweep goes on)
-    run_job(cfg, check_finetune_config, entry="lightning_parallel.recipes.finetune.train")
+    run_recipe(cfg, "lightning_parallel.recipes.finetune", "check_finetune_config")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ SLOW = {
     "tp2 full": (2, "hybrid3d:tp=2", 2, 1),
     "pp2 lora": (2, "hybrid3d:pp=2", 1, 2),
     "pp2 full precomputed": (2, "hybrid3d:pp=2", 1, 2),
+    "pp2 full": (2, "hybrid3d:pp=2", 1, 2),  # the frozen copy staged like the policy
 }
 
 

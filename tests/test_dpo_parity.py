@@ -165,3 +165,15 @@ def test_micro_batches_hold_different_answer_tokens(dpo_setup):
     batch = global_batches(dpo_setup)[0]
     counts = [int((batch["labels"][s, :, 1:] != -100).sum()) for s in (slice(0, 4), slice(4, 8))]
     assert counts[0] != counts[1], counts
+
+
+def test_a_reference_that_cannot_be_built_is_refused_with_the_reason(dpo_setup):
+    """The LoRA base without adapters, and a second copy beside the adapters' base."""
+    from workers.cases.dpo import lora_config
+
+    plain = HFCausalLM(dpo_setup["llama"])
+    with pytest.raises(ValueError, match="needs LoRA adapters on the model"):
+        as_dpo(plain, DPOSettings(reference="adapters"))
+    lora = HFCausalLM(dpo_setup["llama"], peft_config=lora_config())
+    with pytest.raises(ValueError, match="the base with adapters off is the reference"):
+        as_dpo(lora, DPOSettings(reference="copy"))

@@ -35,7 +35,6 @@ def test_default_preference_set_is_made_once(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (["strategy=hybrid3d", "strategy.pp=2", "trainer.devices=2", "peft=none"], "reference copy is not split"),
         (["dpo.loss=hinge"], "dpo.loss='hinge' is unknown"),
         (["dpo.label_smoothing=0.2"], "used by dpo.loss=robust only"),
         (["data=sft"], "reads data=preference"),

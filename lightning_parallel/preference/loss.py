@@ -51,28 +51,30 @@ def check_loss_settings(loss: str, beta: float, label_smoothing: float) -> None:
         )
 
 
-def token_logps(logits: Tensor, labels: Tensor) -> Tensor:
+def token_logps(logits: Tensor, labels: Tensor, shifted: bool = False) -> Tensor:
     """Each position's log-probability of its next token, 0 where the next label is -100: (B, T - 1) float32.
 
-    ``labels`` (B, T) are the input ids with -100 off the answers (unshifted, as HF's). ``logits`` (B, T, V) may be a
-    DTensor split over V inside ``loss_parallel`` (tensor parallelism): cross-entropy is what that supports.
+    ``labels`` (B, T) are the input ids with -100 off the answers (unshifted, as HF's; with ``shifted`` each
+    position's target already, and the result (B, T)). ``logits`` (B, T, V) may be a DTensor split over V inside
+    ``loss_parallel`` (tensor parallelism): cross-entropy is what that supports.
     """
-    targets = labels[:, 1:]
-    flat = logits[:, :-1].flatten(0, 1).float()
+    targets = labels if shifted else labels[:, 1:]
+    flat = (logits if shifted else logits[:, :-1]).flatten(0, 1).float()
     per = F.cross_entropy(flat, targets.reshape(-1).to(flat.device), ignore_index=IGNORE_INDEX, reduction="none")
     if hasattr(per, "full_tensor"):
         per = per.full_tensor()
     return -per.view(targets.shape)
 
 
-def sequence_logps(logits: Tensor, labels: Tensor) -> Tensor:
+def sequence_logps(logits: Tensor, labels: Tensor, shifted: bool = False) -> Tensor:
     """Log-probabilities summed over each sequence's answer tokens: (B,) float32 (TRL's line 1304)."""
-    return token_logps(logits, labels).sum(dim=1)
+    return token_logps(logits, labels, shifted).sum(dim=1)
 
 
-def answer_tokens(labels: Tensor) -> Tensor:
-    """Each sequence's answer tokens (labels not -100 after the first position): (B,) float32."""
-    return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).float()
+def answer_tokens(labels: Tensor, shifted: bool = False) -> Tensor:
+    """Each sequence's answer tokens (labels not -100 after the first position; ``shifted``: targets): (B,)
+    float32."""
+    return ((labels if shifted else labels[:, 1:]) != IGNORE_INDEX).sum(dim=1).float()
 
 
 @dataclass

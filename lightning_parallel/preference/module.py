@@ -15,14 +15,18 @@ the ranks (``sync_dist``): global means for the same reason.
 
 Under pp the labels and the reference's log-probabilities travel as one tensor the schedule splits into microbatches
 of whole pairs (``strategy.microbatches`` must divide a rank's pairs); the loss and the metrics are computed on the
-last stage (the metrics' sums reduced over the stages); the reference (adapters off, or the model as it starts for a
-precomputation) is a forward-only pipeline run whose last stage keeps the log-probabilities. A frozen reference copy
-is not split into stages (refused before launch: :func:`.reference.choose_reference`).
+last stage (the metrics' sums reduced over the stages); the reference (adapters off, the model as it starts for a
+precomputation, or the frozen copy's stages, :func:`.reference.copy_pipeline`) is a forward-only pipeline run whose
+last stage keeps the log-probabilities.
+
+Under cp the pairs become rows with shifted labels before the strategy splits the sequences, and each rank's answer
+log-probability sums are added over the cp group (:mod:`.context`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +36,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from lightning_parallel.parallel.context.apply import CONTEXT_ATTR
+from lightning_parallel.preference.context import cp_rows, summed_over
 from lightning_parallel.preference.litgpt import copy_logits, has_adapters
 from lightning_parallel.preference.loss import (
     METRICS,
@@ -47,10 +53,12 @@ from lightning_parallel.preference.reference import (
     COPY_NAME,
     REFERENCES,
     adapters_off,
+    copy_pipeline,
     fill_from,
     frozen_copy,
     has_meta,
     hidden,
+    split_like,
 )
 
 
@@ -78,7 +86,10 @@ class DPOSettings:
 
 def pair_rows(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor], Tensor | None]:
     """(ids, labels, other inputs, reference log-probabilities or None), each (2B, ...) with the pairs' rows side by
-    side (chosen, rejected, chosen, ...)."""
+    side (chosen, rejected, chosen, ...); a batch flattened already (:func:`.context.cp_rows`) as it is."""
+    if batch["input_ids"].dim() == 2:  # under cp: rows, shifted labels, no mask
+        ref = batch.get("reference_logps")
+        return batch["input_ids"], batch["labels"], {}, (ref.float() if ref is not None else None)
     ids, labels = batch["input_ids"].flatten(0, 1), batch["labels"].flatten(0, 1)
     inputs = {"attention_mask": batch["attention_mask"].flatten(0, 1)} if "attention_mask" in batch else {}
     ref = batch.get("reference_logps")
@@ -105,12 +116,12 @@ def _check_microbatches(pairs: int, microbatches: int) -> None:
         )
 
 
-def _logps(logits: Tensor, labels: Tensor) -> Tensor:
+def _logps(logits: Tensor, labels: Tensor, shifted: bool = False) -> Tensor:
     """Summed answer log-probabilities; logits split over the vocabulary (tp) inside ``loss_parallel``."""
     if isinstance(logits, DTensor):
         with loss_parallel():
-            return sequence_logps(logits, labels)
-    return sequence_logps(logits, labels)
+            return sequence_logps(logits, labels, shifted)
+    return sequence_logps(logits, labels, shifted)
 
 
 class PreferenceTuning:
@@ -128,27 +139,48 @@ class PreferenceTuning:
         """The reference's summed answer log-probabilities of the (2B, T) rows, without gradient. Under pp (the
         forward returns the pipeline's input) a forward-only pipeline run computes them on the last stage (zeros
         elsewhere: only the last stage's loss reads them)."""
-        kind = self.dpo.reference
-        if kind == "copy":
-            return _logps(copy_logits(getattr(self, COPY_NAME), ids, inputs), labels)
-        if kind not in ("adapters", "policy"):  # policy: a precomputation before training, the model as it starts
+        kind, group = self.dpo.reference, self._cp_group()
+        if kind == "copy" and _pipelined(self) is None:
+            logits = copy_logits(getattr(self, COPY_NAME), ids, inputs)
+            return self._over_cp(_logps(logits, labels, group is not None), group)
+        if kind not in ("adapters", "policy", "copy"):  # policy: a precomputation, the model as it starts
             raise RuntimeError("dpo.precompute_reference=true: the batch carries reference_logps (none here)")
-        with adapters_off(self.model) if kind == "adapters" else contextlib.nullcontext():  # the base alone
+        with adapters_off(self.model) if kind == "adapters" else contextlib.nullcontext():  # the base alone (pp: copy)
             output = self(ids, **inputs)
             if isinstance(output, Tensor):
-                return _logps(output, labels).detach()
+                return self._over_cp(_logps(output, labels, group is not None), group).detach()
             self._stash = torch.zeros(ids.shape[0], device=ids.device)
             try:
-                self.loss(output, _packed(labels, self._stash))  # the last stage's loss stashes them
+                if kind == "copy":  # the copy's stages walked in order; their last stage's loss stashes them
+                    self._copy_walk(output, _packed(labels, self._stash))
+                else:
+                    self.loss(output, _packed(labels, self._stash))  # the last stage's loss stashes them
             finally:
                 stash, self._stash = self._stash, None
         return stash
 
+    def _copy_walk(self, output: Any, target: Tensor) -> None:
+        """Under pp: the reference copy's stages run forward on ``output``'s inputs (:func:`.reference.copy_pipeline`,
+        made once), in the loss context the policy's schedule runs in (``loss_parallel`` under tp)."""
+        step = _pipelined(self)
+        if step not in _COPY_PIPELINES:  # kept by the step (no process group on the module: it is copied, pickled)
+            _COPY_PIPELINES[step] = copy_pipeline(getattr(self, COPY_NAME), self.model, step.pipeline)
+            policy, self._modules["model"] = self._modules["model"], getattr(self, COPY_NAME)
+            try:
+                self.pipeline_layers()  # the copy's layers get the hooks the policy's have (positions, mask)
+            finally:
+                self._modules["model"] = policy
+        with step.context():
+            _COPY_PIPELINES[step].eval_loss(output._args, output._kwargs, target)
+
     def materialize(self, device: torch.device | str = "cpu") -> None:
         """The policy's weights as the module gives them (its folder, its seeded init), the reference copy's then
-        copied from them, shard by shard (the copy is split as the policy is)."""
+        copied from them, shard by shard (the copy is split as the policy is: under pp, its layers of this rank's
+        stages alone)."""
         with hidden(self, COPY_NAME) as ref:
             super().materialize(device)
+        if ref is not None:
+            split_like(ref, self.model)
         if ref is not None and has_meta(ref) and not has_meta(self.model):
             fill_from(ref, self.model, torch.device(device))
 
@@ -172,6 +204,35 @@ class PreferenceTuning:
     def configure_optimizers(self) -> Any:
         return super().configure_optimizers()  # requires_grad only: the reference copy is frozen
 
+    # ----- context parallelism (:mod:`.context`) -----
+
+    def context_parallel(self, attention: Any, positions: Any) -> list[str]:
+        """The policy's attention and positions switched to the cp group's, and the reference copy's too."""
+        switched = super().context_parallel(attention, positions)
+        ref = self._modules.get(COPY_NAME)
+        if ref is None:
+            return switched
+        policy, self._modules["model"] = self._modules["model"], ref
+        try:
+            copied = super().context_parallel(attention, positions)
+        finally:
+            self._modules["model"] = policy
+        return switched + [COPY_NAME + path.removeprefix("model") for path in copied]
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Under cp, before the strategy splits the sequences: the pairs as rows with shifted labels."""
+        if self._cp_group() is None:
+            return super().on_after_batch_transfer(batch, dataloader_idx)
+        return cp_rows(batch)
+
+    def _cp_group(self) -> Any:
+        """The cp group when the strategy splits each sequence over it, else None."""
+        return self.trainer.strategy.mesh.group("context") if self._splits_sequences() else None
+
+    @staticmethod
+    def _over_cp(values: Tensor, group: Any) -> Tensor:
+        return values if group is None else summed_over(values, group)
+
     # ----- the steps -----
 
     def loss(self, logits: Tensor, target: Tensor | tuple[Tensor, Tensor]) -> Tensor:
@@ -180,11 +241,14 @@ class PreferenceTuning:
         microbatches, each a whole number of pairs); under tp the strategy runs it in ``loss_parallel`` with logits
         split over the vocabulary. Each call's rewards, margin and accuracy are summed into the step's."""
         labels, ref = _unpacked(target) if isinstance(target, Tensor) else target
-        logps = sequence_logps(logits, labels)  # under tp the caller runs this inside loss_parallel
+        group = self._cp_group()  # under cp: this rank's pieces of the sequences, their sums added over cp
+        logps = sequence_logps(logits, labels, group is not None)  # under tp the caller runs this in loss_parallel
+        tokens = answer_tokens(labels, group is not None)
+        if group is not None:
+            logps, tokens = self._over_cp(torch.stack([logps, tokens.to(logps)]), group).unbind(0)
         if self._stash is not None:  # a forward-only pipeline run for the reference (reference_logps)
             self._stash = logps.detach()
             return logps.sum() * 0.0
-        tokens = answer_tokens(labels)
         (c, r), (rc, rr), (tc, tr) = split_pairs(logps), split_pairs(ref.to(logps)), split_pairs(tokens)
         d = self.dpo
         pairs = pair_losses(
@@ -250,11 +314,15 @@ class PreferenceTuning:
         was_training = self.training
         self.eval()
         out = []
+        # under cp the cp ranks (reading the same pairs) split each batch's sequences as the steps do: the same numbers
+        context = getattr(self, CONTEXT_ATTR, None) if self._cp_group() is not None else None
         try:
             for start in range(0, per_rank, micro_batch):
                 items = [dataset[i] for i in mine[start : start + micro_batch]]
                 keys = [k for k in items[0] if k != "reference_logps"]
                 batch = {k: torch.stack([it[k] for it in items]).to(self.device) for k in keys}
+                if context is not None:
+                    batch = context.shard_batch(cp_rows(batch))
                 ids, labels, inputs, _ = pair_rows(batch)
                 with router_logits_off(self):
                     out.append(self.reference_logps(ids, labels, inputs).view(-1, 2))
@@ -267,6 +335,16 @@ class PreferenceTuning:
         gathered = [torch.empty_like(local_logps) for _ in range(ranks)]
         dist.all_gather(gathered, local_logps, group=group)
         return torch.cat(gathered)[:n].cpu()
+
+
+_COPY_PIPELINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pipelined step -> the copy's pipeline
+
+
+def _pipelined(module: Any) -> Any:
+    """The strategy's pipelined step driving ``module`` under pp (its ``forward`` is the step's capture), else
+    None."""
+    step = getattr(module.forward, "__self__", None)
+    return step if step is not module and hasattr(step, "pipeline") else None
 
 
 def _live(module: Any) -> str:

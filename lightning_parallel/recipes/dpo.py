@@ -7,7 +7,6 @@ kind and its memory per rank.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,11 @@ from lightning_parallel.recipes.dpo_data import (
     PrecomputeReference,
     PreferenceData,
     batch_group,
-    gathered,
     make_preference_assets,
     prepare_preference_data,
     reference_memory,
 )
-from lightning_parallel.recipes.finetune import SAMPLES_FILE, _refuse_optimizer
+from lightning_parallel.recipes.finetune import refuse_optimizer, write_answers
 from lightning_parallel.recipes.finetune_data import tokenizer_of
 from lightning_parallel.recipes.finetune_generate import answer, build_finetune_module, materialized, trained_copy
 from lightning_parallel.recipes.lora import wants_lora
@@ -44,7 +42,7 @@ def dpo_settings(cfg: DictConfig) -> DPOSettings:
     """
     d = cfg.dpo
     check_loss_settings(d.loss, d.beta, d.label_smoothing)
-    reference = choose_reference(wants_lora(cfg), d.precompute_reference, pp=int(cfg.strategy.get("pp") or 1))
+    reference = choose_reference(wants_lora(cfg), d.precompute_reference)
     return DPOSettings(beta=d.beta, loss=d.loss, label_smoothing=d.label_smoothing, reference=reference)
 
 
@@ -68,7 +66,7 @@ def check_dpo_config(cfg: DictConfig) -> None:
     if cfg.data.kind != "preference":
         kind = cfg.data.kind
         raise ValueError(f"recipes/dpo.py reads data=preference (pairs), not data={kind}: set data=preference.")
-    _refuse_optimizer(cfg.get("optimizer"))
+    refuse_optimizer(cfg.get("optimizer"), "recipes/dpo.py")
     dpo_settings(cfg)
     assets = Path(cfg.assets).expanduser().resolve()
     named = [p for p in (cfg.model.path, cfg.data.path) if p is not None]
@@ -127,7 +125,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         skip_worker_check,
         world_size,  # noqa: I001
     )
-    from lightning_parallel.recipes.metrics import parameter_counts, run_metrics, write_metrics
+    from lightning_parallel.recipes.metrics import all_ranks, parameter_counts, run_metrics, write_metrics
 
     pl.seed_everything(cfg.seed, verbose=False)
     micro = micro_batch_size(cfg, world_size(cfg))
@@ -156,7 +154,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     pair_tokens = cfg.data.global_batch_size * 2 * cfg.model.seq_len
     metrics = run_metrics(trainer, cfg, wall, pair_tokens, "tokens/s") | counts
     before, after = scores.before, scores.after
-    memory = gathered(reference_memory(model, precompute))
+    memory = all_ranks(reference_memory(model, precompute))
     metrics["dpo"] = {
         "beta": settings.beta, "loss": settings.loss, "reference": settings.reference,
         "reference_bytes_per_rank": memory, "before": before, "after": after,
@@ -169,10 +167,5 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             print(f"{key:>17}: {before.get(key, float('nan')):.4f} -> {after[key]:.4f}")
         print(f"reference: {settings.reference}, {memory[0]:,} bytes on rank 0")
     if trained is not None:
-        after_answers = answer(trained.model, tokenizer, prompts, tokens, cfg.temperature, cfg.seed)
-        samples = [{"prompt": p, "before": b, "after": a} for p, b, a in zip(prompts, before_answers, after_answers)]
-        (Path(run_dir) / SAMPLES_FILE).write_text(json.dumps(samples, indent=2))
-        print("\n--- answers before -> after training ---")
-        for s in samples:
-            print(f"Q: {s['prompt']}\n   before: {s['before']!r}\n   after:  {s['after']!r}")
+        write_answers(trained, tokenizer, cfg, before_answers, run_dir)
     return metrics

@@ -11,17 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import Subset
 
-from lightning_parallel.callbacks.resume import ResumableDataLoader
-from lightning_parallel.parallel.devices import collective_device
 from lightning_parallel.preference.data import PreferencePairs, PreferenceSettings, build_preference_cache
-from lightning_parallel.recipes.common import sampler_kwargs
 from lightning_parallel.recipes.finetune_assets import instruction_pairs, make_default_assets
 from lightning_parallel.recipes.finetune_data import data_cache_dir, recipe_tokenizer
+from lightning_parallel.recipes.gpt import TextData
 from lightning_parallel.recipes.model_kinds import kind_of
 
 log = logging.getLogger(__name__)
@@ -103,28 +100,16 @@ def preference_splits(cfg: DictConfig) -> tuple[Any, Any]:
     return Subset(pairs, range(len(pairs) - n_val)), Subset(pairs, range(len(pairs) - n_val, len(pairs)))
 
 
-class PreferenceData(pl.LightningDataModule):
-    """Train and validation pairs; each dp rank reads its share of every global batch of pairs."""
+class PreferenceData(TextData):
+    """Train and validation pairs; each dp rank reads its share of every global batch of pairs (the text recipe's
+    loaders over the pairs)."""
 
     def __init__(self, cfg: DictConfig, micro_batch: int) -> None:
-        super().__init__()
-        self.cfg, self.micro_batch = cfg, micro_batch
+        super().__init__(cfg, micro_batch, cache_dir=Path(cfg.data.cache or "."))
         self.train_set, self.val_set = preference_splits(cfg)
 
-    def _loader(self, dataset: Any, shuffle: bool) -> DataLoader:
-        sampler = DistributedSampler(
-            dataset, shuffle=shuffle, seed=self.cfg.seed, drop_last=True, **sampler_kwargs(self.trainer)
-        )
-        loader = ResumableDataLoader if shuffle else DataLoader
-        return loader(
-            dataset, batch_size=self.micro_batch, sampler=sampler, num_workers=self.cfg.data.num_workers, drop_last=True
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+    def setup(self, stage: str) -> None:
+        """Nothing: the pairs were read from their cache when the module was made."""
 
 
 def _pairs_of(dataset: Any) -> tuple[PreferencePairs, list[int]]:
@@ -164,13 +149,3 @@ def reference_memory(module: Any, callback: PrecomputeReference | None) -> int:
     from lightning_parallel.preference.reference import reference_bytes
 
     return callback.bytes if callback is not None else reference_bytes(module.dpo.reference, module, None)
-
-
-def gathered(value: int) -> list[int]:
-    """``value`` of every rank, in rank order (collective)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [value]
-    device = collective_device()
-    out = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, torch.tensor([value], dtype=torch.int64, device=device))
-    return [int(t.item()) for t in out]

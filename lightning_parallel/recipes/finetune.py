@@ -39,7 +39,7 @@ def check_finetune_config(cfg: DictConfig) -> None:
             "recipes/finetune.py trains Hugging Face and LitGPT models (model=hf*, e.g. model=hf model.path=FOLDER, "
             "or model=litgpt_chat_tiny model.path=FOLDER): use recipes/train_gpt.py for the others."
         )
-    _refuse_optimizer(cfg.get("optimizer"))
+    refuse_optimizer(cfg.get("optimizer"), "recipes/finetune.py")
     assets = Path(cfg.assets).expanduser().resolve()
     named = [p for p in (cfg.model.path, cfg.data.path) if p is not None]
     if any(Path(p).expanduser().resolve().is_relative_to(assets) for p in named):
@@ -47,16 +47,17 @@ def check_finetune_config(cfg: DictConfig) -> None:
     check_config(cfg)
 
 
-def _refuse_optimizer(opt: Any) -> None:
-    """The fine-tune recipe trains with its model's own AdamW (model.lr, model.weight_decay): an ``optimizer``
-    group other than the default would be ignored, so it is refused."""
+def refuse_optimizer(opt: Any, recipe: str) -> None:
+    """The fine-tune and DPO recipes (``recipe``, the script named in the message) train with the model's own AdamW
+    (model.lr, model.weight_decay): an ``optimizer`` group other than the default would be ignored, so it is
+    refused."""
     if opt is None:
         return
     default = opt.name == "adamw" and opt.get("lr") is None and opt.get("weight_decay") is None
     if not default or list(opt.get("betas", [0.9, 0.95])) != [0.9, 0.95] or opt.get("eps", 1e-8) != 1e-8:
         raise ValueError(
-            f"optimizer={opt.name} (or its lr/weight_decay/betas/eps) with recipes/finetune.py: the fine-tune recipe "
-            "trains with the model's own AdamW; set model.lr and model.weight_decay instead, or use "
+            f"optimizer={opt.name} (or its lr/weight_decay/betas/eps) with {recipe}: the fine-tune recipe trains "
+            "with the model's own AdamW (the DPO recipe too); set model.lr and model.weight_decay instead, or use "
             "recipes/train_gpt.py for optimizer=sgd|muon."
         )
 
@@ -101,10 +102,17 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     trained = trained_copy(trainer, model, cfg) if asked else None
     write_metrics(trainer, metrics, run_dir)
     if trained is not None:
-        after = answer(trained.model, tokenizer, prompts, tokens, cfg.temperature, cfg.seed)
-        samples = [{"prompt": p, "before": b, "after": a} for p, b, a in zip(prompts, before, after)]
-        (Path(run_dir) / SAMPLES_FILE).write_text(json.dumps(samples, indent=2))
-        print("\n--- answers before -> after training ---")
-        for s in samples:
-            print(f"Q: {s['prompt']}\n   before: {s['before']!r}\n   after:  {s['after']!r}")
+        write_answers(trained, tokenizer, cfg, before, run_dir)
     return metrics
+
+
+def write_answers(trained: Any, tokenizer: Any, cfg: DictConfig, before: list[str], run_dir: Path) -> None:
+    """Rank 0 after training: the trained model's answers to ``cfg.sample_prompts`` printed beside ``before`` (the
+    untrained model's) and saved as samples.json in ``run_dir`` (the fine-tune and DPO recipes)."""
+    prompts = list(cfg.sample_prompts)
+    after = answer(trained.model, tokenizer, prompts, cfg.sample_tokens, cfg.temperature, cfg.seed)
+    samples = [{"prompt": p, "before": b, "after": a} for p, b, a in zip(prompts, before, after)]
+    (Path(run_dir) / SAMPLES_FILE).write_text(json.dumps(samples, indent=2))
+    print("\n--- answers before -> after training ---")
+    for s in samples:
+        print(f"Q: {s['prompt']}\n   before: {s['before']!r}\n   after:  {s['after']!r}")

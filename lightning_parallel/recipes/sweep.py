@@ -46,6 +46,16 @@ def run_job(cfg: DictConfig, check: Callable[[DictConfig], Any], entry: str) -> 
     return checked_run(cfg, check, entry, Path(HydraConfig.get().runtime.output_dir), sweep=in_sweep())
 
 
+def run_recipe(cfg: DictConfig, module: str, check: str) -> Any:
+    """A recipe script's ``main`` (recipes/finetune.py, recipes/dpo.py): :func:`run_job` with ``module``'s function
+    ``check`` before launch and its ``train`` on the workers (``module`` imported here, in the job)."""
+    import importlib
+
+    import lightning_parallel  # noqa: F401  (registers the strategy names)
+
+    return run_job(cfg, getattr(importlib.import_module(module), check), entry=f"{module}.train")
+
+
 def checked_run(cfg: DictConfig, check: Callable[[DictConfig], Any], entry: str, run_dir: Path, sweep: bool) -> Any:
     """:func:`run_job` in ``run_dir``, as one job of a sweep or as a run of its own."""
     from lightning_parallel.recipes.launch import launched_externally, run

@@ -6,6 +6,8 @@ strategy; rank 0 saves the gathered parameters (the reference copy's left out) a
 Case keys: name, path (the model folder), cache (the preference cache folder), seq_len, steps, global_batch, lr,
 lora, reference (adapters, copy or precomputed), loss, beta.
 
+The result: the losses, and ``copy_bytes``, what this rank holds of the reference copy's parameters.
+
 Each step's loss is the mean DPO loss of this rank's pairs (one micro-batch per step); the test averages the dp
 ranks' (every rank holds the same number of pairs: their mean is the global batch's).
 """
@@ -17,7 +19,7 @@ import lightning.pytorch as pl
 from lightning_parallel.hf import HFCausalLM
 from lightning_parallel.preference.data import PreferencePairs
 from lightning_parallel.preference.module import DPOSettings, as_dpo
-from lightning_parallel.preference.reference import COPY_NAME
+from lightning_parallel.preference.reference import COPY_NAME, parameter_bytes
 from lightning_parallel.recipes.dpo_data import batch_group
 
 from .common import ShardedData, batch_ranks, build_strategy, make_trainer, save_full_params
@@ -67,4 +69,6 @@ def run_case(case: dict, ctx) -> dict:
 
         state = torch.load(path, weights_only=True)
         torch.save({k: v for k, v in state.items() if not k.startswith(COPY_NAME + ".")}, path)
-    return {"name": case["name"], "losses": losses}
+    # what this rank holds of the reference copy (its stages' layers under pp, its shards under tp / ZeRO-3)
+    copy_bytes = parameter_bytes(getattr(model, COPY_NAME, None))
+    return {"name": case["name"], "losses": losses, "copy_bytes": copy_bytes}
