@@ -16,6 +16,7 @@ strategies' free-function modules (checks, sharded_checkpoint).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Generator
 from datetime import timedelta
 from typing import Any
@@ -62,7 +63,8 @@ def build_config(owner: str, config: ParallelConfig | None, settings: dict[str, 
             f"ParallelConfig ({', '.join(ParallelConfig.names())}) or Lightning's strategy arguments."
         )
     base = config if config is not None else ParallelConfig()
-    return ParallelConfig(**{**vars(base), **settings}).validate(warn=warn)
+    # the settings carried as given: validate() hands back the same object unless it fills in derived values
+    return (dataclasses.replace(base, **settings) if settings else base).validate(warn=warn)
 
 
 class MeshRuntime:
