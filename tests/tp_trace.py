@@ -17,6 +17,7 @@ What counts, in the package's own files (``lightning_parallel/``, ``recipes/``):
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_DIRS = (ROOT / "lightning_parallel", ROOT / "recipes")
+PREFIXES = (f"{ROOT}/lightning_parallel/", f"{ROOT}/recipes/")
 
 
 CARRIER_FILES = ("lightning_parallel/parallel/config.py", "lightning_parallel/parallel/mesh.py")
@@ -41,11 +42,12 @@ class Trace:
         return list(dict.fromkeys(file for file, _ in self.visits))
 
 
+@functools.cache
 def _ours(filename: str) -> str | None:
-    path = Path(filename)
-    if not any(path.is_relative_to(d) for d in PACKAGE_DIRS):
+    """``filename`` relative to the repository when it is one of the package's files (asked at every call: cached)."""
+    if not filename.startswith(PREFIXES):
         return None
-    return str(path.relative_to(ROOT))
+    return str(Path(filename).relative_to(ROOT))
 
 
 @contextmanager
