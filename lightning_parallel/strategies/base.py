@@ -1,11 +1,7 @@
-"""MeshStrategy: the Trainer's front door, an adapter over the runtime. It owns no parallelism of its own.
-
-Everything a layout has and does is its ``runtime``'s (:class:`~lightning_parallel.strategies.runtime.MeshRuntime`,
-which Fabric's :class:`~lightning_parallel.fabric.strategy.MeshFabricStrategy` holds too). This class turns
-Lightning's hooks into calls of the runtime and of the functions both doors share (Lightning's way between its
-Trainer and Fabric strategies, not mixins): :mod:`.distributed` (process group, collectives, failures),
-:mod:`.model_setup` (where the model is built and placed), :mod:`.checkpointing`, :mod:`.pipelined_step`.
-The strategies themselves (:mod:`.hybrid3d`, :mod:`.zero`) are presets over its settings.
+"""MeshStrategy: the Trainer's front door, an adapter over its ``runtime`` (:class:`~.runtime.MeshRuntime`, which
+Fabric's door holds too). Lightning's hooks become calls of the runtime and of the functions both doors share
+(Lightning's way between its Trainer and Fabric strategies, not mixins): :mod:`.distributed`, :mod:`.model_setup`,
+:mod:`.checkpointing`, :mod:`.trainer_step`, :mod:`.pipelined_step`. Presets: :mod:`.hybrid3d`, :mod:`.zero`.
 
 May import: Lightning, ``lightning_parallel.parallel``, ``lightning_parallel.plugins``, ``lightning_parallel._compat``
 and the modules of this package below it.
@@ -37,16 +33,9 @@ from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.materialize import splits_model
 from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.plugins.precision import to_mesh_precision
-from lightning_parallel.strategies import checkpointing, distributed, trainer_step
+from lightning_parallel.strategies import checkpointing, distributed, model_setup, trainer_step
 from lightning_parallel.strategies.checkpointing import check_async_save, check_checkpoint_format, unwrap_optimizer
 from lightning_parallel.strategies.fault_tolerant_step import start_replicas
-from lightning_parallel.strategies.model_setup import (
-    built_on_meta,
-    hide_example_input,
-    moves_whole,
-    sync_batchnorm_over_batch,
-    sync_metrics_over_batch,
-)
 from lightning_parallel.strategies.pipelined_step import pipelined_step
 from lightning_parallel.strategies.runtime import MeshRuntime
 from lightning_parallel.strategies.sharded_checkpoint import CheckpointTarget
@@ -93,13 +82,7 @@ class MeshStrategy(ParallelStrategy):
         self.runtime = MeshRuntime.create(
             owner, self.strategy_name, config, settings, timeout, rank_zero_warn, process_group_backend
         )
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.num_nodes = 1
         self.checkpoint_format, self.async_save = checkpoint_format, async_save
         self._pipelined: Any = None  # PipelinedStep under pp > 1
@@ -150,17 +133,17 @@ class MeshStrategy(ParallelStrategy):
         """``Trainer.init_module()``: on meta under a layout that splits the model (:mod:`.model_setup`)."""
         if not splits_model(self.config):
             return super().tensor_init_context(empty_init)
-        return built_on_meta(self.runtime, self.precision_plugin.tensor_init_context())
+        return model_setup.built_on_meta(self.runtime, self.precision_plugin.tensor_init_context())
 
     @override
     def model_sharded_context(self) -> contextlib.AbstractContextManager:
-        return built_on_meta(self.runtime) if splits_model(self.config) else contextlib.nullcontext()
+        return model_setup.built_on_meta(self.runtime) if splits_model(self.config) else contextlib.nullcontext()
 
     @override
     def model_to_device(self) -> None:
         """Whole onto the device only when every rank holds all of it (else the runtime's split places it)."""
         assert self.model is not None
-        if moves_whole(self.config, self.model):
+        if model_setup.moves_whole(self.config, self.model):
             self.model.to(self.root_device)
 
     @override
@@ -170,13 +153,13 @@ class MeshStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self.runtime.split_model is not self.model:  # validate/test after fit reuse the split model
-            batch = self.mesh.group("batch")  # BatchNorm synced before tp, pp and ZeRO-3 wrap its parameters
-            self.model = sync_batchnorm_over_batch(self.model, self._layer_sync, self.config, batch, rank_zero_warn)
+            batch, sync = self.mesh.group("batch"), self._layer_sync  # BatchNorm synced before tp, pp, ZeRO-3 wrap it
+            self.model = model_setup.sync_batchnorm_over_batch(self.model, sync, self.config, batch, rank_zero_warn)
             module = self.lightning_module  # split in place before configure_optimizers sees its parameters
             applied = self.runtime.split(self.model, module, self.root_device, rank_zero_warn, rank_zero_info)
             if applied.split is not None:  # pp: the module's steps drive the schedule
                 self._pipelined = pipelined_step(self, module, applied.split, self.parallel_dims.tp > 1)
-            sync_metrics_over_batch(self.model, batch)
+            model_setup.sync_metrics_over_batch(self.model, batch)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -187,7 +170,7 @@ class MeshStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
         if self.world_size > 1 and self._hidden_example_input is None:  # see hide_example_input
-            self._hidden_example_input = hide_example_input(self.lightning_module)
+            self._hidden_example_input = model_setup.hide_example_input(self.lightning_module)
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
@@ -266,8 +249,8 @@ class MeshStrategy(ParallelStrategy):
             self._replicas.shutdown()
             self._replicas = None
         self.runtime.end_watch()  # this rank's work ended normally: stop watching, and say so on the board
-        if self._hidden_example_input is not None and self.lightning_module is not None:  # see hide_example_input
-            self.lightning_module.example_input_array, self._hidden_example_input = self._hidden_example_input, None
+        model_setup.show_example_input(self.lightning_module, self._hidden_example_input)
+        self._hidden_example_input = None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

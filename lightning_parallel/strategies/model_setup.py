@@ -85,6 +85,12 @@ def hide_example_input(module: Any) -> Any:
     return hidden
 
 
+def show_example_input(module: Any, hidden: Any) -> None:
+    """The Trainer door's teardown: ``module``'s ``example_input_array`` back (:func:`hide_example_input`)."""
+    if hidden is not None and module is not None:
+        module.example_input_array = hidden
+
+
 def sync_metrics_over_batch(model: nn.Module, batch_group: Any) -> None:
     """torchmetrics sync over the whole world by default; pp and tp ranks would count a batch twice."""
     for module in model.modules():
