@@ -188,4 +188,4 @@ def test_a_launch_that_does_not_match_devices_is_refused_by_name(monkeypatch):
     with pytest.raises(
         ValueError, match=r"Trainer\(devices=2, num_nodes=1\) expects 2 processes, but the launcher started 4"
     ):
-        strategy._check_launched_world()
+        strategy.setup_environment()

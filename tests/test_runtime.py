@@ -63,3 +63,19 @@ def test_the_loss_is_replaced_under_tp_without_pp_only():
         original = module.loss
         keep_logits_split(module, Parallelized(split=split), tp)
         assert (module.loss != original) == replaced, (tp, split)
+
+
+def test_the_doors_are_adapters_over_the_runtime_not_mixins():
+    """Each front door derives from Lightning's strategy alone (its presets add a name and settings): what both do is
+    the runtime's and the shared functions' (strategies/distributed.py, model_setup.py), no state through mixins."""
+    from lightning.fabric.strategies.parallel import ParallelStrategy as FabricParallel
+    from lightning.pytorch.strategies.parallel import ParallelStrategy as TrainerParallel
+
+    from lightning_parallel.fabric.strategy import MeshFabricStrategy
+    from lightning_parallel.strategies.base import MeshStrategy
+
+    assert MeshStrategy.__bases__ == (TrainerParallel,)
+    assert MeshFabricStrategy.__bases__ == (FabricParallel,)
+    for door in (Hybrid3DStrategy, ZeroStrategy, Hybrid3DFabricStrategy, ZeroFabricStrategy):
+        ours = [c for c in door.__mro__ if c.__module__.startswith("lightning_parallel")]
+        assert all(c.__module__.endswith((".base", ".strategy", ".hybrid3d", ".zero", ".presets")) for c in ours), ours

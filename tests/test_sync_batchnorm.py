@@ -14,6 +14,7 @@ from conftest import Run, launch
 from harness import run_worker
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.plugins import TorchSyncBatchNorm
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from parity import assert_same_losses, assert_same_params
 from torch import nn
 
@@ -28,6 +29,7 @@ from lightning_parallel.parallel.data.sync_batchnorm import (
     revert_sync_batchnorm,
 )
 from lightning_parallel.parallel.tensor.conv import ChannelNormParallel
+from lightning_parallel.strategies.model_setup import sync_batchnorm_over_batch
 
 UNIT_TOL = 1e-6  # |got - want| / (1 + |want|): float32 summation order only
 MUST_DIFFER = 1e-4  # without the sync a run has to be at least this far from one process
@@ -134,8 +136,10 @@ def test_hybrid3d_warns_that_microbatches_split_the_statistics(monkeypatch):
     strategy.runtime.mesh = _NoMesh()  # no process group here: the conversion itself is left out
     strategy.model = torch.nn.BatchNorm1d(4)
     monkeypatch.setattr("lightning_parallel.strategies.model_setup.convert_sync_batchnorm", lambda model, group: model)
+    batch = strategy.mesh.group("batch")
     with pytest.warns(UserWarning, match=r"pp=2 and microbatches=4: BatchNorm statistics cover one microbatch"):
-        strategy._sync_batchnorm_over_batch()
+        # what the Trainer door's setup runs before the split
+        sync_batchnorm_over_batch(strategy.model, strategy._layer_sync, strategy.config, batch, rank_zero_warn)
 
 
 # ----- (a) the layer alone, two processes, ranks with different batch sizes -----

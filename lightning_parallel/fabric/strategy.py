@@ -3,10 +3,9 @@
 Everything a layout has and does is its ``runtime``'s (:class:`~lightning_parallel.strategies.runtime.MeshRuntime`,
 the object the Trainer's :class:`~lightning_parallel.strategies.base.MeshStrategy` holds too): the settings and
 degrees, the mesh and sharding, the checks, the split, the step's reduction, clipping, the batch split, the sharded
-folders (:mod:`.checkpoint`). The Lightning hooks both doors share are
-:class:`~lightning_parallel.strategies.distributed.DistributedHooks`'s (the process group, collectives) and
-:class:`~lightning_parallel.strategies.model_setup.ModelPlacement`'s (where the model is built). What differs is only
-where Fabric calls in:
+folders (:mod:`.checkpoint`). The process group, collectives and failures are functions both doors call
+(:mod:`lightning_parallel.strategies.distributed`), as is where the model is built
+(:mod:`lightning_parallel.strategies.model_setup`). What differs is only where Fabric calls in:
 
 - ``fabric.setup(model, optimizer)``: the optimizer was built over the unsplit model's parameters; they are
   re-pointed by name at what the split left on this rank before the sharding takes the optimizer.
@@ -17,7 +16,7 @@ where Fabric calls in:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -45,13 +44,13 @@ from lightning_parallel.fabric.pipeline import (
     unpipelined_loss,
 )
 from lightning_parallel.parallel.config import ParallelConfig
-from lightning_parallel.parallel.data.powersgd import embedding_weights
+from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.materialize import splits_model
-from lightning_parallel.parallel.optim.muon import check_muon_precision
+from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.parallel.pipeline.runner import Pipeline
 from lightning_parallel.plugins.precision import loss_scaler_like
-from lightning_parallel.strategies.distributed import DistributedHooks
-from lightning_parallel.strategies.model_setup import ModelPlacement, moves_whole
+from lightning_parallel.strategies import distributed
+from lightning_parallel.strategies.model_setup import built_on_meta, moves_whole
 from lightning_parallel.strategies.runtime import MeshRuntime
 
 
@@ -69,7 +68,7 @@ def check_fabric_config(config: ParallelConfig, owner: str) -> None:
         )
 
 
-class MeshFabricStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
+class MeshFabricStrategy(ParallelStrategy):
     """Base of the Fabric strategies that lay the world out on one mesh, as a :class:`ParallelConfig` says.
 
     Args:
@@ -83,6 +82,8 @@ class MeshFabricStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
     """
 
     strategy_name = "mesh"
+    calls_materialize = True  # protocol.strategy_calls_materialize: each rank's pieces filled through materialize()
+    is_distributed = True  # else Lightning adds no DistributedSampler and sync_dist does nothing
 
     def __init__(
         self,
@@ -97,9 +98,11 @@ class MeshFabricStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
         prepare_model: Callable[[nn.Module], Any] | None = None,
         **settings: Any,
     ) -> None:
-        name, owner = self._name(), type(self).__name__
-        self.runtime = MeshRuntime.create(owner, name, config, settings, timeout, rank_zero_warn, process_group_backend)
-        check_fabric_config(self.config, type(self).__name__)
+        owner = type(self).__name__
+        self.runtime = MeshRuntime.create(
+            owner, self.strategy_name, config, settings, timeout, rank_zero_warn, process_group_backend
+        )
+        check_fabric_config(self.config, owner)
         self.prepare_model = prepare_model
         super().__init__(
             accelerator=accelerator,
@@ -118,7 +121,65 @@ class MeshFabricStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
         """The model ``fabric.setup`` split (None before)."""
         return self.runtime.split_model
 
-    # ----- Fabric's bookkeeping -----
+    # ----- the layout: the runtime's -----
+
+    @property
+    def config(self) -> ParallelConfig:
+        return self.runtime.config
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        return self.runtime.dims if self.runtime.dims is not None else self.runtime.degrees(self.world_size)
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        """The world's mesh, by role (``batch``, ``loss``, ``shard``, ``stage``, ``tensor``) or axis."""
+        return self.runtime.require_mesh()
+
+    @property
+    def sharding(self) -> DataParallelSharding:
+        return self.runtime.require_sharding()
+
+    # ----- Fabric's bookkeeping, the processes: one call each into strategies/distributed.py -----
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return distributed.sampler_arguments(self.runtime, self.parallel_dims)
+
+    def set_world_ranks(self) -> None:
+        distributed.set_world_ranks(self)
+
+    @override
+    def setup_environment(self) -> None:
+        distributed.check_launched_world(self.cluster_environment, self.num_nodes, self.num_processes)
+        super().setup_environment()
+        distributed.start_rank(self, self._precision_name())
+
+    def _precision_name(self) -> str | None:
+        return getattr(self.precision, "precision", None)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return distributed.broadcast(obj, src)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return distributed.vote(decision, all, self.root_device, self.world_size)
 
     @property
     def num_nodes(self) -> int:
@@ -160,24 +221,15 @@ class MeshFabricStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
         """``fabric.init_module()``: on the meta device under a layout that splits the model (each rank then
         materializes only its pieces, with the values one process draws); else on the device, always with values
         (``empty_init`` changes nothing, as under the Trainer: the values never depend on the layout)."""
-        return self._init_context(self.precision.module_init_context(), empty_init=False)
+        if not splits_model(self.config):
+            return super().module_init_context(empty_init=False)
+        return built_on_meta(self.runtime, self.precision.module_init_context())
 
     @override
     def tensor_init_context(self) -> contextlib.AbstractContextManager:
-        return self._init_context(self.precision.tensor_init_context())
-
-    @contextlib.contextmanager
-    def _init_context(self, precision_context: Any, empty_init: bool | None = None) -> Generator[None, None, None]:
-        if not splits_model(self.config):  # Fabric's own (ModelPlacement's are the Trainer's hooks)
-            if empty_init is not None:
-                fabric_context = ParallelStrategy.module_init_context(self, empty_init)
-            else:
-                fabric_context = ParallelStrategy.tensor_init_context(self)
-            with fabric_context:
-                yield
-            return
-        with self._built_on_meta(), precision_context:
-            yield
+        if not splits_model(self.config):
+            return super().tensor_init_context()
+        return built_on_meta(self.runtime, self.precision.tensor_init_context())
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
@@ -211,11 +263,8 @@ class MeshFabricStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
         """Re-point ``optimizer`` at the split model's parameters (by name), then let the sharding take it."""
         if self.module is None:
             raise ValueError("set up the model first: fabric.setup(model, optimizer) or fabric.setup_module(model).")
-        check_muon_precision(optimizer, str(getattr(self.precision, "precision", "")))
         repoint(optimizer, self.module, self.runtime.stages, self._names, type(self).__name__)
-        if self.sharding.powersgd is not None and not self._optimizers:  # embeddings travel whole
-            self.sharding.powersgd.keep_whole(embedding_weights(self.module))
-        self.sharding.shard_optimizer(optimizer)
+        self.runtime.take_optimizers(self.module, [optimizer], str(getattr(self.precision, "precision", "")))
         _compat.optimizers_to_device([optimizer], self.root_device)
         self._optimizers.append(optimizer)
         return optimizer
@@ -310,7 +359,7 @@ class MeshFabricStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
     def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Over the ``loss`` role by default (the data-parallel ranks and cp), as the Trainer's ``reduce``: tensor
         shards hold the same values."""
-        return self.reduce(tensor, group, reduce_op)
+        return distributed.reduce(self.runtime, tensor, group, reduce_op)
 
     # ----- checkpoints -----
 
@@ -330,5 +379,5 @@ class MeshFabricStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self.end_failure_watch()
+        self.runtime.end_watch()
         super().teardown()

@@ -238,8 +238,8 @@ class ParallelConfig:
     # ----- validation -----
 
     def validate(self, warn: Callable[[str], Any] = warnings.warn) -> ParallelConfig:
-        """Check every setting before any process group exists; returns a validated copy with the derived
-        values filled in (``microbatches`` under pp). Settings that cannot apply are warned about through
+        """Check every setting before any process group exists; returns the config itself, or a copy with the
+        derived values filled in (``microbatches`` under pp). Settings that cannot apply are warned about through
         ``warn`` (Lightning's ``rank_zero_warn`` in the strategies).
 
         Raises:
@@ -326,7 +326,7 @@ class ParallelConfig:
             done.reshard_after_forward = False
         if not gathers_params and not self.reshard_after_forward:
             warn("reshard_after_forward only applies with zero_stage=3: ignored.")
-        return done
+        return self if done == self else done  # nothing derived: the one object, carried on
 
     def _check_context(self, warn: Callable[[str], Any]) -> None:
         check_degree_arg("cp", self.cp)

@@ -38,7 +38,7 @@ from lightning_parallel.recipes.checks import (
 )
 from lightning_parallel.recipes.config import StrategyConf
 from lightning_parallel.strategies.base import MeshStrategy
-from lightning_parallel.strategies.checks import check_model, checked_before_launch
+from lightning_parallel.strategies.checks import checked_before_launch
 from lightning_parallel.strategies.zero import ZERO_PRESETS, ZERO_SETTINGS
 
 
@@ -118,18 +118,19 @@ def world_size(cfg: DictConfig) -> int:
     return cfg.trainer.devices * cfg.trainer.num_nodes
 
 
-def data_parallel_size(conf: DictConfig, world: int) -> int:
-    """How many different batches one optimizer step sees: the ranks of the mesh's ``batch`` role."""
+def data_parallel_size(conf: DictConfig, world: int, dims: Any = None) -> int:
+    """How many different batches one optimizer step sees: the ranks of the mesh's ``batch`` role (``dims``: the
+    degrees when known already)."""
     if conf.name == "async_ps":  # the servers see no data
         return protocol.check_world(conf.num_servers, world, "strategy.num_servers")
     if conf.name != "hybrid3d":
         return world
-    return parallel_config(conf).dims(world).role_size("batch")
+    return (dims or parallel_config(conf).dims(world)).role_size("batch")
 
 
-def micro_batch_size(cfg: DictConfig, world: int) -> int:
+def micro_batch_size(cfg: DictConfig, world: int, dims: Any = None) -> int:
     """Samples per dp rank per forward so that one optimizer step sees ``data.global_batch_size``."""
-    dp = data_parallel_size(cfg.strategy, world)
+    dp = data_parallel_size(cfg.strategy, world, dims)
     accumulate = cfg.trainer.accumulate_grad_batches
     if cfg.data.global_batch_size < 1:
         raise ValueError(f"data.global_batch_size={cfg.data.global_batch_size} must be positive: samples per step.")
@@ -155,11 +156,13 @@ def check_run_settings(cfg: DictConfig, num_layers: int) -> Any:
     strategy = build_strategy(cfg.strategy)
     _CHECKED[id(cfg.strategy)] = (OmegaConf.to_yaml(cfg.strategy), strategy)  # build_trainer's, in this process
     check_precision(cfg, strategy)
-    micro = micro_batch_size(cfg, world)
+    # hybrid3d: the degrees once, carried by the strategy's runtime from here (mesh_dims, check_strategy_model)
+    dims = strategy.runtime.degrees(world) if isinstance(strategy, Hybrid3DStrategy) else None
+    micro = micro_batch_size(cfg, world, dims)
     if isinstance(strategy, MeshStrategy):  # tp, cp and HSDP's dp_shard inside a node
-        strategy.config.dims(world).check_node_size(cfg.trainer.devices, cfg.trainer.num_nodes)
+        (dims or strategy.config.dims(world)).check_node_size(cfg.trainer.devices, cfg.trainer.num_nodes)
     if isinstance(strategy, Hybrid3DStrategy):
-        config, dims = strategy.config, strategy.config.dims(world)
+        config = strategy.config
         check_stage_count(num_layers, dims.pp * config.stages_per_rank, f"strategy.pp={dims.pp}")
         if dims.pp > 1 and micro % config.microbatches:
             raise ValueError(
@@ -197,7 +200,9 @@ def check_run_settings(cfg: DictConfig, num_layers: int) -> Any:
 def mesh_dims(cfg: DictConfig, strategy: Any) -> Any:
     """The hybrid3d layout's degrees (:class:`~lightning_parallel.parallel.mesh.ParallelDims`); None under the other
     strategies (they split data only)."""
-    return strategy.config.dims(world_size(cfg)) if isinstance(strategy, Hybrid3DStrategy) else None
+    if not isinstance(strategy, Hybrid3DStrategy):
+        return None
+    return strategy.runtime.dims or strategy.runtime.degrees(world_size(cfg))  # check_run_settings's, carried
 
 
 # how the recipe names the settings the strategy's check names by their ParallelConfig and LoraConfig names
@@ -215,7 +220,8 @@ def check_strategy_model(cfg: DictConfig, strategy: Any, module: Any, lora: bool
     """
     if isinstance(strategy, MeshStrategy):  # ddp and async_ps: every rank holds the whole model
         with recipe_names(lora):  # the job's degrees: the strategy knows its world size once the Trainer has it
-            check_model(module, strategy.config, strategy.config.dims(world_size(cfg)))
+            dims = strategy.runtime.dims or strategy.config.dims(world_size(cfg))  # hybrid3d: check_run_settings's
+            strategy.runtime.check(module, dims)
 
 
 @contextmanager

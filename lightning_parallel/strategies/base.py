@@ -1,24 +1,15 @@
-"""MeshStrategy: the Trainer's front door, an adapter over the runtime. It owns no parallelism of its own.
-
-Everything a layout has and does is its ``runtime``'s (:class:`~lightning_parallel.strategies.runtime.MeshRuntime`,
-the object Fabric's :class:`~lightning_parallel.fabric.strategy.MeshFabricStrategy` holds too): settings and degrees,
-the mesh and the sharding, the checks, the split (:func:`~lightning_parallel.parallel.parallelize.parallelize`), the
-step's gradient reduction, clipping by the whole model's norm, the batch split, the sharded folders. This class
-turns Lightning's hooks into the runtime's calls, wires a pipelined model's steps to its schedule
-(:mod:`.pipelined_step`), and makes each of Lightning's checkpoint hooks one call into :mod:`.checkpointing`'s
-functions (over the runtime and what this class names: model, module, optimizers, format); the process group and the
-collectives are :class:`~lightning_parallel.strategies.distributed.DistributedHooks`'s, shared with Fabric.
-
-The strategies themselves (:mod:`.hybrid3d`, :mod:`.zero`) are presets over
-:class:`~lightning_parallel.parallel.config.ParallelConfig`. Where the model is built and placed (the meta device
-under pp, tp and ZeRO-3: no rank holds a whole copy) is :mod:`.model_setup`'s.
+"""MeshStrategy: the Trainer's front door, an adapter over its ``runtime`` (:class:`~.runtime.MeshRuntime`, which
+Fabric's door holds too). Lightning's hooks become calls of the runtime and of the functions both doors share
+(Lightning's way between its Trainer and Fabric strategies, not mixins): :mod:`.distributed`, :mod:`.model_setup`,
+:mod:`.checkpointing`, :mod:`.trainer_step`, :mod:`.pipelined_step`. Presets: :mod:`.hybrid3d`, :mod:`.zero`.
 
 May import: Lightning, ``lightning_parallel.parallel``, ``lightning_parallel.plugins``, ``lightning_parallel._compat``
-and the modules of this package below it (launcher, checks, checkpointing, pipelined_step).
+and the modules of this package below it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -38,21 +29,19 @@ from lightning_parallel import _compat
 from lightning_parallel.parallel import strict
 from lightning_parallel.parallel.checkpoint.async_save import AsyncCheckpointer
 from lightning_parallel.parallel.config import ParallelConfig
-from lightning_parallel.parallel.data.powersgd import embedding_weights
-from lightning_parallel.parallel.expert.aux import aux_loss_scale
-from lightning_parallel.parallel.optim.muon import check_muon_precision
-from lightning_parallel.plugins.precision import loss_scale_of, to_mesh_precision
-from lightning_parallel.strategies import checkpointing
+from lightning_parallel.parallel.data.sharding import DataParallelSharding
+from lightning_parallel.parallel.materialize import splits_model
+from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
+from lightning_parallel.plugins.precision import to_mesh_precision
+from lightning_parallel.strategies import checkpointing, distributed, model_setup, trainer_step
 from lightning_parallel.strategies.checkpointing import check_async_save, check_checkpoint_format, unwrap_optimizer
-from lightning_parallel.strategies.distributed import DistributedHooks
-from lightning_parallel.strategies.fault_tolerant_step import fault_tolerant_step, start_replicas
-from lightning_parallel.strategies.model_setup import ModelPlacement, sync_batchnorm_over_batch, sync_metrics_over_batch
+from lightning_parallel.strategies.fault_tolerant_step import start_replicas
 from lightning_parallel.strategies.pipelined_step import pipelined_step
 from lightning_parallel.strategies.runtime import MeshRuntime
-from lightning_parallel.strategies.sharded_checkpoint import CheckpointTarget, finish_async
+from lightning_parallel.strategies.sharded_checkpoint import CheckpointTarget
 
 
-class MeshStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
+class MeshStrategy(ParallelStrategy):
     """Base of the strategies that lay the world out on one mesh, as a :class:`ParallelConfig` says.
 
     Args:
@@ -62,14 +51,15 @@ class MeshStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
             layout resumes it) or ``"full"`` (one file gathered on rank 0 in the single-process format).
         async_save: sharded saves during fit go on in a thread once staged on the host (one at a time; a
             folder appears only complete): :mod:`lightning_parallel.parallel.checkpoint.async_save`.
-        timeout: a ``timedelta`` or seconds (Lightning's default: 30 minutes) bounding every collective, on the
-            world and on every group the strategy makes (torch would give a new NCCL group 10 minutes): when a rank
-            fails, the others end within it and name the rank that failed first (``parallel/failure.py``).
+        timeout: a ``timedelta`` or seconds (default 30 minutes) bounding every collective, on the world and every
+            group: when a rank fails, the others end within it and name the rank that failed first.
         accelerator: Lightning's (as are ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
             ``precision_plugin`` and ``process_group_backend``).
     """
 
     strategy_name = "mesh"
+    calls_materialize = True  # protocol.strategy_calls_materialize: each rank's pieces filled through materialize()
+    is_distributed = True  # else Lightning adds no DistributedSampler and sync_dist does nothing
 
     def __init__(
         self,
@@ -88,35 +78,47 @@ class MeshStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
     ) -> None:
         check_checkpoint_format(checkpoint_format)
         check_async_save(async_save, checkpoint_format)
-        name, owner = self._name(), type(self).__name__
-        self.runtime = MeshRuntime.create(owner, name, config, settings, timeout, rank_zero_warn, process_group_backend)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
+        owner = type(self).__name__
+        self.runtime = MeshRuntime.create(
+            owner, self.strategy_name, config, settings, timeout, rank_zero_warn, process_group_backend
         )
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.num_nodes = 1
         self.checkpoint_format, self.async_save = checkpoint_format, async_save
         self._pipelined: Any = None  # PipelinedStep under pp > 1
         self._replicas: Any = None  # fault_tolerance='torchft': this rank's FaultTolerantReplicas
-        self._async_checkpointer: AsyncCheckpointer | None = None  # async_save: the saver, created at the first save
+        self.saves = checkpointing.AsyncSaves()  # async_save: the saver, created at the first save during fit
+        self._hidden_example_input: Any = None  # the module's example_input_array while the model is split
+
+    @property
+    def config(self) -> ParallelConfig:
+        return self.runtime.config
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        return self.runtime.dims if self.runtime.dims is not None else self.runtime.degrees(self.world_size)
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        """The world's mesh, by role (``batch``, ``loss``, ``shard``, ``stage``, ``tensor``) or axis."""
+        return self.runtime.require_mesh()
+
+    @property
+    def sharding(self) -> DataParallelSharding:
+        return self.runtime.require_sharding()
 
     @property
     def replicas(self) -> Any:
-        """``fault_tolerance='torchft'``: this rank's :class:`~lightning_parallel.parallel.fault_tolerance.
-        FaultTolerantReplicas` (committed steps, groups in the quorum) once fit has set up; else None."""
+        """``fault_tolerance='torchft'``: this rank's ``FaultTolerantReplicas`` once fit has set up; else None."""
         return self._replicas
 
     @property
     @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # states load into the sharded model and wrapped optimizers
+    def restore_checkpoint_after_setup(self) -> bool:  # states load into the sharded model and wrapped optimizers
+        return True
 
     def check_model(self, model: Any) -> None:
-        """Refuse a model this layout cannot split, in the calling process: before Lightning's launcher starts
-        the other ranks and before any process group exists (``connect`` runs it too, for torchrun)."""
+        """Refuse a model this layout cannot split before any process group exists (the launcher; torchrun: connect)."""
         self.runtime.check(model, self.parallel_dims)
 
     @override
@@ -127,53 +129,48 @@ class MeshStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
     # ----- the model -----
 
     @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+        """``Trainer.init_module()``: on meta under a layout that splits the model (:mod:`.model_setup`)."""
+        if not splits_model(self.config):
+            return super().tensor_init_context(empty_init)
+        return model_setup.built_on_meta(self.runtime, self.precision_plugin.tensor_init_context())
+
+    @override
+    def model_sharded_context(self) -> contextlib.AbstractContextManager:
+        return model_setup.built_on_meta(self.runtime) if splits_model(self.config) else contextlib.nullcontext()
+
+    @override
+    def model_to_device(self) -> None:
+        """Whole onto the device only when every rank holds all of it (else the runtime's split places it)."""
+        assert self.model is not None
+        if model_setup.moves_whole(self.config, self.model):
+            self.model.to(self.root_device)
+
+    @override
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self.runtime.split_model is not self.model:  # validate/test after fit reuse the split model
-            self._sync_batchnorm_over_batch()  # before tp, pp and ZeRO-3 wrap the BatchNorms' parameters
-            self._split_model()  # and placed on the device
-            sync_metrics_over_batch(self.model, self.mesh.group("batch"))
+            batch, sync = self.mesh.group("batch"), self._layer_sync  # BatchNorm synced before tp, pp, ZeRO-3 wrap it
+            self.model = model_setup.sync_batchnorm_over_batch(self.model, sync, self.config, batch, rank_zero_warn)
+            module = self.lightning_module  # split in place before configure_optimizers sees its parameters
+            applied = self.runtime.split(self.model, module, self.root_device, rank_zero_warn, rank_zero_info)
+            if applied.split is not None:  # pp: the module's steps drive the schedule
+                self._pipelined = pipelined_step(self, module, applied.split, self.parallel_dims.tp > 1)
+            model_setup.sync_metrics_over_batch(self.model, batch)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self.sharding.powersgd is not None:  # embeddings and weights tied across stages travel whole
-                tied = self.runtime.applied.tied if self.runtime.applied is not None else None
-                self.sharding.powersgd.keep_whole(embedding_weights(self.model) + (tied.params() if tied else []))
-            for optimizer in self.optimizers:
-                check_muon_precision(optimizer, str(getattr(self.precision_plugin, "precision", "")))
-                self.sharding.shard_optimizer(optimizer)
+            raws = [unwrap_optimizer(o) for o in self.optimizers]
+            self.runtime.take_optimizers(self.model, raws, str(getattr(self.precision_plugin, "precision", "")))
             self._replicas = self._replicas or start_replicas(self, trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
-        self._hide_example_input()
-
-    def _split_model(self) -> None:
-        """Split ``self.model`` in place (the runtime's split), before ``configure_optimizers`` sees its parameters;
-        under pp the module's steps drive the schedule."""
-        module = self.lightning_module
-        assert module is not None and self.model is not None
-        applied = self.runtime.split(self.model, module, self.root_device, warn=rank_zero_warn, info=rank_zero_info)
-        if applied.split is not None:
-            self._pipelined = pipelined_step(self, module, applied.split, self.parallel_dims.tp > 1)
-
-    def _hide_example_input(self) -> None:
-        """Lightning's model summary (and TensorBoard's graph) run ``example_input_array`` through the model on
-        rank 0 only: once the model is sharded or split, that forward starts collectives no other rank joins
-        (seen as a crash at exit, or steps paired with the wrong collectives). Hidden until teardown."""
-        module = self.lightning_module
-        if module is None or self.world_size == 1 or module.example_input_array is None:
-            return
-        self._hidden_example_input = module.example_input_array
-        module.example_input_array = None
-
-    def _sync_batchnorm_over_batch(self) -> None:
-        assert self.model is not None
-        batch = self.mesh.group("batch")
-        self.model = sync_batchnorm_over_batch(self.model, self._layer_sync, self.config, batch, rank_zero_warn)
+        if self.world_size > 1 and self._hidden_example_input is None:  # see hide_example_input
+            self._hidden_example_input = model_setup.hide_example_input(self.lightning_module)
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
@@ -186,15 +183,13 @@ class MeshStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
     @override
     def precision_plugin(self) -> Precision:
         if self._precision_plugin is None:
-            self._precision_plugin = to_mesh_precision(Precision(), self._name(), self.clip_grad_norm)
+            self._precision_plugin = to_mesh_precision(Precision(), self.strategy_name, self.clip_grad_norm)
         return self._precision_plugin
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = (
-            None if plugin is None else to_mesh_precision(plugin, self._name(), self.clip_grad_norm)
-        )
+        self._precision_plugin = plugin and to_mesh_precision(plugin, self.strategy_name, self.clip_grad_norm)
 
     def clip_grad_norm(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the norm of the whole model's gradient, however it is split; returns that norm."""
@@ -202,45 +197,15 @@ class MeshStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        raw = unwrap_optimizer(optimizer)
-
-        def closure_then_reduce() -> Any:
-            if self._pipelined is None:  # this closure's backward is the step's last: reduce as it goes
-                self.sharding.before_last_backward(raw)
-            else:  # the schedule arms each stage's buckets before its last microbatch's backward
-                self._pipelined.arm_last_backward(self.sharding, raw)
-            self.runtime.new_backward()
-            result = closure()
-            self.runtime.reduce_gradients(raw)  # once per step, after its last backward, before clipping
-            return result
-
-        if self._replicas is not None:  # fault_tolerance='torchft': across the replica groups alive now
-            grads = lambda: [g for g, _, _ in self.sharding.grad_pieces(raw)]  # noqa: E731
-            step = lambda done: super(MeshStrategy, self).optimizer_step(optimizer, done, model, **kwargs)  # noqa: E731
-            result = fault_tolerant_step(
-                self._replicas, self.lightning_module.trainer, raw, closure_then_reduce, step, grads
-            )
-        else:
-            result = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
-        self.sharding.after_step(raw)
-        return result
+        step = lambda done: super(MeshStrategy, self).optimizer_step(optimizer, done, model, **kwargs)  # noqa: E731
+        pipelined, replicas = self._pipelined, self._replicas
+        return trainer_step.optimizer_step(self.runtime, optimizer, closure, step, pipelined, replicas, self._trainer())
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self._pipelined is not None:
-            # the schedule ran forward and backward inside the training step; hand over its gradients
-            assert self.lightning_module is not None
-            self.pre_backward(closure_loss)
-            closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-            self._pipelined.apply_gradients()
-            closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-            self.post_backward(closure_loss)
-            return closure_loss
-        # MoE auxiliary losses get the gradient the main loss has: fp16 scale, divided by the accumulation steps
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-        with aux_loss_scale(loss_scale_of(self.precision_plugin) / accumulate), self.runtime.loss_context():
-            # under tp the vocabulary-parallel loss needs its own backward rules too
+        if self._pipelined is not None:  # the schedule ran forward and backward inside the training step
+            return self._pipelined.hand_over(self, closure_loss)
+        with trainer_step.backward_context(self.runtime, self._trainer(), self.precision_plugin):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     # ----- steps -----
@@ -279,15 +244,13 @@ class MeshStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
     @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
-        checkpointer, self._async_checkpointer = self._async_checkpointer, None  # the save in flight lands first
-        checkpointing.close_async(checkpointer, self.world_size, self._trainer())
+        self.saves.close(self.world_size, self._trainer())  # the save in flight lands first
         if self._replicas is not None:
             self._replicas.shutdown()
             self._replicas = None
-        self.end_failure_watch()
-        hidden = self.__dict__.pop("_hidden_example_input", None)
-        if hidden is not None and self.lightning_module is not None:
-            self.lightning_module.example_input_array = hidden
+        self.runtime.end_watch()  # this rank's work ended normally: stop watching, and say so on the board
+        model_setup.show_example_input(self.lightning_module, self._hidden_example_input)
+        self._hidden_example_input = None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -295,6 +258,60 @@ class MeshStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
             strict.check("the end of the Trainer run")
         else:  # ended on an error: the ranks may have stopped at different collectives
             strict.discard()
+
+    # ----- the processes: one call each into strategies/distributed.py -----
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return distributed.sampler_arguments(self.runtime, self.parallel_dims)
+
+    def set_world_ranks(self) -> None:
+        distributed.set_world_ranks(self)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = distributed.launcher(self)
+
+    @override
+    def setup_environment(self) -> None:
+        distributed.check_launched_world(self.cluster_environment, self.num_nodes, self.num_processes)
+        super().setup_environment()
+        distributed.start_rank(self, self._precision_name(), self._trainer())
+
+    def _precision_name(self) -> str | None:
+        return getattr(self.precision_plugin, "precision", None)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        distributed.on_failure(self, exception)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return distributed.broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        return distributed.reduce(self.runtime, tensor, group, reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return distributed.vote(decision, all, self.root_device, self.world_size)
 
     # ----- checkpoints: one call each into strategies/checkpointing.py -----
 
@@ -304,15 +321,14 @@ class MeshStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
     def async_checkpointer(self, create: bool = True) -> AsyncCheckpointer | None:
         """The asynchronous saver while ``async_save`` and fitting (a save outside fit is written before it
         returns); None otherwise. ``create=False``: the one there is, if any."""
-        if not create or not checkpointing.saves_async(self.async_save, self._trainer()):
-            return None if create else self._async_checkpointer
-        if self._async_checkpointer is None:
-            self._async_checkpointer = AsyncCheckpointer(self.global_rank, self.world_size, self.runtime.timeout)
-        return self._async_checkpointer
+        if not create:
+            return self.saves.checkpointer
+        rank, world, timeout = self.global_rank, self.world_size, self.runtime.timeout
+        return self.saves.saver(self.async_save, self._trainer(), rank, world, timeout)
 
     def finish_checkpoint(self) -> None:
         """Wait for the asynchronous save in flight (collective); every rank raises alike if it failed."""
-        finish_async(self._async_checkpointer, self.world_size)
+        self.saves.finish(self.world_size)
 
     def _target(self, checkpointer: AsyncCheckpointer | None = None) -> CheckpointTarget:
         assert self.model is not None
@@ -323,17 +339,14 @@ class MeshStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, Any]:
         """The whole model's state in the single-process format, on rank 0 (collective; every stage's layers);
         ``trainable_only``: without the frozen parameters (never gathered)."""
-        assert self.model is not None
         return checkpointing.full_state_dict(self.runtime, self.model, trainable_only)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.model is not None
         return checkpointing.module_state_dict(self.runtime, self.model, self.lightning_module, self.checkpoint_format)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self.model is not None
         return checkpointing.optimizer_state(self.runtime, self.model, optimizer, self.checkpoint_format)
 
     @override
@@ -349,7 +362,7 @@ class MeshStrategy(ModelPlacement, DistributedHooks, ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if not checkpointing.remove_later(self._async_checkpointer, filepath, self.is_global_zero):
+        if not checkpointing.remove_later(self.saves.checkpointer, filepath, self.is_global_zero):
             super().remove_checkpoint(filepath)  # else kept until the save in flight is complete
 
     @override

@@ -92,6 +92,30 @@ def close_async(checkpointer: AsyncCheckpointer | None, world_size: int, trainer
         checkpointer.close()
 
 
+class AsyncSaves:
+    """``async_save=True``: the Trainer door's asynchronous saver (one save at a time), made at the first save during
+    fit; waited for before a load (:meth:`finish`), closed at teardown (:meth:`close`)."""
+
+    def __init__(self) -> None:
+        self.checkpointer: AsyncCheckpointer | None = None
+
+    def saver(self, async_save: bool, trainer: Any, rank: int, world: int, timeout: Any) -> AsyncCheckpointer | None:
+        """The saver while ``async_save`` and fitting (:func:`saves_async`); None: the save is written at once."""
+        if not saves_async(async_save, trainer):
+            return None
+        if self.checkpointer is None:
+            self.checkpointer = AsyncCheckpointer(rank, world, timeout)
+        return self.checkpointer
+
+    def finish(self, world_size: int) -> None:
+        """Wait for the save in flight (collective); every rank raises alike if it failed."""
+        finish_async(self.checkpointer, world_size)
+
+    def close(self, world_size: int, trainer: Any) -> None:
+        checkpointer, self.checkpointer = self.checkpointer, None
+        close_async(checkpointer, world_size, trainer)
+
+
 def remove_later(checkpointer: AsyncCheckpointer | None, path: Any, is_global_zero: bool) -> bool:
     """A folder the save in flight may still link to is removed once that save is complete (True); else False:
     the caller removes it now."""

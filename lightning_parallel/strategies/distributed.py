@@ -1,11 +1,12 @@
-"""The process-level Lightning hooks both front doors share: launching, the process group (then the runtime's
-mesh and sharding), which device and rank this is, collectives over the world or a role of the mesh, and what happens
-when a rank fails (``parallel/failure.py``). Functions taking what they need (:func:`check_launched_world`,
-:func:`open_process_group`, :func:`set_world_ranks`), and :class:`DistributedHooks`, Lightning's hook methods over
-them, inherited by :class:`~lightning_parallel.strategies.base.MeshStrategy` and
-:class:`~lightning_parallel.fabric.strategy.MeshFabricStrategy`: it keeps no state; what a layout has is the
-``runtime``'s (:class:`~lightning_parallel.strategies.runtime.MeshRuntime`: the degrees, mesh, sharding, the process
-group's backend and timeout, the failure board), the rest Lightning's public attributes."""
+"""The process-level work both front doors share, as functions (Lightning's way between its Trainer and Fabric
+strategies): launching, the process group (then the runtime's mesh and sharding), which device and rank this is,
+collectives over the world or a role of the mesh, and what happens when a rank fails (``parallel/failure.py``).
+
+:class:`~lightning_parallel.strategies.base.MeshStrategy` and :class:`~lightning_parallel.fabric.strategy.
+MeshFabricStrategy` each call them from their own hook methods (one line each). They take what they need: the
+``runtime`` (:class:`~lightning_parallel.strategies.runtime.MeshRuntime`: the degrees, mesh, sharding, the process
+group's backend and timeout, the failure board) and Lightning's public attributes (``cluster_environment``,
+``root_device``, ranks); nothing here keeps state."""
 
 from __future__ import annotations
 
@@ -17,17 +18,13 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
-from typing_extensions import override
 
 from lightning_parallel import _compat
 from lightning_parallel.parallel import strict
-from lightning_parallel.parallel.config import ParallelConfig
-from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.failure import end_children
 from lightning_parallel.parallel.fault_tolerance import check_backend, lighthouse_address, sampler_kwargs
 from lightning_parallel.parallel.heartbeat import dump_folder, enable_flight_recorder
-from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
+from lightning_parallel.parallel.mesh import ParallelDims
 from lightning_parallel.parallel.shutdown import release_at_exit
 from lightning_parallel.strategies.launcher import CheckFirstLauncher
 from lightning_parallel.strategies.runtime import MeshRuntime
@@ -72,160 +69,88 @@ def open_process_group(runtime: MeshRuntime, env: Any, device: torch.device, pre
     runtime.start(device, precision)
 
 
-class DistributedHooks:
-    """The process-level Lightning hooks both front doors share, over ``runtime`` and Lightning's public attributes
-    (``parallel_devices``, ``cluster_environment``, ranks): the mesh by role, the degrees, the sampler's arguments,
-    the process group, collectives, failures."""
+def sampler_arguments(runtime: MeshRuntime, dims: ParallelDims) -> dict[str, Any]:
+    """A sampler's ``num_replicas`` and ``rank``: every rank of one batch index sees the same samples (pipeline
+    stages, tensor shards and cp ranks share one); under ``fault_tolerance='torchft'`` the other replica groups' too."""
+    kwargs = {"num_replicas": dims.role_size("batch"), "rank": runtime.require_mesh().rank("batch")}
+    return sampler_kwargs(runtime.config, kwargs)
 
-    runtime: MeshRuntime
 
-    @property
-    def config(self) -> ParallelConfig:
-        """The parallel settings (the runtime's)."""
-        return self.runtime.config
+def barrier() -> None:
+    if _compat.distributed_is_initialized():
+        dist.barrier()
 
-    def _name(self) -> str:
-        return getattr(self, "strategy_name", type(self).__name__)
 
-    def _precision_name(self) -> str | None:
-        """The precision's name: the Trainer's precision plugin's, or Fabric's (a Fabric strategy's ``precision``)."""
-        plugin = self.precision_plugin if hasattr(type(self), "precision_plugin") else self.precision
-        return getattr(plugin, "precision", None)
+def broadcast(obj: Any, src: int = 0) -> Any:
+    if not _compat.distributed_is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src)
+    return box[0]
 
-    # ----- the mesh -----
 
-    @property
-    def parallel_dims(self) -> ParallelDims:
-        return self.runtime.dims if self.runtime.dims is not None else self.runtime.degrees(self.world_size)
+def reduce(runtime: MeshRuntime, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+    """Over the ``loss`` role by default (the ``batch`` ranks, and under cp the ranks holding pieces of the same
+    sequences, whose token means average to the whole sequence's): pipeline stages and tensor shards hold the same
+    values. Over ``group`` (or the world before the mesh exists) as Lightning reduces."""
+    if not isinstance(tensor, Tensor):
+        return tensor
+    if group is None and runtime.mesh is not None:
+        return runtime.reduce(tensor, reduce_op)
+    return _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
-    @property
-    def mesh(self) -> ParallelMesh:
-        """The world's mesh, by role (``batch``, ``loss``, ``shard``, ``stage``, ``tensor``) or axis."""
-        return self.runtime.require_mesh()
 
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """torch's mesh with one named dimension per axis."""
-        return self.mesh.device_mesh
+def vote(decision: bool, all: bool, device: torch.device, world_size: int) -> bool:
+    """Every rank votes (Lightning counts the votes against the world size; ``reduce`` sums over dp only)."""
+    if not _compat.distributed_is_initialized():
+        return decision
+    votes = torch.tensor(int(decision), device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+    return bool(votes == world_size) if all else bool(votes)
 
-    @property
-    def sharding(self) -> DataParallelSharding:
-        return self.runtime.require_sharding()
 
-    @property
-    def fsdp_units(self) -> list[str]:
-        return self.runtime.fsdp_units
+def start_rank(strategy: Any, precision: str | None, trainer: Any = None) -> None:
+    """A door's ``setup_environment`` after Lightning's (the device is set): torchft's checks, the seed, the ranks,
+    the degrees (bad ones fail without a process group), the process group with the runtime's mesh and sharding,
+    and the failure watch. ``strategy``: the door (its ``runtime`` and Lightning's public attributes);
+    ``precision``: its name; ``trainer``: the Trainer's (None under Fabric: no global step to report)."""
+    runtime: MeshRuntime = strategy.runtime
+    if runtime.config.fault_tolerance == "torchft":
+        check_backend(strategy.root_device)
+        lighthouse_address(runtime.config.ft_lighthouse)
+    reset_seed()
+    set_world_ranks(strategy)
+    if runtime.dims is None:
+        runtime.degrees(strategy.world_size)
+    open_process_group(runtime, strategy.cluster_environment, strategy.root_device, precision)
+    step = None if trainer is None else lambda: trainer.global_step
+    root = trainer.default_root_dir if trainer is not None else None
+    runtime.watch_failures(step, lambda: dump_folder(root), lambda grace_s=0.0: end_launched(strategy, grace_s))
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every rank of one batch index sees the same samples: pipeline stages, tensor shards and cp ranks share one
-        kwargs = {"num_replicas": self.parallel_dims.role_size("batch"), "rank": self.mesh.rank("batch")}
-        return sampler_kwargs(self.config, kwargs)  # fault_tolerance='torchft': the other replica groups' too
 
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+def end_launched(strategy: Any, grace_s: float = 0.0) -> None:
+    """The ranks Lightning's launcher started from this process end (after ``grace_s``): a failed or hung run."""
+    procs = getattr(getattr(strategy, "_launcher", None), "procs", None)
+    if procs:
+        end_children(procs, grace_s=grace_s)
 
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
-    @property
-    def is_distributed(self) -> bool:
-        return True
+def on_failure(strategy: Any, exception: BaseException) -> None:
+    """A rank that fails leaves word of it (the runtime's board); the process that launched the others
+    (Lightning's launcher) gives them 5 s, then kills them."""
+    runtime: MeshRuntime = strategy.runtime
+    runtime.record_failure(exception, strategy.global_rank)
+    if not isinstance(exception, SystemExit):  # SystemExit: a preemption stop, every rank exits
+        end_launched(strategy, grace_s=min(runtime.timeout.total_seconds(), 5.0))
 
-    def set_world_ranks(self) -> None:
-        set_world_ranks(self)
 
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        """A rank that fails leaves word of it (the runtime's board); the process that launched the others
-        (Lightning's launcher) gives them 5 s, then kills them."""
-        self.runtime.record_failure(exception, self.global_rank)
-        if not isinstance(exception, SystemExit):  # SystemExit: a preemption stop, every rank exits
-            self._end_children(grace_s=min(self.runtime.timeout.total_seconds(), 5.0))
-
-    # ----- collectives -----
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if _compat.distributed_is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _compat.distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """Reduce over the ``loss`` role by default (the ``batch`` ranks, and under cp the ranks holding pieces of the
-        same sequences, whose token means average to the whole sequence's): pipeline stages and tensor shards hold
-        the same values."""
-        if not isinstance(tensor, Tensor):
-            return tensor
-        if group is None and self.runtime.mesh is not None:
-            return self.runtime.reduce(tensor, reduce_op)
-        return _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """Every rank votes (Lightning counts the votes against the world size; ``reduce`` sums over dp only)."""
-        if not _compat.distributed_is_initialized():
-            return decision
-        votes = torch.tensor(int(decision), device=self.root_device)
-        dist.all_reduce(votes, op=dist.ReduceOp.SUM)
-        return bool(votes == self.world_size) if all else bool(votes)
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        # bad degrees fail here, before any process starts; tp, cp, dp_shard inside a node
-        self.runtime.degrees(self.world_size, self.num_processes, self.num_nodes)
-        if not self.cluster_environment.creates_processes_externally:
-            grace_s = min(self.runtime.timeout.total_seconds(), 10.0)  # for the launching rank to say who failed
-            env = self.cluster_environment
-            self._launcher = CheckFirstLauncher(self, env, self.num_processes, self.num_nodes, grace_s=grace_s)
-
-    def _check_launched_world(self) -> None:
-        check_launched_world(self.cluster_environment, self.num_nodes, self.num_processes)
-
-    @override
-    def setup_environment(self) -> None:
-        self._check_launched_world()  # before the device is chosen and any process group exists
-        super().setup_environment()
-        if self.config.fault_tolerance == "torchft":
-            check_backend(self.root_device)
-            lighthouse_address(self.config.ft_lighthouse)
-        reset_seed()
-        self.set_world_ranks()
-        self.parallel_dims  # noqa: B018  (resolved before the process group: bad degrees fail without one)
-        open_process_group(self.runtime, self.cluster_environment, self.root_device, self._precision_name())
-        self.runtime.watch_failures(self._trainer_step(), self._dump_folder, self._end_children)
-
-    def _trainer_step(self) -> Any:
-        """The Trainer's global step, read by the heartbeat's thread (None under Fabric: it counts optimizer steps)."""
-        module = getattr(self, "lightning_module", None)
-        trainer = _compat.attached_trainer(module) if module is not None else None
-        return None if trainer is None else lambda: trainer.global_step
-
-    def _dump_folder(self) -> Any:
-        module = getattr(self, "lightning_module", None)
-        trainer = _compat.attached_trainer(module) if module is not None else None
-        return dump_folder(trainer.default_root_dir if trainer is not None else None)
-
-    def _end_children(self, grace_s: float = 0.0) -> None:
-        """The ranks Lightning's launcher started from this process end (after ``grace_s``): a failed or hung run."""
-        procs = getattr(self._launcher, "procs", None)  # type: ignore[attr-defined]
-        if procs:
-            end_children(procs, grace_s=grace_s)
-
-    def end_failure_watch(self) -> None:
-        """This rank's work ended normally (teardown): stop watching, and say so on the board."""
-        self.runtime.end_watch()
+def launcher(strategy: Any) -> CheckFirstLauncher | None:
+    """The Trainer's launcher for ``devices=N`` in a plain script (None when the processes start outside: torchrun,
+    SLURM): checks the model first, and gives the launching rank up to 10 s to say who failed. The degrees are
+    resolved first: bad ones fail before any process starts (tp, cp, dp_shard inside a node)."""
+    env = strategy.cluster_environment
+    strategy.runtime.degrees(strategy.world_size, strategy.num_processes, strategy.num_nodes)
+    if env.creates_processes_externally:
+        return None
+    grace_s = min(strategy.runtime.timeout.total_seconds(), 10.0)
+    return CheckFirstLauncher(strategy, env, strategy.num_processes, strategy.num_nodes, grace_s=grace_s)

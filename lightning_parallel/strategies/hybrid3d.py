@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.presets import presets_of
 
@@ -14,10 +13,7 @@ class Hybrid3DPreset:
     :class:`~lightning_parallel.strategies.base.MeshStrategy` (:class:`Hybrid3DStrategy`) or
     :class:`~lightning_parallel.fabric.strategy.MeshFabricStrategy` (Fabric's ``Hybrid3DFabricStrategy``)."""
 
-    strategy_name = "hybrid3d"
-
-    def __init__(self, config: ParallelConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)  # type: ignore[call-arg]
+    strategy_name = "hybrid3d"  # the door's __init__ takes the settings (a ParallelConfig, or its fields by name)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -28,7 +28,6 @@ from typing import Any
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from torch import nn
 from torchmetrics import Metric
-from typing_extensions import override
 
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.sync_batchnorm import convert_sync_batchnorm
@@ -36,46 +35,16 @@ from lightning_parallel.parallel.materialize import splits_model
 from lightning_parallel.plugins.layer_sync import DataParallelSyncBatchNorm
 
 
-class ModelPlacement:
-    """Lightning's build and placement hooks of both front doors, over ``runtime``
-    (:class:`~lightning_parallel.strategies.runtime.MeshRuntime`: the settings, the meta build and its RNG state)."""
-
-    runtime: Any  # MeshRuntime
-    calls_materialize = True  # protocol.strategy_calls_materialize: each rank's pieces filled through materialize()
-
-    def _built_on_meta(self) -> contextlib.AbstractContextManager:
-        return self.runtime.built_on_meta()
-
-    @override
-    @contextlib.contextmanager
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """``Trainer.init_module()``: on the meta device under a layout that splits the model (see the module
-        docstring), else Lightning's (on the device)."""
-        if not splits_model(self.runtime.config):
-            with super().tensor_init_context(empty_init):  # type: ignore[misc]
-                yield
-            return
-        with self._built_on_meta(), self.precision_plugin.tensor_init_context():  # type: ignore[attr-defined]
-            yield
-
-    @override
-    @contextlib.contextmanager
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model``: on the meta device under a layout that splits the model; each rank materializes
-        only its pieces once it is split."""
-        if not splits_model(self.runtime.config):
-            yield
-            return
-        with self._built_on_meta():
-            yield
-
-    @override
-    def model_to_device(self) -> None:
-        """Whole onto the device only when every rank holds all of it (else the runtime's split places it)."""
-        model = self.model  # type: ignore[attr-defined]
-        assert model is not None
-        if moves_whole(self.runtime.config, model):
-            model.to(self.root_device)  # type: ignore[attr-defined]
+@contextlib.contextmanager
+def built_on_meta(runtime: Any, *contexts: contextlib.AbstractContextManager) -> Generator[None, None, None]:
+    """A door's init context under a layout that splits the model (``Trainer.init_module()``, ``configure_model``,
+    ``fabric.init_module()``): on the meta device, the CPU generator's state noted by the ``runtime``
+    (:meth:`~lightning_parallel.strategies.runtime.MeshRuntime.built_on_meta`), inside ``contexts`` (the
+    precision's)."""
+    with runtime.built_on_meta(), contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
 
 
 def moves_whole(config: ParallelConfig, model: nn.Module) -> bool:
@@ -103,6 +72,23 @@ def sync_batchnorm_over_batch(
     if default or (isinstance(sync, DataParallelSyncBatchNorm) and sync.process_group is None):
         return convert_sync_batchnorm(model, batch_group)
     return sync.apply(model)
+
+
+def hide_example_input(module: Any) -> Any:
+    """Lightning's model summary (and TensorBoard's graph) run ``example_input_array`` through the model on rank 0
+    only: once the model is sharded or split, that forward starts collectives no other rank joins (seen as a crash
+    at exit, or steps paired with the wrong collectives). Takes it off ``module``; returns it (None: none there),
+    for the Trainer door to put back at teardown."""
+    hidden = getattr(module, "example_input_array", None)
+    if hidden is not None:
+        module.example_input_array = None
+    return hidden
+
+
+def show_example_input(module: Any, hidden: Any) -> None:
+    """The Trainer door's teardown: ``module``'s ``example_input_array`` back (:func:`hide_example_input`)."""
+    if hidden is not None and module is not None:
+        module.example_input_array = hidden
 
 
 def sync_metrics_over_batch(model: nn.Module, batch_group: Any) -> None:

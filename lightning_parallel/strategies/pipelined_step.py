@@ -150,6 +150,17 @@ class PipelinedStep:
         self._earlier[i] = None  # taken: apply_gradients finds the sum alone
         p.grad = add_gradient(earlier, p.grad)
 
+    def hand_over(self, strategy: Any, closure_loss: Tensor) -> Tensor:
+        """The Trainer door's ``backward`` under pp: the schedule ran forward and backward inside the training step;
+        its gradients are added with the strategy's and its precision plugin's hooks around, as a backward would."""
+        plugin = strategy.precision_plugin
+        strategy.pre_backward(closure_loss)
+        closure_loss = plugin.pre_backward(closure_loss, self.module)
+        self.apply_gradients()
+        closure_loss = plugin.post_backward(closure_loss, self.module)
+        strategy.post_backward(closure_loss)
+        return closure_loss
+
     def apply_gradients(self) -> None:
         """Add the gradients the last training step computed (what ``loss.backward()`` would have done)."""
         if self._pending is None:

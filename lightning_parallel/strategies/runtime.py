@@ -16,6 +16,7 @@ strategies' free-function modules (checks, sharded_checkpoint).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Generator
 from datetime import timedelta
 from typing import Any
@@ -28,12 +29,14 @@ from torch.optim import Optimizer
 
 from lightning_parallel import _compat
 from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.data.powersgd import embedding_weights
 from lightning_parallel.parallel.data.sharding import DataParallelSharding, StateView
 from lightning_parallel.parallel.data.stages import make_sharding
 from lightning_parallel.parallel.failure import FailureBoard, annotate, is_collective_failure, report_now, to_timeout
 from lightning_parallel.parallel.heartbeat import start_watch
 from lightning_parallel.parallel.materialize import splits_model
 from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
+from lightning_parallel.parallel.optim.muon import check_muon_precision
 from lightning_parallel.parallel.parallelize import Parallelized, parallelize
 from lightning_parallel.parallel.pipeline.split import PipelineSplit
 from lightning_parallel.parallel.step import clip_model_grad_norm, reduce_step_gradients
@@ -60,7 +63,8 @@ def build_config(owner: str, config: ParallelConfig | None, settings: dict[str, 
             f"ParallelConfig ({', '.join(ParallelConfig.names())}) or Lightning's strategy arguments."
         )
     base = config if config is not None else ParallelConfig()
-    return ParallelConfig(**{**vars(base), **settings}).validate(warn=warn)
+    # the settings carried as given: validate() hands back the same object unless it fills in derived values
+    return (dataclasses.replace(base, **settings) if settings else base).validate(warn=warn)
 
 
 class MeshRuntime:
@@ -263,6 +267,37 @@ class MeshRuntime:
         if id(optimizer) not in self._reduced:
             reduce_step_gradients(self.applied, self.require_sharding(), optimizer)
             self._reduced.add(id(optimizer))
+
+    def step_closure(
+        self, closure: Callable[[], Any], optimizer: Optimizer, arm: Callable[..., None] | None = None
+    ) -> Callable[[], Any]:
+        """``closure`` (a step's forward and backward, the step's last backward) wrapped so that the sharding reduces
+        as the backward goes (``arm(sharding, optimizer)``: a pipeline arms each stage's buckets before its last
+        microbatch's backward instead), and the step's gradients are reduced once after it, before clipping."""
+
+        def closure_then_reduce() -> Any:
+            sharding = self.require_sharding()
+            if arm is None:
+                sharding.before_last_backward(optimizer)
+            else:
+                arm(sharding, optimizer)
+            self.new_backward()
+            result = closure()
+            self.reduce_gradients(optimizer)
+            return result
+
+        return closure_then_reduce
+
+    def take_optimizers(self, model: nn.Module, optimizers: list[Optimizer], precision: str) -> None:
+        """The sharding takes each of the split ``model``'s ``optimizers`` (Muon's ``precision`` checked first);
+        under PowerSGD the embeddings and the weights tied across stages travel whole (both doors, at setup)."""
+        sharding = self.require_sharding()
+        if sharding.powersgd is not None:
+            tied = self.applied.tied if self.applied is not None else None
+            sharding.powersgd.keep_whole(embedding_weights(model) + (tied.params() if tied else []))
+        for optimizer in optimizers:
+            check_muon_precision(optimizer, precision)
+            sharding.shard_optimizer(optimizer)
 
     def clip(self, optimizer: Optimizer, max_norm: float, norm_type: float) -> Tensor:
         """Clip by the norm of the whole model's gradient, however it is split; returns that norm."""

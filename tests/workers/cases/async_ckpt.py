@@ -96,5 +96,5 @@ def run_case(case: dict, ctx) -> dict:
         resume = case["dir"].rstrip("/") + "/last.ckpt"  # a path or a URL
     with slow_writes(case.get("slow_write", 0)):
         trainer.fit(model, datamodule=ShardedData(data, GLOBAL_BATCH // dp), ckpt_path=resume)
-    checkpointer = getattr(trainer.strategy, "_async_checkpointer", None)
+    checkpointer = trainer.strategy.async_checkpointer(create=False)
     return {"name": case["name"], "losses": model.losses, "step": trainer.global_step, "closed": checkpointer is None}
