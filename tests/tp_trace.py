@@ -1,6 +1,6 @@
 """Follow ``strategy.tp`` through a recipe's checks before launch: which of the package's files read it or are handed
 it, and where it is derived again. Used by tests/test_tp_trace.py (the trace cannot grow unseen) and, run as a
-script, prints the trace docs/tp_trace.md lists:
+script, prints the trace ARCHITECTURE.md lists (its section on strategy.tp):
 
     PYTHONPATH=$PWD python tests/tp_trace.py strategy=hybrid3d strategy.tp=2 trainer.devices=2
 
