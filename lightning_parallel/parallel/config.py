@@ -31,6 +31,43 @@ from lightning_parallel.parallel.pipeline.schedules import ScheduleSpec, schedul
 PIPELINE_BALANCES = ("uniform", "params", "profile")
 CONTEXT_MODES = ("ring", "ulysses")
 
+# The recipes' section and key of each setting that is not a top-level ``strategy.*`` key
+# (``strategy.pipeline.balance`` is ``pp_balance``); the degrees and the stable keys stay top-level. The Python
+# constructors take the flat names.
+SECTIONS: dict[str, tuple[str, str]] = {
+    "cp_mode": ("context", "mode"),
+    "sharding": ("sharding", "name"),
+    "offload": ("sharding", "offload"),
+    "reshard_after_forward": ("sharding", "reshard_after_forward"),
+    "pp_balance": ("pipeline", "balance"),
+    "pp_memory_budget": ("pipeline", "memory_budget"),
+    "pp_virtual_stages": ("pipeline", "virtual_stages"),
+    "sequence_parallel": ("tensor", "sequence_parallel"),
+    "powersgd_rank": ("grad_reduce", "powersgd_rank"),
+    "overlap_grad_reduce": ("grad_reduce", "overlap"),
+    "bucket_mb": ("grad_reduce", "bucket_mb"),
+    "ft_replicas": ("torchft", "replicas"),
+    "ft_replica_id": ("torchft", "replica_id"),
+    "ft_min_replicas": ("torchft", "min_replicas"),
+    "ft_lighthouse": ("torchft", "lighthouse"),
+    "ft_timeout": ("torchft", "timeout"),
+}
+
+
+def recipe_key(name: str) -> str:
+    """The recipes' key of the setting ``name`` below ``strategy.``: ``pipeline.balance`` for ``pp_balance``."""
+    return ".".join(SECTIONS.get(name, (name,)))
+
+
+def _setting(settings: Mapping[str, Any], name: str) -> tuple[bool, Any]:
+    """(found, value) of the setting ``name`` in a flat or sectioned mapping."""
+    if name in SECTIONS:
+        section, key = SECTIONS[name]
+        inner = settings.get(section)
+        if isinstance(inner, Mapping):
+            return (key in inner, inner[key] if key in inner else None)
+    return (name in settings, settings[name] if name in settings else None)
+
 
 def check_flag(name: str, value: object) -> None:
     """A boolean setting: refuse anything else (a string such as "false" would be truthy)."""
@@ -150,8 +187,10 @@ class ParallelConfig:
 
     @classmethod
     def from_mapping(cls, settings: Mapping[str, Any]) -> ParallelConfig:
-        """A config from the settings in ``settings`` (other keys are ignored: a Hydra node may hold more)."""
-        return ParallelConfig(**{name: settings[name] for name in cls.names() if name in settings})
+        """A config from the settings in ``settings``, by their flat names or in the recipes' sections
+        (:data:`SECTIONS`: ``{"pipeline": {"balance": ...}}``); other keys are ignored (a Hydra node may hold more)."""
+        found = {name: _setting(settings, name) for name in cls.names()}
+        return ParallelConfig(**{name: value for name, (there, value) in found.items() if there})
 
     @classmethod
     def split_kwargs(cls, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
