@@ -204,10 +204,10 @@ class AsyncPSConf:
 
 # the schema of each strategy=NAME; conf/strategy/NAME.yaml extends "<key>_schema"
 STRATEGY_SCHEMAS: dict[str, type] = {
-    "ddp": DDPConf,
-    "zero": ZeroConf,
     "hybrid3d": Hybrid3DConf,
     "auto": AutoConf,
+    "zero": ZeroConf,
+    "ddp": DDPConf,
     "async_ps": AsyncPSConf,
 }
 
