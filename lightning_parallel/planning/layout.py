@@ -207,7 +207,8 @@ def recipe_overrides(layout: Layout, work: Workload, gpus_per_node: int) -> list
         values.update({name: getattr(ParallelConfig, name) for name in _PIPELINE_ONLY})
     default = ParallelConfig()
     out = ["strategy=hybrid3d", f"strategy.dp={layout.dp}"]
-    out += [f"strategy.{recipe_key(k)}={_value(v)}" for k, v in values.items() if k != "dp" and v != getattr(default, k)]
+    set_ = {k: v for k, v in values.items() if k != "dp" and v != getattr(default, k)}
+    out += [f"strategy.{recipe_key(k)}={_value(v)}" for k, v in set_.items()]
     out += [f"precision={work.precision}", f"model.seq_len={work.seq_len}"]
     if work.fsdp_float8_all_gather and layout.zero_stage == 3:
         out.append("precision.fsdp_float8_all_gather=true")

@@ -35,7 +35,8 @@ UNMODELED += tuple(axis for axis in PLAIN_AXES if axis not in CHOSEN)  # an axis
 
 def resolve_auto(cfg: DictConfig, simulate_pick: Callable[[DictConfig, Any], dict] | None = None) -> None:
     """With ``strategy=auto``: set ``cfg.strategy`` (in place) to the planner's layout for ``trainer.devices`` x
-    ``trainer.num_nodes`` processes and the machine's memory per device (the other strategies' schemas have none of its keys).
+    ``trainer.num_nodes`` processes and the machine's memory per device (the other strategies' schemas have none of
+    its keys).
 
     Args:
         cfg: the composed recipe config (GPT or VGG recipe).

@@ -1,7 +1,7 @@
 """The reference page of every ``strategy.*`` key of the recipes (docs/reference/strategy-keys.md), rendered from the
 schemas: each key's type and default from the schemas of :mod:`~lightning_parallel.recipes.strategy_conf` (one per
 strategy, with sections), the strategies that take it, its meaning from the ``Attributes:`` section of the docstring
-of the class that declares it (a ParallelConfig setting's from :class:`~lightning_parallel.parallel.config.ParallelConfig`,
+of the class that declares it (a parallel setting's from :class:`~lightning_parallel.parallel.config.ParallelConfig`,
 a section's key by its flat name there), and the presets from ``conf/strategy/*.yaml``. One source: a key is
 described beside its field, and tests/test_strategy_reference.py fails when a key has no description or the page is
 not what this module renders.
@@ -143,8 +143,13 @@ def key_rows(schemas: dict[str, type] = STRATEGY_SCHEMAS) -> list[tuple[str, str
     for name, cls in schemas.items():
         for key, f in schema_keys(cls):
             meaning = _markdown(_recipe_names(docs[key]))
-            rows.setdefault(key, (f"strategy.{key}", str(f.type), _yaml_value(_default(f)), [], meaning))[3].append(name)
-    return [(key, kind, default, ", ".join(_strategy(n) for n in names), meaning) for key, kind, default, names, meaning in rows.values()]
+            rows.setdefault(key, (f"strategy.{key}", str(f.type), _yaml_value(_default(f)), [], meaning))[3].append(
+                name
+            )
+    return [
+        (key, kind, default, ", ".join(_strategy(n) for n in names), meaning)
+        for key, kind, default, names, meaning in rows.values()
+    ]
 
 
 def _strategy(name: str) -> str:
