@@ -2,8 +2,10 @@
 schedule table).
 
 The strategies take it (``Hybrid3DStrategy(pp=2, tp=2)`` builds one from its keyword arguments), the recipes'
-Hydra schema extends it (``StrategyConf``), the planner validates layouts with it, and the tests build
-strategies from it. A new setting is a new field here, with its check in :meth:`ParallelConfig.validate`; a
+Hydra schemas (``recipes/strategy_conf.py``, one per strategy) take its settings, the degrees top-level and the
+others in sections (:data:`SECTIONS`: ``strategy.pipeline.balance`` is ``pp_balance``), the planner validates layouts
+with it, and the tests build strategies from it. A new setting is a new field here, with its check in :meth:`ParallelConfig.validate`, and a key in the
+recipe schema of each strategy that takes it; a
 new mesh axis whose size is its setting (``mesh.PLAIN_AXES``) is a field named as the axis, which
 :meth:`ParallelConfig.dims`, ``describe`` and the degree checks pick up (its constraints against other settings go
 in ``validate``).
