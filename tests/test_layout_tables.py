@@ -9,9 +9,10 @@ import pytest
 from omegaconf import OmegaConf
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-from lightning_parallel.parallel.config import ParallelConfig, recipe_key
+from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.stages import OFFLOAD_STAGES, ZERO_STAGES, check_zero_settings
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, schedule_spec
+from lightning_parallel.parallel.sections import recipe_key
 from lightning_parallel.recipes.auto import AUTO_KEYS
 from lightning_parallel.recipes.common import ASYNC_PS_KEYS
 from lightning_parallel.recipes.strategy_conf import AsyncPSConf, AutoConf, Hybrid3DConf, strategy_conf

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from lightning_parallel.parallel.config import SECTIONS, ParallelConfig, recipe_key
+from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.sections import SECTIONS, recipe_key
 from lightning_parallel.recipes import reference
 from lightning_parallel.recipes.strategy_conf import STRATEGY_SCHEMAS, Hybrid3DConf
 

@@ -3,15 +3,15 @@ schedule table).
 
 The strategies take it (``Hybrid3DStrategy(pp=2, tp=2)`` builds one from its keyword arguments), the recipes'
 Hydra schemas (``recipes/strategy_conf.py``, one per strategy) take its settings, the degrees top-level and the
-others in sections (:data:`SECTIONS`: ``strategy.pipeline.balance`` is ``pp_balance``), the planner validates layouts
-with it, and the tests build strategies from it. A new setting is a new field here, with its check in :meth:`ParallelConfig.validate`, and a key in the
-recipe schema of each strategy that takes it; a
-new mesh axis whose size is its setting (``mesh.PLAIN_AXES``) is a field named as the axis, which
+others in sections (:data:`~lightning_parallel.parallel.sections.SECTIONS`: ``strategy.pipeline.balance`` is
+``pp_balance``), the planner validates layouts with it, and the tests build strategies from it. A new setting is a
+new field here, with its check in :meth:`ParallelConfig.validate`, and a key in the recipe schema of each strategy
+that takes it; a new mesh axis whose size is its setting (``mesh.PLAIN_AXES``) is a field named as the axis, which
 :meth:`ParallelConfig.dims`, ``describe`` and the degree checks pick up (its constraints against other settings go
 in ``validate``).
 
 May import: ``parallel.mesh``, ``parallel.pipeline.schedules``, ``parallel.data.stages``,
-``parallel.activation_checkpoint``, ``parallel.fault_tolerance``. Never Lightning.
+``parallel.activation_checkpoint``, ``parallel.fault_tolerance``, ``parallel.sections``. Never Lightning.
 """
 
 from __future__ import annotations
@@ -29,46 +29,10 @@ from lightning_parallel.parallel.data.stages import check_sharding_name, check_z
 from lightning_parallel.parallel.fault_tolerance import check_fault_tolerance
 from lightning_parallel.parallel.mesh import PLAIN_AXES, ParallelDims, check_degree
 from lightning_parallel.parallel.pipeline.schedules import ScheduleSpec, schedule_spec
+from lightning_parallel.parallel.sections import setting_in
 
 PIPELINE_BALANCES = ("uniform", "params", "profile")
 CONTEXT_MODES = ("ring", "ulysses")
-
-# The recipes' section and key of each setting that is not a top-level ``strategy.*`` key
-# (``strategy.pipeline.balance`` is ``pp_balance``); the degrees and the stable keys stay top-level. The Python
-# constructors take the flat names.
-SECTIONS: dict[str, tuple[str, str]] = {
-    "cp_mode": ("context", "mode"),
-    "sharding": ("sharding", "name"),
-    "offload": ("sharding", "offload"),
-    "reshard_after_forward": ("sharding", "reshard_after_forward"),
-    "pp_balance": ("pipeline", "balance"),
-    "pp_memory_budget": ("pipeline", "memory_budget"),
-    "pp_virtual_stages": ("pipeline", "virtual_stages"),
-    "sequence_parallel": ("tensor", "sequence_parallel"),
-    "powersgd_rank": ("grad_reduce", "powersgd_rank"),
-    "overlap_grad_reduce": ("grad_reduce", "overlap"),
-    "bucket_mb": ("grad_reduce", "bucket_mb"),
-    "ft_replicas": ("torchft", "replicas"),
-    "ft_replica_id": ("torchft", "replica_id"),
-    "ft_min_replicas": ("torchft", "min_replicas"),
-    "ft_lighthouse": ("torchft", "lighthouse"),
-    "ft_timeout": ("torchft", "timeout"),
-}
-
-
-def recipe_key(name: str) -> str:
-    """The recipes' key of the setting ``name`` below ``strategy.``: ``pipeline.balance`` for ``pp_balance``."""
-    return ".".join(SECTIONS.get(name, (name,)))
-
-
-def _setting(settings: Mapping[str, Any], name: str) -> tuple[bool, Any]:
-    """(found, value) of the setting ``name`` in a flat or sectioned mapping."""
-    if name in SECTIONS:
-        section, key = SECTIONS[name]
-        inner = settings.get(section)
-        if isinstance(inner, Mapping):
-            return (key in inner, inner[key] if key in inner else None)
-    return (name in settings, settings[name] if name in settings else None)
 
 
 def check_flag(name: str, value: object) -> None:
@@ -190,8 +154,8 @@ class ParallelConfig:
     @classmethod
     def from_mapping(cls, settings: Mapping[str, Any]) -> ParallelConfig:
         """A config from the settings in ``settings``, by their flat names or in the recipes' sections
-        (:data:`SECTIONS`: ``{"pipeline": {"balance": ...}}``); other keys are ignored (a Hydra node may hold more)."""
-        found = {name: _setting(settings, name) for name in cls.names()}
+        (``{"pipeline": {"balance": ...}}``); other keys are ignored (a Hydra node may hold more)."""
+        found = {name: setting_in(settings, name) for name in cls.names()}
         return ParallelConfig(**{name: value for name, (there, value) in found.items() if there})
 
     @classmethod

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from lightning_parallel.parallel.config import ParallelConfig, recipe_key
+from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, schedule_spec
+from lightning_parallel.parallel.sections import recipe_key
 from lightning_parallel.planning.estimate import check_precision
 from lightning_parallel.planning.hf_config import ModelShape
 

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_parallel.parallel.config import ParallelConfig, recipe_key
+from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.mesh import PLAIN_AXES
+from lightning_parallel.parallel.sections import recipe_key
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import yaml
 
-from lightning_parallel.parallel.config import SECTIONS, ParallelConfig, recipe_key
+from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.sections import SECTIONS, recipe_key
 from lightning_parallel.recipes.strategy_conf import STRATEGY_SCHEMAS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_parallel.parallel.config import ParallelConfig, recipe_key
+from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.sections import recipe_key
 
 KEYS_PAGE = "docs/reference/strategy-keys.md lists each strategy's keys"
 
