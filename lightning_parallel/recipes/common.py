@@ -68,14 +68,14 @@ def build_strategy(conf: DictConfig) -> Any:
     others when it composed the config; this refuses the values that cannot run."""
     name = conf.name
     schema = schema_for(name)
-    if schema is None:
+    if schema is None or name == "auto":
         raise ValueError(
             f"strategy={name!r} is unknown: use ddp, {', '.join(ZERO_PRESETS)}, hybrid3d or async_ps (conf/strategy/ "
             "lists presets); strategy=auto is resolved to hybrid3d by recipes/train_gpt.py and train_vgg.py "
             "(recipes/auto.py)."
         )
     picked = OmegaConf.get_type(conf)
-    if dataclasses.is_dataclass(picked) and not issubclass(picked, schema) and not issubclass(schema, picked):
+    if dataclasses.is_dataclass(picked) and not issubclass(picked, schema):  # strategy=auto's resolved: hybrid3d
         raise ValueError(
             f"strategy.name={name} with another strategy's keys ({picked.__qualname__}): pick the preset with "
             f"strategy={name} instead of setting strategy.name."
@@ -97,7 +97,7 @@ def build_strategy(conf: DictConfig) -> Any:
             )
         shared = {k: getattr(config, k) for k in ZERO_SETTINGS if k not in ("zero_stage", "offload")}
         return ZeroStrategy(stage=stage, offload=offload, **shared, **timeout)
-    return "ddp"  # activation checkpointing, if set, comes as a callback (build_trainer)
+    return "ddp"  # the one name left (DDPConf); activation checkpointing, if set, comes as a callback (build_trainer)
 
 
 def world_size(cfg: DictConfig) -> int:

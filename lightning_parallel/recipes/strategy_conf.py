@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.sections import recipe_key
+from lightning_parallel.strategies.zero import ZERO_PRESETS
 
 KEYS_PAGE = "docs/reference/strategy-keys.md lists each strategy's keys"
 
@@ -214,8 +215,8 @@ STRATEGY_SCHEMAS: dict[str, type] = {
 
 
 def schema_for(name: str) -> type | None:
-    """The schema of ``strategy.name=name`` (``zero*`` presets share one); None for a name no strategy has."""
-    return STRATEGY_SCHEMAS.get("zero" if name.startswith("zero") else name)
+    """The schema of ``strategy.name=name`` (the ZeRO presets share one); None for a name no strategy has."""
+    return STRATEGY_SCHEMAS.get("zero" if name in ZERO_PRESETS else name) if name != "zero" else None
 
 
 def strategy_conf(name: str, **settings: Any) -> DictConfig:
