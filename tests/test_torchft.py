@@ -85,8 +85,10 @@ def test_torchft_front_doors():
     ft = {"fault_tolerance": "torchft", "ft_replica_id": 1, "ft_lighthouse": "http://h:1"}
     strategy = build_strategy(strategy_conf("hybrid3d", zero_stage=2, **ft))
     assert (strategy.config.fault_tolerance, strategy.config.ft_replica_id) == ("torchft", 1)
-    for name in ("zero2", "ddp"):
-        with pytest.raises(OmegaConfBaseException, match=f"Key 'fault_tolerance' not in 'the keys of strategy={name}"):
+    for name, schema in (("zero2", "zero1..3"), ("ddp", "ddp")):
+        with pytest.raises(
+            OmegaConfBaseException, match=f"Key 'fault_tolerance' not in 'the keys of strategy={schema}"
+        ):
             strategy_conf(name, **ft)  # their schemas have no such key
     with pytest.raises(ValueError, match="runs under the Trainer only"):
         check_fabric_config(ParallelConfig(**ft).validate(), "Hybrid3DFabricStrategy")
