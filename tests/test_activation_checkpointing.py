@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import PARITY_CASES, Batch
-from omegaconf import OmegaConf
 from parity import assert_same_losses, assert_same_params
 from test_hybrid3d_parity import Layout, check_against_reference
 from torch import nn
@@ -29,7 +28,7 @@ from lightning_parallel.parallel.activation_checkpoint import (
 from lightning_parallel.parallel.measure.memory import measure_saved_activation_bytes
 from lightning_parallel.parallel.pipeline.split import ElsewhereLayer
 from lightning_parallel.recipes.common import build_strategy
-from lightning_parallel.recipes.config import StrategyConf
+from lightning_parallel.recipes.strategy_conf import strategy_conf
 
 MODES = ["none", "full", "selective"]
 
@@ -184,7 +183,7 @@ def test_callbacks_under_lightnings_own_strategy():
 
 
 def test_recipe_key():
-    conf = OmegaConf.structured(StrategyConf(name="zero3", activation_checkpointing="selective"))
+    conf = strategy_conf("zero3", activation_checkpointing="selective")
     assert build_strategy(conf).config.activation_checkpointing == "selective"
     assert Hybrid3DStrategy(activation_checkpointing=None).config.activation_checkpointing == "none"
     conf.activation_checkpointing = "all"

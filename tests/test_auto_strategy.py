@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from hydra.errors import ConfigCompositionException
 from recipe_runs import GPT, VGG, run_recipe
 from test_recipe_configs import compose_gpt, compose_vgg
 
@@ -160,7 +161,6 @@ def test_recipe_resolves_auto_before_launch():
     [
         (["strategy=auto", "strategy.tp=2"], "strategy.tp=2 cannot be set with strategy=auto"),
         (["strategy=auto", "strategy.cp=2"], "strategy.cp=2 cannot be set with strategy=auto"),
-        (["strategy=zero2", "strategy.auto_device_memory=8GB"], "only applies to strategy=auto"),
         (["strategy=auto", "strategy.auto_device_memory=lots"], "strategy.auto_device_memory='lots' is not a size"),
         (["strategy=auto", "strategy.auto_device_memory=1MB"], "no layout fits"),
     ],
@@ -432,13 +432,21 @@ def test_simulated_pick_that_fits_carries_its_figures():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["strategy=zero2", "strategy.simulate=true"], "only applies to strategy=auto"),
         (["strategy=auto", "strategy.simulate=true"], "gave resolve_auto no simulate_pick"),
     ],
 )
 def test_simulate_settings_are_refused_where_they_cannot_apply(overrides, message):
     with pytest.raises(ValueError, match=message):
         resolve_auto(compose_gpt(*overrides, "trainer.devices=2", "trainer.accelerator=cpu"))
+
+
+@pytest.mark.parametrize("override", ["strategy.auto_device_memory=8GB", "strategy.simulate=true"])
+def test_auto_keys_are_refused_by_the_other_strategies_schemas(override):
+    with pytest.raises(ConfigCompositionException) as refused:
+        compose_gpt("strategy=zero2", override, "trainer.devices=2")
+    assert f"Key '{override.split('.')[1].split('=')[0]}' not in 'the keys of strategy=zero1..3" in str(
+        refused.value.__cause__
+    )
 
 
 def test_the_recipe_plans_muon_s_states_when_optimizer_muon_is_chosen():

@@ -464,10 +464,11 @@ def V(*overrides):  # noqa: N802
 
 
 H3D = "strategy=hybrid3d"
+PAGE = "docs/reference/strategy-keys.md lists each strategy's keys"  # each strategy schema's refusal names it
 RECIPE_CASES = [
-    Case("gpt-unknown-key", G("strategy.tpp=2"), "strategy.tpp", "Key 'tpp' not in 'StrategyConf'"),
+    Case("gpt-unknown-key", G("strategy.tpp=2"), "Key 'tpp' not in 'the keys of strategy=ddp", PAGE),
     Case("gpt-added-unknown-key", G("+strategy.tpp=2"), "strategy.tpp is not a setting", "fix its spelling"),
-    Case("gpt-wrong-type", G("strategy.tp=two"), "strategy.tp=two", "could not be converted to Integer"),
+    Case("gpt-wrong-type", G(H3D, "strategy.tp=two"), "strategy.tp=two", "could not be converted to Integer"),
     Case("gpt-unknown-strategy-option", G("strategy=fsdp9"), "'strategy/fsdp9'", "Available options in 'strategy'"),
     Case("gpt-unknown-strategy-name", G("strategy.name=fsdp9"), "strategy='fsdp9' is unknown", "use ddp, zero1"),
     Case("gpt-unknown-precision-option", G("precision=fp4"), "'precision/fp4'", "Available options in 'precision'"),
@@ -541,7 +542,7 @@ RECIPE_CASES = [
             "strategy.pp=2",
             "trainer.devices=2",
             "strategy.pp_schedule=interleaved_1f1b",
-            "strategy.pp_virtual_stages=8",
+            "strategy.pipeline.virtual_stages=8",
         ),
         "needs 16 pipeline stages but the model has only 9",
         "lower pp (or the virtual stages per rank)",
@@ -587,14 +588,21 @@ RECIPE_CASES = [
     Case(
         "gpt-microbatches-without-hybrid",
         G("strategy=zero2", "trainer.devices=2", "strategy.microbatches=4"),
-        "strategy.microbatches=4 needs strategy=hybrid3d",
-        "strategy=zero2 only splits data",
+        "Key 'microbatches' not in 'the keys of strategy=zero1..3",
+        "set strategy=hybrid3d for pp, tp, cp, ep, spatial, microbatches",
     ),
     Case(
         "gpt-sp-without-hybrid",
-        G("strategy=zero3", "trainer.devices=2", "strategy.sequence_parallel=true"),
-        "strategy.sequence_parallel=True needs strategy=hybrid3d",
-        "strategy=zero3 only splits data",
+        G("strategy=zero3", "trainer.devices=2", "strategy.tensor.sequence_parallel=true"),
+        "Could not override 'strategy.tensor.sequence_parallel'",
+        "set strategy=hybrid3d for pp, tp, cp, ep, spatial, microbatches, pp_schedule, fault_tolerance and the "
+        "pipeline, tensor",
+    ),
+    Case(
+        "gpt-strategy-name-without-preset",
+        G("strategy.name=hybrid3d", "trainer.devices=2"),
+        "strategy.name=hybrid3d with another strategy's keys",
+        "pick the preset with strategy=hybrid3d",
     ),
     Case("gpt-ac-unknown", G("strategy.activation_checkpointing=x"), "activation_checkpointing='x'", "none, full"),
     Case("gpt-heads-not-dividing-width", G("model.n_head=3"), "multiple of n_head(3)", "change one of them"),
@@ -729,7 +737,7 @@ def proc(script: Path, *overrides: str | Callable[[Ctx], str]) -> Callable[[Ctx]
 
 
 PROC_CASES = [
-    Case("proc-gpt-unknown-key", proc(GPT, "strategy.tpp=2"), "full_key: strategy.tpp", "not in 'StrategyConf'"),
+    Case("proc-gpt-unknown-key", proc(GPT, "strategy.tpp=2"), "full_key: strategy.tpp", PAGE),
     Case(
         "proc-gpt-text-file-missing",
         proc(GPT, "strategy=zero2", "trainer.devices=2", at("corpus.txt")),
@@ -804,14 +812,14 @@ ASYNC_PS_CASES = [
     Case(
         "async-recipe-with-zero",
         G(*ASYNC, "strategy.zero_stage=2"),
-        "strategy.zero_stage=2 cannot be used with strategy=async_ps",
-        "remove the override",
+        "Key 'zero_stage' not in 'the keys of strategy=async_ps",
+        "set strategy=zero1..3 or hybrid3d for the others",
     ),
     Case(
         "async-key-without-async",
         G("strategy=zero2", "trainer.devices=2", "strategy.staleness=2"),
-        "strategy.staleness=2 only applies to strategy=async_ps",
-        "set strategy=async_ps",
+        "Key 'staleness' not in 'the keys of strategy=zero1..3",
+        "strategy=async_ps for num_servers and staleness",
     ),
 ]
 CASES = STRATEGY_CASES + ASYNC_PS_CASES + MODEL_CASES + RECIPE_CASES + DATA_CASES + CKPT_CASES + PROC_CASES

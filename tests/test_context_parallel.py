@@ -213,7 +213,7 @@ def test_long_sequence_recipe_halves_activations_and_sends_the_ring_bytes(tmp_pa
         assert sent == pytest.approx(want, rel=0.05), (rank, comm)
     # Ulysses: q, k, v and the output each cross once per layer forward and once backward, (cp-1)/cp of them
     (tmp_path / "ulysses").mkdir()
-    uly = run_recipe(GPT, tmp_path / "ulysses", "+experiment=gpt_long_cp2", "strategy.cp_mode=ulysses", *short)
+    uly = run_recipe(GPT, tmp_path / "ulysses", "+experiment=gpt_long_cp2", "strategy.context.mode=ulysses", *short)
     ratio = [b / one["activation_memory_bytes"][0] for b in uly["activation_memory_bytes"]]
     print(f"Ulysses activation bytes per rank at cp=2 / cp=1: {ratio}")
     assert all(0.4 <= r <= 0.6 for r in ratio), ratio

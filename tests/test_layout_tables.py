@@ -6,14 +6,16 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from omegaconf import OmegaConf
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.data.stages import OFFLOAD_STAGES, ZERO_STAGES, check_zero_settings
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, schedule_spec
+from lightning_parallel.parallel.sections import recipe_key
 from lightning_parallel.recipes.auto import AUTO_KEYS
 from lightning_parallel.recipes.common import ASYNC_PS_KEYS
-from lightning_parallel.recipes.config import StrategyConf
+from lightning_parallel.recipes.strategy_conf import AsyncPSConf, AutoConf, Hybrid3DConf, strategy_conf
 
 
 def test_every_schedule_row_names_a_torch_class_that_fits_its_stage_count():
@@ -62,9 +64,12 @@ def test_config_validates_and_fills_what_it_derives():
 
 
 def test_config_is_declared_once_for_strategies_recipes_and_planner():
-    """The recipes' schema extends ParallelConfig: every parallel setting is a recipe key with the same default."""
-    conf_fields = {f.name: f.default for f in dataclasses.fields(StrategyConf)}
+    """The recipes' hybrid3d schema holds every parallel setting (top-level or in its section) with ParallelConfig's
+    default; auto adds its own keys, async_ps has only its own (its strategy has no mesh)."""
+    conf = strategy_conf("hybrid3d")
+    assert ParallelConfig.from_mapping(conf) == ParallelConfig()
     for f in dataclasses.fields(ParallelConfig):
-        assert conf_fields[f.name] == f.default, f.name
-    # besides the name and the timeout, only async_ps's own settings (its strategy has no mesh)
-    assert set(conf_fields) - set(ParallelConfig.names()) == {"name", "timeout_s", *ASYNC_PS_KEYS, *AUTO_KEYS}
+        assert OmegaConf.select(conf, recipe_key(f.name), default="absent") == f.default, f.name
+    auto = {f.name for f in dataclasses.fields(AutoConf)} - {"name"}
+    assert auto - {f.name for f in dataclasses.fields(Hybrid3DConf)} == set(AUTO_KEYS)
+    assert {f.name for f in dataclasses.fields(AsyncPSConf)} == {"name", "timeout_s", *ASYNC_PS_KEYS}

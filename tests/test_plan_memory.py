@@ -28,19 +28,19 @@ COMMON = ["trainer.max_steps=3", "trainer.logger=none", "trainer.enable_progress
 RUNS = {
     "ac_full": (2, "gpt_tiny", ["strategy.activation_checkpointing=full"], 32),
     "ac_selective": (2, "gpt_tiny", ["strategy.activation_checkpointing=selective"], 32),
-    "tp2_sp": (2, "gpt_tiny", ["strategy.tp=2", "strategy.sequence_parallel=true"], 32),
+    "tp2_sp": (2, "gpt_tiny", ["strategy.tp=2", "strategy.tensor.sequence_parallel=true"], 32),
     "cp2_ring": (2, "gpt_long", ["strategy.cp=2"], 4),
-    "cp2_ulysses": (2, "gpt_long", ["strategy.cp=2", "strategy.cp_mode=ulysses"], 4),
+    "cp2_ulysses": (2, "gpt_long", ["strategy.cp=2", "strategy.context.mode=ulysses"], 4),
     "ep2": (2, "gpt_moe_tiny", ["strategy.ep=2"], 32),
     "hsdp": (4, "gpt_tiny", ["strategy.zero_stage=3", "strategy.dp_shard=2"], 32),
-    "dp2_tp2_sp": (4, "gpt_tiny", ["strategy.tp=2", "strategy.sequence_parallel=true"], 32),
+    "dp2_tp2_sp": (4, "gpt_tiny", ["strategy.tp=2", "strategy.tensor.sequence_parallel=true"], 32),
     "cp2_dp2": (4, "gpt_long", ["strategy.cp=2"], 4),
     "ep2_dp4": (4, "gpt_moe_tiny", ["strategy.ep=2", "strategy.zero_stage=1"], 32),
     "pp2_ac_full": (2, "gpt_tiny", ["strategy.pp=2", "strategy.activation_checkpointing=full"], 32),
     "tp2_sp_ac_selective": (
         2,
         "gpt_tiny",
-        ["strategy.tp=2", "strategy.sequence_parallel=true", "strategy.activation_checkpointing=selective"],
+        ["strategy.tp=2", "strategy.tensor.sequence_parallel=true", "strategy.activation_checkpointing=selective"],
         32,
     ),
     "cp2_dp2_zero3": (4, "gpt_long", ["strategy.cp=2", "strategy.zero_stage=3"], 4),
@@ -68,7 +68,7 @@ def estimates(label: str, layout: dict) -> tuple[list[tuple[float, float]], tupl
     from the analytic planner) for one run's reported layout (metrics.json's ``layout``)."""
     world, model, overrides, batch = RUNS[label]
     mode = next((o.split("=")[1] for o in overrides if "activation_checkpointing" in o), "none")
-    sp = "strategy.sequence_parallel=true" in overrides
+    sp = "strategy.tensor.sequence_parallel=true" in overrides
     shard = layout["dp_shard"] if layout["dp_shard"] != layout["dp"] else None
     _, m = load_model_config(model)
     costs = layer_costs(gpt_spec(m), layout["tp"], "32-true", mode)

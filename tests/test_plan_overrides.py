@@ -6,6 +6,7 @@ same family (the slow variant trains 2 steps with them). ``strategy=auto`` plans
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -121,8 +122,12 @@ def test_overrides_print_and_keep_the_plan(plan_70b):
         x = Layout(**row["layout"])
         assert int(settings["strategy.dp"]) == x.dp and int(settings.get("strategy.tp", 1)) == x.tp
         assert int(settings.get("strategy.pp", 1)) == x.pp and int(settings.get("strategy.cp", 1)) == x.cp
-        strategy = {k.removeprefix("strategy."): v for k, v in settings.items() if k.startswith("strategy.")}
-        config = ParallelConfig.from_mapping({k: _typed(v) for k, v in strategy.items()})
+        strategy: dict = {}  # the printed strategy.* keys, sections (pipeline.virtual_stages) as nested mappings
+        for k, v in settings.items():
+            *sections, key = k.split(".")
+            if sections and sections[0] == "strategy":
+                functools.reduce(lambda node, name: node.setdefault(name, {}), sections[1:], strategy)[key] = _typed(v)
+        config = ParallelConfig.from_mapping(strategy)
         warnings: list[str] = []
         config.validate(warn=warnings.append)  # nothing printed that the strategy would ignore
         assert not warnings, (row["overrides"], warnings)
@@ -140,7 +145,7 @@ def test_microbatches_and_defaults():
         "strategy.tp=2",
         "strategy.pp_schedule=interleaved_1f1b",
         "strategy.microbatches=8",
-        "strategy.overlap_grad_reduce=true",
+        "strategy.grad_reduce.overlap=true",
         "precision=32-true",
         "model.seq_len=4096",
         "data.global_batch_size=64",
@@ -179,8 +184,8 @@ def at_world_2(overrides: list[str]) -> list[str]:
         s["strategy.ep"] = "1"
     if s.get("strategy.dp_shard"):
         s["strategy.dp_shard"] = s["strategy.dp"]
-    if int(s.get("strategy.pp_virtual_stages", 1)) > 4:  # the tiny model's 11 pipeline layers: 2 x 4 stages
-        s["strategy.pp_virtual_stages"] = "4"
+    if int(s.get("strategy.pipeline.virtual_stages", 1)) > 4:  # the tiny model's 11 pipeline layers: 2 x 4 stages
+        s["strategy.pipeline.virtual_stages"] = "4"
     dp, accumulate = int(s["strategy.dp"]), int(s.get("trainer.accumulate_grad_batches", 1))
     per_step = int(s.get("strategy.microbatches", 2 * int(s["strategy.pp"]))) if s["strategy.pp"] != "1" else 1
     s.update({"model.seq_len": "64", "data.global_batch_size": str(dp * accumulate * per_step)})
@@ -193,7 +198,7 @@ def test_the_recipe_accepts_them_at_world_2_on_a_tiny_llama(plan_70b, tmp_path):
     printed = dict(item.split("=", 1) for item in plan_70b["layouts"][0]["overrides"])
     scaled = dict(item.split("=", 1) for item in overrides)
     replaced = {"strategy.dp", "strategy.pp", "strategy.tp", "strategy.cp", "model.seq_len", "strategy.dp_shard"}
-    replaced |= {"strategy.pp_virtual_stages"}
+    replaced |= {"strategy.pipeline.virtual_stages"}
     replaced |= {"data.global_batch_size", "trainer.devices", "trainer.num_nodes"}  # dp_shard: at_world_2's dp
     assert {k: v for k, v in scaled.items() if k not in replaced} == {
         k: v for k, v in printed.items() if k not in replaced
@@ -224,7 +229,8 @@ AUTO_70B += ["precision=bf16-mixed", "model.seq_len=8192", "data.global_batch_si
 
 def _auto_layout(cfg) -> Layout:
     names = {f for f in Layout.__dataclass_fields__} & set(ParallelConfig.names())
-    return Layout(**{name: cfg.strategy[name] for name in names})
+    config = ParallelConfig.from_mapping(cfg.strategy)  # the recipe's keys, sections included
+    return Layout(**{name: getattr(config, name) for name in names})
 
 
 def test_auto_plans_the_70b_hf_config_within_what_its_family_takes(plan_70b):

@@ -145,8 +145,9 @@ def test_vgg_learning_rate_scales_linearly_with_the_global_batch():
 
 
 def test_bad_settings_name_the_key_and_the_fix():
-    with pytest.raises(ValueError, match=r"strategy.tp=2 needs strategy=hybrid3d"):
-        build_strategy(compose_gpt("strategy=zero2", "strategy.tp=2").strategy)
+    with pytest.raises(ConfigCompositionException, match=r"Could not override 'strategy.tp'") as refused:
+        compose_gpt("strategy=zero2", "strategy.tp=2")
+    assert "set strategy=hybrid3d for pp, tp" in str(refused.value.__cause__)
     cfg = compose_gpt("strategy=hybrid3d", "strategy.tp=2", "data.global_batch_size=6")
     with pytest.raises(ValueError, match=r"data.global_batch_size=6 does not split over dp=4"):
         micro_batch_size(cfg, 8)
@@ -170,13 +171,17 @@ def test_model_warmup_raises_the_learning_rate_linearly():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["strategy=zero2", "strategy.microbatches=4"], r"strategy.microbatches=4 needs strategy=hybrid3d"),
-        (["strategy=ddp", "strategy.offload=true"], r"strategy=ddp keeps no state on the host"),
+        (["strategy=zero2", "strategy.microbatches=4"], "Key 'microbatches' not in 'the keys of strategy=zero1..3"),
+        (["strategy=ddp", "strategy.sharding.offload=true"], "Key 'sharding' not in 'the keys of strategy=ddp"),
+        (["strategy=hybrid3d", "strategy.staleness=1"], "Key 'staleness' not in 'the keys of strategy=hybrid3d"),
+        (["strategy=async_ps", "strategy.tp=2"], "Key 'tp' not in 'the keys of strategy=async_ps"),
+        (["strategy=zero2", "strategy.simulate=true"], "Key 'simulate' not in 'the keys of strategy=zero1..3"),
     ],
 )
-def test_settings_a_strategy_would_ignore_are_refused(overrides, message):
-    with pytest.raises(ValueError, match=message):
-        build_strategy(compose_gpt(*overrides).strategy)
+def test_settings_a_strategy_would_ignore_are_refused_by_its_schema(overrides, message):
+    with pytest.raises(ConfigCompositionException) as refused:
+        compose_gpt(*overrides)
+    assert message in str(refused.value.__cause__)
 
 
 def test_a_checkpoint_dir_without_a_period_is_refused():

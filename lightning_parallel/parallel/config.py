@@ -2,14 +2,16 @@
 schedule table).
 
 The strategies take it (``Hybrid3DStrategy(pp=2, tp=2)`` builds one from its keyword arguments), the recipes'
-Hydra schema extends it (``StrategyConf``), the planner validates layouts with it, and the tests build
-strategies from it. A new setting is a new field here, with its check in :meth:`ParallelConfig.validate`; a
-new mesh axis whose size is its setting (``mesh.PLAIN_AXES``) is a field named as the axis, which
+Hydra schemas (``recipes/strategy_conf.py``, one per strategy) take its settings, the degrees top-level and the
+others in sections (:data:`~lightning_parallel.parallel.sections.SECTIONS`: ``strategy.pipeline.balance`` is
+``pp_balance``), the planner validates layouts with it, and the tests build strategies from it. A new setting is a
+new field here, with its check in :meth:`ParallelConfig.validate`, and a key in the recipe schema of each strategy
+that takes it; a new mesh axis whose size is its setting (``mesh.PLAIN_AXES``) is a field named as the axis, which
 :meth:`ParallelConfig.dims`, ``describe`` and the degree checks pick up (its constraints against other settings go
 in ``validate``).
 
 May import: ``parallel.mesh``, ``parallel.pipeline.schedules``, ``parallel.data.stages``,
-``parallel.activation_checkpoint``, ``parallel.fault_tolerance``. Never Lightning.
+``parallel.activation_checkpoint``, ``parallel.fault_tolerance``, ``parallel.sections``. Never Lightning.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from lightning_parallel.parallel.data.stages import check_sharding_name, check_z
 from lightning_parallel.parallel.fault_tolerance import check_fault_tolerance
 from lightning_parallel.parallel.mesh import PLAIN_AXES, ParallelDims, check_degree
 from lightning_parallel.parallel.pipeline.schedules import ScheduleSpec, schedule_spec
+from lightning_parallel.parallel.sections import setting_in
 
 PIPELINE_BALANCES = ("uniform", "params", "profile")
 CONTEXT_MODES = ("ring", "ulysses")
@@ -150,8 +153,10 @@ class ParallelConfig:
 
     @classmethod
     def from_mapping(cls, settings: Mapping[str, Any]) -> ParallelConfig:
-        """A config from the settings in ``settings`` (other keys are ignored: a Hydra node may hold more)."""
-        return ParallelConfig(**{name: settings[name] for name in cls.names() if name in settings})
+        """A config from the settings in ``settings``, by their flat names or in the recipes' sections
+        (``{"pipeline": {"balance": ...}}``); other keys are ignored (a Hydra node may hold more)."""
+        found = {name: setting_in(settings, name) for name in cls.names()}
+        return ParallelConfig(**{name: value for name, (there, value) in found.items() if there})
 
     @classmethod
     def split_kwargs(cls, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, schedule_spec
+from lightning_parallel.parallel.sections import recipe_key
 from lightning_parallel.planning.estimate import check_precision
 from lightning_parallel.planning.hf_config import ModelShape
 
@@ -195,7 +196,7 @@ def recipe_overrides(layout: Layout, work: Workload, gpus_per_node: int) -> list
 
     The planner's microbatches (None: one sample each) become ``strategy.microbatches`` under pp (left out where
     they equal the recipe's 2 x pp) and ``trainer.accumulate_grad_batches`` at pp=1; a registered sharding variant
-    is ``strategy.sharding``; ``overlap_grad_reduce`` is left out under ZeRO-3 (FSDP2 overlaps by itself)."""
+    is ``strategy.sharding.name``; ``overlap_grad_reduce`` is left out under ZeRO-3 (FSDP2 overlaps by itself)."""
     values = {name: getattr(layout, name) for name in ParallelConfig.names() if hasattr(layout, name)}
     m = microbatches(layout, work)
     values["microbatches"] = m if m != 2 * layout.pp else None
@@ -207,7 +208,8 @@ def recipe_overrides(layout: Layout, work: Workload, gpus_per_node: int) -> list
         values.update({name: getattr(ParallelConfig, name) for name in _PIPELINE_ONLY})
     default = ParallelConfig()
     out = ["strategy=hybrid3d", f"strategy.dp={layout.dp}"]
-    out += [f"strategy.{k}={_value(v)}" for k, v in values.items() if k != "dp" and v != getattr(default, k)]
+    set_ = {k: v for k, v in values.items() if k != "dp" and v != getattr(default, k)}
+    out += [f"strategy.{recipe_key(k)}={_value(v)}" for k, v in set_.items()]
     out += [f"precision={work.precision}", f"model.seq_len={work.seq_len}"]
     if work.fsdp_float8_all_gather and layout.zero_stage == 3:
         out.append("precision.fsdp_float8_all_gather=true")

@@ -18,14 +18,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.parallel.mesh import PLAIN_AXES
+from lightning_parallel.parallel.sections import recipe_key
 
 log = logging.getLogger(__name__)
 
-AUTO_KEYS = ("auto_device_memory", "planned", "simulate")  # StrategyConf's keys for strategy=auto
+AUTO_KEYS = ("auto_device_memory", "planned", "simulate")  # AutoConf's keys beside hybrid3d's
 # what strategy=auto chooses, and what the planner does not model: neither may be set beside it
 CHOSEN = ("dp", "pp", "tp", "ep", "zero_stage", "sharding", "activation_checkpointing", "microbatches", "pp_schedule")
 CHOSEN += ("pp_virtual_stages",)
@@ -35,7 +36,8 @@ UNMODELED += tuple(axis for axis in PLAIN_AXES if axis not in CHOSEN)  # an axis
 
 def resolve_auto(cfg: DictConfig, simulate_pick: Callable[[DictConfig, Any], dict] | None = None) -> None:
     """With ``strategy=auto``: set ``cfg.strategy`` (in place) to the planner's layout for ``trainer.devices`` x
-    ``trainer.num_nodes`` processes and the machine's memory per device; without it, refuse its settings.
+    ``trainer.num_nodes`` processes and the machine's memory per device (the other strategies' schemas have none of
+    its keys).
 
     Args:
         cfg: the composed recipe config (GPT or VGG recipe).
@@ -44,22 +46,13 @@ def resolve_auto(cfg: DictConfig, simulate_pick: Callable[[DictConfig, Any], dic
             simulator sits above the recipes): it refuses a pick that does not fit, or returns its figures.
     """
     s = cfg.strategy
-    if s.name != "auto":
-        if s.auto_device_memory is not None:
-            raise ValueError(
-                f"strategy.auto_device_memory={s.auto_device_memory} only applies to strategy=auto: set strategy=auto "
-                "or drop the override."
-            )
-        if s.simulate:
-            raise ValueError(
-                "strategy.simulate=true only applies to strategy=auto: set strategy=auto, or simulate a layout of your "
-                "own with python -m lightning_parallel.simulate MODEL --gpus N --layout tp=..,zero_stage=.."
-            )
+    if s.name != "auto":  # its keys are refused by the other strategies' schemas (recipes/strategy_conf.py)
         return
     set_ = list(ParallelConfig.from_mapping(s).non_defaults([*CHOSEN, *UNMODELED]))
     if set_:
+        key = recipe_key(set_[0])
         raise ValueError(
-            f"strategy.{set_[0]}={s[set_[0]]} cannot be set with strategy=auto: it chooses "
+            f"strategy.{key}={OmegaConf.select(s, key)} cannot be set with strategy=auto: it chooses "
             f"{', '.join(CHOSEN)} itself and plans without {', '.join(UNMODELED)}. Drop the override, or use "
             "strategy=hybrid3d with the layout you want (python -m lightning_parallel.plan lists them)."
         )
@@ -75,7 +68,7 @@ def resolve_auto(cfg: DictConfig, simulate_pick: Callable[[DictConfig, Any], dic
     s.name = "hybrid3d"
     for key in ParallelConfig.names():  # what it chooses, and what the analytic planner adds (cp, HSDP, SP, ...)
         if key in CHOSEN or getattr(c, key) != getattr(default, key):
-            s[key] = getattr(c, key)
+            OmegaConf.update(s, recipe_key(key), getattr(c, key), merge=False)
     s.planned = {**choice.planned(), **({"simulated": simulated} if simulated is not None else {})}
 
 

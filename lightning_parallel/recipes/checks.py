@@ -23,7 +23,11 @@ LOGGERS = ("csv", "tensorboard", "none")
 
 def check_known_keys(cfg: DictConfig) -> None:
     """Refuse keys that no schema has: ``+strategy.foo=1`` composes (``+`` adds keys) but nothing reads it."""
-    nodes = [("", cfg)] + [(f"{k}.", cfg[k]) for k in cfg if isinstance(cfg[k], DictConfig)]
+    nodes, seen = [("", cfg)], 0
+    while seen < len(nodes):  # the root, its groups and their sections
+        prefix, node = nodes[seen]
+        seen += 1
+        nodes += [(f"{prefix}{k}.", v) for k, v in node.items_ex(resolve=False) if isinstance(v, DictConfig)]
     for prefix, node in nodes:
         schema = OmegaConf.get_type(node)
         if not dataclasses.is_dataclass(schema):

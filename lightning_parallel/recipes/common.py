@@ -3,6 +3,7 @@ checks that run before any worker starts, and the Trainer (``metrics.json``: :mo
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,29 +37,22 @@ from lightning_parallel.recipes.checks import (
     check_precision,
     check_trainer_settings,
 )
-from lightning_parallel.recipes.config import StrategyConf
+from lightning_parallel.recipes.strategy_conf import schema_for
 from lightning_parallel.strategies.base import MeshStrategy
 from lightning_parallel.strategies.checks import checked_before_launch
 from lightning_parallel.strategies.zero import ZERO_PRESETS, ZERO_SETTINGS
 
 
 def parallel_config(conf: DictConfig) -> ParallelConfig:
-    """The parallel settings of ``strategy=...`` (the schema's ParallelConfig fields)."""
+    """The parallel settings of ``strategy=...`` (the schema's keys and sections, as ParallelConfig's fields)."""
     return ParallelConfig.from_mapping(conf)
 
 
 ASYNC_PS_KEYS = ("num_servers", "staleness", "slow_worker_sleep", "slow_worker_rank")
 
 
-def build_async_ps(conf: DictConfig, config: ParallelConfig, timeout: dict[str, Any]) -> AsyncPSStrategy:
-    """``strategy=async_ps``: parameter servers; every setting of the other strategies is refused."""
-    changed = list(config.non_defaults())
-    if changed:
-        set_ = ", ".join(f"strategy.{k}={conf[k]}" for k in changed)
-        raise ValueError(
-            f"{set_} cannot be used with strategy=async_ps: its workers each hold the whole model and the servers "
-            "shard only the parameters and optimizer states; remove the override or use strategy=hybrid3d/zero*."
-        )
+def build_async_ps(conf: DictConfig, timeout: dict[str, Any]) -> AsyncPSStrategy:
+    """``strategy=async_ps``: parameter servers (its schema has no key of the other strategies)."""
     settings = {k: conf[k] for k in ASYNC_PS_KEYS}
     for key in ("num_servers", "staleness", "slow_worker_sleep"):
         try:
@@ -69,26 +63,31 @@ def build_async_ps(conf: DictConfig, config: ParallelConfig, timeout: dict[str, 
 
 
 def build_strategy(conf: DictConfig) -> Any:
-    """The strategy object (or Lightning's name) for ``strategy=...``; settings it cannot use are refused."""
+    """The strategy object (or Lightning's name) for ``strategy=...``. The schema of the preset picked
+    (:mod:`~lightning_parallel.recipes.strategy_conf`) has only the keys its strategy takes, so Hydra refused the
+    others when it composed the config; this refuses the values that cannot run."""
     name = conf.name
+    schema = schema_for(name)
+    if schema is None or name == "auto":
+        raise ValueError(
+            f"strategy={name!r} is unknown: use ddp, {', '.join(ZERO_PRESETS)}, hybrid3d or async_ps (conf/strategy/ "
+            "lists presets); strategy=auto is resolved to hybrid3d by recipes/train_gpt.py and train_vgg.py "
+            "(recipes/auto.py)."
+        )
+    picked = OmegaConf.get_type(conf)
+    if dataclasses.is_dataclass(picked) and not issubclass(picked, schema):  # strategy=auto's resolved: hybrid3d
+        raise ValueError(
+            f"strategy.name={name} with another strategy's keys ({picked.__qualname__}): pick the preset with "
+            f"strategy={name} instead of setting strategy.name."
+        )
     config = parallel_config(conf)
     check_activation_checkpointing(config.activation_checkpointing, "strategy.activation_checkpointing")
-    timeout = {} if conf.timeout_s is None else {"timeout": to_timeout(conf.timeout_s, "strategy.timeout_s")}
+    timeout_s = conf.get("timeout_s")
+    timeout = {} if timeout_s is None else {"timeout": to_timeout(timeout_s, "strategy.timeout_s")}
     if name == "async_ps":
-        return build_async_ps(conf, config, timeout)
-    defaults = StrategyConf()
-    async_set = [k for k in ASYNC_PS_KEYS if conf.get(k, getattr(defaults, k)) != getattr(defaults, k)]
-    if async_set:
-        raise ValueError(
-            f"strategy.{async_set[0]}={conf[async_set[0]]} only applies to strategy=async_ps (parameter servers): "
-            f"set strategy=async_ps or drop the override."
-        )
+        return build_async_ps(conf, timeout)
     if name == "hybrid3d":
         return Hybrid3DStrategy(config, **timeout)
-    changed = [k for k in config.non_defaults() if k not in ZERO_SETTINGS]
-    if changed:
-        set_ = ", ".join(f"strategy.{k}={conf[k]}" for k in changed)
-        raise ValueError(f"{set_} needs strategy=hybrid3d: strategy={name} only splits data, so it would ignore it.")
     if name in ZERO_PRESETS:
         stage, offload = ZERO_PRESETS[name]
         if config.zero_stage not in (0, stage) or (config.offload and not offload):
@@ -98,19 +97,7 @@ def build_strategy(conf: DictConfig) -> Any:
             )
         shared = {k: getattr(config, k) for k in ZERO_SETTINGS if k not in ("zero_stage", "offload")}
         return ZeroStrategy(stage=stage, offload=offload, **shared, **timeout)
-    if name == "ddp":  # activation checkpointing, if set, comes as a callback (build_trainer)
-        if timeout:
-            raise ValueError("strategy.timeout_s needs one of our strategies: use strategy=zero1..3 or hybrid3d.")
-        if config.offload:
-            raise ValueError("strategy=ddp keeps no state on the host (strategy.offload=true): use zero2_offload.")
-        for key in ("zero_stage", "sharding"):
-            if getattr(config, key) not in (0, None):
-                raise ValueError(f"strategy=ddp does not shard (strategy.{key}={conf[key]}): use strategy=zero1..3.")
-        return "ddp"
-    raise ValueError(
-        f"strategy={name!r} is unknown: use ddp, {', '.join(ZERO_PRESETS)}, hybrid3d or async_ps (conf/strategy/ lists "
-        "presets); strategy=auto is resolved to hybrid3d by recipes/train_gpt.py and train_vgg.py (recipes/auto.py)."
-    )
+    return "ddp"  # the one name left (DDPConf); activation checkpointing, if set, comes as a callback (build_trainer)
 
 
 def world_size(cfg: DictConfig) -> int:

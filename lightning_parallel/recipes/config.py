@@ -2,7 +2,8 @@
 
 Every YAML file under ``conf/<group>/`` starts from a schema of its group here (``model/`` and ``data/``
 have one per recipe), so a misspelled key or a value of the wrong type fails when Hydra composes the
-config, before anything is launched. The keys are the stable CLI of the recipes (listed in
+config, before anything is launched (``strategy`` has one schema per strategy, in :mod:`.strategy_conf`, so a
+key the chosen strategy does not take is refused too). The keys are the stable CLI of the recipes (listed in
 docs/recipes.md): ``trainer.devices``, ``trainer.max_steps``, ``strategy.dp|pp|tp|zero_stage|pp_schedule|
 microbatches``, ``precision=...``, ``data.global_batch_size``, ``seed``, ``checkpoint.dir``,
 ``checkpoint.every_n_steps``, ``ckpt_path``, and with ``peft=lora`` ``peft.r|alpha|dropout|target_modules|
@@ -17,47 +18,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from lightning_parallel.parallel.config import ParallelConfig
 from lightning_parallel.recipes.optimizers import OptimizerConf
-
-
-@dataclass
-class StrategyConf(ParallelConfig):
-    """One schema for every strategy, so the same keys work whichever is picked: the parallel settings are
-    :class:`~lightning_parallel.parallel.config.ParallelConfig`'s (declared there once), plus these. Each key's
-    description (here and in ParallelConfig's ``Attributes``) is what docs/reference/strategy-keys.md shows
-    (:mod:`lightning_parallel.recipes.reference` writes it; a test checks every key has one).
-
-    Attributes:
-        name: the strategy: ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``zero2_offload``, ``zero3_offload``,
-            ``hybrid3d``, ``async_ps``, or ``auto`` (the planner's ``hybrid3d`` layout for the job). Usually picked
-            with the config group (``strategy=zero3``) rather than this key.
-        num_servers: ``async_ps``: how many ranks (the last ones) hold the parameters; the others are workers.
-        staleness: ``async_ps``: 0 is synchronous (the same training as one process); s > 0 lets a worker run up
-            to s steps ahead of the slowest.
-        slow_worker_sleep: ``async_ps``: seconds one worker sleeps in every step (a slowed worker, for tests and
-            benchmarks).
-        slow_worker_rank: ``async_ps``: the slowed worker's rank (None: the last worker).
-        timeout_s: seconds a collective waits for its peers; when a rank fails the others end within it, naming
-            the rank (None: torch's default, 30 minutes).
-        auto_device_memory: ``strategy=auto``: memory per device to plan for (``80GB``; None: the CUDA device's,
-            else the host's memory shared by its processes).
-        planned: set by the recipe under ``strategy=auto``, not by hand: the chosen layout and its predicted
-            figures (metrics.json's ``planned``).
-        simulate: ``strategy=auto``: simulate the pick before launch (the real ``parallelize()`` and training steps
-            on fake tensors at the full world size, docs/simulate.md) and refuse it, with the figures, when a
-            rank's peak memory exceeds the device's or a group's ranks issue different collectives.
-    """
-
-    name: str = "ddp"
-    num_servers: int = 1
-    staleness: int = 0
-    slow_worker_sleep: float = 0.0
-    slow_worker_rank: int | None = None
-    timeout_s: float | None = None
-    auto_device_memory: str | None = None
-    planned: dict[str, Any] = field(default_factory=dict)
-    simulate: bool = False
+from lightning_parallel.recipes.strategy_conf import STRATEGY_SCHEMAS
 
 
 @dataclass
@@ -237,7 +199,7 @@ class ObservabilityConf:
 class RecipeConf:
     """What every recipe's root has; each recipe adds its model and data schemas."""
 
-    strategy: StrategyConf = MISSING
+    strategy: Any = MISSING  # the schema of the strategy picked (recipes/strategy_conf.py): its keys only
     precision: PrecisionConf = MISSING
     trainer: TrainerConf = MISSING
     checkpoint: CheckpointConf = MISSING
@@ -281,7 +243,6 @@ class VGGRecipeConf(RecipeConf):
 
 # (group, name) -> schema; a group with two recipes' options has one schema per kind
 SCHEMAS = {
-    ("strategy", "schema"): StrategyConf,
     ("precision", "schema"): PrecisionConf,
     ("model", "gpt_schema"): GPTModelConf,
     ("model", "hf_schema"): HFModelConf,
@@ -302,6 +263,8 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     for (group, name), schema in SCHEMAS.items():
         cs.store(group=group, name=name, node=schema)
+    for name, schema in STRATEGY_SCHEMAS.items():
+        cs.store(group="strategy", name=f"{name}_schema", node=schema)
     cs.store(name="gpt_recipe_schema", node=GPTRecipeConf)
     cs.store(name="vgg_recipe_schema", node=VGGRecipeConf)
     cs.store(name="finetune_recipe_schema", node=FinetuneRecipeConf)

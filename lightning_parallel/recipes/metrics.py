@@ -70,7 +70,7 @@ def run_metrics(trainer: pl.Trainer, cfg: DictConfig, wall: float, items_per_ste
         "peak_memory_bytes": all_ranks(peak_memory_bytes(trainer.strategy.root_device)),
         # bytes of activations held for backward in one training batch (see ActivationMemoryMonitor), per rank
         "activation_memory_bytes": all_ranks(_activation_bytes(trainer)),
-        "activation_checkpointing": cfg.strategy.activation_checkpointing,
+        "activation_checkpointing": cfg.strategy.get("activation_checkpointing", "none"),
         "layout": layout,
         # strategy=auto: the chosen layout's predicted figures (memory per rank, step time; recipes/auto.py)
         "planned": OmegaConf.to_container(cfg.strategy.planned) if cfg.strategy.get("planned") else None,

@@ -17,7 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel.parallel.optim.muon import NS_DTYPES, MuonAdamW
 
@@ -62,7 +62,11 @@ def check_optimizer(cfg: DictConfig) -> None:
         )
     s = cfg.strategy
     flat = s.name in ("zero1", "zero2") or (s.name == "hybrid3d" and s.get("zero_stage") in (1, 2))
-    if s.name in ("zero2_offload", "async_ps") or (flat and (s.get("tp") or 1) > 1) or (flat and s.get("offload")):
+    if (
+        s.name in ("zero2_offload", "async_ps")
+        or (flat and (s.get("tp") or 1) > 1)
+        or (flat and OmegaConf.select(s, "sharding.offload", default=False))
+    ):
         raise ValueError(
             f"optimizer=muon with strategy={s.name} (zero_stage={s.get('zero_stage')}, tp={s.get('tp')}): Muon "
             "orthogonalizes each whole matrix, which async_ps, offload and ZeRO-1/2 with tp do not give it. Use "

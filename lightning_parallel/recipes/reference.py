@@ -1,7 +1,8 @@
 """The reference page of every ``strategy.*`` key of the recipes (docs/reference/strategy-keys.md), rendered from the
-schema: each key's type and default from :class:`~lightning_parallel.recipes.config.StrategyConf` (which extends
-:class:`~lightning_parallel.parallel.config.ParallelConfig`), its meaning from the ``Attributes:`` section of the
-docstring of the class that declares it, and the presets from ``conf/strategy/*.yaml``. One source: a key is
+schemas: each key's type and default from the schemas of :mod:`~lightning_parallel.recipes.strategy_conf` (one per
+strategy, with sections), the strategies that take it, its meaning from the ``Attributes:`` section of the docstring
+of the class that declares it (a parallel setting's from :class:`~lightning_parallel.parallel.config.ParallelConfig`,
+a section's key by its flat name there), and the presets from ``conf/strategy/*.yaml``. One source: a key is
 described beside its field, and tests/test_strategy_reference.py fails when a key has no description or the page is
 not what this module renders.
 
@@ -21,12 +22,15 @@ from typing import Any
 
 import yaml
 
-from lightning_parallel.recipes.config import StrategyConf
+from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.sections import SECTIONS, recipe_key
+from lightning_parallel.recipes.strategy_conf import STRATEGY_SCHEMAS
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "reference" / "strategy-keys.md"
 PRESETS = ROOT / "conf" / "strategy"
 _ENTRY = re.compile(r"^(\w+(?:, \w+)*): (.*)$")
+FLAT = {".".join(path): name for name, path in SECTIONS.items()}  # pipeline.balance -> pp_balance
 
 
 def attribute_docs(cls: type) -> dict[str, str]:
@@ -58,24 +62,51 @@ def attribute_docs(cls: type) -> dict[str, str]:
     return out
 
 
-def key_docs(cls: type = StrategyConf) -> dict[str, str]:
-    """Every field of the dataclass ``cls`` with its description from the class that declares it (an empty string
-    where there is none)."""
-    described: dict[str, str] = {}
+def key_docs(cls: type) -> dict[str, str]:
+    """Every field of the dataclass ``cls`` with its description from the class that declares it, or from
+    ParallelConfig's where the field is one of its settings (an empty string where there is none)."""
+    described = attribute_docs(ParallelConfig)
     for klass in reversed(cls.__mro__):
         described.update(attribute_docs(klass))
     return {f.name: described.get(f.name, "") for f in dataclasses.fields(cls)}
 
 
-def undocumented(cls: type = StrategyConf) -> list[str]:
-    """The fields of ``cls`` without a description."""
-    return [name for name, text in key_docs(cls).items() if not text.strip()]
+def schema_keys(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
+    """(key below ``strategy.``, field) of every key of the schema ``cls``, its sections' keys as
+    ``section.key``, in declaration order."""
+    out = []
+    for f in dataclasses.fields(cls):
+        kind = _default(f)
+        if dataclasses.is_dataclass(kind):
+            out += schema_keys(type(kind), f"{prefix}{f.name}.")
+        else:
+            out.append((f"{prefix}{f.name}", f))
+    return out
 
 
-def stray_entries(cls: type = StrategyConf) -> list[str]:
-    """``Attributes:`` entries of ``cls`` and its bases that name no field (a renamed or removed key)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return [name for klass in cls.__mro__ for name in attribute_docs(klass) if name not in names]
+def descriptions(schemas: dict[str, type] = STRATEGY_SCHEMAS) -> dict[str, str]:
+    """The description of every key of ``schemas``: from the ``Attributes:`` of any schema that describes it (a key
+    shared by several strategies is described once), else ParallelConfig's (``pipeline.balance``: ``pp_balance``)."""
+    pool = attribute_docs(ParallelConfig)
+    for cls in [*STRATEGY_SCHEMAS.values(), *schemas.values()]:
+        for klass in reversed(cls.__mro__):
+            pool.update(attribute_docs(klass))
+    keys = dict.fromkeys(key for cls in schemas.values() for key, _ in schema_keys(cls))
+    return {key: pool.get(key) or pool.get(FLAT.get(key, ""), "") for key in keys}
+
+
+def undocumented(schemas: dict[str, type] = STRATEGY_SCHEMAS) -> list[str]:
+    """The keys of ``schemas`` without a description."""
+    return [key for key, text in descriptions(schemas).items() if not text.strip()]
+
+
+def stray_entries(schemas: dict[str, type] = STRATEGY_SCHEMAS) -> list[str]:
+    """``Attributes:`` entries of the schemas (and their bases) that name no field (a renamed or removed key)."""
+    out = []
+    for cls in schemas.values():
+        names = {f.name for f in dataclasses.fields(cls)}
+        out += [name for klass in cls.__mro__ for name in attribute_docs(klass) if name not in names]
+    return sorted(set(out))
 
 
 def _yaml_value(value: Any) -> str:
@@ -101,13 +132,29 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
-def key_rows(cls: type = StrategyConf) -> list[tuple[str, str, str, str]]:
-    """(key, type, default, meaning) of every field, in declaration order."""
-    docs = key_docs(cls)
+def _recipe_names(text: str) -> str:
+    """ParallelConfig's flat names in a description as the recipes' keys (```pp_balance=`` -> ``pipeline.balance=``)."""
+    return re.sub(r"``(\w+)(?=[`=])", lambda m: f"``{recipe_key(m.group(1))}", text)
+
+
+def key_rows(schemas: dict[str, type] = STRATEGY_SCHEMAS) -> list[tuple[str, str, str, str, str]]:
+    """(key, type, default, strategies, meaning) of every key of ``schemas``, in the order they first appear."""
+    docs = descriptions(schemas)
+    rows: dict[str, tuple[str, str, str, list[str], str]] = {}
+    for name, cls in schemas.items():
+        for key, f in schema_keys(cls):
+            meaning = _markdown(_recipe_names(docs[key]))
+            rows.setdefault(key, (f"strategy.{key}", str(f.type), _yaml_value(_default(f)), [], meaning))[3].append(
+                name
+            )
     return [
-        (f"strategy.{f.name}", str(f.type), _yaml_value(_default(f)), _markdown(docs[f.name]))
-        for f in dataclasses.fields(cls)
+        (key, kind, default, ", ".join(_strategy(n) for n in names), meaning)
+        for key, kind, default, names, meaning in rows.values()
     ]
+
+
+def _strategy(name: str) -> str:
+    return "`zero*`" if name == "zero" else f"`{name}`"
 
 
 def presets(folder: Path = PRESETS) -> list[tuple[str, dict[str, Any]]]:
@@ -119,34 +166,48 @@ def presets(folder: Path = PRESETS) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def render(cls: type = StrategyConf, folder: Path = PRESETS) -> str:
+def render(schemas: dict[str, type] = STRATEGY_SCHEMAS, folder: Path = PRESETS) -> str:
     """The reference page, as Markdown."""
     lines = [
         "# Strategy keys",
         "",
-        "<!-- generated by `python -m lightning_parallel.recipes.reference` from the schema's docstrings "
-        "(lightning_parallel/parallel/config.py, lightning_parallel/recipes/config.py): edit those, then rerun -->",
+        "<!-- generated by `python -m lightning_parallel.recipes.reference` from the schemas' docstrings "
+        "(lightning_parallel/parallel/config.py, lightning_parallel/recipes/strategy_conf.py): edit those, then "
+        "rerun -->",
         "",
         "Every `strategy.*` key the recipes take (`recipes/train_gpt.py`, `recipes/train_vgg.py`, "
-        "`recipes/finetune.py`), with its default and meaning. Set one on the command line as "
-        "`strategy.KEY=VALUE` after picking a preset with `strategy=NAME`; a misspelled key or a value of the wrong "
-        "type is refused when Hydra composes the config. The parallel settings are those of `ParallelConfig`, "
-        "which `Hybrid3DStrategy(...)` and `Hybrid3DFabricStrategy(...)` take as keyword arguments too.",
+        "`recipes/finetune.py`, `recipes/dpo.py`), with its default, the strategies that take it and its meaning. "
+        "Set one on the command line as `strategy.KEY=VALUE` after picking a preset with `strategy=NAME`: each "
+        "strategy has a schema of its own, so a misspelled key, a key the chosen strategy does not take (`strategy.pp` "
+        "under `strategy=zero2`) or a value of the wrong type is refused when Hydra composes the config. The degrees "
+        "and the stable keys are top-level; the other settings sit in sections (`strategy.pipeline.balance`). The "
+        "parallel settings are those of `ParallelConfig`, which `Hybrid3DStrategy(...)` and "
+        "`Hybrid3DFabricStrategy(...)` take as keyword arguments by their flat names (`pp_balance=` for "
+        "`strategy.pipeline.balance`).",
         "",
         "## Presets",
         "",
-        "`strategy=NAME` picks `conf/strategy/NAME.yaml`: the keys it sets, every other key at its default.",
+        "`strategy=NAME` picks `conf/strategy/NAME.yaml`: its strategy's schema, the keys it sets, every other key "
+        "at its default.",
         "",
         "| Preset | Sets |",
         "| --- | --- |",
     ]
     for name, values in presets(folder):
-        sets = ", ".join(f"`{k}={_yaml_value(v)}`" for k, v in values.items()) or "nothing"
+        sets = ", ".join(f"`{k}={_yaml_value(v)}`" for k, v in _flat(values).items()) or "nothing"
         lines.append(f"| `strategy={name}` | {sets} |")
-    lines += ["", "## Keys", "", "| Key | Type | Default | Meaning |", "| --- | --- | --- | --- |"]
-    for key, kind, default, meaning in key_rows(cls):
-        lines.append(f"| `{key}` | `{_markdown(kind)}` | `{default}` | {meaning} |")
+    lines += ["", "## Keys", "", "| Key | Type | Default | Strategies | Meaning |", "| --- | --- | --- | --- | --- |"]
+    for key, kind, default, strategies, meaning in key_rows(schemas):
+        lines.append(f"| `{key}` | `{_markdown(kind)}` | `{default}` | {strategies} | {meaning} |")
     return "\n".join(lines) + "\n"
+
+
+def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A preset's keys, its sections' as ``section.key``."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        out |= _flat(value, f"{prefix}{key}.") if isinstance(value, dict) and value else {f"{prefix}{key}": value}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
