@@ -29,7 +29,7 @@ from lightning_parallel.parallel.data.stages import check_sharding_name, check_z
 from lightning_parallel.parallel.fault_tolerance import check_fault_tolerance
 from lightning_parallel.parallel.mesh import PLAIN_AXES, ParallelDims, check_degree
 from lightning_parallel.parallel.pipeline.schedules import ScheduleSpec, schedule_spec
-from lightning_parallel.parallel.sections import setting_in
+from lightning_parallel.parallel.sections import SECTIONS, setting_in
 
 PIPELINE_BALANCES = ("uniform", "params", "profile")
 CONTEXT_MODES = ("ring", "ulysses")
@@ -155,7 +155,8 @@ class ParallelConfig:
     def from_mapping(cls, settings: Mapping[str, Any]) -> ParallelConfig:
         """A config from the settings in ``settings``, by their flat names or in the recipes' sections
         (``{"pipeline": {"balance": ...}}``); other keys are ignored (a Hydra node may hold more)."""
-        found = {name: setting_in(settings, name) for name in cls.names()}
+        flat = {name: (name in settings, settings.get(name)) for name in cls.names() if name not in SECTIONS}
+        found = {**flat, **{name: setting_in(settings, name) for name in SECTIONS}}  # top-level keys read here
         return ParallelConfig(**{name: value for name, (there, value) in found.items() if there})
 
     @classmethod

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_parallel.parallel.sections import recipe_key
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -66,5 +68,11 @@ def presets_of(strategy: str) -> dict[str, Preset]:
 def store_strategy_presets(config_store: Any) -> None:
     """Each row as the Hydra option ``strategy=<name>``: the recipes' strategy schema with the row's settings."""
     for name, preset in PRESETS.items():
-        node = {"defaults": ["schema"], "name": preset.recipe_name(), **preset.settings}
+        node: dict[str, Any] = {"defaults": [f"{preset.strategy}_schema"], "name": preset.recipe_name()}
+        for setting, value in preset.settings.items():  # by the recipes' keys: pp_balance as pipeline.balance
+            *sections, key = recipe_key(setting).split(".")
+            inner = node
+            for section in sections:
+                inner = inner.setdefault(section, {})
+            inner[key] = value
         config_store.store(group="strategy", name=name, node=node)
