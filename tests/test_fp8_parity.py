@@ -33,6 +33,8 @@ ZERO3_ONE = "hybrid3d:zero_stage=3"
 LAYOUTS = {  # label -> (world, strategy, tp, cases, reference)
     "zero3": (2, "zero3", 1, [CASE, AG], "zero3-one"),
     "zero2": (2, "zero2", 1, [CASE], "auto"),
+    "zero1": (2, "zero1", 1, [CASE], "auto"),
+    "zero0": (2, "hybrid3d", 1, [CASE], "auto"),
     "tp2-sp": (2, "hybrid3d:tp=2,sequence_parallel=1", 2, [CASE], "auto"),
     "pp2": (2, "hybrid3d:pp=2", 1, [CASE], "auto"),
     "cp2": (2, "hybrid3d:cp=2", 1, [CASE], "auto"),

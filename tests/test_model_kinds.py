@@ -14,7 +14,7 @@ from omegaconf import OmegaConf, open_dict
 
 from lightning_parallel import Hybrid3DStrategy
 from lightning_parallel.models import GPTConfig, GPTModule
-from lightning_parallel.recipes import common, gpt, vgg
+from lightning_parallel.recipes import gpt, vgg
 from lightning_parallel.recipes.config import GPTModelConf, register_configs
 from lightning_parallel.recipes.gpt_model import build_gpt_module, check_gpt_model
 from lightning_parallel.recipes.model_kinds import (
@@ -25,6 +25,7 @@ from lightning_parallel.recipes.model_kinds import (
     register_model_kind,
     resolve_model_kind,
 )
+from lightning_parallel.strategies import runtime
 from lightning_parallel.strategies.checks import check_model, checked_before_launch
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -99,7 +100,8 @@ def test_a_registered_family_is_checked_and_built_through_its_entry():
 
 def test_the_strategy_check_runs_once_before_launch_and_not_in_the_workers(monkeypatch):
     seen = []
-    monkeypatch.setattr(common, "check_model", lambda module, config, dims: seen.append((type(module), dims.tp)))
+    # the strategy's one check, where its runtime calls it
+    monkeypatch.setattr(runtime, "check_model", lambda module, config, dims: seen.append((type(module), dims.tp)))
     gpt.check_config(compose_recipe("train_gpt", "strategy=hybrid3d", "strategy.tp=2", "trainer.devices=2"))
     assert seen == [(GPTModule, 2)]  # the module the workers train, checked against the job's degrees
     module = GPTModule(GPTConfig(n_head=3, d_model=48), build_in_configure_model=True)  # tp=2 cannot split 3 heads
