@@ -44,9 +44,7 @@ from lightning_parallel.fabric.pipeline import (
     unpipelined_loss,
 )
 from lightning_parallel.parallel.config import ParallelConfig
-from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.materialize import splits_model
-from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.parallel.pipeline.runner import Pipeline
 from lightning_parallel.plugins.precision import loss_scaler_like
 from lightning_parallel.strategies import distributed
@@ -68,6 +66,7 @@ def check_fabric_config(config: ParallelConfig, owner: str) -> None:
         )
 
 
+@distributed.door_views  # the layout (config, parallel_dims, mesh, sharding) and the per-process bookkeeping
 class MeshFabricStrategy(ParallelStrategy):
     """Base of the Fabric strategies that lay the world out on one mesh, as a :class:`ParallelConfig` says.
 
@@ -121,44 +120,7 @@ class MeshFabricStrategy(ParallelStrategy):
         """The model ``fabric.setup`` split (None before)."""
         return self.runtime.split_model
 
-    # ----- the layout: the runtime's -----
-
-    @property
-    def config(self) -> ParallelConfig:
-        return self.runtime.config
-
-    @property
-    def parallel_dims(self) -> ParallelDims:
-        return self.runtime.dims if self.runtime.dims is not None else self.runtime.degrees(self.world_size)
-
-    @property
-    def mesh(self) -> ParallelMesh:
-        """The world's mesh, by role (``batch``, ``loss``, ``shard``, ``stage``, ``tensor``) or axis."""
-        return self.runtime.require_mesh()
-
-    @property
-    def sharding(self) -> DataParallelSharding:
-        return self.runtime.require_sharding()
-
     # ----- Fabric's bookkeeping, the processes: one call each into strategies/distributed.py -----
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return distributed.sampler_arguments(self.runtime, self.parallel_dims)
-
-    def set_world_ranks(self) -> None:
-        distributed.set_world_ranks(self)
 
     @override
     def setup_environment(self) -> None:

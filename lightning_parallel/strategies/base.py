@@ -29,9 +29,7 @@ from lightning_parallel import _compat
 from lightning_parallel.parallel import strict
 from lightning_parallel.parallel.checkpoint.async_save import AsyncCheckpointer
 from lightning_parallel.parallel.config import ParallelConfig
-from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.materialize import splits_model
-from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.plugins.precision import to_mesh_precision
 from lightning_parallel.strategies import checkpointing, distributed, model_setup, trainer_step
 from lightning_parallel.strategies.checkpointing import check_async_save, check_checkpoint_format, unwrap_optimizer
@@ -41,6 +39,7 @@ from lightning_parallel.strategies.runtime import MeshRuntime
 from lightning_parallel.strategies.sharded_checkpoint import CheckpointTarget
 
 
+@distributed.door_views  # the layout (config, parallel_dims, mesh, sharding) and the per-process bookkeeping
 class MeshStrategy(ParallelStrategy):
     """Base of the strategies that lay the world out on one mesh, as a :class:`ParallelConfig` says.
 
@@ -89,23 +88,6 @@ class MeshStrategy(ParallelStrategy):
         self._replicas: Any = None  # fault_tolerance='torchft': this rank's FaultTolerantReplicas
         self.saves = checkpointing.AsyncSaves()  # async_save: the saver, created at the first save during fit
         self._hidden_example_input: Any = None  # the module's example_input_array while the model is split
-
-    @property
-    def config(self) -> ParallelConfig:
-        return self.runtime.config
-
-    @property
-    def parallel_dims(self) -> ParallelDims:
-        return self.runtime.dims if self.runtime.dims is not None else self.runtime.degrees(self.world_size)
-
-    @property
-    def mesh(self) -> ParallelMesh:
-        """The world's mesh, by role (``batch``, ``loss``, ``shard``, ``stage``, ``tensor``) or axis."""
-        return self.runtime.require_mesh()
-
-    @property
-    def sharding(self) -> DataParallelSharding:
-        return self.runtime.require_sharding()
 
     @property
     def replicas(self) -> Any:
@@ -260,24 +242,6 @@ class MeshStrategy(ParallelStrategy):
             strict.discard()
 
     # ----- the processes: one call each into strategies/distributed.py -----
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return distributed.sampler_arguments(self.runtime, self.parallel_dims)
-
-    def set_world_ranks(self) -> None:
-        distributed.set_world_ranks(self)
 
     @override
     def _configure_launcher(self) -> None:

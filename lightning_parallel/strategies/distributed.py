@@ -10,6 +10,7 @@ group's backend and timeout, the failure board) and Lightning's public attribute
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import torch
@@ -21,13 +22,51 @@ from torch import Tensor
 
 from lightning_parallel import _compat
 from lightning_parallel.parallel import strict
+from lightning_parallel.parallel.config import ParallelConfig
+from lightning_parallel.parallel.data.sharding import DataParallelSharding
 from lightning_parallel.parallel.failure import end_children
 from lightning_parallel.parallel.fault_tolerance import check_backend, lighthouse_address, sampler_kwargs
 from lightning_parallel.parallel.heartbeat import dump_folder, enable_flight_recorder
-from lightning_parallel.parallel.mesh import ParallelDims
+from lightning_parallel.parallel.mesh import ParallelDims, ParallelMesh
 from lightning_parallel.parallel.shutdown import release_at_exit
 from lightning_parallel.strategies.launcher import CheckFirstLauncher
 from lightning_parallel.strategies.runtime import MeshRuntime
+
+
+def door_views(door: type) -> type:
+    """A class decorator giving a front door (Trainer's or Fabric's) what both show alike, with no state of their
+    own: the layout as read-only properties over its ``runtime`` (``config``; ``parallel_dims``, the degrees worked
+    out for the door's world size on first ask; ``mesh``, by role ``batch``, ``loss``, ``shard``, ``stage``,
+    ``tensor`` or by axis; ``sharding``) and Lightning's per-process bookkeeping as its ``DDPStrategy`` keeps it
+    (``root_device``, ``num_processes``, ``distributed_sampler_kwargs``, ``set_world_ranks``)."""
+
+    def config(self: Any) -> ParallelConfig:
+        return self.runtime.config
+
+    def parallel_dims(self: Any) -> ParallelDims:
+        return self.runtime.dims if self.runtime.dims is not None else self.runtime.degrees(self.world_size)
+
+    def mesh(self: Any) -> ParallelMesh:
+        return self.runtime.require_mesh()
+
+    def sharding(self: Any) -> DataParallelSharding:
+        return self.runtime.require_sharding()
+
+    def root_device(self: Any) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    def num_processes(self: Any) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    def distributed_sampler_kwargs(self: Any) -> dict[str, Any]:
+        return sampler_arguments(self.runtime, self.parallel_dims)
+
+    views = (config, parallel_dims, mesh, sharding, root_device, num_processes, distributed_sampler_kwargs)
+    for view in views:
+        setattr(door, view.__name__, property(view))
+    door.set_world_ranks = set_world_ranks
+    return abc.update_abstractmethods(door)  # Lightning's abstract root_device now defined
 
 
 def set_world_ranks(strategy: Any) -> None:
