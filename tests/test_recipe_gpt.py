@@ -116,14 +116,8 @@ def test_same_final_loss_at_world_8(single, tmp_path):
     overrides = ["strategy=hybrid3d", "strategy.pp=2", "strategy.dp=2", "strategy.tp=2", "trainer.devices=8"]
     got = run_recipe(tmp_path, *SHORT, *overrides, timeout=600)
     assert abs(got["final_train_loss"] - single["final_train_loss"]) <= 1e-5 * single["final_train_loss"]
-    assert got["layout"] | {"precision": None} == {
-        "dp": 2,
-        "pp": 2,
-        "tp": 2,
-        "zero_stage": 0,
-        "precision": None,
-        "world_size": 8,
-    }
+    want = {"dp": 2, "pp": 2, "tp": 2, "cp": 1, "ep": 1, "zero_stage": 0, "world_size": 8}
+    assert {key: got["layout"][key] for key in want} == want, got["layout"]
 
 
 SWEEPS = {  # devices and pipeline degrees swept: the jobs' (world size, peak-memory entries, pp, dp)
