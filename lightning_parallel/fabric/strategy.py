@@ -66,7 +66,7 @@ def check_fabric_config(config: ParallelConfig, owner: str) -> None:
         )
 
 
-@distributed.door_views  # the layout (config, parallel_dims, mesh, sharding) and the per-process bookkeeping
+@distributed.door_views  # the layout, the per-process bookkeeping, barrier/broadcast/vote: shared
 class MeshFabricStrategy(ParallelStrategy):
     """Base of the Fabric strategies that lay the world out on one mesh, as a :class:`ParallelConfig` says.
 
@@ -130,18 +130,6 @@ class MeshFabricStrategy(ParallelStrategy):
 
     def _precision_name(self) -> str | None:
         return getattr(self.precision, "precision", None)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        distributed.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return distributed.broadcast(obj, src)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return distributed.vote(decision, all, self.root_device, self.world_size)
 
     @property
     def num_nodes(self) -> int:

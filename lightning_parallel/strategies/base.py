@@ -39,7 +39,7 @@ from lightning_parallel.strategies.runtime import MeshRuntime
 from lightning_parallel.strategies.sharded_checkpoint import CheckpointTarget
 
 
-@distributed.door_views  # the layout (config, parallel_dims, mesh, sharding) and the per-process bookkeeping
+@distributed.door_views  # the layout, the per-process bookkeeping, barrier/broadcast/vote: shared
 class MeshStrategy(ParallelStrategy):
     """Base of the strategies that lay the world out on one mesh, as a :class:`ParallelConfig` says.
 
@@ -262,20 +262,8 @@ class MeshStrategy(ParallelStrategy):
         distributed.on_failure(self, exception)
 
     @override
-    def barrier(self, name: str | None = None) -> None:
-        distributed.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return distributed.broadcast(obj, src)
-
-    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         return distributed.reduce(self.runtime, tensor, group, reduce_op)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return distributed.vote(decision, all, self.root_device, self.world_size)
 
     # ----- checkpoints: one call each into strategies/checkpointing.py -----
 

@@ -38,7 +38,8 @@ def door_views(door: type) -> type:
     own: the layout as read-only properties over its ``runtime`` (``config``; ``parallel_dims``, the degrees worked
     out for the door's world size on first ask; ``mesh``, by role ``batch``, ``loss``, ``shard``, ``stage``,
     ``tensor`` or by axis; ``sharding``) and Lightning's per-process bookkeeping as its ``DDPStrategy`` keeps it
-    (``root_device``, ``num_processes``, ``distributed_sampler_kwargs``, ``set_world_ranks``)."""
+    (``root_device``, ``num_processes``, ``distributed_sampler_kwargs``, ``set_world_ranks``) and its collectives
+    over the world (``barrier``, ``broadcast``, ``reduce_boolean_decision``)."""
 
     def config(self: Any) -> ParallelConfig:
         return self.runtime.config
@@ -62,10 +63,21 @@ def door_views(door: type) -> type:
     def distributed_sampler_kwargs(self: Any) -> dict[str, Any]:
         return sampler_arguments(self.runtime, self.parallel_dims)
 
+    def barrier_method(self: Any, name: str | None = None) -> None:
+        barrier()
+
+    def broadcast_method(self: Any, obj: Any, src: int = 0) -> Any:
+        return broadcast(obj, src)
+
+    def reduce_boolean_decision(self: Any, decision: bool, all: bool = True) -> bool:
+        return vote(decision, all, self.root_device, self.world_size)
+
     views = (config, parallel_dims, mesh, sharding, root_device, num_processes, distributed_sampler_kwargs)
     for view in views:
         setattr(door, view.__name__, property(view))
     door.set_world_ranks = set_world_ranks
+    door.barrier, door.broadcast = barrier_method, broadcast_method
+    door.reduce_boolean_decision = reduce_boolean_decision
     return abc.update_abstractmethods(door)  # Lightning's abstract root_device now defined
 
 
